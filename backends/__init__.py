@@ -1,0 +1,143 @@
+"""The backend contract that both runtimes honour, and the choice between them.
+
+A backend owns one loaded causal LM and its tokenizer. The server never touches a runtime
+directly: it tokenizes and counts through `Backend`, and the generation worker
+(`backends.engine`) decodes through a `Decoder`, one token per sequence per step. Sampling
+happens inside the runtime; detokenizing, stop sequences, limits and cancellation happen in
+the worker, once for both runtimes.
+
+Heavy imports (torch, mlx) happen only inside the runtime modules.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+BACKEND_NAMES = ("auto", "mlx", "torch")
+
+
+class ModelLoadError(RuntimeError):
+    """The configured model (or adapter) cannot be loaded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One generation as the decoder sees it."""
+
+    id: int
+    prompt_ids: list[int]
+    sampling: Sampling
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    backend: str
+    device: str
+    dtype: str
+    context_length: int
+    adapter_path: str | None = None
+    adapter_applied: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class Detokenizer(Protocol):
+    """Incremental decoding of one sequence's generated ids.
+
+    The concatenation of everything `add` and `flush` return equals the plain decoding of
+    all ids added (special tokens skipped); a character whose bytes span several tokens is
+    returned only once complete, so no U+FFFD is ever emitted for it.
+    """
+
+    def add(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class Decoder(Protocol):
+    """The sequences a backend decodes together; lives on the generation thread only."""
+
+    capacity: int  # how many sequences may be active at once
+
+    def add(self, sequence: Sequence) -> None: ...
+
+    def step(self) -> dict[int, int]:
+        """Advance every active sequence by one token: {sequence id: new token id}."""
+        ...
+
+    def remove(self, sequence_id: int) -> None: ...
+
+
+class Backend(Protocol):
+    info: ModelInfo
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+    def decoder(self) -> Decoder: ...
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What a runtime needs to load a model (from the server's settings)."""
+
+    model: str
+    adapter_path: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    warmup: bool = True
+
+
+def select_backend(
+    requested: str,
+    system: str | None = None,
+    machine: str | None = None,
+    mlx_available: Callable[[], bool] | None = None,
+) -> str:
+    """Which runtime serves: `auto` is MLX on macOS arm64 when mlx-lm imports, else Torch."""
+    if requested not in BACKEND_NAMES:
+        raise ValueError(f"PHI2_BACKEND must be one of {', '.join(BACKEND_NAMES)}, not {requested!r}")
+    if requested != "auto":
+        return requested
+    system = system or platform.system()
+    machine = machine or platform.machine()
+    mlx_available = mlx_available or (lambda: importlib.util.find_spec("mlx_lm") is not None)
+    if system == "Darwin" and machine == "arm64" and mlx_available():
+        return "mlx"
+    return "torch"
+
+
+def load_backend(name: str, options: LoadOptions) -> Backend:
+    """Load the model with the named runtime ('mlx' or 'torch'). Blocking: minutes for Phi-2."""
+    from backends.model_files import resolve_model
+
+    path = resolve_model(options.model)
+    if name == "mlx":
+        try:
+            from backends.mlx_runtime import MlxBackend
+        except ImportError as exc:
+            raise ModelLoadError(
+                f"PHI2_BACKEND=mlx needs mlx-lm ({exc}); install requirements-mac.txt, "
+                "or on Linux `pip install 'mlx[cpu]' mlx-lm`"
+            ) from exc
+        return MlxBackend.load(path, options)
+    if name == "torch":
+        from backends.torch_runtime import TorchBackend
+
+        return TorchBackend.load(path, options)
+    raise ValueError(f"unknown backend {name!r}")

@@ -1,0 +1,387 @@
+"""The generation worker: one thread owns the model; requests reach it through a queue.
+
+All model work (loading included) runs on this one thread: MLX streams and CUDA graphs are
+thread-local, and the event loop must never block. Handlers `submit()` a request and get a
+`Ticket`; the worker pushes each decoded piece of text back to the ticket's asyncio queue
+with `loop.call_soon_threadsafe`. Between decode steps the worker admits waiting requests
+(in arrival order, up to the decoder's capacity), drops cancelled or expired ones, and
+retires finished ones, so a decoder that serves several sequences per step changes nothing
+here or in the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from backends import Backend, Decoder, Detokenizer, Sampling, Sequence
+
+log = logging.getLogger("phi2_server.engine")
+
+
+class NotAccepting(Exception):
+    """The worker takes no new requests: still loading, failed to load, or shutting down."""
+
+
+class QueueFull(Exception):
+    """Every wait slot is taken; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class Summary:
+    tokens_used: int  # every id the model generated, a final end-of-text token included
+    prompt_tokens: int
+    finish_reason: str  # length | stop | cancelled | timeout | shutdown | error
+    ttft_ms: float | None
+    total_ms: float
+    tokens_per_second: float  # decode rate after the first token (or tokens / total time)
+    error: str | None = None
+
+    def timings(self) -> dict:
+        return {
+            "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
+            "total_ms": round(self.total_ms, 2),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+        }
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    received_at: float = 0.0  # time.perf_counter() when the HTTP request arrived
+    timeout_s: float | None = None
+    ignore_eos: bool = False  # benchmarks force the token count
+
+
+class Ticket:
+    """A submitted request as its handler sees it: events in, cancel out."""
+
+    def __init__(self, engine: "Engine", request: Request, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.cancelled = False
+        self.summary: Summary | None = None
+        self._engine = engine
+        self._loop = loop
+        self._events: asyncio.Queue[str | Summary] = asyncio.Queue()
+
+    async def next_events(self) -> list[str | Summary]:
+        """Wait for at least one event; return all that are ready (text pieces, then a Summary)."""
+        events = [await self._events.get()]
+        while not self._events.empty():
+            events.append(self._events.get_nowait())
+        return events
+
+    def cancel(self) -> None:
+        """The client is gone: leave the queue, or stop generating at the next step."""
+        if self.summary is None:
+            self._engine._cancel(self)
+
+    def _emit(self, event: str | Summary) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+
+class StopText:
+    """Holds back text that might be the start of a stop sequence."""
+
+    def __init__(self, detokenizer: Detokenizer, stop: tuple[str, ...]):
+        self._detokenizer = detokenizer
+        self._stop = stop
+        self._pending = ""
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Text that is safe to emit now, and whether a stop sequence was hit."""
+        self._pending += self._detokenizer.add(token_id)
+        if not self._stop:
+            text, self._pending = self._pending, ""
+            return text, False
+        hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            text, self._pending = self._pending[: min(hits)], ""
+            return text, True
+        keep = max(self._partial_match(s) for s in self._stop)
+        cut = len(self._pending) - keep
+        text, self._pending = self._pending[:cut], self._pending[cut:]
+        return text, False
+
+    def flush(self) -> str:
+        text, self._pending = self._pending + self._detokenizer.flush(), ""
+        for s in self._stop:  # a stop sequence completed by the held-back bytes
+            if s in text:
+                return text[: text.find(s)]
+        return text
+
+    def _partial_match(self, stop: str) -> int:
+        """Length of the longest proper prefix of `stop` that ends the pending text."""
+        for k in range(min(len(stop) - 1, len(self._pending)), 0, -1):
+            if self._pending.endswith(stop[:k]):
+                return k
+        return 0
+
+
+class _Running:
+    """A ticket on the decoder."""
+
+    def __init__(self, ticket: Ticket, text: StopText):
+        self.ticket = ticket
+        self.text = text
+        self.count = 0
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        load: Callable[[], Backend],
+        *,
+        max_queue: int = 64,
+        on_load_done: Callable[[], None] | None = None,
+    ):
+        self.max_queue = max_queue
+        self.status = "loading"  # loading | ok | error
+        self.backend: Backend | None = None
+        self.load_error: BaseException | None = None
+        self.load_time_s: float | None = None
+        self.stats = {"completed": 0, "cancelled": 0, "timeouts": 0, "errors": 0, "tokens_generated": 0}
+        self._load = load
+        self._on_load_done = on_load_done or (lambda: None)
+        self._cond = threading.Condition()
+        self._stats_lock = threading.Lock()
+        self._waiting: deque[Ticket] = deque()
+        self._running: dict[int, _Running] = {}
+        self._ids = itertools.count(1)
+        self._accepting = True
+        self._abort_reason: str | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._main, name="generation-worker", daemon=True)
+
+    # -- called from the event loop ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._running)
+
+    def submit(self, request: Request) -> Ticket:
+        ticket = Ticket(self, request, asyncio.get_running_loop())
+        with self._cond:
+            if self.status != "ok" or not self._accepting:
+                raise NotAccepting("shutting down" if self.status == "ok" else self.status)
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"all {self.max_queue} queue slots are taken")
+            self._waiting.append(ticket)
+            self._cond.notify()
+        return ticket
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
+    def abort(self, reason: str) -> None:
+        """End every queued and running request now, with finish_reason `reason`."""
+        with self._cond:
+            self._abort_reason = reason
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is left, end the worker thread and wait for it (blocking)."""
+        with self._cond:
+            self._accepting = False
+            self._abort_reason = "shutdown"
+            self._stopped = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _cancel(self, ticket: Ticket) -> None:
+        with self._cond:
+            ticket.cancelled = True
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+                self._finish_unstarted(ticket, "cancelled")
+            self._cond.notify()
+
+    # -- the worker thread -------------------------------------------------------------------
+
+    def _main(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.backend = self._load()
+        except BaseException as exc:  # reported through /health and the startup error
+            self.load_error = exc
+            self.status = "error"
+            self._on_load_done()
+            return
+        self.load_time_s = time.perf_counter() - started
+        self.status = "ok"
+        self._on_load_done()
+        try:
+            self._serve(self.backend)
+        except BaseException as exc:  # a bug here must not leave requests hanging forever
+            log.exception("generation worker crashed")
+            self.status = "error"
+            self.load_error = exc
+            with self._cond:
+                self._accepting = False
+                for ticket in list(self._waiting):
+                    self._finish_unstarted(ticket, "error", f"generation worker crashed: {exc}")
+                self._waiting.clear()
+            for seq_id in list(self._running):
+                self._finish(seq_id, "error", None, f"generation worker crashed: {exc}")
+
+    def _serve(self, backend: Backend) -> None:
+        decoder = backend.decoder()
+        while True:
+            work = self._admit(decoder.capacity)
+            if work is None:
+                return
+            admitted, abort_reason = work
+            for ticket in admitted:
+                self._start(decoder, backend, ticket)
+            self._retire_ended(decoder, abort_reason)
+            if not self._running:
+                continue
+            try:
+                tokens = decoder.step()
+            except Exception as exc:
+                log.exception("decode step failed")
+                for seq_id in list(self._running):
+                    self._finish(seq_id, "error", None, f"generation failed: {exc}")
+                decoder = backend.decoder()
+                continue
+            now = time.perf_counter()
+            for seq_id, token in tokens.items():
+                self._advance(decoder, backend, seq_id, token, now)
+
+    def _admit(self, capacity: int) -> tuple[list[Ticket], str | None] | None:
+        """Wait for work; fill free decoder slots from the queue, in arrival order.
+
+        Returns the admitted tickets and a pending abort reason, or None to end the worker.
+        """
+        with self._cond:
+            while not (self._waiting or self._running or self._stopped or self._abort_reason):
+                self._cond.wait()
+            abort_reason, self._abort_reason = self._abort_reason, None
+            now = time.perf_counter()
+            for ticket in list(self._waiting):
+                reason = abort_reason or ("timeout" if self._expired(ticket, now) else None)
+                if reason:
+                    self._waiting.remove(ticket)
+                    self._finish_unstarted(ticket, reason)
+            if self._stopped and not self._running:
+                return None
+            admitted = []
+            while self._waiting and len(self._running) + len(admitted) < capacity:
+                admitted.append(self._waiting.popleft())
+            return admitted, abort_reason
+
+    def _start(self, decoder: Decoder, backend: Backend, ticket: Ticket) -> None:
+        request = ticket.request
+        seq_id = next(self._ids)
+        running = _Running(ticket, StopText(backend.detokenizer(), request.stop))
+        try:
+            decoder.add(Sequence(seq_id, request.prompt_ids, request.sampling, request.max_tokens))
+        except Exception as exc:
+            log.exception("could not start a sequence")
+            self._finish_unstarted(ticket, "error", f"generation failed: {exc}")
+            return
+        self._running[seq_id] = running
+
+    def _retire_ended(self, decoder: Decoder, abort_reason: str | None) -> None:
+        """Remove sequences whose client left, whose time is up, or that an abort ends."""
+        now = time.perf_counter()
+        for seq_id, running in list(self._running.items()):
+            ticket = running.ticket
+            if ticket.cancelled:
+                reason = "cancelled"
+            elif abort_reason:
+                reason = abort_reason
+            elif self._expired(ticket, now):
+                reason = "timeout"
+            else:
+                continue
+            self._finish(seq_id, reason, decoder)
+
+    def _advance(self, decoder: Decoder, backend: Backend, seq_id: int, token: int, now: float) -> None:
+        running = self._running.get(seq_id)
+        if running is None:
+            return
+        running.count += 1
+        running.first_at = running.first_at or now
+        running.last_at = now
+        self.stats["tokens_generated"] += 1
+        if token in backend.eos_token_ids and not running.ticket.request.ignore_eos:
+            self._finish(seq_id, "stop", decoder)
+            return
+        text, stopped = running.text.push(token)
+        if text:
+            running.ticket._emit(text)
+        if stopped:
+            self._finish(seq_id, "stop", decoder, flush=False)
+        elif running.count >= running.ticket.request.max_tokens:
+            self._finish(seq_id, "length", decoder)
+
+    def _finish(
+        self,
+        seq_id: int,
+        reason: str,
+        decoder: Decoder | None,
+        error: str | None = None,
+        flush: bool = True,
+    ) -> None:
+        running = self._running.pop(seq_id)
+        if decoder is not None:
+            decoder.remove(seq_id)
+        if flush and reason in ("stop", "length"):
+            rest = running.text.flush()
+            if rest:
+                running.ticket._emit(rest)
+        self._complete(running.ticket, reason, running.count, running.first_at, running.last_at, error)
+
+    def _finish_unstarted(self, ticket: Ticket, reason: str, error: str | None = None) -> None:
+        self._complete(ticket, reason, 0, None, None, error)
+
+    def _complete(self, ticket, reason, count, first_at, last_at, error) -> None:
+        now = time.perf_counter()
+        request = ticket.request
+        total = now - request.received_at
+        if count > 1 and last_at > first_at:
+            rate = (count - 1) / (last_at - first_at)
+        else:
+            rate = count / total if total > 0 else 0.0
+        ticket.summary = Summary(
+            tokens_used=count,
+            prompt_tokens=len(request.prompt_ids),
+            finish_reason=reason,
+            ttft_ms=None if first_at is None else (first_at - request.received_at) * 1000,
+            total_ms=total * 1000,
+            tokens_per_second=rate,
+            error=error,
+        )
+        key = {"cancelled": "cancelled", "timeout": "timeouts", "error": "errors"}.get(reason, "completed")
+        with self._stats_lock:
+            self.stats[key] += 1
+        ticket._emit(ticket.summary)
+
+    @staticmethod
+    def _expired(ticket: Ticket, now: float) -> bool:
+        timeout = ticket.request.timeout_s
+        return timeout is not None and now - ticket.request.received_at > timeout

@@ -1,0 +1,202 @@
+"""PyTorch + transformers runtime: CPU float32 by default, CUDA + bfloat16 where a GPU is."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import secrets
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as transformers_logging
+
+from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
+
+log = logging.getLogger("phi2_server.torch")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def pick_dtype(requested: str, device: str) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if requested not in DTYPES:
+        raise ModelLoadError(f"PHI2_DTYPE must be auto or one of {', '.join(DTYPES)}, not {requested!r}")
+    return DTYPES[requested]
+
+
+class TokenizerText:
+    """Tokenizing and decoding through the Hugging Face tokenizer (shared by both runtimes)."""
+
+    def __init__(self, tokenizer):
+        # The server checks prompts against the context window itself (a 422 that says both
+        # numbers); the tokenizer's own warning about long inputs would only be log noise.
+        tokenizer.model_max_length = 1 << 62
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+class StreamDetokenizer:
+    """O(1) per token with tokenizers' DecodeStream; the final flush makes the text exact."""
+
+    def __init__(self, text: TokenizerText):
+        from tokenizers.decoders import DecodeStream
+
+        self._text = text
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        piece = self._stream.step(self._text.tokenizer._tokenizer, token_id) or ""
+        self._emitted += len(piece)
+        return piece
+
+    def flush(self) -> str:
+        # Bytes of an unfinished character are still held back: decode them as plain
+        # decoding would (U+FFFD), so the whole text equals decode(ids).
+        full = self._text.decode(self._ids)
+        rest = full[self._emitted :]
+        self._emitted = len(full)
+        return rest
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """One token id from a 1-D logits vector: greedy at temperature 0, else top-p sampling."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= sampling.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model, tokenizer, info: ModelInfo):
+        self.model = model
+        self.text = TokenizerText(tokenizer)
+        self.info = info
+        self.device = torch.device(info.device)
+        eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # Phi-2's model vocabulary (51200) is larger than its tokenizer's: those ids decode to
+        # nothing, so they are never sampled (the same rule as the MLX runtime).
+        self.undecodable_from = self.text.vocab_size
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    @classmethod
+    def load(cls, path: Path, options: LoadOptions) -> "TorchBackend":
+        device = pick_device(options.device)
+        dtype = pick_dtype(options.dtype, device)
+        transformers_logging.disable_progress_bar()  # the server log is for the server
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(
+                f"PHI2_MODEL={options.model!r} ({path}) could not be loaded by transformers: {exc}; "
+                "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
+            ) from exc
+        info = ModelInfo(
+            model=options.model,
+            backend=cls.name,
+            device=device,
+            dtype=str(dtype).removeprefix("torch."),
+            context_length=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
+            adapter_path=options.adapter_path,
+            adapter_applied=False,
+        )
+        backend = cls(model, tokenizer, info)
+        if options.warmup:
+            backend.warm_up()
+        return backend
+
+    def encode(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.text.decode(token_ids)
+
+    def detokenizer(self) -> StreamDetokenizer:
+        return StreamDetokenizer(self.text)
+
+    def decoder(self) -> "SingleSequenceDecoder":
+        return SingleSequenceDecoder(self)
+
+    def warm_up(self) -> None:
+        decoder = self.decoder()
+        decoder.add(Sequence(0, self.encode("Hello") or [0], Sampling(), 2))
+        decoder.step()
+        decoder.step()
+        decoder.remove(0)
+
+    def forward_last(self, input_ids: list[int], cache) -> torch.Tensor:
+        """Logits for the position after `input_ids`, extending `cache` in place."""
+        ids = torch.tensor([input_ids], device=self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+            logits = out.logits[0, -1]
+            if logits.shape[-1] > self.undecodable_from:
+                logits[self.undecodable_from :] = float("-inf")
+        return logits
+
+    def new_cache(self):
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+
+def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return generator
+
+
+class SingleSequenceDecoder:
+    """Decodes one sequence at a time with a dynamic KV cache."""
+
+    capacity = 1
+
+    def __init__(self, backend: TorchBackend):
+        self._backend = backend
+        self._sequence: Sequence | None = None
+
+    def add(self, sequence: Sequence) -> None:
+        self._sequence = sequence
+        self._cache = self._backend.new_cache()
+        self._next_input = sequence.prompt_ids
+        self._generator = seeded_generator(sequence.sampling.seed, self._backend.device)
+
+    def step(self) -> dict[int, int]:
+        sequence = self._sequence
+        if sequence is None:
+            return {}
+        logits = self._backend.forward_last(self._next_input, self._cache)
+        token = sample(logits, sequence.sampling, self._generator)
+        self._next_input = [token]
+        return {sequence.id: token}
+
+    def remove(self, sequence_id: int) -> None:
+        if self._sequence is not None and self._sequence.id == sequence_id:
+            self._sequence = None
+            self._cache = None
