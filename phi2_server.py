@@ -1,0 +1,624 @@
+"""phi2-server: a small local REST server for Phi-2 (and causal LMs of the same families).
+
+HTTP only: configuration, routes, validation, middleware, startup and shutdown. The model
+lives behind `backends` (MLX or PyTorch) and is driven by one generation worker thread
+(`backends.engine`); handlers hand requests to it and stream its tokens back.
+
+    python phi2_server.py --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+from logging.handlers import RotatingFileHandler
+from pathlib import Path
+from typing import Any, Callable
+
+from aiohttp import web
+
+from backends import Backend, LoadOptions, ModelLoadError, Sampling, load_backend, select_backend
+from backends.engine import Engine, NotAccepting, QueueFull, Request, Summary, Ticket
+
+log = logging.getLogger("phi2_server")
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting is an environment variable with a matching command-line flag."""
+
+    model: str = "microsoft/phi-2"  # PHI2_MODEL: hub id, local directory, or "tiny"
+    backend: str = "auto"  # PHI2_BACKEND: auto | mlx | torch
+    adapter_path: str = "~/ml-experiment/experiments/2026-05-04-0014"  # ADAPTER_PATH
+    host: str = "127.0.0.1"  # HOST: no auth yet, so loopback unless asked
+    port: int = 8000  # PORT
+    log_dir: str = "logs"  # LOG_DIR
+    device: str = "auto"  # PHI2_DEVICE (torch): auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # PHI2_DTYPE (torch): auto | float32 | bfloat16 | float16
+    max_body_bytes: int = 1024 * 1024  # MAX_BODY_BYTES
+    max_queue: int = 64  # MAX_QUEUE: requests waiting for the worker; more get 503
+    request_timeout: float = 600.0  # REQUEST_TIMEOUT seconds, queue wait included; 0 = none
+    shutdown_grace: float = 10.0  # SHUTDOWN_GRACE seconds for in-flight generations
+    log_prompts: bool = True  # LOG_PROMPTS=0 keeps prompts out of the request log
+    log_max_bytes: int = 10 * 1024 * 1024  # LOG_MAX_BYTES before the log rotates
+    log_backups: int = 5  # LOG_BACKUPS rotated files kept
+
+    ENV = {
+        "model": "PHI2_MODEL",
+        "backend": "PHI2_BACKEND",
+        "device": "PHI2_DEVICE",
+        "dtype": "PHI2_DTYPE",
+    }
+
+    @classmethod
+    def env_name(cls, name: str) -> str:
+        return cls.ENV.get(name, name.upper())
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        parser = argparse.ArgumentParser(
+            description="Serve a causal LM (Phi-2 by default) over HTTP. "
+            "Each flag's default comes from the environment variable named in its help."
+        )
+        for f in fields(cls):
+            env = cls.env_name(f.name)
+            kind = {"bool": _parse_bool, "int": int, "float": float}.get(f.type, str)
+            default = f.default
+            if env in environ:
+                try:
+                    default = kind(environ[env])
+                except ValueError:
+                    parser.error(f"{env}={environ[env]!r} is not a valid {f.type}")
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                type=kind,
+                default=default,
+                metavar=env,
+                help=f"(default: {f.default})",
+            )
+        args = parser.parse_args(argv)
+        return cls(**vars(args))
+
+    def load_options(self) -> LoadOptions:
+        adapter = str(Path(self.adapter_path).expanduser()) if self.adapter_path else None
+        return LoadOptions(model=self.model, adapter_path=adapter, device=self.device, dtype=self.dtype)
+
+
+def _parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    return value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+SETTINGS = web.AppKey("settings", Settings)
+ENGINE = web.AppKey("engine", Engine)
+REQUEST_LOG = web.AppKey("request_log", "RequestLog")
+LOAD_DONE = web.AppKey("load_done", asyncio.Event)
+LOADER = web.AppKey("loader", Callable[[], Backend])
+LOG_FACTS = web.RequestKey("log_facts", dict)
+
+
+# -- request validation -----------------------------------------------------------------------
+
+MAX_STOP = 4
+GENERATE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt"],
+    "additionalProperties": False,
+    "properties": {
+        "prompt": {"type": "string", "minLength": 1},
+        "max_tokens": {"type": "integer", "minimum": 1, "default": 128},
+        "temperature": {"type": "number", "minimum": 0, "default": 0.0},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+        "stop": {
+            "anyOf": [
+                {"type": "string", "minLength": 1, "maxLength": 256},
+                {
+                    "type": "array",
+                    "maxItems": MAX_STOP,
+                    "items": {"type": "string", "minLength": 1, "maxLength": 256},
+                },
+            ],
+            "default": [],
+        },
+        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1, "default": None},
+        # Keep generating past end-of-text: benchmarks need a fixed token count.
+        "ignore_eos": {"type": "boolean", "default": False},
+    },
+}
+
+
+class Invalid(Exception):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}[kind])
+
+
+def check(value: Any, schema: dict, field: str) -> None:
+    """Validate against the small JSON Schema subset the request schemas use."""
+    if "anyOf" in schema:
+        errors = []
+        for option in schema["anyOf"]:
+            try:
+                return check(value, option, field)
+            except Invalid as exc:
+                errors.append(str(exc))
+        raise Invalid(field, " or ".join(errors) if len(errors) < 3 else errors[0])
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    if not any(_type_ok(value, kind) for kind in kinds):
+        finite = " (finite)" if "number" in kinds else ""
+        raise Invalid(field, f"{field} must be {' or '.join(kinds)}{finite}")
+    if value is None:
+        return
+    if "minimum" in schema and value < schema["minimum"]:
+        raise Invalid(field, f"{field} must be >= {schema['minimum']}")
+    if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+        raise Invalid(field, f"{field} must be > {schema['exclusiveMinimum']}")
+    if "maximum" in schema and value > schema["maximum"]:
+        raise Invalid(field, f"{field} must be <= {schema['maximum']}")
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            raise Invalid(field, f"{field} must not be empty")
+        if len(value) > schema.get("maxLength", math.inf):
+            raise Invalid(field, f"{field} must be at most {schema['maxLength']} characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Invalid(field, f"{field} is not valid Unicode (a lone surrogate)") from None
+    if isinstance(value, list):
+        if len(value) > schema.get("maxItems", math.inf):
+            raise Invalid(field, f"{field} may hold at most {schema['maxItems']} items")
+        for i, item in enumerate(value):
+            check(item, schema["items"], f"{field}[{i}]")
+    if isinstance(value, dict):
+        for name in schema.get("required", []):
+            if name not in value:
+                raise Invalid(name, f"{name} is required")
+        properties = schema.get("properties", {})
+        for name, item in value.items():
+            if name not in properties:
+                raise Invalid(name, f"unknown field {name!r}")
+            check(item, properties[name], name)
+
+
+def with_defaults(body: dict, schema: dict) -> dict:
+    return {name: body.get(name, prop.get("default")) for name, prop in schema["properties"].items()}
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request body as JSON; any content type is accepted (curl -d sends a form type)."""
+    raw = await request.read()  # raises 413 past MAX_BODY_BYTES
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise json_error(web.HTTPBadRequest, f"request body is not valid JSON: {exc}") from None
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def error_body(status: int, message: str, field: str | None = None) -> str:
+    error: dict[str, Any] = {"message": message, "type": _error_type(status)}
+    if field is not None:
+        error["field"] = field
+    return json.dumps({"error": error})
+
+
+def json_error(
+    cls: type[web.HTTPException], message: str, field: str | None = None, **headers: str
+) -> web.HTTPException:
+    """An exception for handlers to raise: the status of `cls` with a JSON error body."""
+    return cls(text=error_body(cls.status_code, message, field), content_type="application/json", headers=headers)
+
+
+def error_response(status: int, message: str, headers: dict | None = None) -> web.Response:
+    return web.Response(status=status, text=error_body(status, message), content_type="application/json", headers=headers)
+
+
+def _error_type(status: int) -> str:
+    return {
+        400: "invalid_json",
+        404: "not_found",
+        405: "method_not_allowed",
+        413: "body_too_large",
+        422: "invalid_request",
+        503: "unavailable",
+        504: "timeout",
+    }.get(status, "server_error" if status >= 500 else "client_error")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves as `{"error": {...}}`; a bug is a 500 with a message, never a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        # aiohttp's own errors (404, 405, 413) come as text: same status, JSON body.
+        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
+        message = exc.text if exc.status == 413 else f"{exc.reason}: {request.method} {request.path}"
+        return error_response(exc.status, message, headers)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error")
+
+
+# -- request log ------------------------------------------------------------------------------
+
+
+class RequestLog:
+    """One JSON object per request in LOG_DIR/requests.log, rotated by size."""
+
+    def __init__(self, directory: str, max_bytes: int, backups: int):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.path = Path(directory) / "requests.log"
+        self._handler = RotatingFileHandler(
+            self.path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", errors="backslashreplace"
+        )
+
+    def write(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False, default=str)
+        self._handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
+
+    def close(self) -> None:
+        self._handler.close()
+
+
+@web.middleware
+async def request_log(request: web.Request, handler) -> web.StreamResponse:
+    """Logs in `finally`, so rejected, failed and cancelled requests get their line too."""
+    started = time.perf_counter()
+    facts: dict[str, Any] = {}
+    request[LOG_FACTS] = facts
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # client closed the connection (nginx's convention)
+        raise
+    finally:
+        if facts.pop("client_closed", False):
+            status = 499
+        record = {
+            "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "method": request.method,
+            "path": request.path,
+            "status": status,
+            "duration_ms": round((time.perf_counter() - started) * 1000, 2),
+            **facts,
+        }
+        request.app[REQUEST_LOG].write(record)
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+def _engine_ready(request: web.Request) -> Engine:
+    engine = request.app[ENGINE]
+    if engine.status != "ok":
+        message = "the model is still loading" if engine.status == "loading" else "the model failed to load"
+        raise json_error(web.HTTPServiceUnavailable, message, **{"Retry-After": "5"})
+    return engine
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.json_response(
+        {
+            "status": engine.status,
+            "model_loaded": engine.status == "ok",
+            "queue": {"waiting": engine.waiting, "active": engine.active},
+        }
+    )
+
+
+async def ready(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    body = {"ready": engine.status == "ok", "status": engine.status}
+    if engine.status != "ok":
+        return web.json_response(body, status=503, headers={"Retry-After": "5"})
+    return web.json_response(body)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    engine = _engine_ready(request)
+    info = engine.backend.info
+    return web.json_response(
+        {
+            "model": info.model,
+            "backend": info.backend,
+            "device": info.device,
+            "dtype": info.dtype,
+            "adapter_path": info.adapter_path,
+            "adapter_applied": info.adapter_applied,
+            "load_time_s": round(engine.load_time_s, 3),
+            "context_length": info.context_length,
+            "stats": {**engine.stats, "waiting": engine.waiting, "active": engine.active},
+            **info.extra,
+        }
+    )
+
+
+async def start_generation(request: web.Request) -> tuple[Ticket, dict]:
+    """Validate, tokenize (off the loop) and queue a generation request."""
+    received_at = time.perf_counter()
+    body = await read_json(request)
+    try:
+        check(body, GENERATE_SCHEMA, "body")
+    except Invalid as exc:
+        raise json_error(web.HTTPUnprocessableEntity, str(exc), field=exc.field) from None
+    params = with_defaults(body, GENERATE_SCHEMA)
+    settings = request.app[SETTINGS]
+    if settings.log_prompts:
+        request[LOG_FACTS]["prompt"] = params["prompt"][:100]
+    engine = _engine_ready(request)
+    backend = engine.backend
+    prompt_ids = await asyncio.to_thread(backend.encode, params["prompt"])
+    context = backend.info.context_length
+    room = context - len(prompt_ids)
+    if not prompt_ids:
+        raise json_error(web.HTTPUnprocessableEntity, "prompt encodes to no tokens", field="prompt")
+    if room < 1:
+        raise json_error(
+            web.HTTPUnprocessableEntity,
+            f"prompt is {len(prompt_ids)} tokens; the context window is {context} tokens",
+            field="prompt",
+        )
+    max_tokens = params["max_tokens"]
+    if "max_tokens" not in body:
+        max_tokens = min(max_tokens, room)  # the default never overflows the context
+    elif max_tokens > room:
+        raise json_error(
+            web.HTTPUnprocessableEntity,
+            f"max_tokens is {max_tokens}, but the prompt is {len(prompt_ids)} tokens and the context "
+            f"window is {context}: at most {room} tokens can be generated",
+            field="max_tokens",
+        )
+    stop = params["stop"]
+    job = Request(
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=Sampling(params["temperature"], params["top_p"], params["seed"]),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        received_at=received_at,
+        timeout_s=settings.request_timeout or None,
+        ignore_eos=params["ignore_eos"],
+    )
+    try:
+        ticket = engine.submit(job)
+    except QueueFull as exc:
+        raise json_error(web.HTTPServiceUnavailable, f"server busy: {exc}", **{"Retry-After": "2"}) from None
+    except NotAccepting as exc:
+        raise json_error(web.HTTPServiceUnavailable, f"not accepting requests: {exc}", **{"Retry-After": "5"}) from None
+    return ticket, params
+
+
+def summary_fields(summary: Summary, backend: Backend) -> dict:
+    fields_ = {
+        "tokens_used": summary.tokens_used,
+        "prompt_tokens": summary.prompt_tokens,
+        "finish_reason": summary.finish_reason,
+        "model": backend.info.model,
+        "backend": backend.info.backend,
+        "timings": summary.timings(),
+    }
+    if summary.error:
+        fields_["error"] = {"message": summary.error, "type": "server_error"}
+    return fields_
+
+
+async def generate(request: web.Request) -> web.Response:
+    ticket, _ = await start_generation(request)
+    pieces: list[str] = []
+    try:
+        while True:
+            for event in await ticket.next_events():
+                if isinstance(event, str):
+                    pieces.append(event)
+                    continue
+                request[LOG_FACTS].update(tokens_used=event.tokens_used, finish_reason=event.finish_reason)
+                return finished_response(event, "".join(pieces), request.app[ENGINE].backend)
+    finally:
+        ticket.cancel()  # no-op when finished; stops the worker when the client went away
+
+
+def finished_response(summary: Summary, text: str, backend: Backend) -> web.Response:
+    reason = summary.finish_reason
+    if reason == "error":
+        raise json_error(web.HTTPInternalServerError, summary.error or "generation failed")
+    if reason == "timeout":
+        raise json_error(web.HTTPGatewayTimeout, f"generation did not finish within REQUEST_TIMEOUT ({summary.total_ms / 1000:.1f} s)")
+    if reason == "shutdown" and summary.tokens_used == 0:
+        raise json_error(web.HTTPServiceUnavailable, "the server is shutting down", **{"Retry-After": "5"})
+    return web.json_response({"text": text, **summary_fields(summary, backend)})
+
+
+async def generate_stream(request: web.Request) -> web.StreamResponse:
+    """NDJSON: `{"token": ...}` lines as text is decoded, then one `{"done": true, ...}` line."""
+    ticket, _ = await start_generation(request)
+    backend = request.app[ENGINE].backend
+    facts = request[LOG_FACTS]
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
+    response.enable_chunked_encoding()
+    started = time.perf_counter()
+    try:
+        while True:
+            lines = []
+            summary = None
+            for event in await ticket.next_events():
+                if isinstance(event, str):
+                    lines.append(json.dumps({"token": event}, ensure_ascii=False))
+                else:
+                    summary = event
+                    lines.append(json.dumps({"done": True, **summary_fields(summary, backend)}))
+            if not response.prepared:
+                # Headers go out with the first token, so time in the queue stays invisible to
+                # proxies and clients see one consistent first byte.
+                await response.prepare(request)
+                facts["ttfb_ms"] = round((time.perf_counter() - started) * 1000, 2)
+            await response.write(("\n".join(lines) + "\n").encode())
+            if summary is not None:
+                facts.update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason)
+                await response.write_eof()
+                return response
+    except ConnectionResetError:
+        facts["client_closed"] = True
+        return response
+    finally:
+        ticket.cancel()
+
+
+# -- application ------------------------------------------------------------------------------
+
+
+def model_loader(settings: Settings) -> Callable[[], Backend]:
+    def load() -> Backend:
+        name = select_backend(settings.backend)
+        log.info("loading %s with the %s backend", settings.model, name)
+        return load_backend(name, settings.load_options())
+
+    return load
+
+
+async def start_worker(app: web.Application) -> None:
+    settings = app[SETTINGS]
+    app[REQUEST_LOG] = RequestLog(settings.log_dir, settings.log_max_bytes, settings.log_backups)
+    loop = asyncio.get_running_loop()
+    load_done = app[LOAD_DONE]
+    engine = Engine(
+        app[LOADER],
+        max_queue=settings.max_queue,
+        on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
+    )
+    app[ENGINE] = engine
+    engine.start()
+
+
+async def drain_worker(app: web.Application) -> None:
+    """On shutdown: take nothing new, give in-flight requests the grace period, end the rest."""
+    engine = app[ENGINE]
+    engine.stop_accepting()
+    deadline = time.monotonic() + app[SETTINGS].shutdown_grace
+    while (engine.waiting or engine.active) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    engine.abort("shutdown")
+
+
+async def stop_worker(app: web.Application) -> None:
+    await asyncio.to_thread(app[ENGINE].stop, 30)
+    app[REQUEST_LOG].close()
+
+
+def create_app(settings: Settings | None = None, load: Callable[[], Backend] | None = None) -> web.Application:
+    """The application; `load` builds the backend on the worker thread (tests inject one)."""
+    settings = settings or Settings()
+    app = web.Application(middlewares=[request_log, json_errors], client_max_size=settings.max_body_bytes)
+    app[SETTINGS] = settings
+    app[LOAD_DONE] = asyncio.Event()
+    app[LOADER] = load or model_loader(settings)
+    app.on_startup.append(start_worker)
+    app.on_shutdown.append(drain_worker)
+    app.on_cleanup.append(stop_worker)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/model/info", model_info)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/generate/stream", generate_stream)
+    return app
+
+
+def describe_load_error(exc: BaseException, settings: Settings) -> str:
+    if isinstance(exc, (ModelLoadError, ValueError)):
+        return str(exc)
+    return (
+        f"PHI2_MODEL={settings.model!r} could not be loaded ({type(exc).__name__}: {exc}); "
+        "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
+    )
+
+
+async def serve(settings: Settings) -> int:
+    app = create_app(settings)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.shutdown_grace + 5
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, settings.host, settings.port).start()
+    except OSError as exc:
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
+    log.info("listening on http://%s:%d (the model loads in the background)", settings.host, settings.port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engine = app[ENGINE]
+
+    async def watch_load() -> None:
+        await app[LOAD_DONE].wait()
+        if engine.status == "error":
+            stop.set()
+        else:
+            info = engine.backend.info
+            log.info(
+                "model ready in %.1f s: %s on %s (%s, %s), adapter %s",
+                engine.load_time_s, info.model, info.backend, info.device, info.dtype,
+                "applied" if info.adapter_applied else "not applied",
+            )
+
+    watcher = asyncio.create_task(watch_load())
+    await stop.wait()
+    watcher.cancel()
+    code = 0
+    if engine.status == "error":
+        print(f"error: {describe_load_error(engine.load_error, settings)}", file=sys.stderr)
+        code = 1
+    else:
+        log.info("shutting down: %.0f s grace for in-flight requests", settings.shutdown_grace)
+    await runner.cleanup()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = Settings.from_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
