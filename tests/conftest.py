@@ -1,0 +1,92 @@
+"""Shared fixtures: the tiny checkpoint and its backends are built once per test session.
+
+`aiohttp_client` is function-scoped, so each test gets a fresh app (its own worker thread
+and log directory) around a backend that was loaded once; loading inside every app's
+startup hook would rebuild the model for every test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from backends import Backend, LoadOptions, load_backend
+from backends.tiny import write_tiny_checkpoint
+from phi2_server import ENGINE, LOAD_DONE, Settings, create_app
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def torch_backend(tiny_path) -> Backend:
+    return load_backend("torch", LoadOptions(model=str(tiny_path)))
+
+
+@pytest.fixture(scope="session", params=["torch"])
+def backend(request) -> Backend:
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+@pytest.fixture
+def log_dir(tmp_path) -> Path:
+    return tmp_path / "logs"
+
+
+@pytest.fixture
+def make_client(aiohttp_client, log_dir):
+    """make_client(load, wait=True, **settings) -> a test client over a fresh app."""
+
+    async def make(load: Callable[[], Backend], wait: bool = True, **overrides):
+        settings = Settings(log_dir=str(log_dir), shutdown_grace=1.0, **overrides)
+        app = create_app(settings, load=load)
+        client = await aiohttp_client(app)
+        if wait:
+            await asyncio.wait_for(app[LOAD_DONE].wait(), 30)
+        return client
+
+    return make
+
+
+@pytest.fixture
+async def client(make_client, backend):
+    return await make_client(lambda: backend)
+
+
+def engine_of(client):
+    return client.server.app[ENGINE]
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_path):
+    """Greedy ids from transformers' own `generate`: an independent check of our decode loop."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    decodable = len(tokenizer)
+
+    def mask_undecodable(input_ids, scores):
+        scores[:, decodable:] = float("-inf")
+        return scores
+
+    def greedy(prompt: str, max_new_tokens: int) -> list[int]:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+                logits_processor=[mask_undecodable],
+            )
+        return out[0, len(ids) :].tolist()
+
+    greedy.tokenizer = tokenizer
+    return greedy

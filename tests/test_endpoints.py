@@ -1,0 +1,81 @@
+"""Probes, model info, loading and load failure, and the JSON error contract."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from backends import ModelLoadError
+from conftest import engine_of
+
+
+async def test_health_ready_and_info_when_loaded(client, backend):
+    health = await client.get("/health")
+    assert health.status == 200
+    assert await health.json() == {"status": "ok", "model_loaded": True, "queue": {"waiting": 0, "active": 0}}
+    ready = await client.get("/ready")
+    assert ready.status == 200
+    info = await (await client.get("/model/info")).json()
+    assert info["model"] == backend.info.model
+    assert info["backend"] == backend.info.backend
+    assert info["device"] == "cpu"
+    assert info["dtype"] == "float32"
+    assert info["adapter_applied"] is False
+    assert info["context_length"] == 512
+    assert isinstance(info["load_time_s"], float)
+    assert {"adapter_path", "stats"} <= set(info)
+
+
+async def test_loading_is_observable_and_answers_503(make_client, backend):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(10)
+        return backend
+
+    client = await make_client(slow_load, wait=False)
+    health = await client.get("/health")
+    assert health.status == 200
+    assert (await health.json())["status"] == "loading"
+    assert (await health.json())["model_loaded"] is False
+    for method, path in [("GET", "/ready"), ("GET", "/model/info"), ("POST", "/generate"), ("POST", "/generate/stream")]:
+        response = await client.request(method, path, json={"prompt": "hi"})
+        assert response.status == 503, path
+        assert response.headers["Retry-After"].isdigit()
+        assert response.content_type == "application/json"
+    release.set()
+    for _ in range(200):
+        if (await client.get("/ready")).status == 200:
+            break
+        await asyncio.sleep(0.02)
+    response = await client.post("/generate", json={"prompt": "hi", "max_tokens": 2})
+    assert response.status == 200
+
+
+async def test_load_failure_is_reported(make_client):
+    def broken_load():
+        raise ModelLoadError("PHI2_MODEL='nope' is not a loadable checkpoint directory")
+
+    client = await make_client(broken_load)
+    health = await client.get("/health")
+    assert health.status == 200
+    assert await health.json() == {"status": "error", "model_loaded": False, "queue": {"waiting": 0, "active": 0}}
+    assert (await client.get("/ready")).status == 503
+    response = await client.post("/generate", json={"prompt": "hi"})
+    assert response.status == 503
+    assert "failed to load" in (await response.json())["error"]["message"]
+    assert isinstance(engine_of(client).load_error, ModelLoadError)
+
+
+async def test_unknown_path_and_wrong_method_are_json(client):
+    response = await client.get("/nope")
+    assert response.status == 404
+    assert (await response.json())["error"]["message"]
+    response = await client.get("/generate")
+    assert response.status == 405
+    assert response.headers["Allow"] == "POST"
+    assert (await response.json())["error"]["type"] == "method_not_allowed"
+    response = await client.post("/health")
+    assert response.status == 405

@@ -1,0 +1,66 @@
+"""The request log: one JSON line per request, written through rotation."""
+
+from __future__ import annotations
+
+import json
+
+from phi2_server import REQUEST_LOG
+
+
+def read_log(log_dir):
+    lines = []
+    for path in sorted(log_dir.glob("requests.log*")):
+        lines += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return lines
+
+
+async def test_one_line_per_request_with_the_documented_fields(client, log_dir):
+    await client.get("/health")
+    await client.get("/ready")
+    await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 3})
+    response = await client.post("/generate/stream", json={"prompt": "Once upon 😀" + "x" * 200, "max_tokens": 4})
+    await response.read()
+    await client.post("/generate", json={"prompt": 1})
+    await client.get("/missing")
+    lines = read_log(log_dir)
+    assert [(line["method"], line["path"], line["status"]) for line in lines] == [
+        ("GET", "/health", 200),
+        ("GET", "/ready", 200),
+        ("POST", "/generate", 200),
+        ("POST", "/generate/stream", 200),
+        ("POST", "/generate", 422),
+        ("GET", "/missing", 404),
+    ]
+    for line in lines:
+        assert {"ts", "method", "path", "status", "duration_ms"} <= set(line)
+    generate, streamed = lines[2], lines[3]
+    assert generate["prompt"] == "The quick brown"
+    assert generate["tokens_used"] == 3
+    assert streamed["prompt"] == ("Once upon 😀" + "x" * 200)[:100]
+    assert streamed["tokens_used"] == 4
+    assert 0 < streamed["ttfb_ms"] <= streamed["duration_ms"]
+    assert "prompt" not in lines[0]
+
+
+async def test_prompts_stay_out_of_the_log_when_asked(make_client, backend, log_dir):
+    client = await make_client(lambda: backend, log_prompts=False)
+    await client.post("/generate", json={"prompt": "secret words", "max_tokens": 1})
+    (line,) = read_log(log_dir)
+    assert "prompt" not in line
+    assert "secret" not in (log_dir / "requests.log").read_text()
+    assert line["tokens_used"] == 1
+
+
+async def test_log_rotates_without_losing_lines(make_client, backend, log_dir):
+    client = await make_client(lambda: backend, log_max_bytes=600, log_backups=50)
+    for i in range(30):
+        await client.get("/health")
+    await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 2})
+    files = list(log_dir.glob("requests.log*"))
+    assert len(files) > 3
+    assert len(read_log(log_dir)) == 31
+
+
+async def test_log_directory_is_created_at_startup(make_client, backend, tmp_path):
+    client = await make_client(lambda: backend)
+    assert client.server.app[REQUEST_LOG].path.parent.is_dir()

@@ -1,0 +1,73 @@
+"""The generation worker: queueing, and no generation for a client that has gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from conftest import engine_of
+
+LONG = {"prompt": "Once upon", "max_tokens": 500, "ignore_eos": True}
+
+
+async def wait_idle(engine, timeout=10.0):
+    for _ in range(int(timeout / 0.01)):
+        if engine.active == 0 and engine.waiting == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"worker still busy: {engine.active} active, {engine.waiting} waiting")
+
+
+async def test_ignore_eos_forces_the_token_count(client):
+    response = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 40, "ignore_eos": True})
+    result = await response.json()
+    assert result["tokens_used"] == 40
+    assert result["finish_reason"] == "length"
+    assert result["text"].startswith(" fox jumps over the lazy dog.")
+    assert "<|endoftext|>" not in result["text"]
+
+
+async def test_stream_disconnect_stops_generation(client):
+    engine = engine_of(client)
+    response = await client.post("/generate/stream", json=LONG)
+    first = json.loads(await response.content.readline())
+    assert "token" in first
+    response.close()  # hang up mid-stream
+    await wait_idle(engine)
+    assert engine.stats["cancelled"] == 1
+    assert engine.stats["tokens_generated"] < 500
+
+
+async def test_non_streaming_disconnect_stops_generation(client):
+    engine = engine_of(client)
+    task = asyncio.create_task(client.post("/generate", json=LONG))
+    for _ in range(500):
+        if engine.stats["tokens_generated"] > 0:
+            break
+        await asyncio.sleep(0.005)
+    task.cancel()  # the client gives up: its connection closes
+    await asyncio.gather(task, return_exceptions=True)
+    await wait_idle(engine)
+    assert engine.stats["cancelled"] == 1
+    assert engine.stats["tokens_generated"] < 500
+    ok = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 3})
+    assert ok.status == 200
+
+
+async def test_requests_queue_in_arrival_order(client):
+    engine = engine_of(client)
+    bodies = [{"prompt": "The quick brown", "max_tokens": 30, "ignore_eos": True, "seed": i} for i in range(4)]
+    finished = []
+
+    async def one(i):
+        response = await client.post("/generate", json=bodies[i])
+        assert response.status == 200
+        finished.append(i)
+
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(one(i)))
+        while engine.waiting + engine.active + engine.stats["completed"] < i + 1:  # submitted in order
+            await asyncio.sleep(0.001)
+    await asyncio.gather(*tasks)
+    assert finished == [0, 1, 2, 3]
