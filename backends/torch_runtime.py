@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as transformers_logging
 
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
+from backends.adapters import find_adapter, merge_lora_into_torch
+from backends.text import StreamDetokenizer, TokenizerText
 
 log = logging.getLogger("phi2_server.torch")
 
@@ -30,49 +32,6 @@ def pick_dtype(requested: str, device: str) -> torch.dtype:
     if requested not in DTYPES:
         raise ModelLoadError(f"PHI2_DTYPE must be auto or one of {', '.join(DTYPES)}, not {requested!r}")
     return DTYPES[requested]
-
-
-class TokenizerText:
-    """Tokenizing and decoding through the Hugging Face tokenizer (shared by both runtimes)."""
-
-    def __init__(self, tokenizer):
-        # The server checks prompts against the context window itself (a 422 that says both
-        # numbers); the tokenizer's own warning about long inputs would only be log noise.
-        tokenizer.model_max_length = 1 << 62
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
-class StreamDetokenizer:
-    """O(1) per token with tokenizers' DecodeStream; the final flush makes the text exact."""
-
-    def __init__(self, text: TokenizerText):
-        from tokenizers.decoders import DecodeStream
-
-        self._text = text
-        self._stream = DecodeStream(skip_special_tokens=True)
-        self._ids: list[int] = []
-        self._emitted = 0
-
-    def add(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        piece = self._stream.step(self._text.tokenizer._tokenizer, token_id) or ""
-        self._emitted += len(piece)
-        return piece
-
-    def flush(self) -> str:
-        # Bytes of an unfinished character are still held back: decode them as plain
-        # decoding would (U+FFFD), so the whole text equals decode(ids).
-        full = self._text.decode(self._ids)
-        rest = full[self._emitted :]
-        self._emitted = len(full)
-        return rest
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -116,6 +75,10 @@ class TorchBackend:
                 f"PHI2_MODEL={options.model!r} ({path}) could not be loaded by transformers: {exc}; "
                 "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
             ) from exc
+        adapter = find_adapter(options.adapter_path)
+        if adapter is not None:
+            changed = merge_lora_into_torch(model, adapter)
+            log.info("merged the LoRA adapter at %s into %d Linear layers", adapter, changed)
         info = ModelInfo(
             model=options.model,
             backend=cls.name,
@@ -123,7 +86,7 @@ class TorchBackend:
             dtype=str(dtype).removeprefix("torch."),
             context_length=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
             adapter_path=options.adapter_path,
-            adapter_applied=False,
+            adapter_applied=adapter is not None,
         )
         backend = cls(model, tokenizer, info)
         if options.warmup:
