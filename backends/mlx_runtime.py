@@ -1,0 +1,187 @@
+"""MLX runtime (mlx-lm): Metal on Apple Silicon; on Linux the CPU build runs the same code."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import apply_top_p, categorical_sampling
+from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
+from backends.adapters import find_adapter
+from backends.text import TokenizerText
+
+log = logging.getLogger("phi2_server.mlx")
+
+
+class MlxDetokenizer:
+    """mlx-lm's streaming detokenizer, held to the server's one text convention.
+
+    The text is the plain decoding of the generated ids: mlx-lm's BPE detokenizer drops the
+    first segment's leading space (transformers' decode keeps it), so it starts primed as if
+    text had been emitted; special tokens are skipped, as `skip_special_tokens` does.
+    """
+
+    def __init__(self, detokenizer, skipped: frozenset[int]):
+        self._detokenizer = detokenizer
+        self._skipped = skipped
+        self._primed = isinstance(detokenizer, BPEStreamingDetokenizer)
+        if self._primed:
+            detokenizer.text = " "  # non-empty: no space is trimmed; sliced off below
+        self._emitted = len(detokenizer.text)
+
+    def add(self, token_id: int) -> str:
+        if token_id in self._skipped:
+            return ""
+        self._detokenizer.add_token(token_id)
+        return self._new_text()
+
+    def flush(self) -> str:
+        self._detokenizer.finalize()
+        return self._new_text()
+
+    def _new_text(self) -> str:
+        text = self._detokenizer.text
+        piece = text[self._emitted :]
+        self._emitted = len(text)
+        return piece
+
+
+def make_sampler(sampling: Sampling):
+    """Temperature first, then top-p (as transformers and the Torch runtime do), from mlx-lm's parts."""
+    if sampling.temperature == 0:
+        return mlx_make_sampler(0.0)  # greedy
+    inverse_temperature = 1.0 / sampling.temperature
+    top_p = sampling.top_p
+
+    def sample(logprobs: mx.array) -> mx.array:
+        scaled = logprobs * inverse_temperature
+        if top_p < 1.0:
+            scaled = apply_top_p(scaled, top_p)
+        return categorical_sampling(scaled, 1.0)
+
+    return sample
+
+
+class MlxBackend:
+    name = "mlx"
+
+    def __init__(self, model, tokenizer, info: ModelInfo):
+        self.model = model
+        self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
+        self.text = TokenizerText(tokenizer._tokenizer)
+        self.info = info
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        hf = tokenizer._tokenizer
+        self._skipped = frozenset(hf.all_special_ids) | frozenset(range(len(hf), self._model_vocab()))
+        self._processors = self._mask_undecodable()
+
+    @classmethod
+    def load(cls, path: Path, options: LoadOptions) -> "MlxBackend":
+        adapter = find_adapter(options.adapter_path)
+        try:
+            model, tokenizer = mlx_load(str(path), adapter_path=str(adapter) if adapter else None)
+        except (ValueError, KeyError, FileNotFoundError) as exc:
+            what = f"ADAPTER_PATH={adapter}" if adapter and "adapter" in str(exc).lower() else f"PHI2_MODEL={options.model!r}"
+            raise ModelLoadError(f"{what} could not be loaded by mlx-lm: {exc}") from exc
+        config = json.loads((path / "config.json").read_text())
+        info = ModelInfo(
+            model=options.model,
+            backend=cls.name,
+            device=mx.default_device().type.name,  # gpu (Metal) or cpu
+            dtype=_weights_dtype(model, config),
+            context_length=int(config.get("max_position_embeddings") or 2048),
+            adapter_path=options.adapter_path,
+            adapter_applied=adapter is not None,
+        )
+        backend = cls(model, tokenizer, info)
+        if options.warmup:
+            backend.warm_up()  # the first request should not pay for kernel compilation
+        return backend
+
+    def encode(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.text.decode(token_ids)
+
+    def detokenizer(self) -> MlxDetokenizer:
+        return MlxDetokenizer(self.tokenizer.detokenizer, self._skipped)
+
+    def decoder(self) -> "SingleSequenceDecoder":
+        return SingleSequenceDecoder(self)
+
+    def warm_up(self) -> None:
+        decoder = self.decoder()
+        decoder.add(Sequence(0, self.encode("Hello") or [0], Sampling(), 2))
+        decoder.step()
+        decoder.step()
+        decoder.remove(0)
+
+    def _model_vocab(self) -> int:
+        head = getattr(self.model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        return int(weight.shape[0]) if weight is not None else len(self.tokenizer._tokenizer)
+
+    def _mask_undecodable(self) -> list:
+        """Phi-2's model vocabulary exceeds its tokenizer's; those ids are never sampled (as on Torch)."""
+        decodable = len(self.tokenizer._tokenizer)
+        vocab = self._model_vocab()
+        if vocab <= decodable:
+            return []
+        bias = mx.where(mx.arange(vocab) < decodable, 0.0, -mx.inf)
+        return [lambda tokens, logits: logits + bias]
+
+    def generation(self, sequence: Sequence):
+        """mlx-lm's own token generator for one sequence."""
+        mx.random.seed(sequence.sampling.seed if sequence.sampling.seed is not None else secrets.randbits(63))
+        return generate_step(
+            mx.array(sequence.prompt_ids),
+            self.model,
+            max_tokens=sequence.max_new_tokens,
+            sampler=make_sampler(sequence.sampling),
+            logits_processors=self._processors,
+        )
+
+
+def _weights_dtype(model, config: dict) -> str:
+    if "quantization" in config:
+        return f"{config['quantization'].get('bits', '?')}-bit quantized"
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return str(value.dtype).removeprefix("mlx.core.")
+    return "unknown"
+
+
+class SingleSequenceDecoder:
+    """Steps mlx-lm's `generate_step` for one sequence at a time."""
+
+    capacity = 1
+
+    def __init__(self, backend: MlxBackend):
+        self._backend = backend
+        self._sequence: Sequence | None = None
+        self._tokens = None
+
+    def add(self, sequence: Sequence) -> None:
+        self._sequence = sequence
+        self._tokens = self._backend.generation(sequence)
+
+    def step(self) -> dict[int, int]:
+        if self._sequence is None:
+            return {}
+        token, _ = next(self._tokens)
+        return {self._sequence.id: int(token)}
+
+    def remove(self, sequence_id: int) -> None:
+        if self._sequence is not None and self._sequence.id == sequence_id:
+            self._sequence = None
+            self._tokens = None
