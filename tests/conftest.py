@@ -28,7 +28,12 @@ def torch_backend(tiny_path) -> Backend:
     return load_backend("torch", LoadOptions(model=str(tiny_path)))
 
 
-@pytest.fixture(scope="session", params=["torch"])
+@pytest.fixture(scope="session")
+def mlx_backend(tiny_path) -> Backend:
+    return load_backend("mlx", LoadOptions(model=str(tiny_path)))
+
+
+@pytest.fixture(scope="session", params=["torch", "mlx"])
 def backend(request) -> Backend:
     return request.getfixturevalue(f"{request.param}_backend")
 
@@ -90,3 +95,39 @@ def reference(tiny_path):
 
     greedy.tokenizer = tokenizer
     return greedy
+
+
+def write_mlx_adapter(model_path: Path, directory: Path, *, num_layers: int = 2, rank: int = 4, scale: float = 2.0, dora: bool = False) -> Path:
+    """A LoRA adapter made with mlx-lm's own utilities and saved in its format."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(model_path))
+    model.freeze()
+    parameters = {"rank": rank, "scale": scale, "dropout": 0.0}
+    linear_to_lora_layers(model, num_layers, parameters, use_dora=dora)
+    mx.random.seed(3)
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    for name in weights:
+        if name.endswith("lora_b"):  # zero at initialization: the adapter would change nothing
+            weights[name] = mx.random.normal(weights[name].shape) * 0.2
+    directory.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(directory / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "dora" if dora else "lora", "num_layers": num_layers, "lora_parameters": parameters}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def adapter_path(tiny_path, tmp_path_factory) -> Path:
+    return write_mlx_adapter(tiny_path, tmp_path_factory.mktemp("adapter"))
+
+
+@pytest.fixture(scope="session")
+def adapted_backends(tiny_path, adapter_path) -> dict[str, Backend]:
+    options = LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path))
+    return {name: load_backend(name, options) for name in ("torch", "mlx")}

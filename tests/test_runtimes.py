@@ -1,0 +1,171 @@
+"""MLX and Torch on the same checkpoint: identical greedy ids, with and without a LoRA adapter."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
+from conftest import write_mlx_adapter
+
+PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq"]
+
+
+def greedy_ids(backend, prompt: str, n: int) -> list[int]:
+    """n greedy token ids through the backend's own decoder, end-of-text ignored."""
+    decoder = backend.decoder()
+    decoder.add(Sequence(1, backend.encode(prompt), Sampling(), n))
+    ids = [decoder.step()[1] for _ in range(n)]
+    decoder.remove(1)
+    return ids
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_ids_match_across_runtimes(torch_backend, mlx_backend, prompt):
+    assert torch_backend.encode(prompt) == mlx_backend.encode(prompt)
+    assert greedy_ids(torch_backend, prompt, 60) == greedy_ids(mlx_backend, prompt, 60)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_ids_match_across_runtimes_with_the_adapter(adapted_backends, prompt):
+    assert greedy_ids(adapted_backends["torch"], prompt, 60) == greedy_ids(adapted_backends["mlx"], prompt, 60)
+
+
+def test_the_adapter_changes_the_output(adapted_backends, torch_backend, mlx_backend):
+    base = [greedy_ids(torch_backend, p, 30) for p in PROMPTS]
+    assert [greedy_ids(adapted_backends["torch"], p, 30) for p in PROMPTS] != base
+    assert [greedy_ids(adapted_backends["mlx"], p, 30) for p in PROMPTS] != base
+    assert base == [greedy_ids(mlx_backend, p, 30) for p in PROMPTS]
+
+
+def test_merged_adapter_reproduces_mlx_lora_logits(adapted_backends):
+    # W += scale * (A @ B).T on Torch against mlx-lm's LoRALinear computing x @ A @ B.
+    import mlx.core as mx
+    import torch
+
+    ids = adapted_backends["torch"].encode("Once upon a time there was")
+    with torch.inference_mode():
+        torch_logits = adapted_backends["torch"].model(torch.tensor([ids])).logits[0].numpy()
+    mlx_logits = np.array(adapted_backends["mlx"].model(mx.array([ids]))[0])
+    assert np.abs(torch_logits - mlx_logits).max() < 1e-4
+
+
+def test_adapter_is_reported_by_model_info(adapted_backends):
+    for backend in adapted_backends.values():
+        assert backend.info.adapter_applied is True
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+def test_absent_adapter_serves_the_base_model_with_a_warning(tiny_path, tmp_path, caplog, runtime):
+    with caplog.at_level(logging.WARNING):
+        backend = load_backend(runtime, LoadOptions(model=str(tiny_path), adapter_path=str(tmp_path / "absent"), warmup=False))
+    assert backend.info.adapter_applied is False
+    assert "does not exist" in caplog.text
+
+
+def broken_adapters(tiny_path, root):
+    """name -> adapter directory that exists but is not a valid adapter for the tiny model."""
+    cases = {}
+    cases["empty directory"] = root / "empty"
+    cases["empty directory"].mkdir()
+
+    cases["no weights"] = write_mlx_adapter(tiny_path, root / "no-weights")
+    (cases["no weights"] / "adapters.safetensors").unlink()
+
+    cases["bad json"] = write_mlx_adapter(tiny_path, root / "bad-json")
+    (cases["bad json"] / "adapter_config.json").write_text("{not json")
+
+    def rewrite(name, change):
+        import mlx.core as mx
+
+        path = write_mlx_adapter(tiny_path, root / name)
+        weights = dict(mx.load(str(path / "adapters.safetensors")))
+        change(weights)
+        mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+        cases[name] = path
+
+    def wrong_shape(weights):
+        key = next(k for k in weights if k.endswith("fc1.lora_a"))
+        weights[key] = weights[key][:-1]
+
+    def missing_layer(weights):
+        key = next(k for k in weights if k.endswith("q_proj.lora_a"))
+        weights[key.replace("layers.1.", "layers.7.")] = weights[key]
+
+    def not_adapted_layer(weights):  # num_layers=1 adapts only the last of the 2 blocks
+        key = next(k for k in weights if ".layers.1." in k)
+        weights[key.replace("layers.1.", "layers.0.")] = weights[key]
+
+    rewrite("wrong shape", wrong_shape)
+    rewrite("layer the model lacks", missing_layer)
+    path = write_mlx_adapter(tiny_path, root / "outside num_layers", num_layers=1)
+    import mlx.core as mx
+
+    weights = dict(mx.load(str(path / "adapters.safetensors")))
+    not_adapted_layer(weights)
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    cases["outside num_layers"] = path
+    return cases
+
+
+@pytest.fixture(scope="module")
+def broken(tiny_path, tmp_path_factory):
+    return broken_adapters(tiny_path, tmp_path_factory.mktemp("broken"))
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+@pytest.mark.parametrize(
+    "case", ["empty directory", "no weights", "bad json", "wrong shape", "layer the model lacks", "outside num_layers"]
+)
+def test_broken_adapter_is_a_clear_startup_error(tiny_path, broken, runtime, case):
+    with pytest.raises(ModelLoadError, match="ADAPTER_PATH"):
+        load_backend(runtime, LoadOptions(model=str(tiny_path), adapter_path=str(broken[case]), warmup=False))
+
+
+def test_dora_is_refused_on_torch_and_applied_on_mlx(tiny_path, tmp_path):
+    path = write_mlx_adapter(tiny_path, tmp_path / "dora", dora=True)
+    with pytest.raises(ModelLoadError, match="dora.*not supported on the Torch backend"):
+        load_backend("torch", LoadOptions(model=str(tiny_path), adapter_path=str(path), warmup=False))
+    mlx = load_backend("mlx", LoadOptions(model=str(tiny_path), adapter_path=str(path), warmup=False))
+    assert mlx.info.adapter_applied is True
+
+
+def test_full_fine_tune_is_refused_on_torch(tiny_path, tmp_path):
+    path = write_mlx_adapter(tiny_path, tmp_path / "full")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "full"}))
+    with pytest.raises(ModelLoadError, match="'full' is not supported"):
+        load_backend("torch", LoadOptions(model=str(tiny_path), adapter_path=str(path), warmup=False))
+
+
+def test_detokenizers_follow_one_convention(torch_backend, mlx_backend):
+    # Leading spaces kept, split characters held back, special tokens skipped, and the
+    # whole equals decode(ids), on both runtimes.
+    text = " 日本 😀 and\n\ttabs  <|endoftext|> end 東"
+    ids = torch_backend.encode(text)
+    ids = ids + torch_backend.encode("京")[:1]  # stop inside a character
+    expected = torch_backend.decode(ids)
+    assert expected.startswith(" 日本") and expected.endswith("\ufffd")
+    for backend in (torch_backend, mlx_backend):
+        detokenizer = backend.detokenizer()
+        pieces = [detokenizer.add(i) for i in ids]
+        pieces.append(detokenizer.flush())
+        assert "".join(pieces) == expected, backend.info.backend
+        assert not any("\ufffd" in piece for piece in pieces[:-1])
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+async def test_server_reports_and_serves_the_adapter(make_client, adapted_backends, request, runtime):
+    backend = request.getfixturevalue(f"{runtime}_backend")
+    adapted = await make_client(lambda: adapted_backends[runtime])
+    info = await (await adapted.get("/model/info")).json()
+    assert info["adapter_applied"] is True
+    assert info["backend"] == runtime
+    body = {"prompt": "Once upon", "max_tokens": 20, "ignore_eos": True}
+    with_adapter = await (await adapted.post("/generate", json=body)).json()
+    base = backend.decode(greedy_ids(backend, "Once upon", 20))
+    assert with_adapter["text"] != base
+    assert with_adapter["text"] == adapted_backends[runtime].decode(greedy_ids(adapted_backends[runtime], "Once upon", 20))
