@@ -208,7 +208,8 @@ class Engine:
             self._abort_reason = "shutdown"
             self._stopped = True
             self._cond.notify()
-        if self._thread.is_alive():
+        # A load cannot be interrupted; the thread is a daemon, so the process still exits.
+        if self._thread.is_alive() and self.status != "loading":
             self._thread.join(timeout)
 
     def _cancel(self, ticket: Ticket) -> None:
@@ -264,7 +265,7 @@ class Engine:
             except Exception as exc:
                 log.exception("decode step failed")
                 for seq_id in list(self._running):
-                    self._finish(seq_id, "error", None, f"generation failed: {exc}")
+                    self._finish(seq_id, "error", decoder, f"generation failed: {exc}")
                 decoder = backend.decoder()
                 continue
             now = time.perf_counter()
@@ -349,7 +350,10 @@ class Engine:
     ) -> None:
         running = self._running.pop(seq_id)
         if decoder is not None:
-            decoder.remove(seq_id)
+            try:
+                decoder.remove(seq_id)
+            except Exception:  # a broken decoder is replaced; the request still gets its end
+                log.exception("could not remove sequence %d", seq_id)
         if flush and reason in ("stop", "length"):
             rest = running.text.flush()
             if rest:

@@ -172,6 +172,8 @@ class SingleSequenceDecoder:
         self._tokens = None
 
     def add(self, sequence: Sequence) -> None:
+        if self._sequence is not None:
+            self.remove(self._sequence.id)
         self._sequence = sequence
         self._tokens = self._backend.generation(sequence)
 
@@ -183,5 +185,8 @@ class SingleSequenceDecoder:
 
     def remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
+            # Close the generator here, on the generation thread: it holds an MLX stream
+            # context that must not be torn down by the garbage collector on another thread.
+            self._tokens.close()
             self._sequence = None
             self._tokens = None
