@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from logging.handlers import RotatingFileHandler
@@ -49,6 +50,7 @@ class Settings:
     dtype: str = "auto"  # PHI2_DTYPE (torch): auto | float32 | bfloat16 | float16
     max_body_bytes: int = 1024 * 1024  # MAX_BODY_BYTES
     max_queue: int = 64  # MAX_QUEUE: requests waiting for the worker; more get 503
+    max_tokens_limit: int = 0  # MAX_TOKENS_LIMIT per request; 0 = the context window only
     request_timeout: float = 600.0  # REQUEST_TIMEOUT seconds, queue wait included; 0 = none
     shutdown_grace: float = 10.0  # SHUTDOWN_GRACE seconds for in-flight generations
     log_prompts: bool = True  # LOG_PROMPTS=0 keeps prompts out of the request log
@@ -108,6 +110,7 @@ ENGINE = web.AppKey("engine", Engine)
 REQUEST_LOG = web.AppKey("request_log", "RequestLog")
 LOAD_DONE = web.AppKey("load_done", asyncio.Event)
 LOADER = web.AppKey("loader", Callable[[], Backend])
+TOKENIZER_POOL = web.AppKey("tokenizer_pool", ThreadPoolExecutor)
 LOG_FACTS = web.RequestKey("log_facts", dict)
 
 
@@ -386,7 +389,9 @@ async def start_generation(request: web.Request) -> tuple[Ticket, dict]:
         request[LOG_FACTS]["prompt"] = params["prompt"][:100]
     engine = _engine_ready(request)
     backend = engine.backend
-    prompt_ids = await asyncio.to_thread(backend.encode, params["prompt"])
+    # Tokenizing a long prompt takes milliseconds: off the loop, on the app's own small pool.
+    loop = asyncio.get_running_loop()
+    prompt_ids = await loop.run_in_executor(request.app[TOKENIZER_POOL], backend.encode, params["prompt"])
     context = backend.info.context_length
     room = context - len(prompt_ids)
     if not prompt_ids:
@@ -398,6 +403,13 @@ async def start_generation(request: web.Request) -> tuple[Ticket, dict]:
             field="prompt",
         )
     max_tokens = params["max_tokens"]
+    limit = settings.max_tokens_limit
+    if limit and max_tokens > limit:
+        raise json_error(
+            web.HTTPUnprocessableEntity,
+            f"max_tokens is {max_tokens}; this server allows at most {limit} (MAX_TOKENS_LIMIT)",
+            field="max_tokens",
+        )
     if "max_tokens" not in body:
         max_tokens = min(max_tokens, room)  # the default never overflows the context
     elif max_tokens > room:
@@ -516,6 +528,7 @@ def model_loader(settings: Settings) -> Callable[[], Backend]:
 async def start_worker(app: web.Application) -> None:
     settings = app[SETTINGS]
     app[REQUEST_LOG] = RequestLog(settings.log_dir, settings.log_max_bytes, settings.log_backups)
+    app[TOKENIZER_POOL] = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenizer")
     loop = asyncio.get_running_loop()
     load_done = app[LOAD_DONE]
     engine = Engine(
@@ -539,6 +552,7 @@ async def drain_worker(app: web.Application) -> None:
 
 async def stop_worker(app: web.Application) -> None:
     await asyncio.to_thread(app[ENGINE].stop, 30)
+    app[TOKENIZER_POOL].shutdown(wait=False, cancel_futures=True)
     app[REQUEST_LOG].close()
 
 
@@ -585,8 +599,15 @@ async def serve(settings: Settings) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second Ctrl-C: the user does not want to wait for the grace period
+            log.warning("second signal: exiting now")
+            os._exit(130)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     engine = app[ENGINE]
 
     async def watch_load() -> None:
