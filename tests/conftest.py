@@ -8,6 +8,7 @@ startup hook would rebuild the model for every test.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -131,3 +132,88 @@ def adapter_path(tiny_path, tmp_path_factory) -> Path:
 def adapted_backends(tiny_path, adapter_path) -> dict[str, Backend]:
     options = LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path))
     return {name: load_backend(name, options) for name in ("torch", "mlx")}
+
+
+class LiveServer:
+    """The real app on a real port, on an event loop of its own thread, for sync clients."""
+
+    def __init__(self, app):
+        from aiohttp import web
+
+        self.app = app
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="live-server", daemon=True)
+        self.thread.start()
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+
+        async def start():
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+            await asyncio.wait_for(app[LOAD_DONE].wait(), 30)
+            return self.runner.addresses[0][1]
+
+        port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def live_server(log_dir):
+    """live_server(load, **settings) -> a LiveServer (closed after the test)."""
+    servers = []
+
+    def start(load: Callable[[], Backend], **overrides) -> LiveServer:
+        settings = Settings(log_dir=str(log_dir), shutdown_grace=1.0, **overrides)
+        server = LiveServer(create_app(settings, load=load))
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+class FailingBackend:
+    """The real backend, except that its decoders break after `after` steps."""
+
+    def __init__(self, backend: Backend, after: int):
+        self._backend = backend
+        self.after = after
+        self.info = backend.info
+        self.eos_token_ids = backend.eos_token_ids
+
+    def encode(self, text):
+        return self._backend.encode(text)
+
+    def decode(self, token_ids):
+        return self._backend.decode(token_ids)
+
+    def detokenizer(self):
+        return self._backend.detokenizer()
+
+    def decoder(self):
+        return FailingDecoder(self._backend.decoder(), self.after)
+
+
+class FailingDecoder:
+    def __init__(self, decoder, after: int):
+        self._decoder = decoder
+        self.capacity = decoder.capacity
+        self._left = after
+
+    def add(self, sequence):
+        self._decoder.add(sequence)
+
+    def step(self):
+        if self._left == 0:
+            raise RuntimeError("simulated device failure")
+        self._left -= 1
+        return self._decoder.step()
+
+    def remove(self, sequence_id):
+        self._decoder.remove(sequence_id)

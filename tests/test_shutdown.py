@@ -1,0 +1,100 @@
+"""Graceful shutdown of the real server process on SIGTERM and SIGINT."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG = {"prompt": "Once upon", "max_tokens": 480, "ignore_eos": True}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(model: Path, log_dir: Path, backend: str, grace: float):
+    port = free_port()
+    env = {
+        **os.environ,
+        "PHI2_MODEL": str(model),
+        "PHI2_BACKEND": backend,
+        "PORT": str(port),
+        "LOG_DIR": str(log_dir),
+        "SHUTDOWN_GRACE": str(grace),
+        "ADAPTER_PATH": "",
+    }
+    process = subprocess.Popen([sys.executable, "phi2_server.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, process.stdout.read().decode()
+            with contextlib.suppress(OSError):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                connection.request("GET", "/ready")
+                if connection.getresponse().status == 200:
+                    break
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.2)
+        yield process, port
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def start_stream(port: int, body: dict):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", "/generate/stream", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    return response
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+def test_sigterm_ends_a_running_stream_with_a_final_line_and_exits_0(tiny_path, tmp_path, runtime):
+    log_dir = tmp_path / "logs"
+    with server_process(tiny_path, log_dir, runtime, grace=0.2) as (process, port):
+        response = start_stream(port, LONG)
+        first = json.loads(response.readline())
+        assert "token" in first
+        process.send_signal(signal.SIGTERM)
+        lines = [json.loads(line) for line in response.read().splitlines()]
+        assert lines[-1]["done"] is True
+        assert lines[-1]["finish_reason"] == "shutdown"
+        assert lines[-1]["tokens_used"] < 480
+        assert process.wait(timeout=60) == 0
+        output = process.stdout.read().decode()
+    assert "Traceback" not in output
+    log_lines = [json.loads(line) for line in (log_dir / "requests.log").read_text().splitlines()]
+    assert log_lines[-1]["path"] == "/generate/stream"
+    assert log_lines[-1]["finish_reason"] == "shutdown"
+
+
+def test_sigint_lets_in_flight_generations_finish_within_the_grace_period(tiny_path, tmp_path):
+    with server_process(tiny_path, tmp_path / "logs", "torch", grace=20) as (process, port):
+        response = start_stream(port, {**LONG, "max_tokens": 200})
+        response.readline()
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        with pytest.raises(OSError):  # no longer accepting connections
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/health")
+            connection.getresponse()
+        lines = [json.loads(line) for line in response.read().splitlines()]
+        assert lines[-1]["finish_reason"] == "length"
+        assert lines[-1]["tokens_used"] == 200
+        assert process.wait(timeout=60) == 0
