@@ -12,7 +12,7 @@ from pathlib import Path
 from backends import ModelLoadError
 
 # Bump when backends/tiny.py changes what it writes, so old caches are not reused.
-TINY_VERSION = 1
+TINY_VERSION = 2
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 HINT = "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
 
