@@ -14,7 +14,10 @@ from __future__ import annotations
 import importlib.util
 import platform
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from backends.text import ChatPrompt
 
 BACKEND_NAMES = ("auto", "mlx", "torch")
 
@@ -86,6 +89,10 @@ class Backend(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def chat_prompt(self, messages: list[dict]) -> "ChatPrompt":
+        """Chat messages ({role, content: str}) as a prompt, with the stops its format needs."""
+        ...
 
     def detokenizer(self) -> Detokenizer: ...
 

@@ -154,6 +154,7 @@ class Engine:
         self.backend: Backend | None = None
         self.load_error: BaseException | None = None
         self.load_time_s: float | None = None
+        self.loaded_at: float | None = None  # time.perf_counter() when loading finished
         self.stats = {"completed": 0, "cancelled": 0, "timeouts": 0, "errors": 0, "tokens_generated": 0}
         self._load = load
         self._on_load_done = on_load_done or (lambda: None)
@@ -231,7 +232,8 @@ class Engine:
             self.status = "error"
             self._on_load_done()
             return
-        self.load_time_s = time.perf_counter() - started
+        self.loaded_at = time.perf_counter()
+        self.load_time_s = self.loaded_at - started
         self.status = "ok"
         self._on_load_done()
         try:

@@ -17,7 +17,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
 from backends.adapters import find_adapter
-from backends.text import TokenizerText
+from backends.text import ChatPrompt, TokenizerText
 
 log = logging.getLogger("phi2_server.mlx")
 
@@ -112,6 +112,9 @@ class MlxBackend:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.text.decode(token_ids)
+
+    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
+        return self.text.chat_prompt(messages)
 
     def detokenizer(self) -> MlxDetokenizer:
         return MlxDetokenizer(self.tokenizer.detokenizer, self._skipped)

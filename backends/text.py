@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class TokenizerText:
     """Tokenizing and decoding through the Hugging Face tokenizer (shared by both runtimes)."""
@@ -18,6 +20,37 @@ class TokenizerText:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
+        """The tokenizer's chat template when it has one, else Phi-2's model-card chat format."""
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return ChatPrompt(text, ())
+        return phi2_chat_prompt(messages)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str
+    stop: tuple[str, ...]  # added to the request's own stop sequences
+
+
+# Base Phi-2 has no chat template; its model card's chat format is a dialogue of Alice (the
+# user) and Bob (the model). Generation starts after "Bob:" and stops before the model writes
+# Alice's next turn itself.
+USER_NAME, ASSISTANT_NAME = "Alice", "Bob"
+
+
+def phi2_chat_prompt(messages: list[dict]) -> ChatPrompt:
+    lines = []
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role in ("system", "developer"):
+            lines.append(content)
+        else:
+            lines.append(f"{USER_NAME if role == 'user' else ASSISTANT_NAME}: {content}")
+    lines.append(f"{ASSISTANT_NAME}:")
+    return ChatPrompt("\n".join(lines), (f"\n{USER_NAME}:",))
 
 
 class StreamDetokenizer:

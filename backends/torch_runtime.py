@@ -13,7 +13,7 @@ from transformers.utils import logging as transformers_logging
 
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
 from backends.adapters import find_adapter, merge_lora_into_torch
-from backends.text import StreamDetokenizer, TokenizerText
+from backends.text import ChatPrompt, StreamDetokenizer, TokenizerText
 
 log = logging.getLogger("phi2_server.torch")
 
@@ -98,6 +98,9 @@ class TorchBackend:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.text.decode(token_ids)
+
+    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
+        return self.text.chat_prompt(messages)
 
     def detokenizer(self) -> StreamDetokenizer:
         return StreamDetokenizer(self.text)
