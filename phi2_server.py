@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
@@ -112,6 +113,7 @@ LOAD_DONE = web.AppKey("load_done", asyncio.Event)
 LOADER = web.AppKey("loader", Callable[[], Backend])
 TOKENIZER_POOL = web.AppKey("tokenizer_pool", ThreadPoolExecutor)
 LOG_FACTS = web.RequestKey("log_facts", dict)
+RECEIVED_AT = web.RequestKey("received_at", float)
 
 
 # -- request validation -----------------------------------------------------------------------
@@ -158,6 +160,10 @@ def _type_ok(value: Any, kind: str) -> bool:
     return isinstance(value, {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}[kind])
 
 
+def _same(a: Any, b: Any) -> bool:
+    return a == b and isinstance(a, bool) == isinstance(b, bool)  # True is not 1 here
+
+
 def check(value: Any, schema: dict, field: str) -> None:
     """Validate against the small JSON Schema subset the request schemas use."""
     if "anyOf" in schema:
@@ -168,8 +174,15 @@ def check(value: Any, schema: dict, field: str) -> None:
             except Invalid as exc:
                 errors.append(str(exc))
         raise Invalid(field, " or ".join(errors) if len(errors) < 3 else errors[0])
-    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-    if not any(_type_ok(value, kind) for kind in kinds):
+    if "enum" in schema and not any(_same(value, allowed) for allowed in schema["enum"]):
+        if schema.get("x-unsupported"):
+            supported = [json.dumps(v) for v in schema["enum"] if v is not None]
+            only = f" (only {', '.join(supported)})" if supported else ""
+            raise Invalid(field, f"{field} is not supported by this server{only}")
+        raise Invalid(field, f"{field} must be one of {', '.join(json.dumps(v) for v in schema['enum'])}")
+    kinds = schema.get("type", [])
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if kinds and not any(_type_ok(value, kind) for kind in kinds):
         finite = " (finite)" if "number" in kinds else ""
         raise Invalid(field, f"{field} must be {' or '.join(kinds)}{finite}")
     if value is None:
@@ -190,19 +203,24 @@ def check(value: Any, schema: dict, field: str) -> None:
         except UnicodeEncodeError:
             raise Invalid(field, f"{field} is not valid Unicode (a lone surrogate)") from None
     if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            raise Invalid(field, f"{field} must hold at least {schema['minItems']} item(s)")
         if len(value) > schema.get("maxItems", math.inf):
             raise Invalid(field, f"{field} may hold at most {schema['maxItems']} items")
         for i, item in enumerate(value):
             check(item, schema["items"], f"{field}[{i}]")
-    if isinstance(value, dict):
+    if isinstance(value, dict) and "properties" in schema:
+        def path(name: str) -> str:
+            return name if field == "body" else f"{field}.{name}"
+
         for name in schema.get("required", []):
             if name not in value:
-                raise Invalid(name, f"{name} is required")
-        properties = schema.get("properties", {})
+                raise Invalid(path(name), f"{path(name)} is required")
+        properties = schema["properties"]
         for name, item in value.items():
             if name not in properties:
-                raise Invalid(name, f"unknown field {name!r}")
-            check(item, properties[name], name)
+                raise Invalid(path(name), f"unknown field {path(name)!r}")
+            check(item, properties[name], path(name))
 
 
 def with_defaults(body: dict, schema: dict) -> dict:
@@ -219,40 +237,54 @@ async def read_json(request: web.Request) -> Any:
     try:
         return json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise json_error(web.HTTPBadRequest, f"request body is not valid JSON: {exc}") from None
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def parse(body: Any, schema: dict) -> dict:
+    """The validated parameters with defaults filled in, or a 422 naming the field."""
+    try:
+        check(body, schema, "body")
+    except Invalid as exc:
+        raise ApiError(422, str(exc), field=exc.field) from None
+    return with_defaults(body, schema)
 
 
 # -- errors -----------------------------------------------------------------------------------
 
 
-def error_body(status: int, message: str, field: str | None = None) -> str:
-    error: dict[str, Any] = {"message": message, "type": _error_type(status)}
-    if field is not None:
-        error["field"] = field
-    return json.dumps({"error": error})
+class ApiError(Exception):
+    """An error answer. `json_errors` renders it in the shape of the route's API."""
+
+    def __init__(self, status: int, message: str, field: str | None = None, code: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.field, self.code = status, message, field, code
+        self.headers = {"Retry-After": str(retry_after)} if retry_after else {}
 
 
-def json_error(
-    cls: type[web.HTTPException], message: str, field: str | None = None, **headers: str
-) -> web.HTTPException:
-    """An exception for handlers to raise: the status of `cls` with a JSON error body."""
-    return cls(text=error_body(cls.status_code, message, field), content_type="application/json", headers=headers)
+NATIVE_ERROR_TYPES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large", 422: "invalid_request", 503: "unavailable", 504: "timeout"}
+OPENAI_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
 
 
-def error_response(status: int, message: str, headers: dict | None = None) -> web.Response:
-    return web.Response(status=status, text=error_body(status, message), content_type="application/json", headers=headers)
+def is_openai(request: web.Request) -> bool:
+    return request.path.startswith("/v1/")
 
 
-def _error_type(status: int) -> str:
-    return {
-        400: "invalid_json",
-        404: "not_found",
-        405: "method_not_allowed",
-        413: "body_too_large",
-        422: "invalid_request",
-        503: "unavailable",
-        504: "timeout",
-    }.get(status, "server_error" if status >= 500 else "client_error")
+def error_payload(request: web.Request, error: ApiError) -> tuple[int, dict]:
+    """(status, body): the native shape, or OpenAI's on /v1 routes (where invalid input is a 400)."""
+    status = error.status
+    if is_openai(request):
+        status = 400 if status == 422 else status
+        kind = OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return status, {"error": {"message": error.message, "type": kind, "param": error.field, "code": error.code}}
+    body: dict[str, Any] = {"message": error.message, "type": NATIVE_ERROR_TYPES.get(status, "server_error" if status >= 500 else "client_error")}
+    if error.field is not None:
+        body["field"] = error.field
+    return status, {"error": body}
+
+
+def error_response(request: web.Request, error: ApiError, headers: dict | None = None) -> web.Response:
+    status, body = error_payload(request, error)
+    return web.json_response(body, status=status, headers={**error.headers, **(headers or {})})
 
 
 @web.middleware
@@ -260,18 +292,20 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     """Every error leaves as `{"error": {...}}`; a bug is a 500 with a message, never a traceback."""
     try:
         return await handler(request)
+    except ApiError as exc:
+        return error_response(request, exc)
     except web.HTTPException as exc:
-        if exc.status < 400 or exc.content_type == "application/json":
+        if exc.status < 400:
             raise
         # aiohttp's own errors (404, 405, 413) come as text: same status, JSON body.
         headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
         message = exc.text if exc.status == 413 else f"{exc.reason}: {request.method} {request.path}"
-        return error_response(exc.status, message, headers)
+        return error_response(request, ApiError(exc.status, message), headers)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal server error")
+        return error_response(request, ApiError(500, "internal server error"))
 
 
 # -- request log ------------------------------------------------------------------------------
@@ -299,6 +333,7 @@ class RequestLog:
 async def request_log(request: web.Request, handler) -> web.StreamResponse:
     """Logs in `finally`, so rejected, failed and cancelled requests get their line too."""
     started = time.perf_counter()
+    request[RECEIVED_AT] = started
     facts: dict[str, Any] = {}
     request[LOG_FACTS] = facts
     status = 500
@@ -329,11 +364,11 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
 # -- handlers ---------------------------------------------------------------------------------
 
 
-def _engine_ready(request: web.Request) -> Engine:
+def engine_ready(request: web.Request) -> Engine:
     engine = request.app[ENGINE]
     if engine.status != "ok":
         message = "the model is still loading" if engine.status == "loading" else "the model failed to load"
-        raise json_error(web.HTTPServiceUnavailable, message, **{"Retry-After": "5"})
+        raise ApiError(503, message, retry_after=5)
     return engine
 
 
@@ -357,7 +392,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    engine = _engine_ready(request)
+    engine = engine_ready(request)
     info = engine.backend.info
     return web.json_response(
         {
@@ -375,67 +410,149 @@ async def model_info(request: web.Request) -> web.Response:
     )
 
 
-async def start_generation(request: web.Request) -> tuple[Ticket, dict]:
-    """Validate, tokenize (off the loop) and queue a generation request."""
-    received_at = time.perf_counter()
-    body = await read_json(request)
-    try:
-        check(body, GENERATE_SCHEMA, "body")
-    except Invalid as exc:
-        raise json_error(web.HTTPUnprocessableEntity, str(exc), field=exc.field) from None
-    params = with_defaults(body, GENERATE_SCHEMA)
+# -- generation, shared by the native and the OpenAI routes -------------------------------------
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt: str
+    max_tokens: int
+    max_tokens_given: bool  # False: a default, clipped to the context left instead of refused
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+
+async def submit(request: web.Request, gen: Generation) -> Ticket:
+    """Tokenize (off the loop), check the limits, and queue the request for the worker."""
+    received_at = request[RECEIVED_AT]
     settings = request.app[SETTINGS]
     if settings.log_prompts:
-        request[LOG_FACTS]["prompt"] = params["prompt"][:100]
-    engine = _engine_ready(request)
+        request[LOG_FACTS]["prompt"] = gen.prompt[:100]
+    engine = engine_ready(request)
     backend = engine.backend
     # Tokenizing a long prompt takes milliseconds: off the loop, on the app's own small pool.
     loop = asyncio.get_running_loop()
-    prompt_ids = await loop.run_in_executor(request.app[TOKENIZER_POOL], backend.encode, params["prompt"])
+    prompt_ids = await loop.run_in_executor(request.app[TOKENIZER_POOL], backend.encode, gen.prompt)
     context = backend.info.context_length
     room = context - len(prompt_ids)
     if not prompt_ids:
-        raise json_error(web.HTTPUnprocessableEntity, "prompt encodes to no tokens", field="prompt")
+        raise ApiError(422, "prompt encodes to no tokens", field="prompt")
     if room < 1:
-        raise json_error(
-            web.HTTPUnprocessableEntity,
-            f"prompt is {len(prompt_ids)} tokens; the context window is {context} tokens",
-            field="prompt",
-        )
-    max_tokens = params["max_tokens"]
+        raise ApiError(422, f"prompt is {len(prompt_ids)} tokens; the context window is {context} tokens", field="prompt")
+    max_tokens = gen.max_tokens
     limit = settings.max_tokens_limit
     if limit and max_tokens > limit:
-        raise json_error(
-            web.HTTPUnprocessableEntity,
-            f"max_tokens is {max_tokens}; this server allows at most {limit} (MAX_TOKENS_LIMIT)",
-            field="max_tokens",
-        )
-    if "max_tokens" not in body:
-        max_tokens = min(max_tokens, room)  # the default never overflows the context
+        raise ApiError(422, f"max_tokens is {max_tokens}; this server allows at most {limit} (MAX_TOKENS_LIMIT)", field="max_tokens")
+    if not gen.max_tokens_given:
+        max_tokens = min(max_tokens, room)
     elif max_tokens > room:
-        raise json_error(
-            web.HTTPUnprocessableEntity,
+        raise ApiError(
+            422,
             f"max_tokens is {max_tokens}, but the prompt is {len(prompt_ids)} tokens and the context "
             f"window is {context}: at most {room} tokens can be generated",
             field="max_tokens",
         )
-    stop = params["stop"]
     job = Request(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling=Sampling(params["temperature"], params["top_p"], params["seed"]),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        sampling=gen.sampling,
+        stop=gen.stop,
         received_at=received_at,
         timeout_s=settings.request_timeout or None,
-        ignore_eos=params["ignore_eos"],
+        ignore_eos=gen.ignore_eos,
     )
     try:
-        ticket = engine.submit(job)
+        return engine.submit(job)
     except QueueFull as exc:
-        raise json_error(web.HTTPServiceUnavailable, f"server busy: {exc}", **{"Retry-After": "2"}) from None
+        raise ApiError(503, f"server busy: {exc}", retry_after=2) from None
     except NotAccepting as exc:
-        raise json_error(web.HTTPServiceUnavailable, f"not accepting requests: {exc}", **{"Retry-After": "5"}) from None
-    return ticket, params
+        raise ApiError(503, f"not accepting requests: {exc}", retry_after=5) from None
+
+
+def note_summary(request: web.Request, summary: Summary) -> None:
+    request[LOG_FACTS].update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason)
+
+
+async def collect(request: web.Request, ticket: Ticket) -> tuple[str, Summary]:
+    """The whole text and the summary; an unfinished generation is an error answer."""
+    pieces: list[str] = []
+    try:
+        while True:
+            for event in await ticket.next_events():
+                if isinstance(event, str):
+                    pieces.append(event)
+                    continue
+                note_summary(request, event)
+                reason = event.finish_reason
+                if reason == "error":
+                    raise ApiError(500, event.error or "generation failed")
+                if reason == "timeout":
+                    raise ApiError(504, f"generation did not finish within REQUEST_TIMEOUT ({event.total_ms / 1000:.1f} s)")
+                if reason == "shutdown" and event.tokens_used == 0:
+                    raise ApiError(503, "the server is shutting down", retry_after=5)
+                return "".join(pieces), event
+    finally:
+        ticket.cancel()  # no-op when finished; stops the worker when the client went away
+
+
+async def stream(
+    request: web.Request,
+    ticket: Ticket,
+    content_type: str,
+    render_text: Callable[[str], str],
+    render_end: Callable[[Summary], str],
+    first: str = "",
+) -> web.StreamResponse:
+    """Write each piece of text as the worker decodes it, then the end; stop if the client goes."""
+    facts = request[LOG_FACTS]
+    response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+    response.enable_chunked_encoding()
+    started = time.perf_counter()
+    try:
+        while True:
+            chunks, summary = [] if response.prepared else [first], None
+            for event in await ticket.next_events():
+                if isinstance(event, str):
+                    chunks.append(render_text(event))
+                else:
+                    summary = event
+                    chunks.append(render_end(event))
+            if not response.prepared:
+                # Headers go out with the first text, so a queued request has not answered yet
+                # and a client sees one consistent first byte.
+                await response.prepare(request)
+                facts["ttfb_ms"] = round((time.perf_counter() - started) * 1000, 2)
+            data = "".join(chunks)
+            if data:
+                await response.write(data.encode())
+            if summary is not None:
+                note_summary(request, summary)
+                await response.write_eof()
+                return response
+    except ConnectionResetError:
+        facts["client_closed"] = True
+        return response
+    finally:
+        ticket.cancel()
+
+
+# -- native API ---------------------------------------------------------------------------------
+
+
+def native_generation(params: dict, body: dict) -> Generation:
+    return Generation(
+        prompt=params["prompt"],
+        max_tokens=params["max_tokens"],
+        max_tokens_given="max_tokens" in body,
+        sampling=Sampling(params["temperature"], params["top_p"], params["seed"]),
+        stop=stop_tuple(params["stop"]),
+        ignore_eos=params["ignore_eos"],
+    )
 
 
 def summary_fields(summary: Summary, backend: Backend) -> dict:
@@ -453,64 +570,221 @@ def summary_fields(summary: Summary, backend: Backend) -> dict:
 
 
 async def generate(request: web.Request) -> web.Response:
-    ticket, _ = await start_generation(request)
-    pieces: list[str] = []
-    try:
-        while True:
-            for event in await ticket.next_events():
-                if isinstance(event, str):
-                    pieces.append(event)
-                    continue
-                request[LOG_FACTS].update(tokens_used=event.tokens_used, finish_reason=event.finish_reason)
-                return finished_response(event, "".join(pieces), request.app[ENGINE].backend)
-    finally:
-        ticket.cancel()  # no-op when finished; stops the worker when the client went away
-
-
-def finished_response(summary: Summary, text: str, backend: Backend) -> web.Response:
-    reason = summary.finish_reason
-    if reason == "error":
-        raise json_error(web.HTTPInternalServerError, summary.error or "generation failed")
-    if reason == "timeout":
-        raise json_error(web.HTTPGatewayTimeout, f"generation did not finish within REQUEST_TIMEOUT ({summary.total_ms / 1000:.1f} s)")
-    if reason == "shutdown" and summary.tokens_used == 0:
-        raise json_error(web.HTTPServiceUnavailable, "the server is shutting down", **{"Retry-After": "5"})
-    return web.json_response({"text": text, **summary_fields(summary, backend)})
+    body = await read_json(request)
+    params = parse(body, GENERATE_SCHEMA)
+    ticket = await submit(request, native_generation(params, body))
+    text, summary = await collect(request, ticket)
+    return web.json_response({"text": text, **summary_fields(summary, request.app[ENGINE].backend)})
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     """NDJSON: `{"token": ...}` lines as text is decoded, then one `{"done": true, ...}` line."""
-    ticket, _ = await start_generation(request)
+    body = await read_json(request)
+    params = parse(body, GENERATE_SCHEMA)
+    ticket = await submit(request, native_generation(params, body))
     backend = request.app[ENGINE].backend
-    facts = request[LOG_FACTS]
-    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
-    response.enable_chunked_encoding()
-    started = time.perf_counter()
-    try:
-        while True:
-            lines = []
-            summary = None
-            for event in await ticket.next_events():
-                if isinstance(event, str):
-                    lines.append(json.dumps({"token": event}, ensure_ascii=False))
-                else:
-                    summary = event
-                    lines.append(json.dumps({"done": True, **summary_fields(summary, backend)}))
-            if not response.prepared:
-                # Headers go out with the first token, so time in the queue stays invisible to
-                # proxies and clients see one consistent first byte.
-                await response.prepare(request)
-                facts["ttfb_ms"] = round((time.perf_counter() - started) * 1000, 2)
-            await response.write(("\n".join(lines) + "\n").encode())
-            if summary is not None:
-                facts.update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason)
-                await response.write_eof()
-                return response
-    except ConnectionResetError:
-        facts["client_closed"] = True
-        return response
-    finally:
-        ticket.cancel()
+    return await stream(
+        request,
+        ticket,
+        "application/x-ndjson",
+        lambda text: json.dumps({"token": text}, ensure_ascii=False) + "\n",
+        lambda summary: json.dumps({"done": True, **summary_fields(summary, backend)}) + "\n",
+    )
+
+
+# -- OpenAI-compatible API ----------------------------------------------------------------------
+# The same worker, limits and log as the native routes; OpenAI's wire format and defaults.
+# Parameters this server cannot honour are refused with a 400 rather than ignored.
+
+
+def _unsupported(*allowed: Any) -> dict:
+    return {"enum": [None, *allowed], "x-unsupported": True}
+
+
+STOP_SCHEMA = {"anyOf": [{"type": "null"}, *GENERATE_SCHEMA["properties"]["stop"]["anyOf"]]}
+OPENAI_COMMON = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2, "default": 1.0},
+    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+    "stop": STOP_SCHEMA,
+    "seed": GENERATE_SCHEMA["properties"]["seed"],
+    "stream": {"type": ["boolean", "null"], "default": False},
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": "string"},  # harmless to ignore
+    "n": _unsupported(1),
+    "logprobs": _unsupported(False),
+    "presence_penalty": _unsupported(0),
+    "frequency_penalty": _unsupported(0),
+    "logit_bias": _unsupported({}),
+}
+COMPLETIONS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {
+        **OPENAI_COMMON,
+        "prompt": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+            ]
+        },
+        "max_tokens": {**OPENAI_COMMON["max_tokens"], "default": 16},  # OpenAI's default for completions
+        "echo": _unsupported(False),
+        "best_of": _unsupported(1),
+        "suffix": _unsupported(""),
+    },
+}
+CONTENT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+}
+MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART}]},
+        "name": {"type": "string"},
+    },
+}
+CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI has no default cap; a local server wants one
+CHAT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["messages"],
+    "properties": {
+        **OPENAI_COMMON,
+        "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "top_logprobs": _unsupported(0),
+        "tools": _unsupported([]),
+        "tool_choice": _unsupported("none"),
+        "parallel_tool_calls": _unsupported(),
+        "functions": _unsupported([]),
+        "function_call": _unsupported("none"),
+        "response_format": _unsupported({"type": "text"}),
+    },
+}
+
+
+def model_name(request: web.Request) -> str:
+    return request.app[SETTINGS].model
+
+
+def check_model(request: web.Request, params: dict) -> None:
+    if params["model"] not in (None, model_name(request)):
+        raise ApiError(404, f"The model {params['model']!r} does not exist; this server serves {model_name(request)!r}", field="model", code="model_not_found")
+
+
+def openai_generation(prompt: str, max_tokens: int | None, default_max: int, params: dict, extra_stop: tuple[str, ...] = ()) -> Generation:
+    temperature = params["temperature"] if params["temperature"] is not None else 1.0
+    top_p = params["top_p"] if params["top_p"] is not None else 1.0
+    return Generation(
+        prompt=prompt,
+        max_tokens=max_tokens or default_max,
+        max_tokens_given=max_tokens is not None,
+        sampling=Sampling(temperature, top_p, params["seed"]),
+        stop=stop_tuple(params["stop"]) + extra_stop,
+    )
+
+
+def usage(summary: Summary) -> dict:
+    return {
+        "prompt_tokens": summary.prompt_tokens,
+        "completion_tokens": summary.tokens_used,
+        "total_tokens": summary.prompt_tokens + summary.tokens_used,
+    }
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def openai_answer(request: web.Request, params: dict, gen: Generation, kind: str) -> web.StreamResponse:
+    """One completion (kind "text_completion") or chat completion, whole or as Server-Sent Events."""
+    ticket = await submit(request, gen)
+    chat = kind == "chat.completion"
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model_name(request),
+    }
+    trim = LeadingSpace() if chat else None
+    if not params["stream"]:
+        text, summary = await collect(request, ticket)
+        text = trim.strip(text) if trim else text
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=summary.finish_reason)
+        return web.json_response({**head, "choices": [choice], "usage": usage(summary)})
+
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    include_usage = bool((params["stream_options"] or {}).get("include_usage"))
+
+    def chunk(delta: str | None = None, finish: str | None = None, role: bool = False) -> str:
+        if chat:
+            content = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": content}
+        else:
+            choice = {"index": 0, "text": delta or ""}
+        payload = {**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
+        return sse({**payload, "usage": None} if include_usage else payload)
+
+    def render_text(text: str) -> str:
+        text = trim.strip(text) if trim else text
+        return chunk(text) if text else ""
+
+    def render_end(summary: Summary) -> str:
+        if summary.finish_reason == "error":  # the SDKs raise on an error event
+            return sse({"error": {"message": summary.error, "type": "server_error", "param": None, "code": None}}) + sse("[DONE]")
+        end = chunk(finish=summary.finish_reason)
+        if include_usage:
+            end += sse({**head, "choices": [], "usage": usage(summary)})
+        return end + sse("[DONE]")
+
+    first = chunk(role=True) if chat else ""
+    return await stream(request, ticket, "text/event-stream", render_text, render_end, first=first)
+
+
+class LeadingSpace:
+    """Chat replies start at their first visible character (after "Bob:" comes a space)."""
+
+    def __init__(self):
+        self.started = False
+
+    def strip(self, text: str) -> str:
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        return text
+
+
+async def v1_models(request: web.Request) -> web.Response:
+    engine = engine_ready(request)
+    created = int(time.time() - (time.perf_counter() - engine.loaded_at))
+    model = {"id": model_name(request), "object": "model", "created": created, "owned_by": "phi2-server"}
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def v1_completions(request: web.Request) -> web.StreamResponse:
+    params = parse(await read_json(request), COMPLETIONS_SCHEMA)
+    check_model(request, params)
+    prompt = params["prompt"] if isinstance(params["prompt"], str) else params["prompt"][0]
+    return await openai_answer(request, params, openai_generation(prompt, params["max_tokens"], 16, params), "text_completion")
+
+
+async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
+    params = parse(await read_json(request), CHAT_SCHEMA)
+    check_model(request, params)
+    messages = [
+        {"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])}
+        for m in params["messages"]
+    ]
+    prompt = engine_ready(request).backend.chat_prompt(messages)
+    max_tokens = params["max_completion_tokens"] or params["max_tokens"]
+    gen = openai_generation(prompt.text, max_tokens, CHAT_DEFAULT_MAX_TOKENS, params, prompt.stop)
+    return await openai_answer(request, params, gen, "chat.completion")
 
 
 # -- application ------------------------------------------------------------------------------
@@ -571,6 +845,9 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.router.add_get("/model/info", model_info)
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate/stream", generate_stream)
+    app.router.add_get("/v1/models", v1_models)
+    app.router.add_post("/v1/completions", v1_completions)
+    app.router.add_post("/v1/chat/completions", v1_chat_completions)
     return app
 
 
