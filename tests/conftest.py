@@ -193,6 +193,9 @@ class FailingBackend:
     def decode(self, token_ids):
         return self._backend.decode(token_ids)
 
+    def chat_prompt(self, messages):
+        return self._backend.chat_prompt(messages)
+
     def detokenizer(self):
         return self._backend.detokenizer()
 

@@ -1,0 +1,196 @@
+"""The OpenAI-compatible routes, driven by the official OpenAI Python client and by raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from conftest import engine_of
+
+
+@pytest.fixture
+def server(live_server, backend):
+    return live_server(lambda: backend)
+
+
+@pytest.fixture
+def sdk(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def server_model(server):
+    from phi2_server import SETTINGS
+
+    return server.app[SETTINGS].model
+
+
+def native(server, **body):
+    import urllib.request
+
+    request = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as response:
+        return json.loads(response.read())
+
+
+def test_models_lists_the_loaded_model(sdk, server):
+    models = sdk.models.list().data
+    assert [m.id for m in models] == [server_model(server)]
+    assert models[0].object == "model"
+
+
+def test_completion_matches_the_native_endpoint(sdk, server):
+    completion = sdk.completions.create(model=server_model(server), prompt="The quick brown", max_tokens=32, temperature=0)
+    reference = native(server, prompt="The quick brown", max_tokens=32)
+    assert completion.object == "text_completion"
+    assert completion.choices[0].text == reference["text"] == " fox jumps over the lazy dog."
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage.prompt_tokens == reference["prompt_tokens"]
+    assert completion.usage.completion_tokens == reference["tokens_used"]
+    assert completion.usage.total_tokens == reference["prompt_tokens"] + reference["tokens_used"]
+
+
+def test_completion_defaults_follow_openai(sdk):
+    # No model named is fine; max_tokens defaults to 16 as in OpenAI's API.
+    completion = sdk.completions.create(model=openai.NOT_GIVEN, prompt="Once upon", temperature=0)
+    assert completion.usage.completion_tokens == 16
+    assert completion.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_equals_the_whole_one(sdk):
+    kwargs = dict(model=openai.NOT_GIVEN, prompt="Once upon", max_tokens=40, temperature=0, stop=[" model"])
+    whole = sdk.completions.create(**kwargs)
+    chunks = list(sdk.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text == " a time there was a little"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_chat_completion_uses_phi2_chat_format(sdk, server, backend):
+    messages = [{"role": "user", "content": "How are you today?"}]
+    chat = sdk.chat.completions.create(model=server_model(server), messages=messages, temperature=0)
+    assert chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == "I am fine, thank you. And you?"
+    assert chat.choices[0].finish_reason == "stop"
+    prompt = backend.chat_prompt(messages)
+    assert prompt.text == "Alice: How are you today?\nBob:"
+    reference = native(server, prompt=prompt.text, stop=list(prompt.stop))
+    assert chat.usage.prompt_tokens == reference["prompt_tokens"]
+    assert chat.usage.completion_tokens == reference["tokens_used"]
+
+
+def test_chat_stops_before_the_model_writes_the_next_user_turn(sdk):
+    chat = sdk.chat.completions.create(model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "What is two plus two?"}], temperature=0)
+    assert chat.choices[0].message.content == "Four."
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def test_streamed_chat_equals_the_whole_one(sdk):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "How are you today?"}]},
+    ]
+    whole = sdk.chat.completions.create(model=openai.NOT_GIVEN, messages=messages, temperature=0, max_tokens=20)
+    chunks = list(sdk.chat.completions.create(model=openai.NOT_GIVEN, messages=messages, temperature=0, max_tokens=20, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_sampling_with_a_seed_is_reproducible(sdk):
+    kwargs = dict(model=openai.NOT_GIVEN, prompt="Hello world", max_tokens=10, temperature=1.5, seed=11)
+    assert sdk.completions.create(**kwargs).choices[0].text == sdk.completions.create(**kwargs).choices[0].text
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": 3}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+        ({"extra_body": {"wat": 1}}, "wat"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ],
+)
+def test_bad_requests_raise_bad_request_error(sdk, kwargs, param):
+    kwargs = {"model": openai.NOT_GIVEN, "messages": [{"role": "user", "content": "hi"}], **kwargs}
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk.chat.completions.create(**kwargs)
+    error = raised.value.body
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_harmless_parameters_are_accepted(sdk):
+    completion = sdk.completions.create(model=openai.NOT_GIVEN, prompt="Hi", max_tokens=2, user="someone", n=1, presence_penalty=0)
+    assert completion.usage.completion_tokens <= 2
+
+
+def test_unknown_model_raises_not_found(sdk):
+    with pytest.raises(openai.NotFoundError) as raised:
+        sdk.completions.create(model="gpt-4", prompt="Hi")
+    assert raised.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+
+
+def parse_sse(raw: bytes) -> list[str]:
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(event.startswith("data: ") and "\n" not in event for event in events)
+    return [event[len("data: ") :] for event in events]
+
+
+async def test_raw_sse_framing(client):
+    body = {"prompt": "The quick brown", "max_tokens": 20, "temperature": 0, "stream": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = parse_sse(await response.read())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " fox jumps over the lazy dog."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+
+    chat = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "How are you today?"}], "stream": True, "temperature": 0})
+    events = parse_sse(await chat.read())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+async def test_raw_errors_have_openai_shape(client):
+    response = await client.post("/v1/completions", data=b"{nope")
+    assert response.status == 400
+    assert set((await response.json())["error"]) == {"message", "type", "param", "code"}
+    response = await client.get("/v1/nope")
+    assert response.status == 404
+    assert (await response.json())["error"]["type"] == "invalid_request_error"
+    response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000})
+    assert response.status == 400  # over the context window: a 422 on the native route
+    assert (await response.json())["error"]["param"] == "max_tokens"
+
+
+async def test_sse_disconnect_stops_generation(client):
+    engine = engine_of(client)
+    body = {"prompt": "Once upon", "max_tokens": 400, "stream": True, "temperature": 1.0, "seed": 5}
+    response = await client.post("/v1/completions", json=body)
+    await response.content.readline()
+    response.close()
+    for _ in range(1000):
+        if engine.active == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.active == 0
+    assert engine.stats["cancelled"] == 1
