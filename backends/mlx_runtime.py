@@ -17,6 +17,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
 from backends.adapters import find_adapter
+from backends.model_files import is_random
 from backends.text import ChatPrompt, TokenizerText
 
 log = logging.getLogger("phi2_server.mlx")
@@ -88,7 +89,10 @@ class MlxBackend:
     def load(cls, path: Path, options: LoadOptions) -> "MlxBackend":
         adapter = find_adapter(options.adapter_path)
         try:
-            model, tokenizer = mlx_load(str(path), adapter_path=str(adapter) if adapter else None)
+            if is_random(options.model):
+                model, tokenizer = random_model(path, options.dtype)
+            else:
+                model, tokenizer = mlx_load(str(path), adapter_path=str(adapter) if adapter else None)
         except (ValueError, KeyError, FileNotFoundError) as exc:
             what = f"ADAPTER_PATH={adapter}" if adapter and "adapter" in str(exc).lower() else f"PHI2_MODEL={options.model!r}"
             raise ModelLoadError(f"{what} could not be loaded by mlx-lm: {exc}") from exc
@@ -101,6 +105,10 @@ class MlxBackend:
             context_length=int(config.get("max_position_embeddings") or 2048),
             adapter_path=options.adapter_path,
             adapter_applied=adapter is not None,
+            extra={
+                "parameters": sum(v.size for _, v in tree_flatten(model.parameters())),
+                "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+            },
         )
         backend = cls(model, tokenizer, info)
         if options.warmup:
@@ -153,6 +161,20 @@ class MlxBackend:
             sampler=make_sampler(sequence.sampling),
             logits_processors=self._processors,
         )
+
+
+def random_model(path: Path, dtype: str):
+    """The architecture in `path`/config.json with MLX's random initialization."""
+    from mlx_lm.utils import _get_classes, load_tokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if dtype == "auto":  # Metal runs half precision well; the CPU build float32
+        dtype = "float16" if mx.default_device().type == mx.DeviceType.gpu else "float32"
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
 
 def _weights_dtype(model, config: dict) -> str:

@@ -1,12 +1,15 @@
 """Turn a PHI2_MODEL spec into a local checkpoint directory, or a clear error.
 
-A spec is `tiny` (the offline demo checkpoint, generated on first use), a local directory,
-or a Hugging Face hub id (taken from the local cache, else downloaded once).
+A spec is `tiny` (the offline demo checkpoint, generated on first use), `random:phi-2`
+(Phi-2's full architecture with random weights, for benchmarks), a local directory, or a
+Hugging Face hub id (taken from the local cache, else downloaded once).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 from backends import ModelLoadError
@@ -22,6 +25,33 @@ def tiny_dir() -> Path:
     return Path(root) / f"tiny-v{TINY_VERSION}"
 
 
+RANDOM_PREFIX = "random:"
+# Phi-2's architecture (microsoft/phi-2 config.json): 2,779,683,840 parameters.
+RANDOM_ARCHITECTURES = {
+    "phi-2": {
+        "architectures": ["PhiForCausalLM"],
+        "model_type": "phi",
+        "vocab_size": 51200,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "partial_rotary_factor": 0.4,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "hidden_act": "gelu_new",
+        "layer_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "qk_layernorm": False,
+    },
+}
+
+
+def is_random(spec: str) -> bool:
+    return spec.startswith(RANDOM_PREFIX)
+
+
 def resolve_model(spec: str) -> Path:
     from backends.tiny import TINY_SPEC, write_tiny_checkpoint
 
@@ -30,6 +60,8 @@ def resolve_model(spec: str) -> Path:
         if not (path / "config.json").is_file():
             write_tiny_checkpoint(path)
         return path
+    if is_random(spec):
+        return random_architecture_dir(spec)
 
     path = Path(spec).expanduser()
     if path.is_dir() or spec.startswith((".", "/", "~")):
@@ -61,4 +93,27 @@ def _from_hub(repo_id: str) -> Path:
         ) from exc
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"PHI2_MODEL={repo_id!r} has no safetensors weights; {HINT}")
+    return path
+
+
+def random_architecture_dir(spec: str) -> Path:
+    """A directory with the architecture's config.json and the tiny tokenizer, and no weights.
+
+    The runtimes build such a model with random weights: decode speed does not depend on the
+    weight values, so this measures Phi-2-sized serving where its weights cannot be fetched.
+    The tiny tokenizer has fewer ids than the model's vocabulary, as Phi-2's has.
+    """
+    name = spec[len(RANDOM_PREFIX) :]
+    if name not in RANDOM_ARCHITECTURES:
+        raise ModelLoadError(f"PHI2_MODEL={spec!r}: unknown architecture; known: {', '.join(RANDOM_PREFIX + n for n in RANDOM_ARCHITECTURES)}")
+    tiny = resolve_model("tiny")
+    path = tiny_dir().parent / f"random-{name}-v{TINY_VERSION}"
+    if not (path / "config.json").is_file():
+        path.mkdir(parents=True, exist_ok=True)
+        for file in tiny.iterdir():
+            if file.name.startswith("tokenizer"):
+                shutil.copy(file, path / file.name)
+        eos = json.loads((tiny / "config.json").read_text())["eos_token_id"]
+        config = {**RANDOM_ARCHITECTURES[name], "bos_token_id": eos, "eos_token_id": eos}
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

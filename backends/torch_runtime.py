@@ -13,6 +13,7 @@ from transformers.utils import logging as transformers_logging
 
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
 from backends.adapters import find_adapter, merge_lora_into_torch
+from backends.model_files import is_random
 from backends.text import ChatPrompt, StreamDetokenizer, TokenizerText
 
 log = logging.getLogger("phi2_server.torch")
@@ -69,7 +70,10 @@ class TorchBackend:
         transformers_logging.disable_progress_bar()  # the server log is for the server
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            if is_random(options.model):
+                model = random_model(path, dtype, device)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(
                 f"PHI2_MODEL={options.model!r} ({path}) could not be loaded by transformers: {exc}; "
@@ -87,6 +91,11 @@ class TorchBackend:
             context_length=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
             adapter_path=options.adapter_path,
             adapter_applied=adapter is not None,
+            extra={
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "threads": torch.get_num_threads() if device == "cpu" else None,
+            },
         )
         backend = cls(model, tokenizer, info)
         if options.warmup:
@@ -130,6 +139,30 @@ class TorchBackend:
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers
             return DynamicCache()
+
+
+def random_model(path: Path, dtype: torch.dtype, device: str):
+    """The architecture in `path`/config.json with random weights, built without a CPU copy."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "layernorm" in name or "norm." in name:  # as trained models have: no denormal-sized activations
+                parameter.fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                parameter.normal_(0.0, 0.02, generator=generator)
+    # to_empty leaves non-persistent buffers (the rotary frequencies) as garbage: rebuild them.
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            fresh = type(module)(config=config).to(device)
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, name.rpartition(".")[2], fresh)
+    return model.eval()
 
 
 def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator:
