@@ -1,0 +1,329 @@
+"""Benchmark a phi2-server: TTFT, decode and end-to-end tokens/s, latency percentiles, aggregate
+throughput under concurrency, and /health latency while generations stream.
+
+    python bench.py --url http://127.0.0.1:8000 --concurrency 1,4,16   # a running server
+    python bench.py --spawn                  # start phi2_server.py on a free port (make bench)
+    python bench.py --in-process             # the backend's own decode loop, no HTTP
+    python bench.py --overhead               # both, back to back, and their ratio (make bench-overhead)
+
+The model and runtime come from the same environment variables as the server (PHI2_MODEL,
+PHI2_BACKEND, PHI2_DTYPE, ...). Every request forces its token count (`ignore_eos`), so runs
+are comparable; the first run of each concurrency level is a discarded warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+
+# -- measurements -------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """One request: seconds since it was sent."""
+
+    ttft: float
+    total: float
+    tokens: int
+
+    @property
+    def decode_rate(self) -> float:  # tokens after the first / time after the first
+        return (self.tokens - 1) / (self.total - self.ttft) if self.tokens > 1 and self.total > self.ttft else 0.0
+
+    @property
+    def e2e_rate(self) -> float:
+        return self.tokens / self.total
+
+
+@dataclass
+class Result:
+    label: str
+    mode: str  # http | in-process
+    concurrency: int
+    runs: list[list[Timing]] = field(default_factory=list)  # warm-up excluded
+    wall: list[float] = field(default_factory=list)  # per run: first send to last done
+    health_ms: list[float] = field(default_factory=list)
+    peak_rss_gib: float | None = None
+
+    def summary(self) -> dict:
+        timings = [t for run in self.runs for t in run]
+        latencies = sorted(t.total for t in timings)
+        return {
+            "label": self.label,
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "decode_tok_s": statistics.median(t.decode_rate for t in timings),
+            "ttft_ms": statistics.median(t.ttft for t in timings) * 1000,
+            "e2e_tok_s": statistics.median(t.e2e_rate for t in timings),
+            "p50_s": percentile(latencies, 50),
+            "p95_s": percentile(latencies, 95),
+            "aggregate_tok_s": statistics.median(
+                sum(t.tokens for t in run) / wall for run, wall in zip(self.runs, self.wall)
+            ),
+            "health_p50_ms": percentile(sorted(self.health_ms), 50) if self.health_ms else None,
+            "health_p99_ms": percentile(sorted(self.health_ms), 99) if self.health_ms else None,
+            "peak_rss_gib": self.peak_rss_gib,
+            "requests": len(timings),
+        }
+
+
+def percentile(ordered: list[float], p: float) -> float:
+    index = min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+# -- over HTTP ----------------------------------------------------------------------------------
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> Timing:
+    sent = time.perf_counter()
+    first = None
+    lines = 0
+    async with session.post(url + "/generate/stream", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for raw in response.content:
+            now = time.perf_counter()
+            line = json.loads(raw)
+            if "token" in line:
+                lines += 1
+                first = first or now
+                continue
+            if "error" in line or line["finish_reason"] != "length":
+                raise RuntimeError(f"stream did not finish normally: {line}")
+            tokens = line["tokens_used"]
+            if tokens != body["max_tokens"] or not 1 <= lines <= tokens:
+                raise RuntimeError(f"{tokens} tokens and {lines} token lines for max_tokens={body['max_tokens']}")
+            return Timing(ttft=(first or now) - sent, total=now - sent, tokens=tokens)
+    raise RuntimeError("stream ended without its summary line")
+
+
+async def probe_health(session: aiohttp.ClientSession, url: str, latencies: list[float], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        started = time.perf_counter()
+        async with session.get(url + "/health") as response:
+            await response.read()
+        latencies.append((time.perf_counter() - started) * 1000)
+        await asyncio.sleep(0.02)
+
+
+async def bench_http(args, concurrency: int) -> Result:
+    result = Result(args.label, "http", concurrency)
+    body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, aiohttp.ClientSession() as probe:
+        for run in range(args.runs):
+            stop = asyncio.Event()
+            latencies: list[float] = []
+            prober = asyncio.create_task(probe_health(probe, args.url, latencies, stop))
+            started = time.perf_counter()
+            timings = await asyncio.gather(*(stream_one(session, args.url, body) for _ in range(concurrency)))
+            wall = time.perf_counter() - started
+            stop.set()
+            await prober
+            warmup = run == 0 and args.runs > 1
+            progress(result, run, timings, wall, warmup)
+            if not warmup:
+                result.runs.append(timings)
+                result.wall.append(wall)
+                result.health_ms += latencies
+    return result
+
+
+# -- in process ---------------------------------------------------------------------------------
+
+
+def load_in_process():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from backends import load_backend, select_backend
+    from phi2_server import Settings
+
+    settings = Settings.from_args([])
+    return load_backend(select_backend(settings.backend), settings.load_options())
+
+
+def bench_in_process(args, backend) -> Result:
+    """The same request through the backend's own decode loop and detokenizer, one at a time."""
+    from backends import Sampling, Sequence
+
+    result = Result(args.label, "in-process", 1)
+    prompt_ids = backend.encode(args.prompt)
+    for run in range(args.runs):
+        sent = time.perf_counter()
+        decoder, detokenizer = backend.decoder(), backend.detokenizer()
+        decoder.add(Sequence(1, prompt_ids, Sampling(), args.max_tokens))
+        first = None
+        for _ in range(args.max_tokens):
+            (token,) = decoder.step().values()
+            detokenizer.add(token)
+            first = first or time.perf_counter()
+        detokenizer.flush()
+        decoder.remove(1)
+        now = time.perf_counter()
+        timings = [Timing(ttft=first - sent, total=now - sent, tokens=args.max_tokens)]
+        warmup = run == 0 and args.runs > 1
+        progress(result, run, timings, now - sent, warmup)
+        if not warmup:
+            result.runs.append(timings)
+            result.wall.append(now - sent)
+    result.peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return result
+
+
+# -- a server of our own ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SpawnedServer:
+    """phi2_server.py on a free port, with this process's environment; stopped with SIGTERM."""
+
+    def __init__(self, ready_timeout: float):
+        port = free_port()
+        here = os.path.dirname(os.path.abspath(__file__))
+        command = [sys.executable, os.path.join(here, "phi2_server.py"), "--host", "127.0.0.1", "--port", str(port)]
+        self.process = subprocess.Popen(command)
+        self.url = f"http://127.0.0.1:{port}"
+        asyncio.run(self._wait_ready(ready_timeout))
+
+    async def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise SystemExit(f"the server exited with status {self.process.returncode}")
+                try:
+                    async with session.get(self.url + "/ready") as response:
+                        if response.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.5)
+        raise SystemExit(f"the server was not ready after {timeout:.0f} s")
+
+    def peak_rss_gib(self) -> float | None:
+        try:
+            with open(f"/proc/{self.process.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 2**20
+        except OSError:
+            return None  # not Linux
+        return None
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+
+def progress(result: Result, run: int, timings: list[Timing], wall: float, warmup: bool) -> None:
+    tokens = sum(t.tokens for t in timings)
+    tag = "warm-up" if warmup else f"run {run}"
+    print(
+        f"[{result.mode} c={result.concurrency} {tag}] {len(timings)} requests, {tokens} tokens in {wall:.2f} s: "
+        f"{tokens / wall:.1f} tok/s aggregate, TTFT {statistics.median(t.ttft for t in timings) * 1000:.0f} ms",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| label | mode | concurrency | decode tok/s | TTFT ms | e2e tok/s | p50 s | p95 s | aggregate tok/s | /health p99 ms | peak RSS GiB |"
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        health = f"{r['health_p99_ms']:.1f}" if r["health_p99_ms"] is not None else "–"
+        rss = f"{r['peak_rss_gib']:.1f}" if r["peak_rss_gib"] is not None else "–"
+        lines.append(
+            f"| {r['label']} | {r['mode']} | {r['concurrency']} | {r['decode_tok_s']:.2f} | {r['ttft_ms']:.0f} | "
+            f"{r['e2e_tok_s']:.2f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['aggregate_tok_s']:.2f} | {health} | {rss} |"
+        )
+    return "\n".join(lines)
+
+
+def default_model() -> str:
+    """Phi-2 when its weights are in the local Hugging Face cache, else the tiny demo model."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download("microsoft/phi-2", local_files_only=True, allow_patterns=["*.json"])
+        return "microsoft/phi-2"
+    except Exception:
+        return "tiny"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (default: %(default)s)")
+    parser.add_argument("--prompt", default="The quick brown fox")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request, forced (default: %(default)s)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per concurrency level; the first is a warm-up (default: %(default)s)")
+    parser.add_argument("--concurrency", default="1", help="one level or a list, e.g. 1,4,16 (default: %(default)s)")
+    parser.add_argument("--label", default=os.environ.get("PHI2_MODEL", "server"), help="the table's first column")
+    parser.add_argument("--json", metavar="FILE", help="also write every number to FILE")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--spawn", action="store_true", help="start phi2_server.py on a free port, bench it, stop it")
+    mode.add_argument("--in-process", action="store_true", help="load the backend here and bench its decode loop")
+    mode.add_argument("--overhead", action="store_true", help="--in-process, then --spawn at concurrency 1, and the ratio")
+    parser.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a spawned server")
+    args = parser.parse_args(argv)
+    if args.spawn or args.in_process or args.overhead:
+        os.environ.setdefault("PHI2_MODEL", default_model())  # the spawned server inherits it
+        args.label = args.label if args.label != "server" else os.environ["PHI2_MODEL"]
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    results: list[Result] = []
+    if args.in_process or args.overhead:
+        backend = load_in_process()
+        results.append(bench_in_process(args, backend))
+        del backend
+        gc.collect()  # free the weights before a server loads its own copy
+    if args.spawn or args.overhead:
+        server = SpawnedServer(args.ready_timeout)
+        args.url = server.url
+        try:
+            for level in [1] if args.overhead else levels:
+                results.append(asyncio.run(bench_http(args, level)))
+            results[-1].peak_rss_gib = server.peak_rss_gib()
+        finally:
+            server.stop()
+    if not (args.in_process or args.spawn or args.overhead):
+        for level in levels:
+            results.append(asyncio.run(bench_http(args, level)))
+
+    rows = [r.summary() for r in results]
+    print(markdown(rows))
+    if args.overhead:
+        in_process, http = rows
+        print(
+            f"\nserver overhead: HTTP / in-process decode tok/s = {http['decode_tok_s'] / in_process['decode_tok_s']:.3f}, "
+            f"end-to-end tok/s = {http['e2e_tok_s'] / in_process['e2e_tok_s']:.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rows": rows, "raw": [asdict(r) for r in results]}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
