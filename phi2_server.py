@@ -51,6 +51,7 @@ class Settings:
     dtype: str = "auto"  # PHI2_DTYPE (torch): auto | float32 | bfloat16 | float16
     max_body_bytes: int = 1024 * 1024  # MAX_BODY_BYTES
     max_queue: int = 64  # MAX_QUEUE: requests waiting for the worker; more get 503
+    max_batch: int = 1  # MAX_BATCH: sequences decoded together in one step
     max_tokens_limit: int = 0  # MAX_TOKENS_LIMIT per request; 0 = the context window only
     request_timeout: float = 600.0  # REQUEST_TIMEOUT seconds, queue wait included; 0 = none
     shutdown_grace: float = 10.0  # SHUTDOWN_GRACE seconds for in-flight generations
@@ -808,6 +809,7 @@ async def start_worker(app: web.Application) -> None:
     engine = Engine(
         app[LOADER],
         max_queue=settings.max_queue,
+        max_batch=settings.max_batch,
         on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
     )
     app[ENGINE] = engine

@@ -96,7 +96,9 @@ class Backend(Protocol):
 
     def detokenizer(self) -> Detokenizer: ...
 
-    def decoder(self) -> Decoder: ...
+    def decoder(self, max_batch: int = 1) -> Decoder:
+        """A decoder for up to `max_batch` sequences at once (fewer if the runtime cannot batch)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -147,9 +147,11 @@ class Engine:
         load: Callable[[], Backend],
         *,
         max_queue: int = 64,
+        max_batch: int = 1,
         on_load_done: Callable[[], None] | None = None,
     ):
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self.status = "loading"  # loading | ok | error
         self.backend: Backend | None = None
         self.load_error: BaseException | None = None
@@ -251,7 +253,7 @@ class Engine:
                 self._finish(seq_id, "error", None, f"generation worker crashed: {exc}")
 
     def _serve(self, backend: Backend) -> None:
-        decoder = backend.decoder()
+        decoder = backend.decoder(self.max_batch)
         while True:
             work = self._admit(decoder.capacity)
             if work is None:
@@ -268,7 +270,7 @@ class Engine:
                 log.exception("decode step failed")
                 for seq_id in list(self._running):
                     self._finish(seq_id, "error", decoder, f"generation failed: {exc}")
-                decoder = backend.decoder()
+                decoder = backend.decoder(self.max_batch)
                 continue
             now = time.perf_counter()
             for seq_id, token in tokens.items():

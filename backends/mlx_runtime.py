@@ -127,7 +127,7 @@ class MlxBackend:
     def detokenizer(self) -> MlxDetokenizer:
         return MlxDetokenizer(self.tokenizer.detokenizer, self._skipped)
 
-    def decoder(self) -> "SingleSequenceDecoder":
+    def decoder(self, max_batch: int = 1) -> "SingleSequenceDecoder":
         return SingleSequenceDecoder(self)
 
     def warm_up(self) -> None:

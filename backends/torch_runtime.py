@@ -114,7 +114,7 @@ class TorchBackend:
     def detokenizer(self) -> StreamDetokenizer:
         return StreamDetokenizer(self.text)
 
-    def decoder(self) -> "SingleSequenceDecoder":
+    def decoder(self, max_batch: int = 1) -> "SingleSequenceDecoder":
         return SingleSequenceDecoder(self)
 
     def warm_up(self) -> None:

@@ -199,8 +199,8 @@ class FailingBackend:
     def detokenizer(self):
         return self._backend.detokenizer()
 
-    def decoder(self):
-        return FailingDecoder(self._backend.decoder(), self.after)
+    def decoder(self, max_batch=1):
+        return FailingDecoder(self._backend.decoder(max_batch), self.after)
 
 
 class FailingDecoder:
