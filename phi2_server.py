@@ -49,6 +49,7 @@ class Settings:
     log_dir: str = "logs"  # LOG_DIR
     device: str = "auto"  # PHI2_DEVICE (torch): auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # PHI2_DTYPE (torch): auto | float32 | bfloat16 | float16
+    compile: bool = False  # PHI2_COMPILE (torch, Phi family): torch.compile the batched decode step
     max_body_bytes: int = 1024 * 1024  # MAX_BODY_BYTES
     max_queue: int = 64  # MAX_QUEUE: requests waiting for the worker; more get 503
     max_batch: int = 1  # MAX_BATCH: sequences decoded together in one step
@@ -64,6 +65,7 @@ class Settings:
         "backend": "PHI2_BACKEND",
         "device": "PHI2_DEVICE",
         "dtype": "PHI2_DTYPE",
+        "compile": "PHI2_COMPILE",
     }
 
     @classmethod
@@ -98,7 +100,14 @@ class Settings:
 
     def load_options(self) -> LoadOptions:
         adapter = str(Path(self.adapter_path).expanduser()) if self.adapter_path else None
-        return LoadOptions(model=self.model, adapter_path=adapter, device=self.device, dtype=self.dtype)
+        return LoadOptions(
+            model=self.model,
+            adapter_path=adapter,
+            device=self.device,
+            dtype=self.dtype,
+            max_batch=self.max_batch,
+            compile=self.compile,
+        )
 
 
 def _parse_bool(value: str | bool) -> bool:

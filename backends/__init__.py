@@ -109,6 +109,8 @@ class LoadOptions:
     adapter_path: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    max_batch: int = 1  # the decoder the worker will ask for (CUDA graphs are captured for it)
+    compile: bool = False  # torch.compile the Phi fast path's decode step
     warmup: bool = True
 
 

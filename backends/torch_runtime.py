@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import secrets
@@ -61,6 +62,8 @@ class TorchBackend:
         # Phi-2's model vocabulary (51200) is larger than its tokenizer's: those ids decode to
         # nothing, so they are never sampled (the same rule as the MLX runtime).
         self.undecodable_from = self.text.vocab_size
+        self._fast_decoder = None  # kept: its CUDA graphs took seconds to capture
+        self.compile = False
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
@@ -98,8 +101,9 @@ class TorchBackend:
             },
         )
         backend = cls(model, tokenizer, info)
+        backend.compile = options.compile
         if options.warmup:
-            backend.warm_up()
+            backend.warm_up(options.max_batch)
         return backend
 
     def encode(self, text: str) -> list[int]:
@@ -114,15 +118,34 @@ class TorchBackend:
     def detokenizer(self) -> StreamDetokenizer:
         return StreamDetokenizer(self.text)
 
-    def decoder(self, max_batch: int = 1) -> "SingleSequenceDecoder":
+    def decoder(self, max_batch: int = 1):
+        """The batched fast path for the Phi family (always on CUDA: graphs), else one sequence
+        at a time through transformers' forward (any causal LM)."""
+        from backends import torch_fast
+
+        if torch_fast.supports(self.model) and (max_batch > 1 or self.device.type == "cuda"):
+            if self._fast_decoder is None or self._fast_decoder.capacity != max_batch:
+                self._fast_decoder = torch_fast.BatchedPhiDecoder(self, max_batch, compile=self.compile)
+            self._fast_decoder.clear()
+            return self._fast_decoder
+        if max_batch > 1:
+            log.warning("batching needs the Phi fast path; %s is served one sequence at a time", self.model.config.model_type)
         return SingleSequenceDecoder(self)
 
-    def warm_up(self) -> None:
-        decoder = self.decoder()
+    @functools.cached_property
+    def fast_weights(self):
+        from backends.torch_fast import PhiWeights
+
+        return PhiWeights(self.model)
+
+    def warm_up(self, max_batch: int = 1) -> None:
+        decoder = self.decoder(max_batch)
         decoder.add(Sequence(0, self.encode("Hello") or [0], Sampling(), 2))
         decoder.step()
         decoder.step()
         decoder.remove(0)
+        if hasattr(decoder, "capture"):
+            decoder.capture()
 
     def forward_last(self, input_ids: list[int], cache) -> torch.Tensor:
         """Logits for the position after `input_ids`, extending `cache` in place."""

@@ -1,0 +1,376 @@
+"""Batched decoding for the Phi family on PyTorch: a static KV cache in slots, fused q/k/v,
+and on CUDA every decode step replayed from a CUDA graph.
+
+Sequences join and leave between steps. Each active sequence owns one slot of the cache
+(slots stay packed: 0..n-1), so a decode step is one pass over rows 0..b-1 for every live
+sequence at once, each at its own position, with its own sampling. A new prompt is
+prefilled in chunks (PREFILL_CHUNK tokens per step), so a long prompt does not stall the
+sequences already decoding for more than a chunk's time.
+
+On CUDA the decode step is captured once per (batch bucket, attention-length bucket) and
+replayed: the ~1,000 small kernels of a Phi-2 step then cost no launch overhead. On the CPU
+the same code runs eagerly (no graphs), and the cache grows as sequences do.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from backends import Sequence
+from backends.torch_runtime import sample, seeded_generator
+
+log = logging.getLogger("phi2_server.torch_fast")
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+MIN_LENGTH_BUCKET = 128
+
+
+def supports(model) -> bool:
+    """The fast path covers transformers' PhiForCausalLM (Phi-1, Phi-1.5, Phi-2)."""
+    config = model.config
+    return (
+        config.model_type == "phi"
+        and not getattr(config, "qk_layernorm", False)
+        and config.num_key_value_heads == config.num_attention_heads
+    )
+
+
+def activation(name: str, module):
+    """One fused kernel for Phi's tanh-approximated GELU (transformers' NewGELU is six)."""
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    return module
+
+
+def bucket(n: int, buckets) -> int:
+    return next((b for b in buckets if b >= n), n)
+
+
+class PhiWeights:
+    """The model's weights as the fast step reads them, fused into two matrices per block.
+
+    Phi's block is parallel: x + attention(LN(x)) + mlp(LN(x)). So q, k, v and fc1 all read
+    LN(x): one matrix [q; k; v; fc1]. dense and fc2 both add to the residual: one matrix
+    [dense | fc2] over the concatenated [attention output, gelu(fc1)]. Two large GEMMs a block
+    instead of six. The model's own Linears are re-pointed at views of the fused matrices, so
+    nothing is stored twice and transformers' forward still works.
+    """
+
+    def __init__(self, model):
+        config = model.config
+        inner = model.model
+        self.hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.head_dim = self.hidden // self.heads
+        rope_parameters = getattr(config, "rope_parameters", None) or {}
+        factor = rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        self.rotary_dim = int(self.head_dim * factor)
+        self.eps = config.layer_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = (inner.final_layernorm.weight, inner.final_layernorm.bias)
+        self.lm_head = (model.lm_head.weight, model.lm_head.bias)
+        self.activation = activation(config.hidden_act, inner.layers[0].mlp.activation_fn)
+        self.layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                attention, mlp = layer.self_attn, layer.mlp
+                into_residual = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.fc1]
+                w_in = torch.cat([m.weight for m in into_residual])
+                b_in = torch.cat([m.bias for m in into_residual])
+                row = 0
+                for m in into_residual:
+                    rows = slice(row, row + m.out_features)
+                    m.weight, m.bias = _param(w_in[rows]), _param(b_in[rows])
+                    row += m.out_features
+                w_out = torch.cat([attention.dense.weight, mlp.fc2.weight], dim=1)
+                b_out = attention.dense.bias + mlp.fc2.bias
+                attention.dense.weight = _param(w_out[:, : self.hidden])
+                mlp.fc2.weight = _param(w_out[:, self.hidden :])
+                self.layers.append((layer.input_layernorm.weight, layer.input_layernorm.bias, w_in, b_in, w_out, b_out))
+        theta = rope_parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        self.inv_freq = inv_freq.to(self.embed.device)
+
+    def rotary_tables(self, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for positions 0..length-1 (see `rope`), computed in float32
+        then cast, as transformers does."""
+        positions = torch.arange(length, device=self.embed.device, dtype=torch.float)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        table = torch.cat((freqs, freqs), dim=-1)
+        half = self.rotary_dim // 2
+        sign = torch.cat((-torch.ones(half), torch.ones(half))).to(table.device)
+        return table.cos().to(dtype), (table.sin() * sign).to(dtype)
+
+
+def _param(tensor: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int) -> None:
+    """Rotary embedding, in place, on the first `rotary_dim` dims of q and k ([..., 2, heads, head_dim]).
+
+    transformers computes x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; that is
+    roll(x, half) * [-1.., 1..], so the sign is folded into the sin table: three kernels."""
+    rot = qk[..., :rotary_dim]
+    rolled = rot.roll(rotary_dim // 2, dims=-1)
+    rot.copy_(torch.addcmul(rot * cos, rolled, signed_sin))
+
+
+def decode_layer(x, cos, sin, bias, positions, rows, k_cache, v_cache, ln_w, ln_b, w_in, b_in, w_out, b_out, *, shape):
+    """One Phi block for one new token per row: x [b, hidden] at `positions`, the cache of
+    each row in k_cache/v_cache [rows, heads, length, head_dim]; `bias` masks the columns a
+    row must not see ([b * heads, 1, span]). Compilable: shapes come from the tensors."""
+    hidden, heads, head_dim, rotary_dim, eps, activation = shape
+    batch, span = x.shape[0], bias.shape[-1]
+    h = F.layer_norm(x, (hidden,), ln_w, ln_b, eps)
+    y = F.linear(h, w_in, b_in)
+    qkv = y[:, : 3 * hidden].view(batch, 3, heads, head_dim)
+    rope_(qkv[:, :2], cos, sin, rotary_dim)
+    q, k, v = qkv.unbind(1)
+    k_cache[rows, :, positions] = k
+    v_cache[rows, :, positions] = v
+    # Attention of one query per row over its cache: three batched kernels.
+    keys = k_cache[:batch, :, :span].reshape(batch * heads, span, head_dim)
+    values = v_cache[:batch, :, :span].reshape(batch * heads, span, head_dim)
+    scores = torch.baddbmm(bias, q.reshape(batch * heads, 1, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5)
+    attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(batch, hidden)
+    mixed = torch.cat((attention, activation(y[:, 3 * hidden :])), dim=-1)
+    return x + F.linear(mixed, w_out, b_out)
+
+
+class _Slot:
+    def __init__(self, sequence: Sequence, generator):
+        self.sequence = sequence
+        self.generator = generator
+        self.cached = 0  # tokens in the cache: the prompt as far as prefilled, then the generated ones fed back
+        self.next_token: int | None = None  # the input of the next decode step, once the prompt is in
+
+
+class BatchedPhiDecoder:
+    def __init__(self, backend, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None, compile: bool = False):
+        self.backend = backend
+        self.weights = backend.fast_weights
+        self.device = backend.device
+        self.dtype = self.weights.embed.dtype
+        self.capacity = max_batch
+        self.context = backend.info.context_length
+        on_cuda = self.device.type == "cuda"
+        self.prefill_chunk = prefill_chunk or (512 if on_cuda else 64)
+        self.use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        self.cos, self.sin = self.weights.rotary_tables(self.context + 1, self.dtype)
+        self.slots: list[_Slot] = []
+        self.index: dict[int, int] = {}  # sequence id -> slot
+        # On CUDA the whole cache is allocated once (graphs hold its address); on the CPU it grows.
+        self.cache_length = self.context + 1 if self.use_graphs else min(self.context + 1, MIN_LENGTH_BUCKET)
+        self.rows = bucket(max_batch, BATCH_BUCKETS) if self.use_graphs else max_batch
+        self.k, self.v = self._new_cache(self.cache_length)
+        w = self.weights
+        self._shape = (w.hidden, w.heads, w.head_dim, w.rotary_dim, w.eps, w.activation)
+        # torch.compile fuses each block's small kernels (LayerNorm, rotary, GELU, residual);
+        # dynamic shapes: one compilation serves every batch and length bucket.
+        self._layer = torch.compile(decode_layer, dynamic=True, fullgraph=True) if compile else decode_layer
+        self.inputs = torch.zeros(2, self.rows, dtype=torch.long, device=self.device)  # tokens, positions
+        pinned = self.device.type == "cuda"
+        self._host_inputs = torch.zeros(2, self.rows, dtype=torch.long, pin_memory=pinned)
+        self._greedy_host = torch.zeros(self.rows, dtype=torch.long, pin_memory=pinned)
+        self._step_done = torch.cuda.Event() if pinned else None
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def _new_cache(self, length: int):
+        w = self.weights
+        shape = (len(w.layers), self.rows, w.heads, length, w.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # -- the contract ----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Forget every sequence (a fresh decoder for the worker, keeping the cache and graphs)."""
+        self.slots.clear()
+        self.index.clear()
+
+    def add(self, sequence: Sequence) -> None:
+        if len(self.slots) >= self.capacity:
+            raise RuntimeError("decoder is full")
+        self.index[sequence.id] = len(self.slots)
+        self.slots.append(_Slot(sequence, seeded_generator(sequence.sampling.seed, self.device)))
+
+    def remove(self, sequence_id: int) -> None:
+        slot = self.index.pop(sequence_id, None)
+        if slot is None:
+            return
+        last = len(self.slots) - 1
+        if slot != last:  # keep slots packed: the last sequence moves into the freed slot
+            moved = self.slots[last]
+            n = moved.cached
+            self.k[:, slot, :, :n] = self.k[:, last, :, :n]
+            self.v[:, slot, :, :n] = self.v[:, last, :, :n]
+            self.slots[slot] = moved
+            self.index[moved.sequence.id] = slot
+        self.slots.pop()
+
+    def step(self) -> dict[int, int]:
+        produced = self._prefill_some()
+        decoding = [i for i, s in enumerate(self.slots) if s.next_token is not None and s.sequence.id not in produced]
+        if decoding:
+            logits, greedy = self._decode(decoding)
+            for i, token in zip(decoding, greedy):
+                slot = self.slots[i]
+                if slot.sequence.sampling.temperature > 0:  # its own generator, on its own logits row
+                    token = sample(logits[i], slot.sequence.sampling, slot.generator)
+                slot.cached += 1  # next_token went into the cache in this step
+                slot.next_token = token
+                produced[slot.sequence.id] = token
+        return produced
+
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    def _prefill_some(self) -> dict[int, int]:
+        """Process up to `prefill_chunk` prompt tokens, oldest request first."""
+        produced = {}
+        budget = self.prefill_chunk
+        for i, slot in enumerate(self.slots):
+            prompt = slot.sequence.prompt_ids
+            while slot.next_token is None and budget > 0:
+                end = min(len(prompt), slot.cached + budget)
+                logits = self._prefill_chunk(i, prompt[slot.cached : end], slot.cached)
+                budget -= end - slot.cached
+                slot.cached = end
+                if end == len(prompt):
+                    slot.next_token = sample(logits, slot.sequence.sampling, slot.generator)
+                    produced[slot.sequence.id] = slot.next_token
+            if budget <= 0:
+                break
+        return produced
+
+    @torch.inference_mode()
+    def _prefill_chunk(self, slot: int, ids: list[int], start: int) -> torch.Tensor:
+        w = self.weights
+        end = start + len(ids)
+        self._grow(end)
+        x = w.embed[torch.tensor(ids, device=self.device)]  # [c, hidden]
+        cos, sin = self.cos[start:end, None, None, :], self.sin[start:end, None, None, :]
+        mask = torch.ones(len(ids), end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
+            h = F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps)
+            y = F.linear(h, w_in, b_in)
+            qkv = y[:, : 3 * w.hidden].view(len(ids), 3, w.heads, w.head_dim)
+            rope_(qkv[:, :2], cos, sin, w.rotary_dim)
+            q, k, v = qkv.unbind(1)
+            self.k[l, slot, :, start:end] = k.transpose(0, 1)
+            self.v[l, slot, :, start:end] = v.transpose(0, 1)
+            attention = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], self.k[l, slot : slot + 1, :, :end], self.v[l, slot : slot + 1, :, :end], attn_mask=mask
+            )
+            mixed = torch.cat((attention[0].transpose(0, 1).reshape(len(ids), w.hidden), w.activation(y[:, 3 * w.hidden :])), dim=-1)
+            x = x + F.linear(mixed, w_out, b_out)
+        return self._logits(x[-1:])[0]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        x = F.layer_norm(x, (w.hidden,), *w.final_norm, w.eps)
+        logits = F.linear(x, *w.lm_head)
+        decodable = self.backend.undecodable_from
+        if logits.shape[-1] > decodable:
+            logits[:, decodable:] = float("-inf")
+        return logits
+
+    # -- decode ----------------------------------------------------------------------------------
+
+    def _decode(self, rows: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """One step for the slots in `rows`: the bucket's logits, and each row's greedy token.
+
+        The other rows up to the batch bucket idle: they write to the cache's last column,
+        which no sequence uses, and their output is dropped."""
+        longest = max(self.slots[i].cached for i in rows) + 1
+        self._grow(longest)
+        batch = bucket(len(self.slots), BATCH_BUCKETS) if self.use_graphs else len(self.slots)
+        span = min(bucket(longest, self._length_buckets()), self.cache_length) if self.use_graphs else longest
+        host = self._host_inputs
+        host[0, :batch] = 0
+        host[1, :batch] = self.cache_length - 1
+        for i in rows:
+            host[0, i] = self.slots[i].next_token
+            host[1, i] = self.slots[i].cached
+        self.inputs[:, :batch].copy_(host[:, :batch], non_blocking=True)  # tokens and positions: one copy
+        logits, greedy = self._replay(batch, span) if self.use_graphs else self._decode_step(batch, span)
+        if self.device.type == "cuda":
+            # Wait for the step on an event: that wait lets go of the GIL, so the event loop
+            # serves the streams meanwhile (.tolist() on a device tensor would hold it).
+            self._greedy_host[:batch].copy_(greedy, non_blocking=True)
+            self._step_done.record()
+            self._step_done.synchronize()
+            greedy = self._greedy_host[:batch]
+        tokens = greedy.tolist()
+        return logits, [tokens[i] for i in rows]
+
+    def _length_buckets(self):
+        n, buckets = MIN_LENGTH_BUCKET, []
+        while n < self.context + 1:
+            buckets.append(n)
+            n *= 2
+        return buckets + [self.context + 1]
+
+    @torch.inference_mode()
+    def _decode_step(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens for rows 0..batch-1, attending to cache columns 0..span-1."""
+        w = self.weights
+        tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
+        rows = torch.arange(batch, device=self.device)
+        x = w.embed[tokens]  # [b, hidden]
+        cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
+        visible = torch.arange(span, device=self.device)[None, :] <= positions[:, None]
+        bias = torch.zeros(batch, span, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        bias = bias[:, None, None, :].expand(batch, w.heads, 1, span).reshape(batch * w.heads, 1, span)
+        for l, layer in enumerate(w.layers):
+            x = self._layer(x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *layer, shape=self._shape)
+        logits = self._logits(x)
+        return logits, logits.argmax(dim=-1)
+
+    def _replay(self, batch: int, span: int) -> torch.Tensor:
+        key = (batch, span)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(batch, span)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(self, batch: int, span: int):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels and workspaces outside the capture
+                self._decode_step(batch, span)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._decode_step(batch, span)
+        self._pool = graph.pool()
+        log.info("captured a decode step for batch %d, attention length %d", batch, span)
+        return graph, out
+
+    def capture(self, spans=(MIN_LENGTH_BUCKET, 2 * MIN_LENGTH_BUCKET)) -> None:
+        """Capture the decode graphs that short requests use, before the first request needs them."""
+        if not self.use_graphs:
+            return
+        for batch in BATCH_BUCKETS:
+            if batch > self.rows:
+                break
+            for span in spans:
+                self._replay(batch, min(span, self.cache_length))
+
+    def _grow(self, length: int) -> None:
+        """On the CPU, lengthen the cache (doubling) so that `length` positions fit before its
+        last column (the idle rows' scratch column)."""
+        if length <= self.cache_length - 1 or self.use_graphs:
+            return
+        new_length = min(max(length + 1, 2 * self.cache_length), self.context + 1)
+        k, v = self._new_cache(new_length)
+        used = self.cache_length - 1  # the old scratch column is not carried over
+        k[:, :, :, :used] = self.k[:, :, :, :used]
+        v[:, :, :, :used] = self.v[:, :, :, :used]
+        self.k, self.v, self.cache_length = k, v, new_length
