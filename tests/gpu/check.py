@@ -1,0 +1,237 @@
+"""GPU check for the CUDA fast path: run on a CUDA machine from the repository root.
+
+    python3 tests/gpu/check.py --out results/        # about 6 minutes on one H200
+
+1. Builds Phi-2's architecture with random weights on the GPU (`random:phi-2`).
+2. Correctness: the fast path against transformers' forward (float32 logits), and greedy ids
+   of sequences decoded in one batch against each decoded alone (float32, then bfloat16).
+3. In-process decode speed: transformers `generate` (dynamic and static cache) against the
+   fast path at batch 1, 8, 32, 64, and the memory-bandwidth limit measured in the same run.
+4. A real server (`phi2_server.py`, MAX_BATCH=64): time to ready, then bench.py at
+   concurrency 1, 8, 32, 64. Prints a table; writes every number to --out.
+Not part of `make test` (CI has no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends.torch_fast import BatchedPhiDecoder  # noqa: E402
+
+PROMPT = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is two plus two?"
+RESULTS: dict = {}
+SKIP: set[str] = set()
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def timed_cuda(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a large device-to-device copy."""
+    src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    seconds = min(timed_cuda(lambda: dst.copy_(src)) for _ in range(10))
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def decode_alone(backend, prompts, n, decoder) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        decoder.clear()
+        decoder.add(Sequence(1, backend.encode(prompt), Sampling(), n))
+        out.append([decoder.step()[1] for _ in range(n)])
+        decoder.remove(1)
+    return out
+
+
+def decode_together(backend, prompts, n, decoder) -> list[list[int]]:
+    decoder.clear()
+    for i, prompt in enumerate(prompts):
+        decoder.add(Sequence(i, backend.encode(prompt), Sampling(), n))
+    out = [[] for _ in prompts]
+    while any(len(o) < n for o in out):
+        for i, token in decoder.step().items():
+            out[i].append(token)
+    for i in range(len(prompts)):
+        decoder.remove(i)
+    return out
+
+
+def parity(dtype: str) -> dict:
+    backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype=dtype, warmup=False))
+    prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
+    n = 48
+    result = {}
+    if dtype == "float32":
+        ids = torch.tensor([backend.encode(PROMPT)], device="cuda")
+        with torch.inference_mode():
+            reference = backend.model(ids).logits[0, -1].float()
+        decoder = BatchedPhiDecoder(backend, 1, cuda_graphs=False)
+        fast = decoder._prefill_chunk(0, ids[0].tolist(), 0).float()  # the prompt into slot 0
+        decodable = backend.undecodable_from  # the fast path masks the ids the tokenizer cannot decode
+        result["max_abs_logit_diff_vs_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
+        result["logit_scale"] = float(reference.abs().max())
+    single = BatchedPhiDecoder(backend, 1)
+    alone = decode_alone(backend, prompts, n, single)
+    batched = decode_together(backend, prompts, n, BatchedPhiDecoder(backend, 8))
+    same = sum(a == b for a, b in zip(alone, batched))
+    first = [next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(alone, batched)]
+    result.update(sequences=len(prompts), tokens=n, identical=same, first_divergence=first)
+    if dtype == "bfloat16" and "compile" not in SKIP:
+        compiled = decode_alone(backend, prompts, n, BatchedPhiDecoder(backend, 1, compile=True))
+        result["compiled_identical_to_eager"] = sum(a == b for a, b in zip(alone, compiled))
+    del backend, single
+    torch.cuda.empty_cache()
+    return result
+
+
+def speed() -> dict:
+    backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False))
+    model = backend.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth()
+    result = {"weight_bytes": weight_bytes, "copy_bandwidth_bytes_s": bandwidth, "limit_tok_s": bandwidth / weight_bytes}
+    ids = torch.tensor([backend.encode(PROMPT)[:16]], device="cuda")
+    n = 128
+    for name, kwargs in [("generate_dynamic", {}), ("generate_static", {"cache_implementation": "static"})]:
+        if name in SKIP:
+            continue
+        try:
+            started = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)  # warm-up / compile
+            warm = time.perf_counter() - started
+            seconds = timed_cuda(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs))
+            result[name] = {"tok_s": n / seconds, "first_call_s": warm}
+        except Exception as exc:  # reported, not fatal: the fast path is what this checks
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        say(name, result[name])
+    result["profile_batch_1"] = profile_step(backend)
+    say("profile batch 1", result["profile_batch_1"])
+    variants = [(b, False) for b in (1, 8, 32, 64)] + ([(1, True), (64, True)] if "compile" not in SKIP else [])
+    for batch, compiled in variants:
+        decoder = BatchedPhiDecoder(backend, batch, compile=compiled)
+        started = time.perf_counter()
+        decoder.capture(spans=(128, 256))
+        capture = time.perf_counter() - started
+        decoder.clear()
+        for i in range(batch):
+            decoder.add(Sequence(i, ids[0].tolist(), Sampling(), n))
+        decoder.step()  # prefill (all 16-token prompts fit one chunk budget at these sizes)
+        while any(s.next_token is None for s in decoder.slots):
+            decoder.step()
+        steps = 100
+        seconds = timed_cuda(lambda: [decoder.step() for _ in range(steps)])
+        name = f"fast_batch_{batch}" + ("_compiled" if compiled else "")
+        result[name] = {"step_ms": seconds / steps * 1000, "tok_s": batch * steps / seconds, "capture_s": capture}
+        say(name, result[name])
+        del decoder
+        torch.cuda.empty_cache()
+    del backend, model
+    torch.cuda.empty_cache()
+    return result
+
+
+def profile_step(backend) -> dict:
+    """Where a batch-1 decode step's GPU time goes (eager kernels; a graph replays the same ones)."""
+    decoder = BatchedPhiDecoder(backend, 1, cuda_graphs=False)
+    decoder.add(Sequence(0, backend.encode(PROMPT)[:16], Sampling(), 64))
+    for _ in range(4):
+        decoder.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        decoder.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels)
+    gemm = sum(e.device_time for e in kernels if any(t in e.name.lower() for t in ("gemm", "gemv", "cutlass", "nvjet", "sm90")))
+    top = {}
+    for e in kernels:
+        top[e.name[:60]] = top.get(e.name[:60], 0) + e.device_time
+    return {"kernels": len(kernels), "gpu_ms": total / 1000, "gemm_ms": gemm / 1000,
+            "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:12]}
+
+
+def serve_and_bench(out: Path) -> dict:
+    env = {**os.environ, "PHI2_COMPILE": os.environ.get("PHI2_COMPILE", "0"), "PHI2_MODEL": "random:phi-2", "MAX_BATCH": "64", "MAX_QUEUE": "256", "LOG_DIR": str(out / "logs"), "ADAPTER_PATH": ""}
+    port = 8321
+    started = time.perf_counter()
+    server = subprocess.Popen([sys.executable, str(ROOT / "phi2_server.py"), "--port", str(port)], env=env, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
+    import urllib.request
+
+    ready = None
+    while time.perf_counter() - started < 240:
+        if server.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
+                if response.status == 200:
+                    ready = time.perf_counter() - started
+                    break
+        except OSError:
+            pass
+        time.sleep(0.5)
+    result = {"startup_to_ready_s": ready}
+    say("server ready after", ready)
+    if ready is not None:
+        command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", "1,8,32,64",
+                   "--max-tokens", "128", "--runs", "3", "--prompt", PROMPT, "--label", "random:phi-2 H200", "--json", str(out / "bench.json")]
+        bench = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        say(bench.stdout)
+        say(bench.stderr[-3000:])
+        result["bench_table"] = bench.stdout
+    server.terminate()
+    server.wait(60)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu-results")
+    parser.add_argument("--skip", default="", help="comma list to skip: parity,speed,serve,generate_dynamic,generate_static")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    SKIP.update(skip)
+    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    say(RESULTS)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if "parity" not in skip:
+        RESULTS["parity_float32"] = parity("float32")
+        say("parity float32", RESULTS["parity_float32"])
+        RESULTS["parity_bfloat16"] = parity("bfloat16")
+        say("parity bfloat16", RESULTS["parity_bfloat16"])
+    if "speed" not in skip:
+        RESULTS["speed"] = speed()
+    if "serve" not in skip:
+        RESULTS["serve"] = serve_and_bench(out)
+    (out / "results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
+    say(json.dumps({k: v for k, v in RESULTS.items() if k != "serve"}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
