@@ -5,7 +5,17 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 REQUIREMENTS := requirements-$(if $(filter Darwin,$(shell uname -s)),mac,linux).txt
 
-.PHONY: help install run demo test bench bench-overhead clean
+# Docker (README, "Docker"): plain `docker`, whichever engine DOCKER_HOST points it at.
+DOCKER_IMAGE ?= phi2-server
+DOCKER_CONTAINER ?= phi2-server
+DOCKER_PORT ?= 8000
+DOCKER_LOG_VOLUME ?= phi2-logs
+HF_CACHE ?= $(or $(HF_HOME),$(HOME)/.cache/huggingface)
+MODEL_DIR ?=
+DOCKER_BUILD_ARGS ?=
+DOCKER_RUN_ARGS ?=
+
+.PHONY: help install run demo test bench bench-overhead clean docker-build docker-run docker-stop docker-logs
 
 help:
 	@echo "make demo     serve the tiny offline demo model on http://127.0.0.1:8000"
@@ -14,6 +24,11 @@ help:
 	@echo "make bench    start a server on a free port, benchmark it (BENCH_ARGS), stop it"
 	@echo "make bench-overhead  the same request in-process and over HTTP, and the ratio"
 	@echo "make install  create $(VENV) with $(REQUIREMENTS)"
+	@echo "make docker-run    build the image, serve it on http://127.0.0.1:$(DOCKER_PORT)"
+	@echo "                   (MODEL_DIR=dir serves a local checkpoint, mounted read-only)"
+	@echo "make docker-stop   stop and remove the container"
+	@echo "make docker-logs   follow the container's output"
+	@echo "make docker-build  build the image $(DOCKER_IMAGE)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,3 +65,32 @@ bench-overhead: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+docker-build:
+	docker build $(DOCKER_BUILD_ARGS) -t $(DOCKER_IMAGE) .
+
+# Publish on the host's loopback only: the server has no authentication. The cache directory
+# is created here so that it belongs to you, not to the Docker daemon.
+docker-run: docker-build docker-stop
+	mkdir -p $(HF_CACHE)
+	docker run -d --name $(DOCKER_CONTAINER) -p 127.0.0.1:$(DOCKER_PORT):8000 \
+		-v $(HF_CACHE):/home/phi2/.cache/huggingface -v $(DOCKER_LOG_VOLUME):/var/log/phi2-server \
+		$(if $(MODEL_DIR),-v $(abspath $(MODEL_DIR)):/model:ro -e PHI2_MODEL=/model,$(if $(PHI2_MODEL),-e PHI2_MODEL=$(PHI2_MODEL))) \
+		$(DOCKER_RUN_ARGS) $(DOCKER_IMAGE)
+	@echo "waiting for the model to load (make docker-logs shows progress)"
+	@until curl -fs -o /dev/null http://127.0.0.1:$(DOCKER_PORT)/ready; do \
+		if [ "$$(docker container inspect -f '{{.State.Running}}' $(DOCKER_CONTAINER))" != true ]; then \
+			docker logs --tail 20 $(DOCKER_CONTAINER); echo "$(DOCKER_CONTAINER) stopped before it was ready"; exit 1; \
+		fi; \
+		sleep 1; \
+	done
+	@echo "phi2-server is ready: http://127.0.0.1:$(DOCKER_PORT)"
+
+# The stop timeout outlasts the server's SHUTDOWN_GRACE (10 s), so streams end cleanly.
+docker-stop:
+	@if docker container inspect $(DOCKER_CONTAINER) >/dev/null 2>&1; then \
+		docker stop -t 20 $(DOCKER_CONTAINER) >/dev/null && docker rm $(DOCKER_CONTAINER) >/dev/null && echo "removed $(DOCKER_CONTAINER)"; \
+	fi
+
+docker-logs:
+	docker logs -f $(DOCKER_CONTAINER)
