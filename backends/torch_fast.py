@@ -141,6 +141,13 @@ def decode_layer(x, cos, sin, bias, positions, rows, k_cache, v_cache, ln_w, ln_
     return x + F.linear(mixed, w_out, b_out)
 
 
+class _Launch:
+    """A decode step started on the device and not yet read."""
+
+    def __init__(self, rows, logits, greedy, done):
+        self.rows, self.logits, self.greedy, self.done = rows, logits, greedy, done
+
+
 class _Slot:
     def __init__(self, sequence: Sequence, generator):
         self.sequence = sequence
@@ -172,11 +179,14 @@ class BatchedPhiDecoder:
         # torch.compile fuses each block's small kernels (LayerNorm, rotary, GELU, residual);
         # dynamic shapes: one compilation serves every batch and length bucket.
         self._layer = torch.compile(decode_layer, dynamic=True, fullgraph=True) if compile else decode_layer
-        self.inputs = torch.zeros(2, self.rows, dtype=torch.long, device=self.device)  # tokens, positions
+        # Per row: input token, position, and 1 if the row decodes (its position advances when chained).
+        self.inputs = torch.zeros(3, self.rows, dtype=torch.long, device=self.device)
         pinned = self.device.type == "cuda"
-        self._host_inputs = torch.zeros(2, self.rows, dtype=torch.long, pin_memory=pinned)
-        self._greedy_host = torch.zeros(self.rows, dtype=torch.long, pin_memory=pinned)
-        self._step_done = torch.cuda.Event() if pinned else None
+        self._host_inputs = torch.zeros(3, self.rows, dtype=torch.long, pin_memory=pinned)
+        self._greedy_host = [torch.zeros(self.rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._flip = 0
+        self._inflight: _Launch | None = None
+        self._stash: dict[int, int] | None = None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
@@ -189,8 +199,16 @@ class BatchedPhiDecoder:
 
     def clear(self) -> None:
         """Forget every sequence (a fresh decoder for the worker, keeping the cache and graphs)."""
+        self._drain()
+        self._stash = None
         self.slots.clear()
         self.index.clear()
+
+    def _drain(self) -> None:
+        """Read a step still in flight before the slots change under it."""
+        if self._inflight is not None:
+            produced, self._inflight = self._collect(self._inflight), None
+            self._stash = {**(self._stash or {}), **produced}
 
     def add(self, sequence: Sequence) -> None:
         if len(self.slots) >= self.capacity:
@@ -199,9 +217,10 @@ class BatchedPhiDecoder:
         self.slots.append(_Slot(sequence, seeded_generator(sequence.sampling.seed, self.device)))
 
     def remove(self, sequence_id: int) -> None:
-        slot = self.index.pop(sequence_id, None)
-        if slot is None:
+        if sequence_id not in self.index:
             return
+        self._drain()
+        slot = self.index.pop(sequence_id)
         last = len(self.slots) - 1
         if slot != last:  # keep slots packed: the last sequence moves into the freed slot
             moved = self.slots[last]
@@ -213,19 +232,52 @@ class BatchedPhiDecoder:
         self.slots.pop()
 
     def step(self) -> dict[int, int]:
+        """One token for every sequence that is past its prompt (and maybe a first token for one
+        whose prompt just finished). On CUDA, when every running sequence decodes greedily and no
+        prompt waits, steps are chained: the next step is launched, fed its tokens on the device,
+        before this one's are read, so the GPU never waits for Python."""
+        if self._stash is not None:  # read early, when a sequence left while a step was in flight
+            produced, self._stash = self._stash, None
+            return {i: t for i, t in produced.items() if i in self.index}
+        if self._inflight is not None:
+            if self._can_chain(self._inflight):
+                chained = self._launch(self._inflight.rows, chained=True)
+                produced, self._inflight = self._collect(self._inflight), chained
+                return produced
+            produced, self._inflight = self._collect(self._inflight), None
+            return produced
         produced = self._prefill_some()
         decoding = [i for i, s in enumerate(self.slots) if s.next_token is not None and s.sequence.id not in produced]
         if decoding:
-            logits, greedy = self._decode(decoding)
-            for i, token in zip(decoding, greedy):
-                slot = self.slots[i]
-                if slot.sequence.sampling.temperature > 0:  # its own generator, on its own logits row
-                    token = sample(logits[i], slot.sequence.sampling, slot.generator)
-                slot.cached += 1  # next_token went into the cache in this step
-                slot.next_token = token
-                produced[slot.sequence.id] = token
+            launched = self._launch(decoding)
+            if self._can_chain(launched):
+                self._inflight = launched  # its tokens come with the next step
+            else:
+                produced.update(self._collect(launched))
         return produced
 
+    def _can_chain(self, launched: "_Launch") -> bool:
+        return (
+            self.use_graphs
+            and len(launched.rows) == len(self.slots)  # nobody joined or waits for a prompt
+            and all(self.slots[i].sequence.sampling.temperature == 0 for i in launched.rows)
+        )
+
+    def _collect(self, launched: "_Launch") -> dict[int, int]:
+        """Wait for a launched step (on an event: the GIL is free meanwhile) and take its tokens."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        greedy = launched.greedy.tolist()
+        produced = {}
+        for i in launched.rows:
+            slot = self.slots[i]
+            token = greedy[i]
+            if slot.sequence.sampling.temperature > 0:  # its own generator, on its own logits row
+                token = sample(launched.logits[i], slot.sequence.sampling, slot.generator)
+            slot.cached += 1  # its input token went into the cache in that step
+            slot.next_token = token
+            produced[slot.sequence.id] = token
+        return produced
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -281,32 +333,36 @@ class BatchedPhiDecoder:
 
     # -- decode ----------------------------------------------------------------------------------
 
-    def _decode(self, rows: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """One step for the slots in `rows`: the bucket's logits, and each row's greedy token.
-
-        The other rows up to the batch bucket idle: they write to the cache's last column,
-        which no sequence uses, and their output is dropped."""
-        longest = max(self.slots[i].cached for i in rows) + 1
+    def _launch(self, rows: list[int], chained: bool = False) -> "_Launch":
+        """Start a decode step for the slots in `rows` (their inputs from the host, or, chained,
+        from the previous step on the device). The other rows up to the batch bucket idle: they
+        write to the cache's last column, which no sequence uses, and their output is dropped."""
+        ahead = 1 if chained else 0  # a chained step's inputs sit one position past the slots' own count
+        longest = max(self.slots[i].cached for i in rows) + 1 + ahead
         self._grow(longest)
         batch = bucket(len(self.slots), BATCH_BUCKETS) if self.use_graphs else len(self.slots)
         span = min(bucket(longest, self._length_buckets()), self.cache_length) if self.use_graphs else longest
-        host = self._host_inputs
-        host[0, :batch] = 0
-        host[1, :batch] = self.cache_length - 1
-        for i in rows:
-            host[0, i] = self.slots[i].next_token
-            host[1, i] = self.slots[i].cached
-        self.inputs[:, :batch].copy_(host[:, :batch], non_blocking=True)  # tokens and positions: one copy
+        if not chained:
+            host = self._host_inputs
+            host[:, :batch] = 0
+            host[1, :batch] = self.cache_length - 1
+            for i in rows:
+                host[:, i] = torch.tensor((self.slots[i].next_token, self.slots[i].cached, 1))
+            self.inputs[:, :batch].copy_(host[:, :batch], non_blocking=True)  # tokens, positions, advance
         logits, greedy = self._replay(batch, span) if self.use_graphs else self._decode_step(batch, span)
+        if not self.use_graphs:
+            return _Launch(rows, logits, greedy, None)
+        # Feed the next step on the device: its tokens are these greedy ones, one position on.
+        self.inputs[0, :batch].copy_(greedy)
+        self.inputs[1, :batch].add_(self.inputs[2, :batch])
+        buffer = self._greedy_host[self._flip][:batch]  # two buffers: one may still be read
+        self._flip ^= 1
+        buffer.copy_(greedy, non_blocking=True)
+        done = None
         if self.device.type == "cuda":
-            # Wait for the step on an event: that wait lets go of the GIL, so the event loop
-            # serves the streams meanwhile (.tolist() on a device tensor would hold it).
-            self._greedy_host[:batch].copy_(greedy, non_blocking=True)
-            self._step_done.record()
-            self._step_done.synchronize()
-            greedy = self._greedy_host[:batch]
-        tokens = greedy.tolist()
-        return logits, [tokens[i] for i in rows]
+            done = torch.cuda.Event()
+            done.record()
+        return _Launch(rows, logits, buffer, done)
 
     def _length_buckets(self):
         n, buckets = MIN_LENGTH_BUCKET, []
