@@ -11,8 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import apply_top_p, categorical_sampling
-from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
+from mlx_lm.sample_utils import apply_top_p, greedy_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
@@ -57,17 +56,27 @@ class MlxDetokenizer:
 
 
 def make_sampler(sampling: Sampling):
-    """Temperature first, then top-p (as transformers and the Torch runtime do), from mlx-lm's parts."""
+    """Temperature first, then top-p (as transformers and the Torch runtime do), from mlx-lm's parts.
+
+    A sampled sequence draws from its own PRNG key, split once per token, never from MLX's
+    global state: in a batch every row is sampled in the same step, so a global seed could
+    not make one request reproducible whatever else is running.
+    """
     if sampling.temperature == 0:
-        return mlx_make_sampler(0.0)  # greedy
+        # One shared function: BatchGenerator samples a batch whose rows all share one
+        # sampler in a single call.
+        return greedy_sampler
     inverse_temperature = 1.0 / sampling.temperature
     top_p = sampling.top_p
+    key = mx.random.key(sampling.seed if sampling.seed is not None else secrets.randbits(63))
 
     def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, subkey = mx.random.split(key)
         scaled = logprobs * inverse_temperature
         if top_p < 1.0:
             scaled = apply_top_p(scaled, top_p)
-        return categorical_sampling(scaled, 1.0)
+        return mx.random.categorical(scaled, key=subkey)
 
     return sample
 
@@ -153,7 +162,6 @@ class MlxBackend:
 
     def generation(self, sequence: Sequence):
         """mlx-lm's own token generator for one sequence."""
-        mx.random.seed(sequence.sampling.seed if sequence.sampling.seed is not None else secrets.randbits(63))
         return generate_step(
             mx.array(sequence.prompt_ids),
             self.model,
