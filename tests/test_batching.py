@@ -68,13 +68,15 @@ def sequence(backend, seq_id: int, prompt: str, n: int, sampling: Sampling = Sam
 
 
 def test_greedy_batch_equals_each_sequence_alone(runtime_backend):
-    # Six prompts of different lengths and limits through four slots: two join as others end.
-    sequences = [sequence(runtime_backend, i, p, 20 + 13 * i) for i, p in enumerate(PROMPTS)]
+    # Seven prompts of 1 to 12 tokens, with different limits, through four slots: three
+    # join as others end.
+    prompts = PROMPTS + ["Once"]
+    sequences = [sequence(runtime_backend, i, p, 20 + 13 * i) for i, p in enumerate(prompts)]
     decoder = runtime_backend.decoder(4)
     assert decoder.capacity == 4
     batched, finished = decode(decoder, [(0, s) for s in sequences])
     for s in sequences:
-        assert batched[s.id] == alone(runtime_backend, s), PROMPTS[s.id]
+        assert batched[s.id] == alone(runtime_backend, s), prompts[s.id]
     assert finished[:4] == [0, 1, 2, 3]  # the first four ran together, shortest first
 
 
