@@ -76,7 +76,11 @@ class Decoder(Protocol):
     def add(self, sequence: Sequence) -> None: ...
 
     def step(self) -> dict[int, int]:
-        """Advance every active sequence by one token: {sequence id: new token id}."""
+        """Advance every active sequence by one token: {sequence id: new token id}.
+
+        A sequence whose prompt is still being prefilled may have no token yet (a batch
+        prefills a joining prompt over the next steps while the others keep decoding).
+        """
         ...
 
     def remove(self, sequence_id: int) -> None: ...

@@ -1,4 +1,8 @@
-"""MLX runtime (mlx-lm): Metal on Apple Silicon; on Linux the CPU build runs the same code."""
+"""MLX runtime (mlx-lm): Metal on Apple Silicon; on Linux the CPU build runs the same code.
+
+One sequence at a time steps mlx-lm's `generate_step`; several share one running batch of
+mlx-lm's `BatchGenerator` (continuous batching: sequences join and leave between steps).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import apply_top_p, categorical_sampling
-from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.sample_utils import apply_top_p, greedy_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
@@ -57,17 +60,29 @@ class MlxDetokenizer:
 
 
 def make_sampler(sampling: Sampling):
-    """Temperature first, then top-p (as transformers and the Torch runtime do), from mlx-lm's parts."""
+    """Temperature first, then top-p (as transformers and the Torch runtime do), from mlx-lm's parts.
+
+    A sampled sequence draws from its own PRNG key, split once per token, never from MLX's
+    global state: in a batch every row is sampled in the same step, so a global seed could
+    not make one request reproducible whatever else is running. The key sequence is the
+    same in both decoders (each calls the sampler once per generated token), so a seed
+    gives the same text at any MAX_BATCH.
+    """
     if sampling.temperature == 0:
-        return mlx_make_sampler(0.0)  # greedy
+        # One shared function: BatchGenerator samples a batch whose rows all share one
+        # sampler in a single call.
+        return greedy_sampler
     inverse_temperature = 1.0 / sampling.temperature
     top_p = sampling.top_p
+    key = mx.random.key(sampling.seed if sampling.seed is not None else secrets.randbits(63))
 
     def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, subkey = mx.random.split(key)
         scaled = logprobs * inverse_temperature
         if top_p < 1.0:
             scaled = apply_top_p(scaled, top_p)
-        return categorical_sampling(scaled, 1.0)
+        return mx.random.categorical(scaled, key=subkey)
 
     return sample
 
@@ -127,15 +142,19 @@ class MlxBackend:
     def detokenizer(self) -> MlxDetokenizer:
         return MlxDetokenizer(self.tokenizer.detokenizer, self._skipped)
 
-    def decoder(self, max_batch: int = 1) -> "SingleSequenceDecoder":
-        return SingleSequenceDecoder(self)
+    def decoder(self, max_batch: int = 1) -> "SingleSequenceDecoder | BatchDecoder":
+        return BatchDecoder(self, max_batch) if max_batch > 1 else SingleSequenceDecoder(self)
 
     def warm_up(self) -> None:
-        decoder = self.decoder()
-        decoder.add(Sequence(0, self.encode("Hello") or [0], Sampling(), 2))
-        decoder.step()
-        decoder.step()
-        decoder.remove(0)
+        """A few steps through each decoder, so the first request pays for no kernel builds."""
+        prompt = self.encode("Hello") or [0]
+        for decoder in (self.decoder(1), self.decoder(2)):
+            for i in range(decoder.capacity):
+                decoder.add(Sequence(i, prompt, Sampling(), 4))
+            for _ in range(4):  # a batch's first tokens come on its third step
+                decoder.step()
+            for i in range(decoder.capacity):
+                decoder.remove(i)
 
     def _model_vocab(self) -> int:
         head = getattr(self.model, "lm_head", None)
@@ -153,7 +172,6 @@ class MlxBackend:
 
     def generation(self, sequence: Sequence):
         """mlx-lm's own token generator for one sequence."""
-        mx.random.seed(sequence.sampling.seed if sequence.sampling.seed is not None else secrets.randbits(63))
         return generate_step(
             mx.array(sequence.prompt_ids),
             self.model,
@@ -215,3 +233,65 @@ class SingleSequenceDecoder:
             self._tokens.close()
             self._sequence = None
             self._tokens = None
+
+
+# Prompt tokens prefilled per step: a long prompt joining the batch is processed over several
+# steps, each also decoding one token for the running sequences, so they do not stall for
+# the whole prefill.
+PREFILL_STEP = 512
+
+
+class BatchDecoder:
+    """Up to `capacity` sequences in one running batch of mlx-lm's `BatchGenerator`.
+
+    BatchGenerator pipelines: a step returns the tokens sampled in the previous step while
+    the next ones compute, and a newly inserted prompt is prefilled in the steps after its
+    insertion, so its first token comes a step or two later (`step()` omits it until then).
+    The engine alone decides when a sequence ends (end-of-text, stop strings, limits,
+    cancellation) and calls `remove`: BatchGenerator gets no stop tokens, and its length
+    limit equals the engine's, so at that limit it still returns the last token and drops
+    the sequence itself; the engine's `remove` then finds nothing left to do.
+    """
+
+    def __init__(self, backend: MlxBackend, capacity: int, prefill_step: int = PREFILL_STEP):
+        self.capacity = capacity
+        self._backend = backend
+        self._prefill_step = prefill_step
+        self._generator: BatchGenerator | None = None
+        self._uids: dict[int, int] = {}  # sequence id -> BatchGenerator uid
+        self._ids: dict[int, int] = {}  # BatchGenerator uid -> sequence id
+
+    def add(self, sequence: Sequence) -> None:
+        if self._generator is None:
+            self._generator = BatchGenerator(
+                self._backend.model,
+                completion_batch_size=self.capacity,
+                prefill_batch_size=self.capacity,
+                prefill_step_size=self._prefill_step,
+            )
+        (uid,) = self._generator.insert(
+            [sequence.prompt_ids],
+            max_tokens=[sequence.max_new_tokens],
+            samplers=[make_sampler(sequence.sampling)],
+            logits_processors=[self._backend._processors],
+        )
+        self._uids[sequence.id] = uid
+        self._ids[uid] = sequence.id
+
+    def step(self) -> dict[int, int]:
+        if self._generator is None:
+            return {}
+        _, generated = self._generator.next()
+        return {self._ids[r.uid]: r.token for r in generated}
+
+    def remove(self, sequence_id: int) -> None:
+        uid = self._uids.pop(sequence_id, None)
+        if uid is None:
+            return
+        del self._ids[uid]
+        self._generator.remove([uid])  # nothing more is computed for it from the next step
+        if not self._uids:
+            # Drop the idle generator here, on the generation thread (as mlx-lm's server does):
+            # its close() synchronizes its thread-local stream.
+            self._generator.close()
+            self._generator = None

@@ -34,9 +34,25 @@ def mlx_backend(tiny_path) -> Backend:
     return load_backend("mlx", LoadOptions(model=str(tiny_path)))
 
 
-@pytest.fixture(scope="session", params=["torch", "mlx"])
-def backend(request) -> Backend:
-    return request.getfixturevalue(f"{request.param}_backend")
+# (runtime, MAX_BATCH) pairs that the API suite runs on: every test of the `backend` fixture
+# runs once per pair. Torch joins at 4 when its decoder batches.
+SERVED = [("torch", 1), ("mlx", 1), ("mlx", 4)]
+
+
+@pytest.fixture(scope="session", params=SERVED, ids=[f"{r}-batch{b}" for r, b in SERVED])
+def served(request) -> tuple[str, int]:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def backend(request, served) -> Backend:
+    return request.getfixturevalue(f"{served[0]}_backend")
+
+
+@pytest.fixture
+def max_batch(request) -> int:
+    """MAX_BATCH for make_client and live_server: the served pair's on `backend`, else 1."""
+    return request.getfixturevalue("served")[1] if "backend" in request.fixturenames else 1
 
 
 @pytest.fixture
@@ -45,10 +61,11 @@ def log_dir(tmp_path) -> Path:
 
 
 @pytest.fixture
-def make_client(aiohttp_client, log_dir):
+def make_client(aiohttp_client, log_dir, max_batch):
     """make_client(load, wait=True, **settings) -> a test client over a fresh app."""
 
     async def make(load: Callable[[], Backend], wait: bool = True, **overrides):
+        overrides.setdefault("max_batch", max_batch)
         settings = Settings(log_dir=str(log_dir), shutdown_grace=1.0, **overrides)
         app = create_app(settings, load=load)
         client = await aiohttp_client(app)
@@ -163,11 +180,12 @@ class LiveServer:
 
 
 @pytest.fixture
-def live_server(log_dir):
+def live_server(log_dir, max_batch):
     """live_server(load, **settings) -> a LiveServer (closed after the test)."""
     servers = []
 
     def start(load: Callable[[], Backend], **overrides) -> LiveServer:
+        overrides.setdefault("max_batch", max_batch)
         settings = Settings(log_dir=str(log_dir), shutdown_grace=1.0, **overrides)
         server = LiveServer(create_app(settings, load=load))
         servers.append(server)

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(model: Path, log_dir: Path, backend: str, grace: float):
+def server_process(model: Path, log_dir: Path, backend: str, grace: float, max_batch: int = 1):
     port = free_port()
     env = {
         **os.environ,
@@ -35,6 +35,7 @@ def server_process(model: Path, log_dir: Path, backend: str, grace: float):
         "PORT": str(port),
         "LOG_DIR": str(log_dir),
         "SHUTDOWN_GRACE": str(grace),
+        "MAX_BATCH": str(max_batch),
         "ADAPTER_PATH": "",
     }
     process = subprocess.Popen([sys.executable, "phi2_server.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -64,24 +65,29 @@ def start_stream(port: int, body: dict):
     return response
 
 
-@pytest.mark.parametrize("runtime", ["torch", "mlx"])
-def test_sigterm_ends_a_running_stream_with_a_final_line_and_exits_0(tiny_path, tmp_path, runtime):
+@pytest.mark.parametrize("runtime, max_batch", [("torch", 1), ("mlx", 1), ("mlx", 8)])
+def test_sigterm_ends_a_running_stream_with_a_final_line_and_exits_0(tiny_path, tmp_path, runtime, max_batch):
     log_dir = tmp_path / "logs"
-    with server_process(tiny_path, log_dir, runtime, grace=0.2) as (process, port):
-        response = start_stream(port, LONG)
-        first = json.loads(response.readline())
-        assert "token" in first
+    with server_process(tiny_path, log_dir, runtime, grace=0.2, max_batch=max_batch) as (process, port):
+        responses = [start_stream(port, LONG) for _ in range(min(max_batch, 2))]
+        for response in responses:
+            assert "token" in json.loads(response.readline())
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        connection.request("GET", "/health")
+        assert json.loads(connection.getresponse().read())["queue"]["active"] == len(responses)
         process.send_signal(signal.SIGTERM)
-        lines = [json.loads(line) for line in response.read().splitlines()]
-        assert lines[-1]["done"] is True
-        assert lines[-1]["finish_reason"] == "shutdown"
-        assert lines[-1]["tokens_used"] < 480
+        for response in responses:
+            lines = [json.loads(line) for line in response.read().splitlines()]
+            assert lines[-1]["done"] is True
+            assert lines[-1]["finish_reason"] == "shutdown"
+            assert lines[-1]["tokens_used"] < 480
         assert process.wait(timeout=60) == 0
         output = process.stdout.read().decode()
     assert "Traceback" not in output
     log_lines = [json.loads(line) for line in (log_dir / "requests.log").read_text().splitlines()]
-    assert log_lines[-1]["path"] == "/generate/stream"
-    assert log_lines[-1]["finish_reason"] == "shutdown"
+    for line in log_lines[-len(responses) :]:
+        assert line["path"] == "/generate/stream"
+        assert line["finish_reason"] == "shutdown"
 
 
 def test_sigint_lets_in_flight_generations_finish_within_the_grace_period(tiny_path, tmp_path):
