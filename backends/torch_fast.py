@@ -157,6 +157,7 @@ class _Slot:
 
 
 class BatchedPhiDecoder:
+    @torch.inference_mode()  # the cache and buffers are inference tensors, as everything that writes them
     def __init__(self, backend, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None, compile: bool = False):
         self.backend = backend
         self.weights = backend.fast_weights
@@ -197,6 +198,7 @@ class BatchedPhiDecoder:
 
     # -- the contract ----------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def clear(self) -> None:
         """Forget every sequence (a fresh decoder for the worker, keeping the cache and graphs)."""
         self._drain()
@@ -210,12 +212,14 @@ class BatchedPhiDecoder:
             produced, self._inflight = self._collect(self._inflight), None
             self._stash = {**(self._stash or {}), **produced}
 
+    @torch.inference_mode()
     def add(self, sequence: Sequence) -> None:
         if len(self.slots) >= self.capacity:
             raise RuntimeError("decoder is full")
         self.index[sequence.id] = len(self.slots)
         self.slots.append(_Slot(sequence, seeded_generator(sequence.sampling.seed, self.device)))
 
+    @torch.inference_mode()
     def remove(self, sequence_id: int) -> None:
         if sequence_id not in self.index:
             return
@@ -231,6 +235,7 @@ class BatchedPhiDecoder:
             self.index[moved.sequence.id] = slot
         self.slots.pop()
 
+    @torch.inference_mode()
     def step(self) -> dict[int, int]:
         """One token for every sequence that is past its prompt (and maybe a first token for one
         whose prompt just finished). On CUDA, when every running sequence decodes greedily and no
@@ -409,6 +414,7 @@ class BatchedPhiDecoder:
         log.info("captured a decode step for batch %d, attention length %d", batch, span)
         return graph, out
 
+    @torch.inference_mode()
     def capture(self, spans=(MIN_LENGTH_BUCKET, 2 * MIN_LENGTH_BUCKET)) -> None:
         """Capture the decode graphs that short requests use, before the first request needs them."""
         if not self.use_graphs:

@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 import secrets
+import threading
 from pathlib import Path
 
 import torch
@@ -63,6 +64,7 @@ class TorchBackend:
         # nothing, so they are never sampled (the same rule as the MLX runtime).
         self.undecodable_from = self.text.vocab_size
         self._fast_decoder = None  # kept: its CUDA graphs took seconds to capture
+        self._fast_decoder_owner: threading.Thread | None = None
         self.compile = False
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -124,10 +126,16 @@ class TorchBackend:
         from backends import torch_fast
 
         if torch_fast.supports(self.model) and (max_batch > 1 or self.device.type == "cuda"):
-            if self._fast_decoder is None or self._fast_decoder.capacity != max_batch:
-                self._fast_decoder = torch_fast.BatchedPhiDecoder(self, max_batch, compile=self.compile)
-            self._fast_decoder.clear()
-            return self._fast_decoder
+            # Reuse the decoder (and its CUDA graphs) that warm-up built, unless another thread
+            # that is still alive holds it (tests run several workers over one backend).
+            decoder, owner = self._fast_decoder, self._fast_decoder_owner
+            mine = owner is None or owner is threading.current_thread() or not owner.is_alive()
+            if decoder is None or decoder.capacity != max_batch or not mine:
+                decoder = torch_fast.BatchedPhiDecoder(self, max_batch, compile=self.compile)
+                self._fast_decoder = decoder
+            decoder.clear()
+            self._fast_decoder_owner = threading.current_thread()
+            return decoder
         if max_batch > 1:
             log.warning("batching needs the Phi fast path; %s is served one sequence at a time", self.model.config.model_type)
         return SingleSequenceDecoder(self)

@@ -35,8 +35,8 @@ def mlx_backend(tiny_path) -> Backend:
 
 
 # (runtime, MAX_BATCH) pairs that the API suite runs on: every test of the `backend` fixture
-# runs once per pair. Torch joins at 4 when its decoder batches.
-SERVED = [("torch", 1), ("mlx", 1), ("mlx", 4)]
+# runs once per pair.
+SERVED = [("torch", 1), ("torch", 4), ("mlx", 1), ("mlx", 4)]
 
 
 @pytest.fixture(scope="session", params=SERVED, ids=[f"{r}-batch{b}" for r, b in SERVED])

@@ -16,7 +16,7 @@ import pytest
 from backends import Sampling, Sequence
 from conftest import engine_of
 
-RUNTIMES = ["mlx"]  # torch joins when its decoder batches
+RUNTIMES = ["mlx", "torch"]
 
 PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq"]
 LONG = {"prompt": "Once upon", "max_tokens": 480, "ignore_eos": True}

@@ -65,7 +65,7 @@ def start_stream(port: int, body: dict):
     return response
 
 
-@pytest.mark.parametrize("runtime, max_batch", [("torch", 1), ("mlx", 1), ("mlx", 8)])
+@pytest.mark.parametrize("runtime, max_batch", [("torch", 1), ("torch", 8), ("mlx", 1), ("mlx", 8)])
 def test_sigterm_ends_a_running_stream_with_a_final_line_and_exits_0(tiny_path, tmp_path, runtime, max_batch):
     log_dir = tmp_path / "logs"
     with server_process(tiny_path, log_dir, runtime, grace=0.2, max_batch=max_batch) as (process, port):

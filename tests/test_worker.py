@@ -55,19 +55,27 @@ async def test_non_streaming_disconnect_stops_generation(client):
 
 
 async def test_requests_queue_in_arrival_order(client):
+    # Every slot busy with a long stream, four requests queued in order, then one slot freed:
+    # the queued requests pass through that one slot, so they finish in arrival order.
     engine = engine_of(client)
-    bodies = [{"prompt": "The quick brown", "max_tokens": 30, "ignore_eos": True, "seed": i} for i in range(4)]
+    running = [await client.post("/generate/stream", json=LONG) for _ in range(engine.max_batch)]
+    for response in running:
+        await response.content.readline()
     finished = []
 
     async def one(i):
-        response = await client.post("/generate", json=bodies[i])
+        response = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 5, "ignore_eos": True})
         assert response.status == 200
         finished.append(i)
 
     tasks = []
     for i in range(4):
         tasks.append(asyncio.create_task(one(i)))
-        while engine.waiting + engine.active + engine.stats["completed"] < i + 1:  # submitted in order
+        while engine.waiting < i + 1:  # submitted in order
             await asyncio.sleep(0.001)
+    running[0].close()
     await asyncio.gather(*tasks)
     assert finished == [0, 1, 2, 3]
+    for response in running[1:]:
+        response.close()
+    await wait_idle(engine)
