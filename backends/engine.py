@@ -24,6 +24,8 @@ from backends import Backend, Decoder, Detokenizer, Sampling, Sequence
 
 log = logging.getLogger("phi2_server.engine")
 
+FLUSH_INTERVAL = 0.008  # seconds: text reaches clients in pieces at most this far apart
+
 
 class NotAccepting(Exception):
     """The worker takes no new requests: still loading, failed to load, or shutting down."""
@@ -67,6 +69,7 @@ class Ticket:
 
     def __init__(self, engine: "Engine", request: Request, loop: asyncio.AbstractEventLoop):
         self.request = request
+        self._sent_text = False
         self.cancelled = False
         self.summary: Summary | None = None
         self._engine = engine
@@ -173,6 +176,8 @@ class Engine:
         self._stopped = False
         self._thread = threading.Thread(target=self._main, name="generation-worker", daemon=True)
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        self._urgent = False
+        self._flushed_at = 0.0
 
     # -- called from the event loop ---------------------------------------------------------
 
@@ -220,15 +225,24 @@ class Engine:
             self._thread.join(timeout)
 
     def _send(self, ticket: Ticket, event: str | Summary) -> None:
-        """Queue an event for its handler. The worker sends a whole step's events in one wake-up
-        of the event loop (64 streams would otherwise mean 64 wake-ups per step)."""
+        """Queue an event for its handler. The worker hands events over in batches: one wake-up
+        of the event loop per flush, not one per token and stream."""
         if threading.current_thread() is self._thread:
             self._outbox.setdefault(ticket._loop, []).append((ticket, event))
+            if isinstance(event, Summary) or not ticket._sent_text:
+                self._urgent = True  # a first token (TTFT) or an end goes out at once
+            ticket._sent_text = True
         else:
             _call_soon(ticket._loop, [(ticket, event)])
 
-    def _flush(self) -> None:
+    def _flush(self, force: bool = False) -> None:
+        """Hand queued events over, at most every FLUSH_INTERVAL unless urgent: with many streams
+        and fast steps the event loop, not the model, would otherwise set the pace."""
+        now = time.perf_counter()
+        if not self._outbox or not (force or self._urgent or now - self._flushed_at >= FLUSH_INTERVAL):
+            return
         outbox, self._outbox = self._outbox, {}
+        self._urgent, self._flushed_at = False, now
         for loop, batch in outbox.items():
             _call_soon(loop, batch)
 
@@ -268,15 +282,15 @@ class Engine:
                 self._waiting.clear()
             for seq_id in list(self._running):
                 self._finish(seq_id, "error", None, f"generation worker crashed: {exc}")
-            self._flush()
+            self._flush(force=True)
 
     def _serve(self, backend: Backend) -> None:
         decoder = backend.decoder(self.max_batch)
         while True:
-            self._flush()
+            self._flush(force=not self._running)  # about to wait for work: nothing may stay behind
             work = self._admit(decoder.capacity)
             if work is None:
-                self._flush()
+                self._flush(force=True)
                 return
             admitted, abort_reason = work
             for ticket in admitted:

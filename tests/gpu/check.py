@@ -173,8 +173,10 @@ def profile_step(backend) -> dict:
             "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:12]}
 
 
-def serve_and_bench(out: Path) -> dict:
-    env = {**os.environ, "PHI2_COMPILE": os.environ.get("PHI2_COMPILE", "0"), "PHI2_MODEL": "random:phi-2", "MAX_BATCH": "64", "MAX_QUEUE": "256", "LOG_DIR": str(out / "logs"), "ADAPTER_PATH": ""}
+def serve_and_bench(out: Path, compile: bool) -> dict:
+    out = out / f"serve-compile{int(compile)}"
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PHI2_COMPILE": str(int(compile)), "PHI2_MODEL": "random:phi-2", "MAX_BATCH": "64", "MAX_QUEUE": "256", "LOG_DIR": str(out / "logs"), "ADAPTER_PATH": ""}
     port = 8321
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, str(ROOT / "phi2_server.py"), "--port", str(port)], env=env, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
@@ -196,7 +198,7 @@ def serve_and_bench(out: Path) -> dict:
     say("server ready after", ready)
     if ready is not None:
         command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", "1,8,32,64",
-                   "--max-tokens", "128", "--runs", "3", "--prompt", PROMPT, "--label", "random:phi-2 H200", "--json", str(out / "bench.json")]
+                   "--max-tokens", "128", "--runs", "3", "--prompt", PROMPT, "--label", f"H200 compile={int(compile)}", "--json", str(out / "bench.json")]
         bench = subprocess.run(command, capture_output=True, text=True, timeout=600)
         say(bench.stdout)
         say(bench.stderr[-3000:])
@@ -209,7 +211,7 @@ def serve_and_bench(out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
-    parser.add_argument("--skip", default="", help="comma list to skip: parity,speed,serve,generate_dynamic,generate_static")
+    parser.add_argument("--skip", default="", help="comma list to skip: parity,speed,serve0,serve1,compile,generate_dynamic,generate_static")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,10 +228,11 @@ def main() -> int:
         say("parity bfloat16", RESULTS["parity_bfloat16"])
     if "speed" not in skip:
         RESULTS["speed"] = speed()
-    if "serve" not in skip:
-        RESULTS["serve"] = serve_and_bench(out)
+    for compile in (False, True):
+        if f"serve{int(compile)}" not in skip:
+            RESULTS[f"serve_compile{int(compile)}"] = serve_and_bench(out, compile)
     (out / "results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
-    say(json.dumps({k: v for k, v in RESULTS.items() if k != "serve"}, indent=1, default=str))
+    say(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("serve")}, indent=1, default=str))
     return 0
 
 
