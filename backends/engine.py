@@ -163,7 +163,16 @@ class Engine:
         self.load_error: BaseException | None = None
         self.load_time_s: float | None = None
         self.loaded_at: float | None = None  # time.perf_counter() when loading finished
-        self.stats = {"completed": 0, "cancelled": 0, "timeouts": 0, "errors": 0, "tokens_generated": 0}
+        self.stats = {
+            "completed": 0,
+            "cancelled": 0,
+            "timeouts": 0,
+            "errors": 0,
+            "tokens_generated": 0,
+            "decode_steps": 0,
+            "decode_seconds": 0.0,  # inside the decoder's step
+            "busy_seconds": 0.0,  # the worker's whole loop while sequences run
+        }
         self._load = load
         self._on_load_done = on_load_done or (lambda: None)
         self._cond = threading.Condition()
@@ -293,13 +302,17 @@ class Engine:
                 self._flush(force=True)
                 return
             admitted, abort_reason = work
+            started = time.perf_counter()
             for ticket in admitted:
                 self._start(decoder, backend, ticket)
             self._retire_ended(decoder, abort_reason)
             if not self._running:
                 continue
             try:
+                step_started = time.perf_counter()
                 tokens = decoder.step()
+                self.stats["decode_seconds"] += time.perf_counter() - step_started
+                self.stats["decode_steps"] += 1
             except Exception as exc:
                 log.exception("decode step failed")
                 for seq_id in list(self._running):
@@ -309,6 +322,7 @@ class Engine:
             now = time.perf_counter()
             for seq_id, token in tokens.items():
                 self._advance(decoder, backend, seq_id, token, now)
+            self.stats["busy_seconds"] += time.perf_counter() - started
 
     def _admit(self, capacity: int) -> tuple[list[Ticket], str | None] | None:
         """Wait for work; fill free decoder slots from the queue, in arrival order.

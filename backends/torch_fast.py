@@ -287,45 +287,70 @@ class BatchedPhiDecoder:
     # -- prefill ---------------------------------------------------------------------------------
 
     def _prefill_some(self) -> dict[int, int]:
-        """Process up to `prefill_chunk` prompt tokens, oldest request first."""
-        produced = {}
+        """Process up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
+        length together in one padded pass (64 clients arriving at once: a few passes, not 64)."""
         budget = self.prefill_chunk
+        parts = []  # (slot, the prompt ids to process now, their first position)
         for i, slot in enumerate(self.slots):
-            prompt = slot.sequence.prompt_ids
-            while slot.next_token is None and budget > 0:
-                end = min(len(prompt), slot.cached + budget)
-                logits = self._prefill_chunk(i, prompt[slot.cached : end], slot.cached)
-                budget -= end - slot.cached
-                slot.cached = end
-                if end == len(prompt):
-                    slot.next_token = sample(logits, slot.sequence.sampling, slot.generator)
-                    produced[slot.sequence.id] = slot.next_token
             if budget <= 0:
                 break
+            if slot.next_token is None:
+                take = min(len(slot.sequence.prompt_ids) - slot.cached, budget)
+                parts.append((i, slot.sequence.prompt_ids[slot.cached : slot.cached + take], slot.cached))
+                budget -= take
+        groups: dict[int, list] = {}
+        for part in parts:  # padding to the longest in a group wastes at most half of it
+            groups.setdefault(len(part[1]).bit_length(), []).append(part)
+        produced = {}
+        for group in groups.values():
+            logits = self._prefill(group)
+            greedy = logits.argmax(dim=-1).tolist()
+            for (i, ids, start), row, token in zip(group, logits, greedy):
+                slot = self.slots[i]
+                slot.cached = start + len(ids)
+                if slot.cached == len(slot.sequence.prompt_ids):
+                    if slot.sequence.sampling.temperature > 0:
+                        token = sample(row, slot.sequence.sampling, slot.generator)
+                    slot.next_token = token
+                    produced[slot.sequence.id] = token
         return produced
 
     @torch.inference_mode()
-    def _prefill_chunk(self, slot: int, ids: list[int], start: int) -> torch.Tensor:
+    def _prefill(self, parts: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Run prompt pieces (slot, ids, first position) through the model, padded to the longest;
+        write their keys and values to their slots; return each piece's last-token logits.
+
+        Padding writes past a piece's end, in columns its sequence has not reached: a decode
+        step writes a column before any query reads it, and the mask hides the rest."""
         w = self.weights
-        end = start + len(ids)
-        self._grow(end)
-        x = w.embed[torch.tensor(ids, device=self.device)]  # [c, hidden]
-        cos, sin = self.cos[start:end, None, None, :], self.sin[start:end, None, None, :]
-        mask = torch.ones(len(ids), end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        n, length = len(parts), max(len(ids) for _, ids, _ in parts)
+        span = max(start for _, _, start in parts) + length
+        self._grow(span)
+        span = min(span, self.cache_length)
+        tokens = torch.zeros(n, length, dtype=torch.long)
+        for r, (_, ids, _) in enumerate(parts):
+            tokens[r, : len(ids)] = torch.tensor(ids)
+        starts = torch.tensor([start for _, _, start in parts])
+        positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.cache_length - 1).to(self.device)
+        tokens = tokens.to(self.device)
+        slots = torch.tensor([slot for slot, _, _ in parts], device=self.device)
+        x = w.embed[tokens]  # [n, length, hidden]
+        cos, sin = self.cos[positions][:, :, None, None, :], self.sin[positions][:, :, None, None, :]
+        mask = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, length, span]
         for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
             h = F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps)
             y = F.linear(h, w_in, b_in)
-            qkv = y[:, : 3 * w.hidden].view(len(ids), 3, w.heads, w.head_dim)
-            rope_(qkv[:, :2], cos, sin, w.rotary_dim)
-            q, k, v = qkv.unbind(1)
-            self.k[l, slot, :, start:end] = k.transpose(0, 1)
-            self.v[l, slot, :, start:end] = v.transpose(0, 1)
-            attention = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self.k[l, slot : slot + 1, :, :end], self.v[l, slot : slot + 1, :, :end], attn_mask=mask
-            )
-            mixed = torch.cat((attention[0].transpose(0, 1).reshape(len(ids), w.hidden), w.activation(y[:, 3 * w.hidden :])), dim=-1)
+            qkv = y[..., : 3 * w.hidden].view(n, length, 3, w.heads, w.head_dim)
+            rope_(qkv[:, :, :2], cos, sin, w.rotary_dim)
+            q, k, v = qkv.unbind(2)  # [n, length, heads, head_dim]
+            self.k[l][slots[:, None], :, positions] = k
+            self.v[l][slots[:, None], :, positions] = v
+            keys, values = self.k[l][slots, :, :span], self.v[l][slots, :, :span]
+            attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+            mixed = torch.cat((attention.transpose(1, 2).reshape(n, length, w.hidden), w.activation(y[..., 3 * w.hidden :])), dim=-1)
             x = x + F.linear(mixed, w_out, b_out)
-        return self._logits(x[-1:])[0]
+        last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
+        return self._logits(x[torch.arange(n, device=self.device), last])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weights

@@ -90,7 +90,7 @@ def parity(dtype: str) -> dict:
         with torch.inference_mode():
             reference = backend.model(ids).logits[0, -1].float()
         decoder = BatchedPhiDecoder(backend, 1, cuda_graphs=False)
-        fast = decoder._prefill_chunk(0, ids[0].tolist(), 0).float()  # the prompt into slot 0
+        fast = decoder._prefill([(0, ids[0].tolist(), 0)])[0].float()  # the prompt into slot 0
         decodable = backend.undecodable_from  # the fast path masks the ids the tokenizer cannot decode
         result["max_abs_logit_diff_vs_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
         result["logit_scale"] = float(reference.abs().max())
@@ -203,6 +203,11 @@ def serve_and_bench(out: Path, compile: bool) -> dict:
         say(bench.stdout)
         say(bench.stderr[-3000:])
         result["bench_table"] = bench.stdout
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/model/info", timeout=5) as response:
+            stats = json.loads(response.read())["stats"]
+        steps = max(stats["decode_steps"], 1)
+        result["worker"] = {**stats, "decode_ms_per_step": 1000 * stats["decode_seconds"] / steps, "busy_ms_per_step": 1000 * stats["busy_seconds"] / steps}
+        say("worker", result["worker"])
     server.terminate()
     server.wait(60)
     return result
