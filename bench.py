@@ -170,11 +170,12 @@ def bench_in_process(args, backend) -> Result:
         sent = time.perf_counter()
         decoder, detokenizer = backend.decoder(), backend.detokenizer()
         decoder.add(Sequence(1, prompt_ids, Sampling(), args.max_tokens))
-        first = None
-        for _ in range(args.max_tokens):
-            (token,) = decoder.step().values()
-            detokenizer.add(token)
-            first = first or time.perf_counter()
+        first, count = None, 0
+        while count < args.max_tokens:  # a step may hand over no token (CUDA chains steps)
+            for token in decoder.step().values():
+                detokenizer.add(token)
+                count += 1
+                first = first or time.perf_counter()
         detokenizer.flush()
         decoder.remove(1)
         now = time.perf_counter()

@@ -62,7 +62,10 @@ def decode_alone(backend, prompts, n, decoder) -> list[list[int]]:
     for prompt in prompts:
         decoder.clear()
         decoder.add(Sequence(1, backend.encode(prompt), Sampling(), n))
-        out.append([decoder.step()[1] for _ in range(n)])
+        ids = []
+        while len(ids) < n:  # a chained step hands its token over one step later
+            ids += decoder.step().values()
+        out.append(ids[:n])
         decoder.remove(1)
     return out
 
