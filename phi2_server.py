@@ -49,10 +49,10 @@ class Settings:
     log_dir: str = "logs"  # LOG_DIR
     device: str = "auto"  # PHI2_DEVICE (torch): auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # PHI2_DTYPE (torch): auto | float32 | bfloat16 | float16
-    compile: bool = False  # PHI2_COMPILE (torch, Phi family): torch.compile the batched decode step
+    compile: str = "auto"  # PHI2_COMPILE (torch, Phi family): torch.compile the decode step; auto = on CUDA
     max_body_bytes: int = 1024 * 1024  # MAX_BODY_BYTES
     max_queue: int = 64  # MAX_QUEUE: requests waiting for the worker; more get 503
-    max_batch: int = 1  # MAX_BATCH: sequences decoded together in one step
+    max_batch: int = 0  # MAX_BATCH: sequences decoded together in one step; 0 = 64 on CUDA, else 8
     max_tokens_limit: int = 0  # MAX_TOKENS_LIMIT per request; 0 = the context window only
     request_timeout: float = 600.0  # REQUEST_TIMEOUT seconds, queue wait included; 0 = none
     shutdown_grace: float = 10.0  # SHUTDOWN_GRACE seconds for in-flight generations
@@ -106,7 +106,7 @@ class Settings:
             device=self.device,
             dtype=self.dtype,
             max_batch=self.max_batch,
-            compile=self.compile,
+            compile=None if self.compile == "auto" else _parse_bool(self.compile),
         )
 
 

@@ -89,6 +89,7 @@ class Decoder(Protocol):
 class Backend(Protocol):
     info: ModelInfo
     eos_token_ids: frozenset[int]
+    max_batch: int  # the batch size its decoder serves (MAX_BATCH, or the runtime's default)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -113,8 +114,8 @@ class LoadOptions:
     adapter_path: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    max_batch: int = 1  # the decoder the worker will ask for (CUDA graphs are captured for it)
-    compile: bool = False  # torch.compile the Phi fast path's decode step
+    max_batch: int = 0  # sequences per decode step; 0: the runtime's default (CUDA graphs are captured for it)
+    compile: bool | None = None  # torch.compile the Phi fast path's step; None: on CUDA only
     warmup: bool = True
 
 

@@ -153,7 +153,7 @@ class Engine:
         load: Callable[[], Backend],
         *,
         max_queue: int = 64,
-        max_batch: int = 1,
+        max_batch: int = 0,
         on_load_done: Callable[[], None] | None = None,
     ):
         self.max_queue = max_queue
@@ -294,6 +294,7 @@ class Engine:
             self._flush(force=True)
 
     def _serve(self, backend: Backend) -> None:
+        self.max_batch = self.max_batch or getattr(backend, "max_batch", 1)  # 0: the backend's default
         decoder = backend.decoder(self.max_batch)
         while True:
             self._flush(force=not self._running)  # about to wait for work: nothing may stay behind

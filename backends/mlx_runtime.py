@@ -126,6 +126,7 @@ class MlxBackend:
             },
         )
         backend = cls(model, tokenizer, info)
+        backend.max_batch = options.max_batch or 8
         if options.warmup:
             backend.warm_up()  # the first request should not pay for kernel compilation
         return backend

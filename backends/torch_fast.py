@@ -420,7 +420,16 @@ class BatchedPhiDecoder:
     def _replay(self, batch: int, span: int) -> torch.Tensor:
         key = (batch, span)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(batch, span)
+            try:
+                self.graphs[key] = self._capture(batch, span)
+            except Exception:
+                if self._layer is decode_layer:
+                    raise
+                # torch.compile needs Triton and a C compiler; without them, serve uncompiled.
+                log.exception("torch.compile failed: the decode step runs uncompiled")
+                self._layer, self._pool = decode_layer, None
+                self.graphs.clear()
+                self.graphs[key] = self._capture(batch, span)
         graph, out = self.graphs[key]
         graph.replay()
         return out

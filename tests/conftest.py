@@ -26,7 +26,8 @@ def tiny_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def torch_backend(tiny_path) -> Backend:
-    return load_backend("torch", LoadOptions(model=str(tiny_path)))
+    # float32 on both runtimes: greedy ids must match MLX's exactly.
+    return load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32"))
 
 
 @pytest.fixture(scope="session")
@@ -147,7 +148,7 @@ def adapter_path(tiny_path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def adapted_backends(tiny_path, adapter_path) -> dict[str, Backend]:
-    options = LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path))
+    options = LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path), dtype="float32")
     return {name: load_backend(name, options) for name in ("torch", "mlx")}
 
 
@@ -204,6 +205,7 @@ class FailingBackend:
         self.after = after
         self.info = backend.info
         self.eos_token_ids = backend.eos_token_ids
+        self.max_batch = backend.max_batch
 
     def encode(self, text):
         return self._backend.encode(text)
