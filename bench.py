@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import resource
@@ -168,17 +167,19 @@ def bench_in_process(args, backend) -> Result:
     prompt_ids = backend.encode(args.prompt)
     for run in range(args.runs):
         sent = time.perf_counter()
-        decoder, detokenizer = backend.decoder(), backend.detokenizer()
+        # The decoder the server would use: the same batch size (and so the same code path).
+        decoder, detokenizer = backend.decoder(backend.max_batch), backend.detokenizer()
         decoder.add(Sequence(1, prompt_ids, Sampling(), args.max_tokens))
         first, count = None, 0
         while count < args.max_tokens:  # a step may hand over no token (CUDA chains steps)
             for token in decoder.step().values():
-                detokenizer.add(token)
                 count += 1
-                first = first or time.perf_counter()
+                if detokenizer.add(token) and first is None:  # first text, as a client sees it
+                    first = time.perf_counter()
         detokenizer.flush()
         decoder.remove(1)
         now = time.perf_counter()
+        first = first or now
         timings = [Timing(ttft=first - sent, total=now - sent, tokens=args.max_tokens)]
         warmup = run == 0 and args.runs > 1
         progress(result, run, timings, now - sent, warmup)
@@ -190,6 +191,30 @@ def bench_in_process(args, backend) -> Result:
 
 
 # -- a server of our own ------------------------------------------------------------------------
+
+
+def overhead(args) -> list[Result]:
+    """In-process and over HTTP, one run of each in turn: this machine's drift hits both alike.
+    Both copies of the model are in memory at once (Phi-2 in float32 needs 2 x 11 GiB)."""
+    backend = load_in_process()
+    server = SpawnedServer(args.ready_timeout)
+    args.url = server.url
+    runs, args.runs = args.runs, 1
+    local, http = Result(args.label, "in-process", 1), Result(args.label, "http", 1)
+    try:
+        for run in range(runs + 1):  # run 0 of each is the warm-up
+            for result, one in ((local, lambda: bench_in_process(args, backend)), (http, lambda: asyncio.run(bench_http(args, 1)))):
+                measured = one()
+                if run > 0:
+                    result.runs += measured.runs
+                    result.wall += measured.wall
+                    result.health_ms += measured.health_ms
+        local.peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        http.peak_rss_gib = server.peak_rss_gib()
+    finally:
+        server.stop()
+        args.runs = runs
+    return [local, http]
 
 
 def free_port() -> int:
@@ -298,21 +323,20 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
 
     results: list[Result] = []
-    if args.in_process or args.overhead:
-        backend = load_in_process()
-        results.append(bench_in_process(args, backend))
-        del backend
-        gc.collect()  # free the weights before a server loads its own copy
-    if args.spawn or args.overhead:
+    if args.overhead:
+        results += overhead(args)
+    if args.in_process:
+        results.append(bench_in_process(args, load_in_process()))
+    if args.spawn:
         server = SpawnedServer(args.ready_timeout)
         args.url = server.url
         try:
-            for level in [1] if args.overhead else levels:
+            for level in levels:
                 results.append(asyncio.run(bench_http(args, level)))
             results[-1].peak_rss_gib = server.peak_rss_gib()
         finally:
             server.stop()
-    if not (args.in_process or args.spawn or args.overhead):
+    if not (args.in_process or args.spawn or args.overhead):  # a running server
         for level in levels:
             results.append(asyncio.run(bench_http(args, level)))
 
