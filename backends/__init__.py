@@ -32,6 +32,18 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        # Below 1e-5 a temperature only overflows the scaled logits, and a top_p below 1e-6
+        # rounds to 0 in float32 and drops every token: the limit of both is greedy anyway.
+        return self.temperature < 1e-5 or self.top_p < 1e-6
+
+    @property
+    def scale(self) -> float:
+        """1 / temperature, for sampling. Past 1e4 every token is as likely anyway, and a
+        temperature beyond float32's range would turn the masked logits' -inf into NaN."""
+        return 1.0 / min(self.temperature, 1e4)
+
 
 @dataclass(frozen=True)
 class Sequence:

@@ -68,11 +68,11 @@ def make_sampler(sampling: Sampling):
     same in both decoders (each calls the sampler once per generated token), so a seed
     gives the same text at any MAX_BATCH.
     """
-    if sampling.temperature == 0:
+    if sampling.greedy:
         # One shared function: BatchGenerator samples a batch whose rows all share one
         # sampler in a single call.
         return greedy_sampler
-    inverse_temperature = 1.0 / sampling.temperature
+    inverse_temperature = sampling.scale
     top_p = sampling.top_p
     key = mx.random.key(sampling.seed if sampling.seed is not None else secrets.randbits(63))
 

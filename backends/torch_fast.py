@@ -265,7 +265,7 @@ class BatchedPhiDecoder:
         return (
             self.use_graphs
             and len(launched.rows) == len(self.slots)  # nobody joined or waits for a prompt
-            and all(self.slots[i].sequence.sampling.temperature == 0 for i in launched.rows)
+            and all(self.slots[i].sequence.sampling.greedy for i in launched.rows)
         )
 
     def _collect(self, launched: "_Launch") -> dict[int, int]:
@@ -277,7 +277,7 @@ class BatchedPhiDecoder:
         for i in launched.rows:
             slot = self.slots[i]
             token = greedy[i]
-            if slot.sequence.sampling.temperature > 0:  # its own generator, on its own logits row
+            if not slot.sequence.sampling.greedy:  # its own generator, on its own logits row
                 token = sample(launched.logits[i], slot.sequence.sampling, slot.generator)
             slot.cached += 1  # its input token went into the cache in that step
             slot.next_token = token
@@ -309,7 +309,7 @@ class BatchedPhiDecoder:
                 slot = self.slots[i]
                 slot.cached = start + len(ids)
                 if slot.cached == len(slot.sequence.prompt_ids):
-                    if slot.sequence.sampling.temperature > 0:
+                    if not slot.sequence.sampling.greedy:
                         token = sample(row, slot.sequence.sampling, slot.generator)
                     slot.next_token = token
                     produced[slot.sequence.id] = token

@@ -50,12 +50,13 @@ def pick_dtype(requested: str, device: str) -> torch.dtype:
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """One token id from a 1-D logits vector: greedy at temperature 0, else top-p sampling."""
-    if sampling.temperature == 0:
+    if sampling.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    probs = torch.softmax(logits.float() * sampling.scale, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= sampling.top_p
+        outside[0] = False  # the most likely token always stays
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
