@@ -13,7 +13,10 @@ import argparse
 import asyncio
 import json
 import logging
+import hashlib
+import hmac
 import math
+import re
 import os
 import signal
 import sys
@@ -21,6 +24,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from http import HTTPStatus
 from datetime import datetime, timezone
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
@@ -44,7 +48,7 @@ class Settings:
     model: str = "microsoft/phi-2"  # PHI2_MODEL: hub id, local directory, or "tiny"
     backend: str = "auto"  # PHI2_BACKEND: auto | mlx | torch
     adapter_path: str = "~/ml-experiment/experiments/2026-05-04-0014"  # ADAPTER_PATH
-    host: str = "127.0.0.1"  # HOST: no auth yet, so loopback unless asked
+    host: str = "127.0.0.1"  # HOST: loopback unless asked
     port: int = 8000  # PORT
     log_dir: str = "logs"  # LOG_DIR
     device: str = "auto"  # PHI2_DEVICE (torch): auto | cpu | cuda | cuda:N
@@ -59,6 +63,10 @@ class Settings:
     log_prompts: bool = True  # LOG_PROMPTS=0 keeps prompts out of the request log
     log_max_bytes: int = 10 * 1024 * 1024  # LOG_MAX_BYTES before the log rotates
     log_backups: int = 5  # LOG_BACKUPS rotated files kept
+    api_key: str = ""  # PHI2_API_KEY: one key or a comma-separated list; empty = no auth
+    api_key_file: str = ""  # PHI2_API_KEY_FILE: one key per line (# comments allowed)
+    rate_limit: int = 0  # RATE_LIMIT: requests per minute per key (or client address); 0 = off
+    cors_origins: str = ""  # CORS_ORIGINS: comma-separated origins allowed, or *; empty = no CORS
 
     ENV = {
         "model": "PHI2_MODEL",
@@ -66,6 +74,8 @@ class Settings:
         "device": "PHI2_DEVICE",
         "dtype": "PHI2_DTYPE",
         "compile": "PHI2_COMPILE",
+        "api_key": "PHI2_API_KEY",
+        "api_key_file": "PHI2_API_KEY_FILE",
     }
 
     @classmethod
@@ -93,7 +103,7 @@ class Settings:
                 type=kind,
                 default=default,
                 metavar=env,
-                help=f"(default: {f.default})",
+                help=f"(default: {f.default!r})" if f.name != "api_key" else "(default: none; never logged)",
             )
         args = parser.parse_args(argv)
         return cls(**vars(args))
@@ -122,7 +132,14 @@ REQUEST_LOG = web.AppKey("request_log", "RequestLog")
 LOAD_DONE = web.AppKey("load_done", asyncio.Event)
 LOADER = web.AppKey("loader", Callable[[], Backend])
 TOKENIZER_POOL = web.AppKey("tokenizer_pool", ThreadPoolExecutor)
+API_KEYS = web.AppKey("api_keys", tuple)
+RATE_LIMITER = web.AppKey("rate_limiter", object)
+CORS_ORIGINS = web.AppKey("cors_origins", frozenset)
+METRICS = web.AppKey("metrics", object)
+OPENAPI = web.AppKey("openapi", dict)
 LOG_FACTS = web.RequestKey("log_facts", dict)
+REQUEST_ID = web.RequestKey("request_id", str)
+REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
 RECEIVED_AT = web.RequestKey("received_at", float)
 
 
@@ -265,13 +282,19 @@ def parse(body: Any, schema: dict) -> dict:
 class ApiError(Exception):
     """An error answer. `json_errors` renders it in the shape of the route's API."""
 
-    def __init__(self, status: int, message: str, field: str | None = None, code: str | None = None, retry_after: int | None = None):
+    def __init__(
+        self, status: int, message: str, field: str | None = None, code: str | None = None,
+        retry_after: int | None = None, headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.field, self.code = status, message, field, code
-        self.headers = {"Retry-After": str(retry_after)} if retry_after else {}
+        self.headers = {**({"Retry-After": str(retry_after)} if retry_after else {}), **(headers or {})}
 
 
-NATIVE_ERROR_TYPES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large", 422: "invalid_request", 503: "unavailable", 504: "timeout"}
+NATIVE_ERROR_TYPES = {
+    400: "invalid_json", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
+    422: "invalid_request", 429: "rate_limited", 503: "unavailable", 504: "timeout",
+}
 OPENAI_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
 
 
@@ -344,6 +367,8 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
     """Logs in `finally`, so rejected, failed and cancelled requests get their line too."""
     started = time.perf_counter()
     request[RECEIVED_AT] = started
+    given = request.headers.get("X-Request-Id", "")
+    request[REQUEST_ID] = given if REQUEST_ID_FORMAT.fullmatch(given) else uuid.uuid4().hex
     facts: dict[str, Any] = {}
     request[LOG_FACTS] = facts
     status = 500
@@ -360,15 +385,111 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
     finally:
         if facts.pop("client_closed", False):
             status = 499
+        seconds = time.perf_counter() - started
+        summary = facts.pop("summary", None)
         record = {
             "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "request_id": request[REQUEST_ID],
             "method": request.method,
             "path": request.path,
             "status": status,
-            "duration_ms": round((time.perf_counter() - started) * 1000, 2),
+            "duration_ms": round(seconds * 1000, 2),
             **facts,
         }
         request.app[REQUEST_LOG].write(record)
+        request.app[METRICS].observe(request, status, seconds, summary)
+
+
+# -- access: API keys, rate limits, CORS ----------------------------------------------------------
+
+OPEN_PATHS = {"/health", "/ready", "/openapi.json"}  # probes and the API description need no key
+
+
+def load_api_keys(settings: Settings) -> tuple[bytes, ...]:
+    keys = settings.api_key.split(",")
+    if settings.api_key_file:
+        keys += [line for line in Path(settings.api_key_file).expanduser().read_text().splitlines() if not line.startswith("#")]
+    return tuple(key.strip().encode() for key in keys if key.strip())
+
+
+def key_matches(given: bytes, keys: tuple[bytes, ...]) -> bool:
+    # compare_digest against every key: the time taken tells nothing about which (or how much) matched
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given, key)
+    return matched
+
+
+class TokenBuckets:
+    """RATE_LIMIT requests a minute for each client: a bucket that holds a minute's worth."""
+
+    def __init__(self, per_minute: int):
+        self.capacity, self.rate = float(per_minute), per_minute / 60.0
+        self.buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when)
+
+    def take(self, client: str, now: float) -> float:
+        """0 when the request may go, else the seconds until it may."""
+        tokens, when = self.buckets.get(client, (self.capacity, now))
+        tokens = min(self.capacity, tokens + (now - when) * self.rate)
+        if len(self.buckets) > 10_000:  # forget clients whose buckets have refilled
+            self.buckets = {c: (t, w) for c, (t, w) in self.buckets.items() if t + (now - w) * self.rate < self.capacity}
+        if tokens >= 1:
+            self.buckets[client] = (tokens - 1, now)
+            return 0.0
+        self.buckets[client] = (tokens, now)
+        return (1 - tokens) / self.rate
+
+
+@web.middleware
+async def access(request: web.Request, handler) -> web.StreamResponse:
+    """API keys (Authorization: Bearer) and rate limits, for everything but the open paths."""
+    if request.path in OPEN_PATHS or request.method == "OPTIONS":
+        return await handler(request)
+    client = f"address:{request.remote}"
+    keys = request.app[API_KEYS]
+    if keys:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key_matches(given.strip().encode(), keys):
+            raise ApiError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        client = "key:" + hashlib.sha256(given.strip().encode()).hexdigest()[:16]  # never the key itself
+    limiter = request.app[RATE_LIMITER]
+    if limiter is not None and request.path != "/metrics":  # scrapers are not clients
+        wait = limiter.take(client, time.monotonic())
+        if wait:
+            raise ApiError(429, f"rate limit of {request.app[SETTINGS].rate_limit} requests a minute reached", code="rate_limit_exceeded", retry_after=math.ceil(wait))
+    return await handler(request)
+
+
+def cors_origin(request: web.Request) -> str | None:
+    """The Origin to allow, if CORS_ORIGINS allows it."""
+    origin = request.headers.get("Origin")
+    allowed = request.app[CORS_ORIGINS]
+    return origin if origin and ("*" in allowed or origin in allowed) else None
+
+
+@web.middleware
+async def cors_preflight(request: web.Request, handler) -> web.StreamResponse:
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers and cors_origin(request):
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Request-Id",
+                "Access-Control-Max-Age": "600",
+            },
+        )
+    return await handler(request)
+
+
+async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: every response (streams and errors too) carries its request id."""
+    if REQUEST_ID in request:
+        response.headers["X-Request-Id"] = request[REQUEST_ID]
+    origin = cors_origin(request)
+    if origin:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, Retry-After"
+        response.headers["Vary"] = "Origin"
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -485,7 +606,7 @@ async def submit(request: web.Request, gen: Generation) -> Ticket:
 
 
 def note_summary(request: web.Request, summary: Summary) -> None:
-    request[LOG_FACTS].update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason)
+    request[LOG_FACTS].update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason, summary=summary)
 
 
 async def collect(request: web.Request, ticket: Ticket) -> tuple[str, Summary]:
@@ -565,8 +686,9 @@ def native_generation(params: dict, body: dict) -> Generation:
     )
 
 
-def summary_fields(summary: Summary, backend: Backend) -> dict:
+def summary_fields(request: web.Request, summary: Summary, backend: Backend) -> dict:
     fields_ = {
+        "request_id": request[REQUEST_ID],
         "tokens_used": summary.tokens_used,
         "prompt_tokens": summary.prompt_tokens,
         "finish_reason": summary.finish_reason,
@@ -584,7 +706,7 @@ async def generate(request: web.Request) -> web.Response:
     params = parse(body, GENERATE_SCHEMA)
     ticket = await submit(request, native_generation(params, body))
     text, summary = await collect(request, ticket)
-    return web.json_response({"text": text, **summary_fields(summary, request.app[ENGINE].backend)})
+    return web.json_response({"text": text, **summary_fields(request, summary, request.app[ENGINE].backend)})
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
@@ -598,7 +720,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
         ticket,
         "application/x-ndjson",
         lambda text: json.dumps({"token": text}, ensure_ascii=False) + "\n",
-        lambda summary: json.dumps({"done": True, **summary_fields(summary, backend)}) + "\n",
+        lambda summary: json.dumps({"done": True, **summary_fields(request, summary, backend)}) + "\n",
     )
 
 
@@ -797,6 +919,184 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     return await openai_answer(request, params, gen, "chat.completion")
 
 
+# -- metrics (Prometheus text format) -------------------------------------------------------------
+
+VERSION = "0.9.0"
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        sep = "," if labels else ""
+        out = [f'{name}_bucket{{{labels}{sep}le="{bound}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+        braces = f"{{{labels}}}" if labels else ""
+        return out + [f"{name}_sum{braces} {self.sum}", f"{name}_count{braces} {self.count}"]
+
+
+def label(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    """Counters and histograms, updated by the request-log middleware (on the event loop)."""
+
+    def __init__(self):
+        self.requests: dict[tuple[str, str, int], int] = {}
+        self.durations: dict[str, Histogram] = {}
+        self.ttft = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.rate = Histogram((1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000))
+        self.generated = self.prompt = 0
+
+    def observe(self, request: web.Request, status: int, seconds: float, summary: Summary | None) -> None:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"  # no label per unknown path
+        key = (route, request.method, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        self.durations.setdefault(route, Histogram((0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))).observe(seconds)
+        if summary is not None:
+            self.generated += summary.tokens_used
+            self.prompt += summary.prompt_tokens
+            if summary.ttft_ms is not None:
+                self.ttft.observe(summary.ttft_ms / 1000)
+            if summary.tokens_used > 1:
+                self.rate.observe(summary.tokens_per_second)
+
+    def render(self, engine: Engine, settings: Settings) -> str:
+        def family(name: str, kind: str, text: str, lines: list[str]) -> list[str]:
+            return [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *lines]
+
+        stats = engine.stats
+        info = engine.backend.info if engine.backend is not None else None
+        build = {"version": VERSION, "model": settings.model, "backend": info.backend if info else "", "device": info.device if info else "", "dtype": info.dtype if info else ""}
+        out = family("phi2_build_info", "gauge", "Server version and the model it serves.", ["phi2_build_info{" + ",".join(f'{k}="{label(v)}"' for k, v in build.items()) + "} 1"])
+        out += family("phi2_requests_total", "counter", "HTTP requests by route, method and status.",
+                      [f'phi2_requests_total{{route="{label(r)}",method="{m}",status="{s}"}} {n}' for (r, m, s), n in sorted(self.requests.items())])
+        out += family("phi2_request_duration_seconds", "histogram", "Whole request time, a stream's included.",
+                      [line for route, h in sorted(self.durations.items()) for line in h.lines("phi2_request_duration_seconds", f'route="{label(route)}"')])
+        out += family("phi2_time_to_first_token_seconds", "histogram", "From a request's arrival to its first generated token.", self.ttft.lines("phi2_time_to_first_token_seconds"))
+        out += family("phi2_generation_tokens_per_second", "histogram", "Decode rate of each generation after its first token.", self.rate.lines("phi2_generation_tokens_per_second"))
+        out += family("phi2_generated_tokens_total", "counter", "Tokens generated (rate() of it is the server's tokens/s).", [f"phi2_generated_tokens_total {self.generated}"])
+        out += family("phi2_prompt_tokens_total", "counter", "Prompt tokens of generation requests.", [f"phi2_prompt_tokens_total {self.prompt}"])
+        out += family("phi2_generations_total", "counter", "Generations ended, by outcome.",
+                      [f'phi2_generations_total{{outcome="{k}"}} {stats[k]}' for k in ("completed", "cancelled", "timeouts", "errors")])
+        out += family("phi2_decode_steps_total", "counter", "Decode steps of the generation worker.", [f"phi2_decode_steps_total {stats['decode_steps']}"])
+        out += family("phi2_decode_seconds_total", "counter", "Time inside decode steps.", [f"phi2_decode_seconds_total {stats['decode_seconds']}"])
+        out += family("phi2_queue_waiting", "gauge", "Requests waiting for a batch slot.", [f"phi2_queue_waiting {engine.waiting}"])
+        out += family("phi2_active_sequences", "gauge", "Sequences being generated.", [f"phi2_active_sequences {engine.active}"])
+        out += family("phi2_max_batch", "gauge", "Batch slots of the worker.", [f"phi2_max_batch {engine.max_batch}"])
+        out += family("phi2_model_loaded", "gauge", "1 once the model is loaded.", [f"phi2_model_loaded {int(engine.status == 'ok')}"])
+        out += family("phi2_model_load_seconds", "gauge", "How long loading the model took.", [f"phi2_model_load_seconds {engine.load_time_s or 0}"])
+        return "\n".join(out) + "\n"
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = request.app[METRICS].render(request.app[ENGINE], request.app[SETTINGS])
+    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+
+
+# -- OpenAPI description of the native API, built from the schemas the validation uses ---------------
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "field": {"type": "string"}},
+        }
+    },
+}
+QUEUE_SCHEMA = {"type": "object", "required": ["waiting", "active"], "properties": {"waiting": {"type": "integer"}, "active": {"type": "integer"}}}
+HEALTH_SCHEMA = {
+    "type": "object",
+    "required": ["status", "model_loaded", "queue"],
+    "properties": {"status": {"enum": ["loading", "ok", "error"]}, "model_loaded": {"type": "boolean"}, "queue": QUEUE_SCHEMA},
+}
+READY_SCHEMA = {"type": "object", "required": ["ready", "status"], "properties": {"ready": {"type": "boolean"}, "status": {"enum": ["loading", "ok", "error"]}}}
+INFO_SCHEMA = {
+    "type": "object",
+    "required": ["model", "backend", "device", "dtype", "adapter_path", "adapter_applied", "load_time_s", "context_length"],
+    "properties": {
+        "model": {"type": "string"}, "backend": {"enum": ["torch", "mlx"]}, "device": {"type": "string"}, "dtype": {"type": "string"},
+        "adapter_path": {"type": ["string", "null"]}, "adapter_applied": {"type": "boolean"}, "load_time_s": {"type": "number"},
+        "context_length": {"type": "integer"}, "stats": {"type": "object"},
+    },
+}
+SUMMARY_PROPERTIES = {
+    "request_id": {"type": "string"},
+    "tokens_used": {"type": "integer", "minimum": 0},
+    "prompt_tokens": {"type": "integer", "minimum": 1},
+    "finish_reason": {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]},
+    "model": {"type": "string"},
+    "backend": {"enum": ["torch", "mlx"]},
+    "timings": {
+        "type": "object",
+        "required": ["ttft_ms", "total_ms", "tokens_per_second"],
+        "properties": {"ttft_ms": {"type": ["number", "null"]}, "total_ms": {"type": "number"}, "tokens_per_second": {"type": "number"}},
+    },
+    "error": ERROR_SCHEMA["properties"]["error"],
+}
+GENERATE_RESPONSE_SCHEMA = {
+    "type": "object",
+    "required": ["text", "request_id", "tokens_used", "prompt_tokens", "finish_reason", "model", "backend", "timings"],
+    "properties": {"text": {"type": "string"}, **SUMMARY_PROPERTIES},
+}
+
+
+def openapi_document() -> dict:
+    def answers(ok: dict, *errors: int, media: str = "application/json") -> dict:
+        out = {"200": {"description": "OK", "content": {media: {"schema": ok}}}}
+        for status in errors:
+            out[str(status)] = {"description": HTTPStatus(status).phrase, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+        return out
+
+    guarded = {"security": [{}, {"bearer": []}]}  # a key is needed when PHI2_API_KEY is set
+    generation_errors = (400, 401, 413, 422, 429, 500, 503, 504)
+    stream_line = "One JSON object per line: {\"token\": text} as text is decoded, then {\"done\": true, ...the summary}."
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "phi2-server", "version": VERSION, "description": "The native API (the OpenAI-compatible /v1 routes follow OpenAI's description)."},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/health": {"get": {"summary": "Liveness", "responses": answers(HEALTH_SCHEMA)}},
+            "/ready": {"get": {"summary": "Readiness", "responses": {**answers(READY_SCHEMA), "503": {"description": "Not ready", "content": {"application/json": {"schema": READY_SCHEMA}}}}}},
+            "/model/info": {"get": {"summary": "The loaded model", **guarded, "responses": answers(INFO_SCHEMA, 401, 429, 503)}},
+            "/generate": {
+                "post": {
+                    "summary": "Generate text",
+                    **guarded,
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
+                    "responses": answers(GENERATE_RESPONSE_SCHEMA, *generation_errors),
+                }
+            },
+            "/generate/stream": {
+                "post": {
+                    "summary": "Generate text, streamed as NDJSON",
+                    **guarded,
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
+                    "responses": answers({"type": "string", "description": stream_line}, *generation_errors, media="application/x-ndjson"),
+                }
+            },
+            "/metrics": {"get": {"summary": "Prometheus metrics", **guarded, "responses": answers({"type": "string"}, 401, media="text/plain")}},
+        },
+    }
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
 # -- application ------------------------------------------------------------------------------
 
 
@@ -844,8 +1144,15 @@ async def stop_worker(app: web.Application) -> None:
 def create_app(settings: Settings | None = None, load: Callable[[], Backend] | None = None) -> web.Application:
     """The application; `load` builds the backend on the worker thread (tests inject one)."""
     settings = settings or Settings()
-    app = web.Application(middlewares=[request_log, json_errors], client_max_size=settings.max_body_bytes)
+    middlewares = [request_log, cors_preflight, json_errors, access]  # outermost first
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
+    app[API_KEYS] = load_api_keys(settings)
+    app[RATE_LIMITER] = TokenBuckets(settings.rate_limit) if settings.rate_limit > 0 else None
+    app[CORS_ORIGINS] = frozenset(o.strip() for o in settings.cors_origins.split(",") if o.strip())
+    app[METRICS] = Metrics()
+    app[OPENAPI] = openapi_document()
+    app.on_response_prepare.append(add_headers)
     app[LOAD_DONE] = asyncio.Event()
     app[LOADER] = load or model_loader(settings)
     app.on_startup.append(start_worker)
@@ -856,6 +1163,8 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.router.add_get("/model/info", model_info)
     app.router.add_post("/generate", generate)
     app.router.add_post("/generate/stream", generate_stream)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", v1_models)
     app.router.add_post("/v1/completions", v1_completions)
     app.router.add_post("/v1/chat/completions", v1_chat_completions)
@@ -872,7 +1181,17 @@ def describe_load_error(exc: BaseException, settings: Settings) -> str:
 
 
 async def serve(settings: Settings) -> int:
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except OSError as exc:  # PHI2_API_KEY_FILE unreadable
+        print(f"error: PHI2_API_KEY_FILE={settings.api_key_file!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    if not app[API_KEYS] and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "!!! HOST=%s and no PHI2_API_KEY: anyone who can reach this port can use the model. "
+            "Set PHI2_API_KEY (or PHI2_API_KEY_FILE), or listen on 127.0.0.1 only. !!!",
+            settings.host,
+        )
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.shutdown_grace + 5
     )
