@@ -74,7 +74,7 @@ async def test_stop_sequences_end_generation_and_are_not_returned(client, stop, 
     full = await generate(client, prompt="Once upon", max_tokens=40)
     result = await generate(client, prompt="Once upon", max_tokens=40, stop=stop)
     if text is None:
-        assert result == {**full, "timings": result["timings"]}
+        assert result == {**full, "timings": result["timings"], "request_id": result["request_id"]}
         return
     assert result["text"] == text
     assert result["finish_reason"] == "stop"
@@ -93,8 +93,8 @@ async def test_stream_framing_and_equality_with_generate(client):
     result = await generate(client, **body)
     assert "".join(tokens) == result["text"]
     assert done["done"] is True
-    assert {k: v for k, v in done.items() if k not in ("done", "timings")} == {
-        k: v for k, v in result.items() if k not in ("text", "timings")
+    assert {k: v for k, v in done.items() if k not in ("done", "timings", "request_id")} == {
+        k: v for k, v in result.items() if k not in ("text", "timings", "request_id")
     }
     assert len(tokens) > 1
 
