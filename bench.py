@@ -291,6 +291,38 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+async def weight_bytes(url: str) -> int | None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/model/info") as response:
+            return (await response.json()).get("weight_bytes") if response.status == 200 else None
+
+
+def memory_bandwidth() -> dict:
+    """This machine's read bandwidth, measured the way decode reads weights: float32
+    matrix-vector products over 2 GiB of distinct matrices (and, for reference, a numpy copy)."""
+    import numpy as np
+    import torch
+
+    def best(fn) -> float:
+        fn()
+        return min(_timed(fn) for _ in range(3))
+
+    matrices = [torch.randn(10240, 2560) for _ in range(20)]  # 2.1 GB, far past the caches
+    vector = torch.randn(1, 2560)
+    nbytes = sum(m.numel() * 4 for m in matrices)
+    gemv = nbytes / best(lambda: [torch.nn.functional.linear(vector, m) for m in matrices])
+    source = np.ones(2**28)
+    target = np.empty_like(source)
+    copy = source.nbytes / best(lambda: np.copyto(target, source))
+    return {"gemv_read_bytes_s": gemv, "copy_bytes_s": copy}
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
 def default_model() -> str:
     """Phi-2 when its weights are in the local Hugging Face cache, else the tiny demo model."""
     try:
@@ -316,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--in-process", action="store_true", help="load the backend here and bench its decode loop")
     mode.add_argument("--overhead", action="store_true", help="--in-process, then --spawn at concurrency 1, and the ratio")
     parser.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a spawned server")
+    parser.add_argument("--bandwidth", action="store_true", help="also measure memory bandwidth and the decode limit it sets")
     args = parser.parse_args(argv)
     if args.spawn or args.in_process or args.overhead:
         os.environ.setdefault("PHI2_MODEL", default_model())  # the spawned server inherits it
@@ -323,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
 
     results: list[Result] = []
+    weights = None
     if args.overhead:
         results += overhead(args)
     if args.in_process:
@@ -334,14 +368,26 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 results.append(asyncio.run(bench_http(args, level)))
             results[-1].peak_rss_gib = server.peak_rss_gib()
+            weights = asyncio.run(weight_bytes(server.url))
         finally:
             server.stop()
     if not (args.in_process or args.spawn or args.overhead):  # a running server
         for level in levels:
             results.append(asyncio.run(bench_http(args, level)))
+        weights = asyncio.run(weight_bytes(args.url))
 
     rows = [r.summary() for r in results]
     print(markdown(rows))
+    measured = {}
+    if args.bandwidth:
+        limits = memory_bandwidth()  # after the server stopped: its memory is free again
+        print(f"\nmemory: {limits['gemv_read_bytes_s'] / 1e9:.1f} GB/s read by float32 matrix-vector products, "
+              f"{limits['copy_bytes_s'] / 1e9:.1f} GB/s copied (numpy, bytes copied / time)")
+        if weights:
+            limit = limits["gemv_read_bytes_s"] / weights
+            best = max(r["decode_tok_s"] for r in rows if r["concurrency"] == 1)
+            print(f"decode limit for {weights / 1e9:.2f} GB of weights: {limit:.2f} tok/s; measured {best:.2f} tok/s = {best / limit:.0%}")
+        measured = {"bandwidth": limits, "weight_bytes": weights}
     if args.overhead:
         in_process, http = rows
         print(
@@ -350,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": rows, "raw": [asdict(r) for r in results]}, out, indent=2)
+            json.dump({"rows": rows, "raw": [asdict(r) for r in results], **measured}, out, indent=2)
     return 0
 
 

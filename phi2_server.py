@@ -515,9 +515,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 only while new requests would be served: loaded, and not shutting down."""
     engine = request.app[ENGINE]
-    body = {"ready": engine.status == "ok", "status": engine.status}
-    if engine.status != "ok":
+    body = {"ready": engine.status == "ok" and engine.accepting, "status": engine.status}
+    if not body["ready"]:
         return web.json_response(body, status=503, headers={"Retry-After": "5"})
     return web.json_response(body)
 

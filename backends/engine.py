@@ -212,6 +212,10 @@ class Engine:
             self._cond.notify()
         return ticket
 
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
     def stop_accepting(self) -> None:
         with self._cond:
             self._accepting = False
