@@ -21,7 +21,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
 from backends.adapters import find_adapter
 from backends.model_files import is_random
-from backends.text import ChatPrompt, TokenizerText
+from backends.text import TokenizerMethods, TokenizerText
 
 log = logging.getLogger("phi2_server.mlx")
 
@@ -87,7 +87,7 @@ def make_sampler(sampling: Sampling):
     return sample
 
 
-class MlxBackend:
+class MlxBackend(TokenizerMethods):
     name = "mlx"
 
     def __init__(self, model, tokenizer, info: ModelInfo):
@@ -130,15 +130,6 @@ class MlxBackend:
         if options.warmup:
             backend.warm_up()  # the first request should not pay for kernel compilation
         return backend
-
-    def encode(self, text: str) -> list[int]:
-        return self.text.encode(text)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.text.decode(token_ids)
-
-    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
-        return self.text.chat_prompt(messages)
 
     def detokenizer(self) -> MlxDetokenizer:
         return MlxDetokenizer(self.tokenizer.detokenizer, self._skipped)

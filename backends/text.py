@@ -29,6 +29,21 @@ class TokenizerText:
         return phi2_chat_prompt(messages)
 
 
+class TokenizerMethods:
+    """The contract's tokenizer methods, for a runtime that keeps a TokenizerText in `self.text`."""
+
+    text: TokenizerText
+
+    def encode(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.text.decode(token_ids)
+
+    def chat_prompt(self, messages: list[dict]) -> "ChatPrompt":
+        return self.text.chat_prompt(messages)
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     text: str

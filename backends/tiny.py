@@ -119,7 +119,6 @@ def memorize_corpus(model_class, config, tokenizer, eos_id: int):
 
 def write_tiny_checkpoint(path: str | Path) -> Path:
     """Write the tiny checkpoint to `path` (created if needed) and return it."""
-    import torch
     from transformers import PhiForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path)

@@ -16,7 +16,7 @@ from transformers.utils import logging as transformers_logging
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
 from backends.adapters import find_adapter, merge_lora_into_torch
 from backends.model_files import is_random
-from backends.text import ChatPrompt, StreamDetokenizer, TokenizerText
+from backends.text import TokenizerMethods, StreamDetokenizer, TokenizerText
 
 log = logging.getLogger("phi2_server.torch")
 
@@ -62,7 +62,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-class TorchBackend:
+class TorchBackend(TokenizerMethods):
     name = "torch"
 
     def __init__(self, model, tokenizer, info: ModelInfo):
@@ -124,15 +124,6 @@ class TorchBackend:
         if options.warmup:
             backend.warm_up(backend.max_batch)
         return backend
-
-    def encode(self, text: str) -> list[int]:
-        return self.text.encode(text)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.text.decode(token_ids)
-
-    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
-        return self.text.chat_prompt(messages)
 
     def detokenizer(self) -> StreamDetokenizer:
         return StreamDetokenizer(self.text)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -80,6 +81,14 @@ def make_client(aiohttp_client, log_dir, max_batch):
 @pytest.fixture
 async def client(make_client, backend):
     return await make_client(lambda: backend)
+
+
+async def wait_until(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.002)
 
 
 def engine_of(client):

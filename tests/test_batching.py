@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
 from backends import Sampling, Sequence
-from conftest import engine_of
+from conftest import engine_of, wait_until
 
 RUNTIMES = ["mlx", "torch"]
 
@@ -167,14 +166,6 @@ def test_mlx_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(mlx_back
 
 
 # -- through the app ---------------------------------------------------------------------------
-
-
-async def wait_until(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.002)
 
 
 async def generate(client, body: dict) -> dict:

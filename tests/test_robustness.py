@@ -7,9 +7,8 @@ import json
 import threading
 import time
 
-import pytest
 
-from conftest import FailingBackend, engine_of
+from conftest import FailingBackend, engine_of, wait_until
 from test_request_log import read_log
 
 LONG = {"prompt": "Once upon", "max_tokens": 400, "ignore_eos": True}
@@ -18,14 +17,6 @@ LONG = {"prompt": "Once upon", "max_tokens": 400, "ignore_eos": True}
 def parse_stream(raw: bytes) -> list[dict]:
     assert raw.endswith(b"\n")
     return [json.loads(line) for line in raw.decode("utf-8").splitlines()]
-
-
-async def wait_until(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.005)
 
 
 def worker_threads() -> set[str]:
