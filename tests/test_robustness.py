@@ -7,7 +7,6 @@ import json
 import threading
 import time
 
-
 from conftest import FailingBackend, engine_of, wait_until
 from test_request_log import read_log
 
