@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-
 from backends import ModelLoadError
 from conftest import engine_of
 
