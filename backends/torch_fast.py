@@ -375,12 +375,12 @@ class BatchedPhiDecoder:
         batch = bucket(len(self.slots), BATCH_BUCKETS) if self.use_graphs else len(self.slots)
         span = min(bucket(longest, self._length_buckets()), self.cache_length) if self.use_graphs else longest
         if not chained:
-            host = self._host_inputs
+            host = self._host_inputs.numpy()  # a view: plain writes, no tensor per row
             host[:, :batch] = 0
             host[1, :batch] = self.cache_length - 1
             for i in rows:
-                host[:, i] = torch.tensor((self.slots[i].next_token, self.slots[i].cached, 1))
-            self.inputs[:, :batch].copy_(host[:, :batch], non_blocking=True)  # tokens, positions, advance
+                host[:, i] = (self.slots[i].next_token, self.slots[i].cached, 1)
+            self.inputs[:, :batch].copy_(self._host_inputs[:, :batch], non_blocking=True)  # tokens, positions, advance
         logits, greedy = self._replay(batch, span) if self.use_graphs else self._decode_step(batch, span)
         if not self.use_graphs:
             return _Launch(rows, logits, greedy, None)
