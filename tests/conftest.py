@@ -91,6 +91,10 @@ async def wait_until(predicate, timeout: float = 15.0) -> None:
         await asyncio.sleep(0.002)
 
 
+async def wait_idle(engine, timeout: float = 15.0) -> None:
+    await wait_until(lambda: engine.active == 0 and engine.waiting == 0, timeout)
+
+
 def engine_of(client):
     return client.server.app[ENGINE]
 

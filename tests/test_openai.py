@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import openai
 import pytest
 
-from conftest import engine_of
+from conftest import engine_of, wait_idle
 
 
 @pytest.fixture
@@ -188,9 +187,5 @@ async def test_sse_disconnect_stops_generation(client):
     response = await client.post("/v1/completions", json=body)
     await response.content.readline()
     response.close()
-    for _ in range(1000):
-        if engine.active == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.active == 0
+    await wait_idle(engine)
     assert engine.stats["cancelled"] == 1

@@ -7,7 +7,7 @@ import json
 import threading
 import time
 
-from conftest import FailingBackend, engine_of, wait_until
+from conftest import FailingBackend, engine_of, wait_idle, wait_until
 from test_request_log import read_log
 
 LONG = {"prompt": "Once upon", "max_tokens": 400, "ignore_eos": True}
@@ -62,7 +62,7 @@ async def test_disconnect_storm_leaves_the_worker_idle_and_leaks_nothing(client)
         response.close()
 
     await asyncio.gather(*(drop_after_first_token() for _ in range(12)))
-    await wait_until(lambda: engine.active == 0 and engine.waiting == 0)
+    await wait_idle(engine)
     assert engine.stats["cancelled"] == 12
     assert engine.stats["tokens_generated"] < 12 * 40  # each stopped within a few tokens
     await asyncio.sleep(0.1)
@@ -185,7 +185,7 @@ async def test_one_log_line_per_request_under_load_with_rotation(make_client, ba
     await drop()
     await client.post("/generate", json={"prompt": 3})
     await client.get("/health")
-    await wait_until(lambda: engine.active == 0 and engine.waiting == 0)
+    await wait_idle(engine)
     await asyncio.sleep(0.05)
     lines = read_log(log_dir)
     assert len(list(log_dir.glob("requests.log.*"))) >= 2  # it rotated

@@ -5,17 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from conftest import engine_of
+from conftest import engine_of, wait_idle
 
 LONG = {"prompt": "Once upon", "max_tokens": 500, "ignore_eos": True}
-
-
-async def wait_idle(engine, timeout=10.0):
-    for _ in range(int(timeout / 0.01)):
-        if engine.active == 0 and engine.waiting == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"worker still busy: {engine.active} active, {engine.waiting} waiting")
 
 
 async def test_ignore_eos_forces_the_token_count(client):
