@@ -162,6 +162,7 @@ def load_in_process():
 def bench_in_process(args, backend) -> Result:
     """The same request through the backend's own decode loop and detokenizer, one at a time."""
     from backends import Sampling, Sequence
+    from backends.drive import drive
 
     result = Result(args.label, "in-process", 1)
     prompt_ids = backend.encode(args.prompt)
@@ -169,15 +170,16 @@ def bench_in_process(args, backend) -> Result:
         sent = time.perf_counter()
         # The decoder the server would use: the same batch size (and so the same code path).
         decoder, detokenizer = backend.decoder(backend.max_batch), backend.detokenizer()
-        decoder.add(Sequence(1, prompt_ids, Sampling(), args.max_tokens))
-        first, count = None, 0
-        while count < args.max_tokens:  # a step may hand over no token (CUDA chains steps)
-            for token in decoder.step().values():
-                count += 1
+        first = None
+
+        def on_tokens(step: int, tokens: dict[int, int]) -> None:
+            nonlocal first
+            for token in tokens.values():  # a step may hand over no token (CUDA chains steps)
                 if detokenizer.add(token) and first is None:  # first text, as a client sees it
                     first = time.perf_counter()
+
+        drive(decoder, [Sequence(1, prompt_ids, Sampling(), args.max_tokens)], on_tokens=on_tokens)
         detokenizer.flush()
-        decoder.remove(1)
         now = time.perf_counter()
         first = first or now
         timings = [Timing(ttft=first - sent, total=now - sent, tokens=args.max_tokens)]

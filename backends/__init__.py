@@ -124,6 +124,7 @@ class LoadOptions:
 
     model: str
     adapter_path: str | None = None
+    adapter_path_is_default: bool = False  # absent is then normal: said at info level, not warned
     device: str = "auto"
     dtype: str = "auto"
     max_batch: int = 0  # sequences per decode step; 0: the runtime's default (CUDA graphs are captured for it)

@@ -22,18 +22,22 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
 
 
-def find_adapter(adapter_path: str | None) -> Path | None:
+def find_adapter(adapter_path: str | None, is_default: bool = False) -> Path | None:
     """The adapter directory to apply, or None when none is configured or it is absent.
 
-    An absent directory is the normal case for a base model: warn and go on. A directory that
-    exists but is not a valid adapter is an error: serving the base model silently would hide
-    a broken fine-tune.
+    An absent directory means the base model is served. For the default path that is the usual
+    case on most machines, said once at info level; a path the user chose and that is missing
+    is a warning. A directory that exists but is not a valid adapter is an error: serving the
+    base model silently would hide a broken fine-tune.
     """
     if not adapter_path:
         return None
     path = Path(adapter_path).expanduser()
     if not path.exists():
-        log.warning("ADAPTER_PATH=%s does not exist: serving the base model without an adapter", path)
+        if is_default:
+            log.info("no adapter at the default ADAPTER_PATH (%s): serving the base model", path)
+        else:
+            log.warning("ADAPTER_PATH=%s does not exist: serving the base model without an adapter", path)
         return None
     if not path.is_dir():
         raise ModelLoadError(f"ADAPTER_PATH={path} is not a directory")

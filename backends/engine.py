@@ -298,7 +298,7 @@ class Engine:
             self._flush(force=True)
 
     def _serve(self, backend: Backend) -> None:
-        self.max_batch = self.max_batch or getattr(backend, "max_batch", 1)  # 0: the backend's default
+        self.max_batch = self.max_batch or backend.max_batch  # 0: the backend's default
         decoder = backend.decoder(self.max_batch)
         while True:
             self._flush(force=not self._running)  # about to wait for work: nothing may stay behind

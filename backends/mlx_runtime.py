@@ -90,19 +90,20 @@ def make_sampler(sampling: Sampling):
 class MlxBackend(TokenizerMethods):
     name = "mlx"
 
-    def __init__(self, model, tokenizer, info: ModelInfo):
+    def __init__(self, model, tokenizer, info: ModelInfo, max_batch: int = 1):
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
-        self.text = TokenizerText(tokenizer._tokenizer)
+        hf = wrapped_tokenizer(tokenizer)
+        self.text = TokenizerText(hf)
         self.info = info
+        self.max_batch = max_batch
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
-        hf = tokenizer._tokenizer
         self._skipped = frozenset(hf.all_special_ids) | frozenset(range(len(hf), self._model_vocab()))
-        self._processors = self._mask_undecodable()
+        self.logits_processors = self._mask_undecodable()
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> "MlxBackend":
-        adapter = find_adapter(options.adapter_path)
+        adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
         try:
             if is_random(options.model):
                 model, tokenizer = random_model(path, options.dtype)
@@ -125,8 +126,7 @@ class MlxBackend(TokenizerMethods):
                 "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
             },
         )
-        backend = cls(model, tokenizer, info)
-        backend.max_batch = options.max_batch or 8
+        backend = cls(model, tokenizer, info, max_batch=options.max_batch or 8)
         if options.warmup:
             backend.warm_up()  # the first request should not pay for kernel compilation
         return backend
@@ -151,11 +151,11 @@ class MlxBackend(TokenizerMethods):
     def _model_vocab(self) -> int:
         head = getattr(self.model, "lm_head", None)
         weight = getattr(head, "weight", None)
-        return int(weight.shape[0]) if weight is not None else len(self.tokenizer._tokenizer)
+        return int(weight.shape[0]) if weight is not None else self.text.vocab_size
 
     def _mask_undecodable(self) -> list:
         """Phi-2's model vocabulary exceeds its tokenizer's; those ids are never sampled (as on Torch)."""
-        decodable = len(self.tokenizer._tokenizer)
+        decodable = self.text.vocab_size
         vocab = self._model_vocab()
         if vocab <= decodable:
             return []
@@ -169,17 +169,26 @@ class MlxBackend(TokenizerMethods):
             self.model,
             max_tokens=sequence.max_new_tokens,
             sampler=make_sampler(sequence.sampling),
-            logits_processors=self._processors,
+            logits_processors=self.logits_processors,
         )
+
+
+def wrapped_tokenizer(wrapper):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper.
+
+    The wrapper forwards attribute reads to it but has no public accessor for the object itself,
+    which the shared tokenizer code needs (its length, its Rust backend for DecodeStream). This
+    is the one place that reads the private attribute.
+    """
+    return wrapper._tokenizer
 
 
 def random_model(path: Path, dtype: str):
     """The architecture in `path`/config.json with MLX's random initialization."""
-    from mlx_lm.utils import _get_classes, load_tokenizer
+    from mlx_lm.utils import load_model, load_tokenizer
 
     config = json.loads((path / "config.json").read_text())
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    model, _ = load_model(path, strict=False)  # no weight files: the layers keep their initial values
     if dtype == "auto":  # Metal runs half precision well; the CPU build float32
         dtype = "float16" if mx.default_device().type == mx.DeviceType.gpu else "float32"
     model.set_dtype(getattr(mx, dtype))
@@ -265,7 +274,7 @@ class BatchDecoder:
             [sequence.prompt_ids],
             max_tokens=[sequence.max_new_tokens],
             samplers=[make_sampler(sequence.sampling)],
-            logits_processors=[self._backend._processors],
+            logits_processors=[self._backend.logits_processors],
         )
         self._uids[sequence.id] = uid
         self._ids[uid] = sequence.id

@@ -81,7 +81,7 @@ class StreamDetokenizer:
 
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)
-        piece = self._stream.step(self._text.tokenizer._tokenizer, token_id) or ""
+        piece = self._stream.step(self._text.tokenizer.backend_tokenizer, token_id) or ""
         self._emitted += len(piece)
         return piece
 

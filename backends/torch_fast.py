@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from backends import Sequence
-from backends.torch_runtime import sample, seeded_generator
+from backends.torch_sampling import sample, seeded_generator
 
 log = logging.getLogger("phi2_server.torch_fast")
 
@@ -61,9 +61,11 @@ class PhiWeights:
     nothing is stored twice and transformers' forward still works.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, decodable: int, context: int):
         config = model.config
         inner = model.model
+        self.decodable = decodable  # ids from here on decode to nothing: they are never sampled
+        self.context = context
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
         self.head_dim = self.hidden // self.heads
@@ -95,6 +97,10 @@ class PhiWeights:
         theta = rope_parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
         self.inv_freq = inv_freq.to(self.embed.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
 
     def rotary_tables(self, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for positions 0..length-1 (see `rope`), computed in float32
@@ -159,14 +165,15 @@ class _Slot:
 
 
 class BatchedPhiDecoder:
+    """The contract's Decoder for up to `max_batch` Phi sequences at once (see the module docstring)."""
+
     @torch.inference_mode()  # the cache and buffers are inference tensors, as everything that writes them
-    def __init__(self, backend, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None, compile: bool = False):
-        self.backend = backend
-        self.weights = backend.fast_weights
-        self.device = backend.device
-        self.dtype = self.weights.embed.dtype
+    def __init__(self, weights: PhiWeights, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None, compile: bool = False):
+        self.weights = weights
+        self.device = weights.device
+        self.dtype = weights.embed.dtype
         self.capacity = max_batch
-        self.context = backend.info.context_length
+        self.context = weights.context
         on_cuda = self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or (512 if on_cuda else 64)
         self.use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
@@ -190,7 +197,7 @@ class BatchedPhiDecoder:
         self._flip = 0
         self._inflight: _Launch | None = None
         self._stash: dict[int, int] | None = None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
 
     def _new_cache(self, length: int):
@@ -358,7 +365,7 @@ class BatchedPhiDecoder:
         w = self.weights
         x = F.layer_norm(x, (w.hidden,), *w.final_norm, w.eps)
         logits = F.linear(x, *w.lm_head)
-        decodable = self.backend.undecodable_from
+        decodable = w.decodable
         if logits.shape[-1] > decodable:
             logits[:, decodable:] = float("-inf")
         return logits
@@ -419,7 +426,7 @@ class BatchedPhiDecoder:
         logits = self._logits(x)
         return logits, logits.argmax(dim=-1)
 
-    def _replay(self, batch: int, span: int) -> torch.Tensor:
+    def _replay(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (batch, span)
         if key not in self.graphs:
             try:

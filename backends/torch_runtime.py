@@ -16,7 +16,8 @@ from transformers.utils import logging as transformers_logging
 from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
 from backends.adapters import find_adapter, merge_lora_into_torch
 from backends.model_files import is_random
-from backends.text import TokenizerMethods, StreamDetokenizer, TokenizerText
+from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
+from backends.torch_sampling import sample, seeded_generator
 
 log = logging.getLogger("phi2_server.torch")
 
@@ -97,7 +98,7 @@ class TorchBackend(TokenizerMethods):
                 f"PHI2_MODEL={options.model!r} ({path}) could not be loaded by transformers: {exc}; "
                 "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
             ) from exc
-        adapter = find_adapter(options.adapter_path)
+        adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
         if adapter is not None:
             changed = merge_lora_into_torch(model, adapter)
             log.info("merged the LoRA adapter at %s into %d Linear layers", adapter, changed)
@@ -139,7 +140,7 @@ class TorchBackend(TokenizerMethods):
             decoder, owner = self._fast_decoder, self._fast_decoder_owner
             mine = owner is None or owner is threading.current_thread() or not owner.is_alive()
             if decoder is None or decoder.capacity != max_batch or not mine:
-                decoder = torch_fast.BatchedPhiDecoder(self, max_batch, compile=self.compile)
+                decoder = torch_fast.BatchedPhiDecoder(self.fast_weights, max_batch, compile=self.compile)
                 self._fast_decoder = decoder
             decoder.clear()
             self._fast_decoder_owner = threading.current_thread()
@@ -152,16 +153,18 @@ class TorchBackend(TokenizerMethods):
     def fast_weights(self):
         from backends.torch_fast import PhiWeights
 
-        return PhiWeights(self.model)
+        return PhiWeights(self.model, self.undecodable_from, self.info.context_length)
 
     def warm_up(self, max_batch: int = 1) -> None:
+        from backends.torch_fast import BatchedPhiDecoder
+
         decoder = self.decoder(max_batch)
         decoder.add(Sequence(0, self.encode("Hello") or [0], Sampling(), 2))
         decoder.step()
         decoder.step()
         decoder.remove(0)
-        if hasattr(decoder, "capture"):
-            decoder.capture()
+        if isinstance(decoder, BatchedPhiDecoder):
+            decoder.capture()  # CUDA graphs for the short lengths (nothing on the CPU)
 
     def forward_last(self, input_ids: list[int], cache) -> torch.Tensor:
         """Logits for the position after `input_ids`, extending `cache` in place."""
@@ -202,12 +205,6 @@ def random_model(path: Path, dtype: torch.dtype, device: str):
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             setattr(parent, name.rpartition(".")[2], fresh)
     return model.eval()
-
-
-def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-    return generator
 
 
 class SingleSequenceDecoder:

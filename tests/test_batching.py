@@ -13,12 +13,14 @@ import json
 import pytest
 
 from backends import Sampling, Sequence
+from backends.drive import drive
 from conftest import engine_of, wait_until
+from fakes import Gate, GatedBackend
 
 RUNTIMES = ["mlx", "torch"]
 
 PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq"]
-LONG = {"prompt": "Once upon", "max_tokens": 480, "ignore_eos": True}
+LONG = {"prompt": "Once upon", "max_tokens": 300, "ignore_eos": True}
 SEEDED = Sampling(temperature=0.9, top_p=0.9, seed=11)
 
 
@@ -27,32 +29,10 @@ def runtime_backend(request):
     return request.getfixturevalue(f"{request.param}_backend")
 
 
-def decode(decoder, plan: list[tuple[int, Sequence]], max_steps: int = 5000) -> tuple[dict[int, list[int]], list[int]]:
-    """Drive a decoder as the engine does; plan: (earliest step, sequence) in arrival order.
-
-    Waiting sequences are admitted in order into free slots before a step; a sequence is
-    removed when it has its max_new_tokens (end-of-text is ignored). Returns every
-    sequence's ids and the order in which the sequences finished.
-    """
-    waiting = list(plan)
-    active: dict[int, Sequence] = {}
-    ids: dict[int, list[int]] = {sequence.id: [] for _, sequence in plan}
-    finished: list[int] = []
-    for step in range(max_steps):
-        while waiting and waiting[0][0] <= step and len(active) < decoder.capacity:
-            sequence = waiting.pop(0)[1]
-            decoder.add(sequence)
-            active[sequence.id] = sequence
-        if not active and not waiting:
-            return ids, finished
-        for seq_id, token in decoder.step().items():
-            assert seq_id in active, f"a token for sequence {seq_id}, which is not in the batch"
-            ids[seq_id].append(token)
-            if len(ids[seq_id]) == active[seq_id].max_new_tokens:
-                decoder.remove(seq_id)
-                del active[seq_id]
-                finished.append(seq_id)
-    raise AssertionError(f"not finished after {max_steps} steps: {active}")
+def decode(decoder, plan: list[tuple[int, Sequence]]) -> tuple[dict[int, list[int]], list[int]]:
+    """Every sequence's ids and the order they finished; plan: (earliest step, sequence) in arrival order."""
+    driven = drive(decoder, [s for _, s in plan], arrive_at={s.id: step for step, s in plan})
+    return driven.ids, driven.finished
 
 
 def alone(backend, sequence: Sequence) -> list[int]:

@@ -6,37 +6,20 @@ from __future__ import annotations
 import pytest
 
 from backends import Sampling, Sequence
+from backends.drive import drive
 from backends.torch_fast import BatchedPhiDecoder, supports
 
 PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq", "Alice: How are you today?\nBob:"]
 
 
 def alone(backend, prompt: str, n: int, sampling: Sampling = Sampling()) -> list[int]:
-    decoder = backend.decoder(1)
-    decoder.add(Sequence(1, backend.encode(prompt), sampling, n))
-    ids = [decoder.step()[1] for _ in range(n)]
-    decoder.remove(1)
-    return ids
+    return drive(backend.decoder(1), [Sequence(1, backend.encode(prompt), sampling, n)]).ids[1]
 
 
 def run_batch(decoder, requests: list[tuple[str, int, Sampling]], backend, cancel: dict[int, int] | None = None):
     """Feed requests in order as slots free up; returns the ids each produced (cancelled ones cut)."""
-    cancel = cancel or {}
-    pending = list(enumerate(requests))
-    out: dict[int, list[int]] = {}
-    active: set[int] = set()
-    while pending or active:
-        while pending and len(active) < decoder.capacity:
-            i, (prompt, n, sampling) = pending.pop(0)
-            decoder.add(Sequence(i, backend.encode(prompt), sampling, n))
-            active.add(i)
-            out[i] = []
-        for i, token in decoder.step().items():
-            out[i].append(token)
-            if len(out[i]) == requests[i][1] or len(out[i]) == cancel.get(i):
-                decoder.remove(i)
-                active.discard(i)
-    return out
+    sequences = [Sequence(i, backend.encode(prompt), sampling, n) for i, (prompt, n, sampling) in enumerate(requests)]
+    return drive(decoder, sequences, stop_after=cancel).ids
 
 
 def test_the_tiny_model_takes_the_fast_path(torch_backend):
@@ -47,7 +30,7 @@ def test_the_tiny_model_takes_the_fast_path(torch_backend):
 @pytest.mark.parametrize("chunk", [3, 64])
 def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
     requests = [(p, n, Sampling()) for p, n in zip(PROMPTS, [40, 7, 90, 1, 33, 60, 25])]
-    decoder = BatchedPhiDecoder(torch_backend, 3, prefill_chunk=chunk)
+    decoder = BatchedPhiDecoder(torch_backend.fast_weights, 3, prefill_chunk=chunk)
     out = run_batch(decoder, requests, torch_backend)
     for i, (prompt, n, _) in enumerate(requests):
         assert out[i] == alone(torch_backend, prompt, n), prompt
@@ -57,7 +40,7 @@ def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
 def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_backend, cut):
     # Removing slot 1 of 4 moves the last sequence into it: its cache must move intact.
     requests = [(p, 200, Sampling()) for p in PROMPTS[:5]]
-    decoder = BatchedPhiDecoder(torch_backend, 4)
+    decoder = BatchedPhiDecoder(torch_backend.fast_weights, 4)
     out = run_batch(decoder, requests, torch_backend, cancel={1: cut[0], 0: cut[1]})
     for i in (2, 3, 4):
         assert out[i] == alone(torch_backend, requests[i][0], 200)
@@ -67,7 +50,7 @@ def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_back
 
 def test_long_generations_grow_the_cache(torch_backend):
     requests = [("Once upon", 400, Sampling()), ("The quick brown", 150, Sampling())]
-    decoder = BatchedPhiDecoder(torch_backend, 2)
+    decoder = BatchedPhiDecoder(torch_backend.fast_weights, 2)
     out = run_batch(decoder, requests, torch_backend)
     assert decoder.cache_length > 400
     assert out[0] == alone(torch_backend, "Once upon", 400)
@@ -77,7 +60,7 @@ def test_long_generations_grow_the_cache(torch_backend):
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(torch_backend):
     sampled = Sampling(temperature=1.5, top_p=0.9, seed=42)
     requests = [("Hello world", 30, sampled), ("Once upon", 30, Sampling()), ("zq", 30, Sampling(temperature=2.0, seed=1))]
-    out = run_batch(BatchedPhiDecoder(torch_backend, 3), requests, torch_backend)
+    out = run_batch(BatchedPhiDecoder(torch_backend.fast_weights, 3), requests, torch_backend)
     assert out[0] == alone(torch_backend, "Hello world", 30, sampled)
     assert out[2] == alone(torch_backend, "zq", 30, Sampling(temperature=2.0, seed=1))
     assert out[1] == alone(torch_backend, "Once upon", 30)
@@ -87,7 +70,7 @@ def test_matches_transformers_generic_path(torch_backend, reference):
     # The fast path's own arithmetic (fused q/k/v, rotary, the tanh GELU) against transformers'
     # generate on the same weights.
     for prompt in PROMPTS:
-        decoder = BatchedPhiDecoder(torch_backend, 1)
+        decoder = BatchedPhiDecoder(torch_backend.fast_weights, 1)
         (out,) = run_batch(decoder, [(prompt, 30, Sampling())], torch_backend).values()
         ids = reference(prompt, 30)
         eos = reference.tokenizer.eos_token_id

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends.drive import drive  # noqa: E402
 from backends.torch_fast import BatchedPhiDecoder  # noqa: E402
 
 PROMPT = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is two plus two?"
@@ -61,26 +62,15 @@ def decode_alone(backend, prompts, n, decoder) -> list[list[int]]:
     out = []
     for prompt in prompts:
         decoder.clear()
-        decoder.add(Sequence(1, backend.encode(prompt), Sampling(), n))
-        ids = []
-        while len(ids) < n:  # a chained step hands its token over one step later
-            ids += decoder.step().values()
-        out.append(ids[:n])
-        decoder.remove(1)
+        out.append(drive(decoder, [Sequence(1, backend.encode(prompt), Sampling(), n)]).ids[1])
     return out
 
 
 def decode_together(backend, prompts, n, decoder) -> list[list[int]]:
     decoder.clear()
-    for i, prompt in enumerate(prompts):
-        decoder.add(Sequence(i, backend.encode(prompt), Sampling(), n))
-    out = [[] for _ in prompts]
-    while any(len(o) < n for o in out):
-        for i, token in decoder.step().items():
-            out[i].append(token)
-    for i in range(len(prompts)):
-        decoder.remove(i)
-    return out
+    sequences = [Sequence(i, backend.encode(prompt), Sampling(), n) for i, prompt in enumerate(prompts)]
+    ids = drive(decoder, sequences).ids
+    return [ids[i] for i in range(len(prompts))]
 
 
 def parity(dtype: str) -> dict:
@@ -92,19 +82,19 @@ def parity(dtype: str) -> dict:
         ids = torch.tensor([backend.encode(PROMPT)], device="cuda")
         with torch.inference_mode():
             reference = backend.model(ids).logits[0, -1].float()
-        decoder = BatchedPhiDecoder(backend, 1, cuda_graphs=False)
+        decoder = BatchedPhiDecoder(backend.fast_weights, 1, cuda_graphs=False)
         fast = decoder._prefill([(0, ids[0].tolist(), 0)])[0].float()  # the prompt into slot 0
-        decodable = backend.undecodable_from  # the fast path masks the ids the tokenizer cannot decode
+        decodable = backend.fast_weights.decodable  # the fast path masks the ids the tokenizer cannot decode
         result["max_abs_logit_diff_vs_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
         result["logit_scale"] = float(reference.abs().max())
-    single = BatchedPhiDecoder(backend, 1)
+    single = BatchedPhiDecoder(backend.fast_weights, 1)
     alone = decode_alone(backend, prompts, n, single)
-    batched = decode_together(backend, prompts, n, BatchedPhiDecoder(backend, 8))
+    batched = decode_together(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 8))
     same = sum(a == b for a, b in zip(alone, batched))
     first = [next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(alone, batched)]
     result.update(sequences=len(prompts), tokens=n, identical=same, first_divergence=first)
     if dtype == "bfloat16" and "compile" not in SKIP:
-        compiled = decode_alone(backend, prompts, n, BatchedPhiDecoder(backend, 1, compile=True))
+        compiled = decode_alone(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 1, compile=True))
         result["compiled_identical_to_eager"] = sum(a == b for a, b in zip(alone, compiled))
     del backend, single
     torch.cuda.empty_cache()
@@ -135,7 +125,7 @@ def speed() -> dict:
     say("profile batch 1", result["profile_batch_1"])
     variants = [(b, False) for b in (1, 8, 32, 64)] + ([(1, True), (64, True)] if "compile" not in SKIP else [])
     for batch, compiled in variants:
-        decoder = BatchedPhiDecoder(backend, batch, compile=compiled)
+        decoder = BatchedPhiDecoder(backend.fast_weights, batch, compile=compiled)
         started = time.perf_counter()
         decoder.capture(spans=(128, 256))
         capture = time.perf_counter() - started
@@ -159,7 +149,7 @@ def speed() -> dict:
 
 def profile_step(backend) -> dict:
     """Where a batch-1 decode step's GPU time goes (eager kernels; a graph replays the same ones)."""
-    decoder = BatchedPhiDecoder(backend, 1, cuda_graphs=False)
+    decoder = BatchedPhiDecoder(backend.fast_weights, 1, cuda_graphs=False)
     decoder.add(Sequence(0, backend.encode(PROMPT)[:16], Sampling(), 64))
     for _ in range(4):
         decoder.step()

@@ -1,0 +1,64 @@
+"""Drive a decoder outside the server: the one plain decode loop for tests and tools.
+
+The server's loop is the engine's (`backends.engine`), which adds what HTTP needs: a queue,
+cancellation, detokenizing, stop strings, timeouts. Tests, `bench.py --in-process` and the GPU
+check only need "feed these sequences through this decoder as slots free up, and collect the
+ids", done the way the engine does it: admission in arrival order into free slots before a
+step, removal once a sequence has its tokens (end-of-text does not end it here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence as Seq
+from dataclasses import dataclass, field
+
+from backends import Decoder, Sequence
+
+
+@dataclass
+class Driven:
+    ids: dict[int, list[int]] = field(default_factory=dict)  # every sequence's generated ids
+    finished: list[int] = field(default_factory=list)  # sequence ids in the order they ended
+    steps: int = 0
+
+
+def drive(
+    decoder: Decoder,
+    sequences: Seq[Sequence],
+    *,
+    arrive_at: Mapping[int, int] | None = None,
+    stop_after: Mapping[int, int] | None = None,
+    on_tokens: Callable[[int, dict[int, int]], None] | None = None,
+    max_steps: int = 100_000,
+) -> Driven:
+    """Decode `sequences` (in arrival order) to their `max_new_tokens`.
+
+    `arrive_at` gives a sequence's earliest step (default 0); `stop_after` cuts a sequence
+    short after that many tokens, as a client that leaves; `on_tokens(step, tokens)` sees every
+    step's tokens as they come (bench.py times the first text with it).
+    """
+    arrive_at = arrive_at or {}
+    stop_after = stop_after or {}
+    waiting = list(sequences)
+    active: dict[int, int] = {}  # sequence id -> tokens it ends at
+    out = Driven(ids={s.id: [] for s in sequences})
+    for step in range(max_steps):
+        while waiting and arrive_at.get(waiting[0].id, 0) <= step and len(active) < decoder.capacity:
+            sequence = waiting.pop(0)
+            decoder.add(sequence)
+            active[sequence.id] = min(sequence.max_new_tokens, stop_after.get(sequence.id, sequence.max_new_tokens))
+        if not active and not waiting:
+            out.steps = step
+            return out
+        tokens = decoder.step()
+        if on_tokens is not None:
+            on_tokens(step, tokens)
+        for seq_id, token in tokens.items():
+            if seq_id not in active:
+                raise RuntimeError(f"the decoder gave a token to sequence {seq_id}, which is not in its batch")
+            out.ids[seq_id].append(token)
+            if len(out.ids[seq_id]) == active[seq_id]:
+                decoder.remove(seq_id)
+                del active[seq_id]
+                out.finished.append(seq_id)
+    raise RuntimeError(f"not finished after {max_steps} steps: sequences {sorted(active)} still decoding")
