@@ -23,14 +23,20 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from datetime import datetime, timezone
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Any, Callable
 
+import prometheus_client
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
 
 from backends import Backend, LoadOptions, ModelLoadError, Sampling, load_backend, select_backend
 from backends.engine import Engine, NotAccepting, QueueFull, Request, Summary, Ticket
@@ -920,89 +926,86 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     return await openai_answer(request, params, gen, "chat.completion")
 
 
-# -- metrics (Prometheus text format) -------------------------------------------------------------
+# -- metrics (Prometheus, through prometheus-client) ------------------------------------------------
 
 VERSION = "0.9.0"
 
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        sep = "," if labels else ""
-        out = [f'{name}_bucket{{{labels}{sep}le="{bound}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
-        braces = f"{{{labels}}}" if labels else ""
-        return out + [f"{name}_sum{braces} {self.sum}", f"{name}_count{braces} {self.count}"]
+# No `_created` series: they double every counter and histogram, and no dashboard here uses them.
+prometheus_client.disable_created_metrics()
 
 
-def label(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class EngineCollector(Collector):
+    """The worker's own counters and gauges, read from the engine at scrape time."""
+
+    def __init__(self, app: web.Application):
+        self._app = app
+
+    def collect(self):
+        engine, settings = self._app[ENGINE], self._app[SETTINGS]
+        stats = engine.stats
+        info = engine.backend.info if engine.backend is not None else None
+        yield InfoMetricFamily("phi2_build", "Server version and the model it serves.", value={
+            "version": VERSION, "model": settings.model, "backend": info.backend if info else "",
+            "device": info.device if info else "", "dtype": info.dtype if info else "",
+        })
+        outcomes = CounterMetricFamily("phi2_generations", "Generations ended, by outcome.", labels=["outcome"])
+        for outcome in ("completed", "cancelled", "timeouts", "errors"):
+            outcomes.add_metric([outcome], stats[outcome])
+        yield outcomes
+        yield CounterMetricFamily("phi2_decode_steps", "Decode steps of the generation worker.", value=stats["decode_steps"])
+        yield CounterMetricFamily("phi2_decode_seconds", "Time inside decode steps.", value=stats["decode_seconds"])
+        yield GaugeMetricFamily("phi2_queue_waiting", "Requests waiting for a batch slot.", value=engine.waiting)
+        yield GaugeMetricFamily("phi2_active_sequences", "Sequences being generated.", value=engine.active)
+        yield GaugeMetricFamily("phi2_max_batch", "Batch slots of the worker.", value=engine.max_batch)
+        yield GaugeMetricFamily("phi2_model_loaded", "1 once the model is loaded.", value=int(engine.status == "ok"))
+        yield GaugeMetricFamily("phi2_model_load_seconds", "How long loading the model took.", value=engine.load_time_s or 0)
 
 
 class Metrics:
-    """Counters and histograms, updated by the request-log middleware (on the event loop)."""
+    """The app's own registry (tests run many apps in one process): request metrics, updated by
+    the request-log middleware on the event loop; the engine's, collected at scrape time; and
+    prometheus-client's process and Python metrics."""
 
-    def __init__(self):
-        self.requests: dict[tuple[str, str, int], int] = {}
-        self.durations: dict[str, Histogram] = {}
-        self.ttft = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.rate = Histogram((1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000))
-        self.generated = self.prompt = 0
+    def __init__(self, app: web.Application):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("phi2_requests", "HTTP requests by route, method and status.", ["route", "method", "status"], registry=r)
+        self.durations = Histogram(
+            "phi2_request_duration_seconds", "Whole request time, a stream's included.", ["route"], registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.ttft = Histogram(
+            "phi2_time_to_first_token_seconds", "From a request's arrival to its first generated token.", registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.rate = Histogram(
+            "phi2_generation_tokens_per_second", "Decode rate of each generation after its first token.", registry=r,
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
+        )
+        self.generated = Counter("phi2_generated_tokens", "Tokens generated (rate() of it is the server's tokens/s).", registry=r)
+        self.prompt = Counter("phi2_prompt_tokens", "Prompt tokens of generation requests.", registry=r)
+        r.register(EngineCollector(app))
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
 
     def observe(self, request: web.Request, status: int, seconds: float, summary: Summary | None) -> None:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"  # no label per unknown path
-        key = (route, request.method, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        self.durations.setdefault(route, Histogram((0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))).observe(seconds)
+        self.requests.labels(route, request.method, str(status)).inc()
+        self.durations.labels(route).observe(seconds)
         if summary is not None:
-            self.generated += summary.tokens_used
-            self.prompt += summary.prompt_tokens
+            self.generated.inc(summary.tokens_used)
+            self.prompt.inc(summary.prompt_tokens)
             if summary.ttft_ms is not None:
                 self.ttft.observe(summary.ttft_ms / 1000)
             if summary.tokens_used > 1:
                 self.rate.observe(summary.tokens_per_second)
 
-    def render(self, engine: Engine, settings: Settings) -> str:
-        def family(name: str, kind: str, text: str, lines: list[str]) -> list[str]:
-            return [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *lines]
-
-        stats = engine.stats
-        info = engine.backend.info if engine.backend is not None else None
-        build = {"version": VERSION, "model": settings.model, "backend": info.backend if info else "", "device": info.device if info else "", "dtype": info.dtype if info else ""}
-        out = family("phi2_build_info", "gauge", "Server version and the model it serves.", ["phi2_build_info{" + ",".join(f'{k}="{label(v)}"' for k, v in build.items()) + "} 1"])
-        out += family("phi2_requests_total", "counter", "HTTP requests by route, method and status.",
-                      [f'phi2_requests_total{{route="{label(r)}",method="{m}",status="{s}"}} {n}' for (r, m, s), n in sorted(self.requests.items())])
-        out += family("phi2_request_duration_seconds", "histogram", "Whole request time, a stream's included.",
-                      [line for route, h in sorted(self.durations.items()) for line in h.lines("phi2_request_duration_seconds", f'route="{label(route)}"')])
-        out += family("phi2_time_to_first_token_seconds", "histogram", "From a request's arrival to its first generated token.", self.ttft.lines("phi2_time_to_first_token_seconds"))
-        out += family("phi2_generation_tokens_per_second", "histogram", "Decode rate of each generation after its first token.", self.rate.lines("phi2_generation_tokens_per_second"))
-        out += family("phi2_generated_tokens_total", "counter", "Tokens generated (rate() of it is the server's tokens/s).", [f"phi2_generated_tokens_total {self.generated}"])
-        out += family("phi2_prompt_tokens_total", "counter", "Prompt tokens of generation requests.", [f"phi2_prompt_tokens_total {self.prompt}"])
-        out += family("phi2_generations_total", "counter", "Generations ended, by outcome.",
-                      [f'phi2_generations_total{{outcome="{k}"}} {stats[k]}' for k in ("completed", "cancelled", "timeouts", "errors")])
-        out += family("phi2_decode_steps_total", "counter", "Decode steps of the generation worker.", [f"phi2_decode_steps_total {stats['decode_steps']}"])
-        out += family("phi2_decode_seconds_total", "counter", "Time inside decode steps.", [f"phi2_decode_seconds_total {stats['decode_seconds']}"])
-        out += family("phi2_queue_waiting", "gauge", "Requests waiting for a batch slot.", [f"phi2_queue_waiting {engine.waiting}"])
-        out += family("phi2_active_sequences", "gauge", "Sequences being generated.", [f"phi2_active_sequences {engine.active}"])
-        out += family("phi2_max_batch", "gauge", "Batch slots of the worker.", [f"phi2_max_batch {engine.max_batch}"])
-        out += family("phi2_model_loaded", "gauge", "1 once the model is loaded.", [f"phi2_model_loaded {int(engine.status == 'ok')}"])
-        out += family("phi2_model_load_seconds", "gauge", "How long loading the model took.", [f"phi2_model_load_seconds {engine.load_time_s or 0}"])
-        return "\n".join(out) + "\n"
-
 
 async def metrics(request: web.Request) -> web.Response:
-    text = request.app[METRICS].render(request.app[ENGINE], request.app[SETTINGS])
-    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+    body = prometheus_client.generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST, "X-Content-Type-Options": "nosniff"})
 
 
 # -- OpenAPI description of the native API, built from the schemas the validation uses ---------------
@@ -1151,7 +1154,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app[API_KEYS] = load_api_keys(settings)
     app[RATE_LIMITER] = TokenBuckets(settings.rate_limit) if settings.rate_limit > 0 else None
     app[CORS_ORIGINS] = frozenset(o.strip() for o in settings.cors_origins.split(",") if o.strip())
-    app[METRICS] = Metrics()
+    app[METRICS] = Metrics(app)
     app[OPENAPI] = openapi_document()
     app.on_response_prepare.append(add_headers)
     app[LOAD_DONE] = asyncio.Event()
