@@ -1184,21 +1184,69 @@ def describe_load_error(exc: BaseException, settings: Settings) -> str:
     )
 
 
-async def serve(settings: Settings) -> int:
-    try:
-        app = create_app(settings)
-    except OSError as exc:  # PHI2_API_KEY_FILE unreadable
-        print(f"error: PHI2_API_KEY_FILE={settings.api_key_file!r}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+class ProtocolErrorLog(AbstractAccessLogger):
+    """The request-log line of a request aiohttp answered itself.
+
+    A request that is not valid HTTP (a NUL byte in a header, a broken request line) gets
+    aiohttp's own 400 before any middleware runs, so `request_log` never sees it; aiohttp's
+    access-log hook does. Requests that reached the app already have their line (the hook is
+    called for those too: they carry a request id, and are skipped here).
+    """
+
+    app: web.Application  # set by `runner_options`
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if REQUEST_ID in request or REQUEST_LOG not in self.app:
+            return
+        self.app[REQUEST_LOG].write({
+            "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "request_id": uuid.uuid4().hex,
+            "method": request.method,  # UNKNOWN: the request line could not be read
+            "path": None,
+            "status": response.status,
+            "duration_ms": round(time * 1000, 2),
+            "error": "not a valid HTTP request",
+        })
+
+
+class ClientErrorsQuietly(logging.Filter):
+    """aiohttp logs a request it cannot parse as an ERROR with a traceback; that is the client's
+    mistake, not the server's: one warning line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.msg = f"{record.msg}: {error.message or error}"
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+HTTP_LOG = logging.getLogger("phi2_server.http")
+HTTP_LOG.addFilter(ClientErrorsQuietly())
+
+
+def runner_options(app: web.Application) -> dict[str, Any]:
+    """How the app is served (also by the tests' servers): a handler is cancelled when its client
+    leaves, and requests aiohttp answers itself are logged, quietly."""
+    access_log_class = type("AppProtocolErrorLog", (ProtocolErrorLog,), {"app": app})
+    return {
+        "handler_cancellation": True,
+        "access_log_class": access_log_class,
+        "access_log": HTTP_LOG,
+        "logger": HTTP_LOG,
+    }
+
+
+async def serve(app: web.Application) -> int:
+    settings = app[SETTINGS]
     if not app[API_KEYS] and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "!!! HOST=%s and no PHI2_API_KEY: anyone who can reach this port can use the model. "
             "Set PHI2_API_KEY (or PHI2_API_KEY_FILE), or listen on 127.0.0.1 only. !!!",
             settings.host,
         )
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.shutdown_grace + 5
-    )
+    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_grace + 5, **runner_options(app))
     await runner.setup()
     try:
         await web.TCPSite(runner, settings.host, settings.port).start()
@@ -1246,13 +1294,27 @@ async def serve(settings: Settings) -> int:
     return code
 
 
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_args(argv)
+    configure_logging()
+    try:
+        app = create_app(settings)
+    except OSError as exc:  # PHI2_API_KEY_FILE unreadable
+        print(f"error: PHI2_API_KEY_FILE={settings.api_key_file!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return run(app)
+
+
+def run(app: web.Application) -> int:
+    """Serve `app` until SIGTERM or SIGINT; the exit status."""
     # The worker thread and the event loop share the GIL; a shorter switch interval than the
     # default 5 ms hands it over sooner when the model step ends and its tokens are waiting.
     sys.setswitchinterval(0.001)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(settings))
+    return asyncio.run(serve(app))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from aiohttp.test_utils import TestServer
 
 from backends import Backend, LoadOptions, load_backend
 from backends.tiny import write_tiny_checkpoint
-from phi2_server import ENGINE, LOAD_DONE, Settings, create_app
+from phi2_server import ENGINE, LOAD_DONE, Settings, create_app, runner_options
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +71,11 @@ def make_client(aiohttp_client, log_dir, max_batch):
         overrides.setdefault("max_batch", max_batch)
         settings = Settings(log_dir=str(log_dir), shutdown_grace=1.0, **overrides)
         app = create_app(settings, load=load)
-        client = await aiohttp_client(app)
+        # Served as `phi2_server.run` serves it (TestServer takes the options here, not in its
+        # constructor, and always cancels handlers whose client leaves).
+        server = TestServer(app)
+        await server.start_server(**{k: v for k, v in runner_options(app).items() if k != "handler_cancellation"})
+        client = await aiohttp_client(server)
         if wait:
             await asyncio.wait_for(app[LOAD_DONE].wait(), 30)
         return client
@@ -175,7 +180,7 @@ class LiveServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="live-server", daemon=True)
         self.thread.start()
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(app, **runner_options(app))
 
         async def start():
             await self.runner.setup()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
+from conftest import wait_until
 from phi2_server import REQUEST_LOG
 
 
@@ -64,3 +67,19 @@ async def test_log_rotates_without_losing_lines(make_client, backend, log_dir):
 async def test_log_directory_is_created_at_startup(make_client, backend, tmp_path):
     client = await make_client(lambda: backend)
     assert client.server.app[REQUEST_LOG].path.parent.is_dir()
+
+
+async def test_a_request_aiohttp_cannot_parse_gets_its_line_and_no_traceback(client, log_dir, caplog):
+    # A NUL byte in a header: aiohttp answers 400 itself, before any middleware runs.
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Odd: a\x00b\r\n\r\n")
+    await writer.drain()
+    status_line = await reader.readline()
+    writer.close()
+    assert b" 400 " in status_line
+    await wait_until(lambda: len(read_log(log_dir)) == 1)
+    (line,) = read_log(log_dir)
+    assert line["status"] == 400 and line["request_id"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert (await client.get("/health")).status == 200
+    assert [line["status"] for line in read_log(log_dir)] == [400, 200]
