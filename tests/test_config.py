@@ -63,10 +63,8 @@ def test_missing_directory_is_a_clear_error(tmp_path):
 
 
 def test_uncached_hub_model_is_a_clear_error():
-    started = time.monotonic()
     with pytest.raises(ModelLoadError, match="PHI2_MODEL='no-such-org/no-such-model'.*make demo"):
         resolve_model("no-such-org/no-such-model")
-    assert time.monotonic() - started < 60
 
 
 def test_server_exits_with_a_clear_message_when_the_model_cannot_load(tmp_path):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 from backends import ModelLoadError
-from conftest import engine_of
+from conftest import engine_of, wait_until
 
 
 async def test_health_ready_and_info_when_loaded(client, backend):
@@ -44,10 +43,8 @@ async def test_loading_is_observable_and_answers_503(make_client, backend):
         assert response.headers["Retry-After"].isdigit()
         assert response.content_type == "application/json"
     release.set()
-    for _ in range(200):
-        if (await client.get("/ready")).status == 200:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: engine_of(client).status == "ok")
+    assert (await client.get("/ready")).status == 200
     response = await client.post("/generate", json={"prompt": "hi", "max_tokens": 2})
     assert response.status == 200
 

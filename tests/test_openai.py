@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from conftest import engine_of, wait_idle
+from fakes import Gate, GatedBackend
 
 
 @pytest.fixture
@@ -181,11 +182,13 @@ async def test_raw_errors_have_openai_shape(client):
     assert (await response.json())["error"]["param"] == "max_tokens"
 
 
-async def test_sse_disconnect_stops_generation(client):
+async def test_sse_disconnect_stops_generation(make_client, backend):
+    client = await make_client(lambda: GatedBackend(backend, Gate(after=1)))
     engine = engine_of(client)
-    body = {"prompt": "Once upon", "max_tokens": 400, "stream": True, "temperature": 1.0, "seed": 5}
+    body = {"prompt": "Once upon", "max_tokens": 300, "stream": True, "temperature": 1.0, "seed": 5}
     response = await client.post("/v1/completions", json=body)
     await response.content.readline()
-    response.close()
+    response.close()  # the gate holds the generation until the worker has seen the client go
     await wait_idle(engine)
     assert engine.stats["cancelled"] == 1
+    assert engine.stats["tokens_generated"] == 1

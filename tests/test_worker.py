@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from conftest import engine_of, wait_idle
+from conftest import engine_of, wait_idle, wait_until
+from fakes import Gate, GatedBackend
 
-LONG = {"prompt": "Once upon", "max_tokens": 500, "ignore_eos": True}
+LONG = {"prompt": "Once upon", "max_tokens": 300, "ignore_eos": True}
 
 
 async def test_ignore_eos_forces_the_token_count(client):
@@ -19,40 +20,41 @@ async def test_ignore_eos_forces_the_token_count(client):
     assert "<|endoftext|>" not in result["text"]
 
 
-async def test_stream_disconnect_stops_generation(client):
+async def test_stream_disconnect_stops_generation(make_client, backend):
+    client = await make_client(lambda: GatedBackend(backend, Gate(after=1)))
     engine = engine_of(client)
     response = await client.post("/generate/stream", json=LONG)
     first = json.loads(await response.content.readline())
     assert "token" in first
-    response.close()  # hang up mid-stream
+    response.close()  # hang up mid-stream: the gate holds the stream until the worker sees it
     await wait_idle(engine)
     assert engine.stats["cancelled"] == 1
-    assert engine.stats["tokens_generated"] < 500
+    assert engine.stats["tokens_generated"] == 1
 
 
-async def test_non_streaming_disconnect_stops_generation(client):
+async def test_non_streaming_disconnect_stops_generation(make_client, backend):
+    gate = Gate(after=1)
+    client = await make_client(lambda: GatedBackend(backend, gate))
     engine = engine_of(client)
     task = asyncio.create_task(client.post("/generate", json=LONG))
-    for _ in range(500):
-        if engine.stats["tokens_generated"] > 0:
-            break
-        await asyncio.sleep(0.005)
+    await wait_until(lambda: gate.holding == 1)  # generating, and held there
     task.cancel()  # the client gives up: its connection closes
     await asyncio.gather(task, return_exceptions=True)
     await wait_idle(engine)
     assert engine.stats["cancelled"] == 1
-    assert engine.stats["tokens_generated"] < 500
+    assert engine.stats["tokens_generated"] == 1
+    gate.release()
     ok = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 3})
     assert ok.status == 200
 
 
-async def test_requests_queue_in_arrival_order(client):
-    # Every slot busy with a long stream, four requests queued in order, then one slot freed:
+async def test_requests_queue_in_arrival_order(make_client, backend):
+    # Every slot busy with a held stream, four requests queued in order, then one slot freed:
     # the queued requests pass through that one slot, so they finish in arrival order.
+    gate = Gate(after=1, held=lambda sequence: sequence.max_new_tokens == LONG["max_tokens"])
+    client = await make_client(lambda: GatedBackend(backend, gate))
     engine = engine_of(client)
     running = [await client.post("/generate/stream", json=LONG) for _ in range(engine.max_batch)]
-    for response in running:
-        await response.content.readline()
     finished = []
 
     async def one(i):
@@ -63,8 +65,7 @@ async def test_requests_queue_in_arrival_order(client):
     tasks = []
     for i in range(4):
         tasks.append(asyncio.create_task(one(i)))
-        while engine.waiting < i + 1:  # submitted in order
-            await asyncio.sleep(0.001)
+        await wait_until(lambda: engine.waiting == i + 1)  # submitted in order
     running[0].close()
     await asyncio.gather(*tasks)
     assert finished == [0, 1, 2, 3]

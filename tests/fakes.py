@@ -1,0 +1,161 @@
+"""Real backends with one thing changed, for what the tiny model cannot do on its own.
+
+`GatedBackend` lets a test decide when generation advances, so no test depends on how fast
+this machine decodes: a test that needs a generation in flight (to time it out, disconnect it,
+fill every slot, signal the server under it) holds it there instead of guessing that N tokens
+take longer than its next few lines. `FailingBackend` breaks its decoder after some steps.
+Both wrap the real tiny-model backends and honour the same contract (backends/__init__.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable
+
+from backends import Backend, Decoder, Sequence
+
+
+class WrappedBackend:
+    """The contract, passed through to a real backend; subclasses change `decoder`."""
+
+    def __init__(self, backend: Backend):
+        self.inner = backend
+        self.info = backend.info
+        self.eos_token_ids = backend.eos_token_ids
+        self.max_batch = backend.max_batch
+
+    def encode(self, text):
+        return self.inner.encode(text)
+
+    def decode(self, token_ids):
+        return self.inner.decode(token_ids)
+
+    def chat_prompt(self, messages):
+        return self.inner.chat_prompt(messages)
+
+    def detokenizer(self):
+        return self.inner.detokenizer()
+
+    def decoder(self, max_batch: int = 1) -> Decoder:
+        return self.inner.decoder(max_batch)
+
+
+# -- failing -------------------------------------------------------------------------------------
+
+
+class FailingBackend(WrappedBackend):
+    """The real backend, except that its decoders break after `after` steps."""
+
+    def __init__(self, backend: Backend, after: int):
+        super().__init__(backend)
+        self.after = after
+
+    def decoder(self, max_batch: int = 1) -> Decoder:
+        return FailingDecoder(self.inner.decoder(max_batch), self.after)
+
+
+class FailingDecoder:
+    def __init__(self, decoder: Decoder, after: int):
+        self._decoder = decoder
+        self.capacity = decoder.capacity
+        self._left = after
+
+    def add(self, sequence: Sequence) -> None:
+        self._decoder.add(sequence)
+
+    def step(self) -> dict[int, int]:
+        if self._left == 0:
+            raise RuntimeError("simulated device failure")
+        self._left -= 1
+        return self._decoder.step()
+
+    def remove(self, sequence_id: int) -> None:
+        self._decoder.remove(sequence_id)
+
+
+# -- gated ---------------------------------------------------------------------------------------
+
+POLL = 0.005  # seconds a step waits while every sequence is held, before it hands back to the engine
+
+
+class Gate:
+    """Holds chosen sequences after `after` tokens each, until `release()`.
+
+    `held(sequence)` picks the sequences it holds (default: all); the others run freely. A held
+    sequence's tokens are not lost: when the decoder must step for the others, the held ones'
+    tokens are kept and handed over in order after the release, so the text is the same as
+    ungated. While every sequence is held, a step returns no tokens after a short wait, so the
+    engine still admits new requests, drops cancelled ones and ends expired ones between steps.
+    """
+
+    def __init__(self, after: int = 1, held: Callable[[Sequence], bool] = lambda sequence: True):
+        self.after = after
+        self.held = held
+        self._released = threading.Event()
+        self._lock = threading.Lock()
+        self.live = 0  # sequences in the gated decoders now
+        self.peak = 0  # the most there were at once
+        self.holding = 0  # sequences waiting at the gate now
+
+    def release(self) -> None:
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def _count(self, live_change: int) -> None:
+        with self._lock:
+            self.live += live_change
+            self.peak = max(self.peak, self.live)
+
+
+class GatedBackend(WrappedBackend):
+    def __init__(self, backend: Backend, gate: Gate):
+        super().__init__(backend)
+        self.gate = gate
+
+    def decoder(self, max_batch: int = 1) -> Decoder:
+        return GatedDecoder(self.inner.decoder(max_batch), self.gate)
+
+
+class GatedDecoder:
+    def __init__(self, decoder: Decoder, gate: Gate):
+        self._decoder = decoder
+        self._gate = gate
+        self.capacity = decoder.capacity
+        self._given: dict[int, int] = {}  # tokens handed to the engine, per sequence
+        self._kept: dict[int, deque[int]] = {}  # tokens decoded but not handed over yet
+        self._held: dict[int, bool] = {}
+
+    def add(self, sequence: Sequence) -> None:
+        self._decoder.add(sequence)
+        self._given[sequence.id] = 0
+        self._kept[sequence.id] = deque()
+        self._held[sequence.id] = self._gate.held(sequence)
+        self._gate._count(+1)
+
+    def remove(self, sequence_id: int) -> None:
+        self._decoder.remove(sequence_id)
+        if self._given.pop(sequence_id, None) is not None:
+            del self._kept[sequence_id], self._held[sequence_id]
+            self._gate._count(-1)
+
+    def _may_advance(self, sequence_id: int) -> bool:
+        return self._gate.released or not self._held[sequence_id] or self._given[sequence_id] < self._gate.after
+
+    def step(self) -> dict[int, int]:
+        must_step = any(self._may_advance(i) and not self._kept[i] for i in self._given)
+        if must_step:
+            for sequence_id, token in self._decoder.step().items():
+                self._kept[sequence_id].append(token)
+        out = {}
+        for sequence_id, kept in self._kept.items():
+            if kept and self._may_advance(sequence_id):
+                out[sequence_id] = kept.popleft()
+                self._given[sequence_id] += 1
+        self._gate.holding = sum(not self._may_advance(i) for i in self._given)
+        if not must_step and not out:
+            self._gate._released.wait(POLL)
+        return out
