@@ -5,6 +5,7 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --spawn                  # start phi2_server.py on a free port (make bench)
     python bench.py --in-process             # the backend's own decode loop, no HTTP
     python bench.py --overhead               # both, back to back, and their ratio (make bench-overhead)
+    python bench.py --dtype-sweep            # float32 against bfloat16 on this CPU, per model size
 
 The model and runtime come from the same environment variables as the server (PHI2_MODEL,
 PHI2_BACKEND, PHI2_DTYPE, ...). Every request forces its token count (`ignore_eos`), so runs
@@ -319,6 +320,56 @@ def memory_bandwidth() -> dict:
     return {"gemv_read_bytes_s": gemv, "copy_bytes_s": copy}
 
 
+# Phi architectures from toy size to Phi-1.5's, for the CPU dtype rule (--dtype-sweep).
+SWEEP_SIZES = [  # hidden, layers, heads, vocab
+    (64, 2, 4, 1000), (128, 4, 4, 4000), (128, 4, 4, 8000), (192, 4, 6, 8000), (256, 4, 8, 8000),
+    (256, 4, 8, 51200), (512, 8, 8, 51200), (1024, 16, 16, 51200), (2048, 24, 32, 51200),
+]
+
+
+def dtype_sweep(args) -> list[dict]:
+    """float32 against bfloat16 decode on this CPU, per model size: where bfloat16 starts to pay.
+
+    Random Phi weights (speed does not depend on them), one sequence through the decoder the
+    server uses on a CPU (the batched fast path), both dtypes in turn, the median of `runs`."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from backends import Sampling, Sequence
+    from backends.drive import drive
+    from backends.model_files import RANDOM_ARCHITECTURES
+    from backends.torch_fast import BatchedPhiDecoder, PhiWeights
+    from backends.torch_runtime import CPU_BF16_MIN_PARAMETERS, random_model
+
+    rows = []
+    for hidden, layers, heads, vocab in SWEEP_SIZES:
+        config = {**RANDOM_ARCHITECTURES["phi-2"], "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+                  "num_key_value_heads": heads, "intermediate_size": 4 * hidden, "vocab_size": vocab,
+                  "partial_rotary_factor": 0.5}  # as Phi-1.5: an even rotary width at every head size here
+        directory = Path(tempfile.mkdtemp())
+        (directory / "config.json").write_text(json.dumps(config))
+        decoders, parameters = {}, 0
+        for dtype in (torch.float32, torch.bfloat16):
+            model = random_model(directory, dtype, "cpu")
+            parameters = sum(p.numel() for p in model.parameters())
+            decoders[dtype] = BatchedPhiDecoder(PhiWeights(model, vocab, config["max_position_embeddings"]), 8)
+        rates: dict = {dtype: [] for dtype in decoders}
+        for run in range(args.runs + 1):  # the first round warms up
+            for dtype, decoder in decoders.items():
+                sequence = Sequence(run, list(range(5, 13)), Sampling(), args.max_tokens)
+                seconds = _timed(lambda: drive(decoder, [sequence]))
+                if run:
+                    rates[dtype].append(args.max_tokens / seconds)
+        f32, bf16 = (sorted(rates[d])[len(rates[d]) // 2] for d in (torch.float32, torch.bfloat16))
+        rows.append({"parameters": parameters, "float32_tok_s": f32, "bfloat16_tok_s": bf16})
+        auto = "bfloat16" if parameters >= CPU_BF16_MIN_PARAMETERS else "float32"
+        print(f"| {parameters / 1e6:.1f}M (h{hidden}, L{layers}, vocab {vocab}) | {f32:.1f} | {bf16:.1f} | {bf16 / f32:.2f} | {auto} |", flush=True)
+    return rows
+
+
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -351,7 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--overhead", action="store_true", help="--in-process, then --spawn at concurrency 1, and the ratio")
     parser.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a spawned server")
     parser.add_argument("--bandwidth", action="store_true", help="also measure memory bandwidth and the decode limit it sets")
+    mode.add_argument("--dtype-sweep", action="store_true", help="float32 against bfloat16 decode on this CPU, per model size")
     args = parser.parse_args(argv)
+    if args.dtype_sweep:
+        print("| parameters | float32 tok/s | bfloat16 tok/s | bf16 / f32 | auto picks |\n| --- | --- | --- | --- | --- |")
+        rows = dtype_sweep(args)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"dtype_sweep": rows}, out, indent=2)
+        return 0
     if args.spawn or args.in_process or args.overhead:
         os.environ.setdefault("PHI2_MODEL", default_model())  # the spawned server inherits it
         args.label = args.label if args.label != "server" else os.environ["PHI2_MODEL"]

@@ -1,13 +1,13 @@
-"""PyTorch + transformers runtime: CPU float32 by default, CUDA + bfloat16 where a GPU is."""
+"""PyTorch + transformers runtime: the CPU, or CUDA where a GPU is (dtype rule: `pick_dtype`)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
-import secrets
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -39,28 +39,36 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def pick_dtype(requested: str, device: str) -> torch.dtype:
+# On a CPU, bfloat16 pays only where decoding is memory-bound. Measured on a 2-core CPU with
+# native bfloat16 (`bench.py --dtype-sweep`, BENCHMARKS.md), bfloat16 against float32 decode:
+# 0.2M-2.8M parameters 0.6x (the weights sit in the CPU's caches; bfloat16 only adds
+# conversions), 4.9M 1.0x, 7.3M 1.7x, 29M-306M 2.0-2.5x, 1.4B 1.6x. The crossover lies near
+# 4M parameters (16 MB of float32 weights).
+CPU_BF16_MIN_PARAMETERS = 4_000_000
+
+
+def pick_dtype(requested: str, device: str, parameters: Callable[[], int]) -> torch.dtype:
+    """The weights' dtype. `auto`: bfloat16 on CUDA; on a CPU with native bfloat16, bfloat16 for a
+    model of at least CPU_BF16_MIN_PARAMETERS parameters; else float32."""
     if requested == "auto":
-        # Measured on Phi-2 (BENCHMARKS.md): on a CPU with native bfloat16, bfloat16 decodes
-        # ~17% faster than float32 with half the memory and a shorter TTFT; elsewhere it is emulated.
-        return torch.bfloat16 if device.startswith("cuda") or cpu_has_bf16() else torch.float32
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        if cpu_has_bf16() and parameters() >= CPU_BF16_MIN_PARAMETERS:
+            return torch.bfloat16
+        return torch.float32
     if requested not in DTYPES:
         raise ModelLoadError(f"PHI2_DTYPE must be auto or one of {', '.join(DTYPES)}, not {requested!r}")
     return DTYPES[requested]
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """One token id from a 1-D logits vector: greedy at temperature 0, else top-p sampling."""
-    if sampling.greedy:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() * sampling.scale, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= sampling.top_p
-        outside[0] = False  # the most likely token always stays
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def count_parameters(path: Path) -> int:
+    """The model's parameter count, from its config alone (built on the meta device: no memory)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 class TorchBackend(TokenizerMethods):
@@ -85,9 +93,9 @@ class TorchBackend(TokenizerMethods):
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> "TorchBackend":
         device = pick_device(options.device)
-        dtype = pick_dtype(options.dtype, device)
         transformers_logging.disable_progress_bar()  # the server log is for the server
         try:
+            dtype = pick_dtype(options.dtype, device, lambda: count_parameters(path))
             tokenizer = AutoTokenizer.from_pretrained(path)
             if is_random(options.model):
                 model = random_model(path, dtype, device)
