@@ -69,7 +69,7 @@ clean:
 docker-build:
 	docker build $(DOCKER_BUILD_ARGS) -t $(DOCKER_IMAGE) .
 
-# Publish on the host's loopback only: the server has no authentication. The cache directory
+# Publish on the host's loopback only: no API key is set by default (PHI2_API_KEY). The cache directory
 # is created here so that it belongs to you, not to the Docker daemon.
 docker-run: docker-build docker-stop
 	mkdir -p $(HF_CACHE)

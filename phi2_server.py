@@ -47,32 +47,40 @@ log = logging.getLogger("phi2_server")
 # -- configuration ----------------------------------------------------------------------------
 
 
+def setting(default: Any, help: str) -> Any:
+    """A Settings field: its default and the line `--help` prints for it."""
+    return field(default=default, metadata={"help": help})
+
+
+DEFAULT_ADAPTER_PATH = "~/ml-experiment/experiments/2026-05-04-0014"
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every setting is an environment variable with a matching command-line flag."""
 
-    model: str = "microsoft/phi-2"  # PHI2_MODEL: hub id, local directory, or "tiny"
-    backend: str = "auto"  # PHI2_BACKEND: auto | mlx | torch
-    adapter_path: str = "~/ml-experiment/experiments/2026-05-04-0014"  # ADAPTER_PATH
-    host: str = "127.0.0.1"  # HOST: loopback unless asked
-    port: int = 8000  # PORT
-    log_dir: str = "logs"  # LOG_DIR
-    device: str = "auto"  # PHI2_DEVICE (torch): auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # PHI2_DTYPE (torch): auto | float32 | bfloat16 | float16
-    compile: str = "auto"  # PHI2_COMPILE (torch, Phi family): torch.compile the decode step; auto = on CUDA
-    max_body_bytes: int = 1024 * 1024  # MAX_BODY_BYTES
-    max_queue: int = 64  # MAX_QUEUE: requests waiting for the worker; more get 503
-    max_batch: int = 0  # MAX_BATCH: sequences decoded together in one step; 0 = 64 on CUDA, else 8
-    max_tokens_limit: int = 0  # MAX_TOKENS_LIMIT per request; 0 = the context window only
-    request_timeout: float = 600.0  # REQUEST_TIMEOUT seconds, queue wait included; 0 = none
-    shutdown_grace: float = 10.0  # SHUTDOWN_GRACE seconds for in-flight generations
-    log_prompts: bool = True  # LOG_PROMPTS=0 keeps prompts out of the request log
-    log_max_bytes: int = 10 * 1024 * 1024  # LOG_MAX_BYTES before the log rotates
-    log_backups: int = 5  # LOG_BACKUPS rotated files kept
-    api_key: str = ""  # PHI2_API_KEY: one key or a comma-separated list; empty = no auth
-    api_key_file: str = ""  # PHI2_API_KEY_FILE: one key per line (# comments allowed)
-    rate_limit: int = 0  # RATE_LIMIT: requests per minute per key (or client address); 0 = off
-    cors_origins: str = ""  # CORS_ORIGINS: comma-separated origins allowed, or *; empty = no CORS
+    model: str = setting("microsoft/phi-2", "the model: a Hugging Face hub id, a local checkpoint directory, `tiny` (the offline demo model) or `random:phi-2` (Phi-2's architecture, random weights)")
+    backend: str = setting("auto", "runtime: auto (MLX on macOS arm64, else Torch), mlx or torch")
+    adapter_path: str = setting(DEFAULT_ADAPTER_PATH, "an mlx-lm LoRA adapter directory to apply; empty for none (the default path may be absent)")
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; set PHI2_API_KEY then)")
+    port: int = setting(8000, "port to listen on")
+    log_dir: str = setting("logs", "directory of the request log (requests.log), created at startup")
+    device: str = setting("auto", "Torch device: auto (cuda when a GPU is present, else cpu), cpu, cuda or cuda:N")
+    dtype: str = setting("auto", "Torch weights: auto (measured rule, see README), float32, bfloat16 or float16")
+    compile: str = setting("auto", "Torch, Phi family: torch.compile the decode step (auto: on CUDA only)")
+    max_body_bytes: int = setting(1024 * 1024, "largest request body in bytes; larger gets 413")
+    max_queue: int = setting(64, "requests that may wait for a batch slot; more get 503")
+    max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
+    max_tokens_limit: int = setting(0, "largest max_tokens a request may ask for (0: only the context window bounds it)")
+    request_timeout: float = setting(600.0, "seconds a request may take, queue wait included (0: no limit)")
+    shutdown_grace: float = setting(10.0, "seconds in-flight generations get to finish on SIGTERM/SIGINT")
+    log_prompts: bool = setting(True, "write the first 100 characters of each prompt to the request log (0: never)")
+    log_max_bytes: int = setting(10 * 1024 * 1024, "request log size in bytes before it rotates")
+    log_backups: int = setting(5, "rotated request logs kept")
+    api_key: str = setting("", "API key(s) clients must send as Authorization: Bearer, comma-separated (empty: no keys)")
+    api_key_file: str = setting("", "a file of API keys, one a line (# comments allowed)")
+    rate_limit: int = setting(0, "requests a minute per key, or per client address without keys (0: no limit)")
+    cors_origins: str = setting("", "browser origins allowed to call the API, comma-separated, or * (empty: no CORS)")
 
     ENV = {
         "model": "PHI2_MODEL",
@@ -104,12 +112,13 @@ class Settings:
                     default = kind(environ[env])
                 except ValueError:
                     parser.error(f"{env}={environ[env]!r} is not a valid {f.type}")
+            shown = "none; never logged" if f.name == "api_key" else repr(f.default)
             parser.add_argument(
                 "--" + f.name.replace("_", "-"),
                 type=kind,
                 default=default,
                 metavar=env,
-                help=f"(default: {f.default!r})" if f.name != "api_key" else "(default: none; never logged)",
+                help=f"{f.metadata['help']} (env {env}; default: {shown})",
             )
         args = parser.parse_args(argv)
         return cls(**vars(args))
@@ -119,6 +128,7 @@ class Settings:
         return LoadOptions(
             model=self.model,
             adapter_path=adapter,
+            adapter_path_is_default=self.adapter_path == DEFAULT_ADAPTER_PATH,
             device=self.device,
             dtype=self.dtype,
             max_batch=self.max_batch,
@@ -132,21 +142,22 @@ def _parse_bool(value: str | bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
-SETTINGS = web.AppKey("settings", Settings)
-ENGINE = web.AppKey("engine", Engine)
-REQUEST_LOG = web.AppKey("request_log", "RequestLog")
-LOAD_DONE = web.AppKey("load_done", asyncio.Event)
-LOADER = web.AppKey("loader", Callable[[], Backend])
-TOKENIZER_POOL = web.AppKey("tokenizer_pool", ThreadPoolExecutor)
-API_KEYS = web.AppKey("api_keys", tuple)
-RATE_LIMITER = web.AppKey("rate_limiter", object)
-CORS_ORIGINS = web.AppKey("cors_origins", frozenset)
-METRICS = web.AppKey("metrics", object)
-OPENAPI = web.AppKey("openapi", dict)
-LOG_FACTS = web.RequestKey("log_facts", dict)
-REQUEST_ID = web.RequestKey("request_id", str)
+# App state, typed (the annotations are lazy, so they may name classes defined further down).
+SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
+ENGINE: web.AppKey[Engine] = web.AppKey("engine")
+REQUEST_LOG: web.AppKey[RequestLog] = web.AppKey("request_log")
+LOAD_DONE: web.AppKey[asyncio.Event] = web.AppKey("load_done")
+LOADER: web.AppKey[Callable[[], Backend]] = web.AppKey("loader")
+TOKENIZER_POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("tokenizer_pool")
+API_KEYS: web.AppKey[tuple[bytes, ...]] = web.AppKey("api_keys")
+RATE_LIMITER: web.AppKey[TokenBuckets | None] = web.AppKey("rate_limiter")
+CORS_ORIGINS: web.AppKey[frozenset[str]] = web.AppKey("cors_origins")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
+OPENAPI: web.AppKey[dict] = web.AppKey("openapi")
+LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
-RECEIVED_AT = web.RequestKey("received_at", float)
+RECEIVED_AT: web.RequestKey[float] = web.RequestKey("received_at")
 
 
 # -- request validation -----------------------------------------------------------------------
@@ -768,7 +779,9 @@ COMPLETIONS_SCHEMA: dict[str, Any] = {
                 {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
             ]
         },
-        "max_tokens": {**OPENAI_COMMON["max_tokens"], "default": 16},  # OpenAI's default for completions
+        # OpenAI's default is 16, applied in v1_completions: a schema default here would count
+        # as asked for, and refuse a prompt that leaves less room instead of clipping to it.
+        "max_tokens": OPENAI_COMMON["max_tokens"],
         "echo": _unsupported(False),
         "best_of": _unsupported(1),
         "suffix": _unsupported(""),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -73,3 +73,46 @@ def test_server_exits_with_a_clear_message_when_the_model_cannot_load(tmp_path):
     assert out.returncode == 1
     assert "PHI2_MODEL" in out.stderr and "make demo" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "device, native_bf16, parameters, expected",
+    [
+        ("cuda", False, 1, "bfloat16"),
+        ("cpu", False, 3_000_000_000, "float32"),  # emulated bfloat16 never pays
+        ("cpu", True, 3_000_000_000, "bfloat16"),  # Phi-2: decoding is memory-bound
+        ("cpu", True, 231_936, "float32"),  # the tiny demo model: its weights sit in the caches
+    ],
+)
+def test_auto_dtype_follows_the_measured_rule(monkeypatch, device, native_bf16, parameters, expected):
+    import torch
+
+    from backends import torch_runtime
+
+    monkeypatch.setattr(torch_runtime, "cpu_has_bf16", lambda: native_bf16)  # a faked CPU
+    assert torch_runtime.pick_dtype("auto", device, lambda: parameters) == getattr(torch, expected)
+    assert torch_runtime.pick_dtype("float16", device, lambda: parameters) == torch.float16
+
+
+def test_parameters_are_counted_from_the_config_alone(tiny_path):
+    from backends.torch_runtime import count_parameters
+
+    assert count_parameters(tiny_path) == 231_936
+
+
+def test_an_absent_default_adapter_path_is_normal_and_an_explicit_one_is_warned(tmp_path, caplog):
+    from backends.adapters import find_adapter
+
+    caplog.set_level("INFO", logger="phi2_server.adapters")
+    assert find_adapter(str(tmp_path / "absent"), is_default=True) is None
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert find_adapter(str(tmp_path / "absent")) is None
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
+
+
+def test_every_flag_says_what_it_does():
+    out = subprocess.run([sys.executable, "phi2_server.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in out.stdout
+        assert f.metadata["help"].split()[0] in out.stdout

@@ -59,6 +59,24 @@ def test_completion_defaults_follow_openai(sdk):
     assert completion.choices[0].finish_reason == "length"
 
 
+def prompt_leaving_little_room(backend) -> str:
+    """A prompt after which fewer than 16 tokens (OpenAI's default max_tokens) fit the context."""
+    context, words = backend.info.context_length, 1
+    while context - len(backend.encode(" zq" * words)) >= 16:
+        words += 1
+    return " zq" * words
+
+
+def test_default_max_tokens_is_clipped_to_the_room_left(sdk, backend):
+    # Without max_tokens, OpenAI's default of 16 fits itself to the context, as /generate does.
+    prompt = prompt_leaving_little_room(backend)
+    assert 0 < backend.info.context_length - len(backend.encode(prompt)) < 16
+    completion = sdk.completions.create(model=openai.NOT_GIVEN, prompt=prompt, temperature=0)
+    assert completion.usage.prompt_tokens + completion.usage.completion_tokens <= backend.info.context_length
+    with pytest.raises(openai.BadRequestError):  # asked for explicitly, it does not fit: refused
+        sdk.completions.create(model=openai.NOT_GIVEN, prompt=prompt, max_tokens=16)
+
+
 def test_streamed_completion_equals_the_whole_one(sdk):
     kwargs = dict(model=openai.NOT_GIVEN, prompt="Once upon", max_tokens=40, temperature=0, stop=[" model"])
     whole = sdk.completions.create(**kwargs)
