@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from backends import Backend, Decoder, Detokenizer, Sampling, Sequence
+from backends import Backend, Decoder, Detokenizer, PromptCacheUsage, Sampling, Sequence
 
 log = logging.getLogger("phi2_server.engine")
 
@@ -44,6 +44,7 @@ class Summary:
     total_ms: float
     tokens_per_second: float  # decode rate after the first token (or tokens / total time)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache (not prefilled)
 
     def timings(self) -> dict:
         return {
@@ -139,9 +140,10 @@ class StopText:
 class _Running:
     """A ticket on the decoder."""
 
-    def __init__(self, ticket: Ticket, text: StopText):
+    def __init__(self, ticket: Ticket, text: StopText, cached: int):
         self.ticket = ticket
         self.text = text
+        self.cached = cached
         self.count = 0
         self.first_at: float | None = None
         self.last_at: float | None = None
@@ -154,10 +156,12 @@ class Engine:
         *,
         max_queue: int = 64,
         max_batch: int = 0,
+        prompt_cache_bytes: int | None = None,
         on_load_done: Callable[[], None] | None = None,
     ):
         self.max_queue = max_queue
         self.max_batch = max_batch
+        self.prompt_cache_bytes = prompt_cache_bytes  # None: the device's default; 0: off
         self.status = "loading"  # loading | ok | error
         self.backend: Backend | None = None
         self.load_error: BaseException | None = None
@@ -172,6 +176,8 @@ class Engine:
             "decode_steps": 0,
             "decode_seconds": 0.0,  # inside the decoder's step
             "busy_seconds": 0.0,  # the worker's whole loop while sequences run
+            "prompt_tokens_cached": 0,  # prompt tokens taken from the prompt cache
+            "prompt_tokens_computed": 0,  # prompt tokens prefilled
         }
         self._load = load
         self._on_load_done = on_load_done or (lambda: None)
@@ -185,6 +191,7 @@ class Engine:
         self._stopped = False
         self._thread = threading.Thread(target=self._main, name="generation-worker", daemon=True)
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        self._decoder: Decoder | None = None
         self._urgent = False
         self._flushed_at = 0.0
 
@@ -200,6 +207,11 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._running)
+
+    def prompt_cache_usage(self) -> PromptCacheUsage:
+        """What the worker's decoder holds in its prompt cache (read from any thread)."""
+        decoder = self._decoder
+        return decoder.prompt_cache_usage() if decoder is not None else PromptCacheUsage()
 
     def submit(self, request: Request) -> Ticket:
         ticket = Ticket(self, request, asyncio.get_running_loop())
@@ -273,6 +285,9 @@ class Engine:
         started = time.perf_counter()
         try:
             self.backend = self._load()
+            # The decoder exists before the first request is accepted (its prompt cache is reported).
+            self.max_batch = self.max_batch or self.backend.max_batch  # 0: the backend's default
+            self._decoder = self._new_decoder(self.backend)
         except BaseException as exc:  # reported through /health and the startup error
             self.load_error = exc
             self.status = "error"
@@ -298,8 +313,7 @@ class Engine:
             self._flush(force=True)
 
     def _serve(self, backend: Backend) -> None:
-        self.max_batch = self.max_batch or backend.max_batch  # 0: the backend's default
-        decoder = backend.decoder(self.max_batch)
+        decoder = self._decoder
         while True:
             self._flush(force=not self._running)  # about to wait for work: nothing may stay behind
             work = self._admit(decoder.capacity)
@@ -322,12 +336,15 @@ class Engine:
                 log.exception("decode step failed")
                 for seq_id in list(self._running):
                     self._finish(seq_id, "error", decoder, f"generation failed: {exc}")
-                decoder = backend.decoder(self.max_batch)
+                decoder = self._decoder = self._new_decoder(backend)  # nothing of the old one is reused
                 continue
             now = time.perf_counter()
             for seq_id, token in tokens.items():
                 self._advance(decoder, backend, seq_id, token, now)
             self.stats["busy_seconds"] += time.perf_counter() - started
+
+    def _new_decoder(self, backend: Backend) -> Decoder:
+        return backend.decoder(self.max_batch, prompt_cache_bytes=self.prompt_cache_bytes)
 
     def _admit(self, capacity: int) -> tuple[list[Ticket], str | None] | None:
         """Wait for work; fill free decoder slots from the queue, in arrival order.
@@ -354,14 +371,15 @@ class Engine:
     def _start(self, decoder: Decoder, backend: Backend, ticket: Ticket) -> None:
         request = ticket.request
         seq_id = next(self._ids)
-        running = _Running(ticket, StopText(backend.detokenizer(), request.stop))
         try:
-            decoder.add(Sequence(seq_id, request.prompt_ids, request.sampling, request.max_tokens))
+            cached = decoder.add(Sequence(seq_id, request.prompt_ids, request.sampling, request.max_tokens))
         except Exception as exc:
             log.exception("could not start a sequence")
             self._finish_unstarted(ticket, "error", f"generation failed: {exc}")
             return
-        self._running[seq_id] = running
+        self.stats["prompt_tokens_cached"] += cached
+        self.stats["prompt_tokens_computed"] += len(request.prompt_ids) - cached
+        self._running[seq_id] = _Running(ticket, StopText(backend.detokenizer(), request.stop), cached)
 
     def _retire_ended(self, decoder: Decoder, abort_reason: str | None) -> None:
         """Remove sequences whose client left, whose time is up, or that an abort ends."""
@@ -406,21 +424,24 @@ class Engine:
         flush: bool = True,
     ) -> None:
         running = self._running.pop(seq_id)
-        if decoder is not None:
-            try:
-                decoder.remove(seq_id)
-            except Exception:  # a broken decoder is replaced; the request still gets its end
-                log.exception("could not remove sequence %d", seq_id)
         if flush and reason in ("stop", "length"):
             rest = running.text.flush()
             if rest:
                 running.ticket._emit(rest)
-        self._complete(running.ticket, reason, running.count, running.first_at, running.last_at, error)
+        self._complete(running.ticket, reason, running.count, running.first_at, running.last_at, error, running.cached)
+        if decoder is not None:
+            # The end goes out first: removing may take a while (the decoder keeps the
+            # sequence's KV in its prompt cache).
+            self._flush(force=True)
+            try:
+                decoder.remove(seq_id)
+            except Exception:  # a broken decoder is replaced; the request still got its end
+                log.exception("could not remove sequence %d", seq_id)
 
     def _finish_unstarted(self, ticket: Ticket, reason: str, error: str | None = None) -> None:
         self._complete(ticket, reason, 0, None, None, error)
 
-    def _complete(self, ticket, reason, count, first_at, last_at, error) -> None:
+    def _complete(self, ticket, reason, count, first_at, last_at, error, cached: int = 0) -> None:
         now = time.perf_counter()
         request = ticket.request
         total = now - request.received_at
@@ -436,6 +457,7 @@ class Engine:
             total_ms=total * 1000,
             tokens_per_second=rate,
             error=error,
+            cached_tokens=cached,
         )
         key = {"cancelled": "cancelled", "timeout": "timeouts", "error": "errors"}.get(reason, "completed")
         with self._stats_lock:

@@ -15,10 +15,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, greedy_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
-from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
+from backends import (
+    LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, default_prompt_cache_bytes, physical_memory,
+)
 from backends.adapters import find_adapter
 from backends.model_files import is_random
 from backends.text import TokenizerMethods, TokenizerText
@@ -134,8 +137,12 @@ class MlxBackend(TokenizerMethods):
     def detokenizer(self) -> MlxDetokenizer:
         return MlxDetokenizer(self.tokenizer.detokenizer, self._skipped)
 
-    def decoder(self, max_batch: int = 1) -> "SingleSequenceDecoder | BatchDecoder":
-        return BatchDecoder(self, max_batch) if max_batch > 1 else SingleSequenceDecoder(self)
+    def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None) -> "SingleSequenceDecoder | BatchDecoder":
+        if prompt_cache_bytes is None:  # a Mac's memory is unified: RAM is what the model runs in
+            prompt_cache_bytes = default_prompt_cache_bytes(physical_memory(), on_gpu=False)
+        if max_batch > 1:
+            return BatchDecoder(self, max_batch, prompt_cache_bytes=prompt_cache_bytes)
+        return SingleSequenceDecoder(self, prompt_cache_bytes)
 
     def warm_up(self) -> None:
         """A few steps through each decoder, so the first request pays for no kernel builds."""
@@ -162,14 +169,15 @@ class MlxBackend(TokenizerMethods):
         bias = mx.where(mx.arange(vocab) < decodable, 0.0, -mx.inf)
         return [lambda tokens, logits: logits + bias]
 
-    def generation(self, sequence: Sequence):
-        """mlx-lm's own token generator for one sequence."""
+    def generation(self, prompt: list[int], sequence: Sequence, cache: list):
+        """mlx-lm's own token generator for one sequence: `prompt` is what `cache` lacks of it."""
         return generate_step(
-            mx.array(sequence.prompt_ids),
+            mx.array(prompt),
             self.model,
             max_tokens=sequence.max_new_tokens,
             sampler=make_sampler(sequence.sampling),
             logits_processors=self.logits_processors,
+            prompt_cache=cache,
         )
 
 
@@ -205,26 +213,75 @@ def _weights_dtype(model, config: dict) -> str:
     return "unknown"
 
 
+# Entries of a prompt cache: the byte budget is what bounds it; this only bounds the trie's size.
+PROMPT_CACHE_ENTRIES = 256
+CACHE_KEY = "model"  # one model (and adapter) per decoder, so the key tells nothing apart
+
+
+class PromptReuse:
+    """mlx-lm's own prompt cache (`LRUPromptCache`: a trie of token ids, least recently used
+    out first, within a byte budget), as both MLX decoders use it."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._lru = LRUPromptCache(max_size=PROMPT_CACHE_ENTRIES, max_bytes=budget_bytes) if budget_bytes > 0 else None
+
+    def fetch(self, prompt: list[int]) -> tuple[list | None, list[int]]:
+        """A cache holding the longest stored prefix of `prompt` (a copy), and the ids left to
+        prefill: always at least the last one, whose logits give the first token."""
+        if self._lru is None:
+            return None, prompt
+        cache, rest = self._lru.fetch_nearest_cache(CACHE_KEY, prompt)
+        if cache is not None and not rest:  # all of it is stored
+            if not can_trim_prompt_cache(cache):
+                return None, prompt
+            trim_prompt_cache(cache, 1)
+            rest = prompt[-1:]
+        return cache, list(rest)
+
+    def store(self, tokens: list[int], cache: list) -> None:
+        """Keep a cache holding exactly `tokens`; one larger than the whole budget is not kept
+        (mlx-lm would evict every other entry before dropping it)."""
+        if self._lru is not None and tokens and sum(c.nbytes for c in cache) <= self.budget_bytes:
+            self._lru.insert_cache(CACHE_KEY, list(tokens), cache)
+
+    def usage(self) -> PromptCacheUsage:
+        if self._lru is None:
+            return PromptCacheUsage()
+        return PromptCacheUsage(self.budget_bytes, self._lru.nbytes, len(self._lru))
+
+
 class SingleSequenceDecoder:
     """Steps mlx-lm's `generate_step` for one sequence at a time."""
 
     capacity = 1
 
-    def __init__(self, backend: MlxBackend):
+    def __init__(self, backend: MlxBackend, prompt_cache_bytes: int = 0):
         self._backend = backend
         self._sequence: Sequence | None = None
         self._tokens = None
+        self._prompts = PromptReuse(prompt_cache_bytes)
 
-    def add(self, sequence: Sequence) -> None:
+    def prompt_cache_usage(self) -> PromptCacheUsage:
+        return self._prompts.usage()
+
+    def add(self, sequence: Sequence) -> int:
         if self._sequence is not None:
             self.remove(self._sequence.id)
         self._sequence = sequence
-        self._tokens = self._backend.generation(sequence)
+        cache, rest = self._prompts.fetch(sequence.prompt_ids)
+        self._cache = cache if cache is not None else make_prompt_cache(self._backend.model)
+        self._ids = list(sequence.prompt_ids)  # then the generated ones
+        self._stepped = False
+        self._tokens = self._backend.generation(rest, sequence, self._cache)
+        return len(sequence.prompt_ids) - len(rest)
 
     def step(self) -> dict[int, int]:
         if self._sequence is None:
             return {}
         token, _ = next(self._tokens)
+        self._ids.append(int(token))
+        self._stepped = True
         return {self._sequence.id: int(token)}
 
     def remove(self, sequence_id: int) -> None:
@@ -232,8 +289,12 @@ class SingleSequenceDecoder:
             # Close the generator here, on the generation thread: it holds an MLX stream
             # context that must not be torn down by the garbage collector on another thread.
             self._tokens.close()
+            if self._stepped:  # its prefill completed; generate_step fed every token it gave
+                held = self._cache[0].offset
+                self._prompts.store(self._ids[:held], self._cache)
             self._sequence = None
             self._tokens = None
+            self._cache = None
 
 
 # Prompt tokens prefilled per step: a long prompt joining the batch is processed over several
@@ -252,17 +313,32 @@ class BatchDecoder:
     cancellation) and calls `remove`: BatchGenerator gets no stop tokens, and its length
     limit equals the engine's, so at that limit it still returns the last token and drops
     the sequence itself; the engine's `remove` then finds nothing left to do.
+
+    Prompt reuse follows mlx-lm's server: a stored prefix goes in with the sequence
+    (`insert(caches=...)`); a prompt's cache is stored once its prefill is complete (all but
+    its last token, BatchGenerator's end of the first segment), and again with the generated
+    ids when the sequence ends.
     """
 
-    def __init__(self, backend: MlxBackend, capacity: int, prefill_step: int = PREFILL_STEP):
+    def __init__(self, backend: MlxBackend, capacity: int, prefill_step: int = PREFILL_STEP, prompt_cache_bytes: int = 0):
         self.capacity = capacity
         self._backend = backend
         self._prefill_step = prefill_step
         self._generator: BatchGenerator | None = None
         self._uids: dict[int, int] = {}  # sequence id -> BatchGenerator uid
         self._ids: dict[int, int] = {}  # BatchGenerator uid -> sequence id
+        self._generating: set[int] = set()  # uids past their prefill
+        self._prompts = PromptReuse(prompt_cache_bytes)
 
-    def add(self, sequence: Sequence) -> None:
+    def prompt_cache_usage(self) -> PromptCacheUsage:
+        return self._prompts.usage()
+
+    @property
+    def generator(self) -> BatchGenerator | None:
+        """The running BatchGenerator (None while no sequence runs), for its own statistics."""
+        return self._generator
+
+    def add(self, sequence: Sequence) -> int:
         if self._generator is None:
             self._generator = BatchGenerator(
                 self._backend.model,
@@ -270,27 +346,48 @@ class BatchDecoder:
                 prefill_batch_size=self.capacity,
                 prefill_step_size=self._prefill_step,
             )
+        cache, rest = self._prompts.fetch(sequence.prompt_ids)
+        reused = len(sequence.prompt_ids) - len(rest)
         (uid,) = self._generator.insert(
-            [sequence.prompt_ids],
+            [rest],
             max_tokens=[sequence.max_new_tokens],
+            caches=[cache],
+            all_tokens=[sequence.prompt_ids[:reused]],
             samplers=[make_sampler(sequence.sampling)],
             logits_processors=[self._backend.logits_processors],
         )
         self._uids[sequence.id] = uid
         self._ids[uid] = sequence.id
+        return reused
 
     def step(self) -> dict[int, int]:
         if self._generator is None:
             return {}
-        _, generated = self._generator.next()
-        return {self._ids[r.uid]: r.token for r in generated}
+        prompts, generated = self._generator.next()
+        prefilled = [r.uid for r in prompts if r.end_of_segment and not r.end_of_prompt]
+        for cache, tokens in self._generator.extract_cache(prefilled).values():
+            self._prompts.store(tokens, cache)
+        out = {}
+        for r in generated:
+            out[self._ids[r.uid]] = r.token
+            self._generating.add(r.uid)
+            if r.finish_reason is not None:  # at its length limit BatchGenerator drops it itself
+                self._prompts.store(r.all_tokens, r.prompt_cache)
+                self._generating.discard(r.uid)
+        return out
 
     def remove(self, sequence_id: int) -> None:
         uid = self._uids.pop(sequence_id, None)
         if uid is None:
             return
         del self._ids[uid]
-        self._generator.remove([uid])  # nothing more is computed for it from the next step
+        generating = uid in self._generating
+        self._generating.discard(uid)
+        # Nothing more is computed for it from the next step; a sequence past its prefill
+        # leaves its cache behind (one still in its prefill leaves nothing).
+        caches = self._generator.remove([uid], return_prompt_caches=generating)
+        for cache, tokens in caches.values():
+            self._prompts.store(tokens, cache)
         if not self._uids:
             # Drop the idle generator here, on the generation thread (as mlx-lm's server does):
             # its close() synchronizes its thread-local stream.

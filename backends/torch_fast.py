@@ -21,7 +21,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from backends import Sequence
+from backends import PromptCacheUsage, Sequence
+from backends.prompt_cache import PrefixCache
 from backends.torch_sampling import sample, seeded_generator
 
 log = logging.getLogger("phi2_server.torch_fast")
@@ -162,14 +163,24 @@ class _Slot:
         self.generator = generator
         self.cached = 0  # tokens in the cache: the prompt as far as prefilled, then the generated ones fed back
         self.next_token: int | None = None  # the input of the next decode step, once the prompt is in
+        self.generated: list[int] = []
+
+    def cached_ids(self) -> list[int]:
+        """The ids whose keys and values are in the cache."""
+        return (self.sequence.prompt_ids + self.generated)[: self.cached]
 
 
 class BatchedPhiDecoder:
     """The contract's Decoder for up to `max_batch` Phi sequences at once (see the module docstring)."""
 
     @torch.inference_mode()  # the cache and buffers are inference tensors, as everything that writes them
-    def __init__(self, weights: PhiWeights, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None, compile: bool = False):
+    def __init__(
+        self, weights: PhiWeights, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
+        compile: bool = False, prompt_cache_bytes: int = 0,
+    ):
         self.weights = weights
+        self.prompts = PrefixCache(prompt_cache_bytes)
+        self._to_store: list[int] = []  # sequences whose complete prompts are to be stored
         self.device = weights.device
         self.dtype = weights.embed.dtype
         self.capacity = max_batch
@@ -208,12 +219,18 @@ class BatchedPhiDecoder:
     # -- the contract ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def clear(self) -> None:
-        """Forget every sequence (a fresh decoder for the worker, keeping the cache and graphs)."""
+    def clear(self, prompt_cache_bytes: int = 0) -> None:
+        """Forget every sequence and stored prompt, with a new prompt cache budget (a fresh
+        decoder for the worker, keeping the cache memory and the graphs)."""
         self._drain()
         self._stash = None
         self.slots.clear()
         self.index.clear()
+        self.prompts = PrefixCache(prompt_cache_bytes)
+        self._to_store.clear()
+
+    def prompt_cache_usage(self) -> PromptCacheUsage:
+        return self.prompts.usage()
 
     def _drain(self) -> None:
         """Read a step still in flight before the slots change under it."""
@@ -222,17 +239,46 @@ class BatchedPhiDecoder:
             self._stash = {**(self._stash or {}), **produced}
 
     @torch.inference_mode()
-    def add(self, sequence: Sequence) -> None:
+    def add(self, sequence: Sequence) -> int:
         if len(self.slots) >= self.capacity:
             raise RuntimeError("decoder is full")
-        self.index[sequence.id] = len(self.slots)
-        self.slots.append(_Slot(sequence, seeded_generator(sequence.sampling.seed, self.device)))
+        self._store_prompts()
+        row = len(self.slots)
+        slot = _Slot(sequence, seeded_generator(sequence.sampling.seed, self.device))
+        # A stored prefix goes straight into the slot's rows (at least the last prompt token is
+        # left to prefill: the first sampled token needs fresh logits).
+        reused, entry = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
+        if reused:
+            self._grow(reused)
+            self.k[:, row, :, :reused] = entry.k[:, :, :reused]
+            self.v[:, row, :, :reused] = entry.v[:, :, :reused]
+            slot.cached = reused
+        self.index[sequence.id] = row
+        self.slots.append(slot)
+        return reused
+
+    def _store_prompts(self) -> None:
+        for sequence_id in self._to_store:
+            if sequence_id in self.index:
+                self._store(self.index[sequence_id])
+        self._to_store.clear()
+
+    def _store(self, row: int) -> None:
+        """Keep the KV of a slot whose prompt is complete, for later prompts that start alike."""
+        slot = self.slots[row]
+        n = slot.cached
+        per_token = 2 * self.k[:, row, :, :1].numel() * self.k.element_size()
+        self.prompts.store(
+            slot.cached_ids(), n * per_token, lambda: (self.k[:, row, :, :n].clone(), self.v[:, row, :, :n].clone())
+        )
 
     @torch.inference_mode()
     def remove(self, sequence_id: int) -> None:
         if sequence_id not in self.index:
             return
         self._drain()
+        if self.slots[self.index[sequence_id]].next_token is not None:  # its prefill completed
+            self._store(self.index[sequence_id])
         slot = self.index.pop(sequence_id)
         last = len(self.slots) - 1
         if slot != last:  # keep slots packed: the last sequence moves into the freed slot
@@ -250,6 +296,7 @@ class BatchedPhiDecoder:
         whose prompt just finished). On CUDA, when every running sequence decodes greedily and no
         prompt waits, steps are chained: the next step is launched, fed its tokens on the device,
         before this one's are read, so the GPU never waits for Python."""
+        self._store_prompts()
         if self._stash is not None:  # read early, when a sequence left while a step was in flight
             produced, self._stash = self._stash, None
             return {i: t for i, t in produced.items() if i in self.index}
@@ -290,6 +337,7 @@ class BatchedPhiDecoder:
                 token = sample(launched.logits[i], slot.sequence.sampling, slot.generator)
             slot.cached += 1  # its input token went into the cache in that step
             slot.next_token = token
+            slot.generated.append(token)
             produced[slot.sequence.id] = token
         return produced
 
@@ -321,7 +369,11 @@ class BatchedPhiDecoder:
                     if not slot.sequence.sampling.greedy:
                         token = sample(row, slot.sequence.sampling, slot.generator)
                     slot.next_token = token
+                    slot.generated.append(token)
                     produced[slot.sequence.id] = token
+                    # Its prompt, for requests that arrive while it generates: stored at the
+                    # next step, so that copying it does not delay this first token.
+                    self._to_store.append(slot.sequence.id)
         return produced
 
     @torch.inference_mode()
@@ -475,7 +527,7 @@ class BatchedPhiDecoder:
             return
         new_length = min(max(length + 1, 2 * self.cache_length), self.context + 1)
         k, v = self._new_cache(new_length)
-        used = self.cache_length - 1  # the old scratch column is not carried over
-        k[:, :, :, :used] = self.k[:, :, :, :used]
-        v[:, :, :, :used] = self.v[:, :, :, :used]
+        used, live = self.cache_length - 1, len(self.slots)  # the old scratch column is not carried over
+        k[:, :live, :, :used] = self.k[:, :live, :, :used]  # rows past the live slots hold nothing
+        v[:, :live, :, :used] = self.v[:, :live, :, :used]
         self.k, self.v, self.cache_length = k, v, new_length

@@ -11,11 +11,15 @@ from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as transformers_logging
 
-from backends import LoadOptions, ModelInfo, ModelLoadError, Sampling, Sequence
+from backends import (
+    LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, default_prompt_cache_bytes, physical_memory,
+)
 from backends.adapters import find_adapter, merge_lora_into_torch
 from backends.model_files import is_random
+from backends.prompt_cache import PrefixCache
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.torch_sampling import sample, seeded_generator
 
@@ -59,6 +63,15 @@ def pick_dtype(requested: str, device: str, parameters: Callable[[], int]) -> to
     if requested not in DTYPES:
         raise ModelLoadError(f"PHI2_DTYPE must be auto or one of {', '.join(DTYPES)}, not {requested!r}")
     return DTYPES[requested]
+
+
+def prompt_cache_budget(requested: int | None, device: torch.device) -> int:
+    """A decoder's prompt cache budget: as requested, else the device's default."""
+    if requested is not None:
+        return requested
+    if device.type == "cuda":
+        return default_prompt_cache_bytes(torch.cuda.get_device_properties(device).total_memory, on_gpu=True)
+    return default_prompt_cache_bytes(physical_memory(), on_gpu=False)
 
 
 def count_parameters(path: Path) -> int:
@@ -137,11 +150,12 @@ class TorchBackend(TokenizerMethods):
     def detokenizer(self) -> StreamDetokenizer:
         return StreamDetokenizer(self.text)
 
-    def decoder(self, max_batch: int = 1):
+    def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None):
         """The batched fast path for the Phi family (always on CUDA: graphs), else one sequence
         at a time through transformers' forward (any causal LM)."""
         from backends import torch_fast
 
+        budget = prompt_cache_budget(prompt_cache_bytes, self.device)
         if torch_fast.supports(self.model) and (max_batch > 1 or self.device.type == "cuda"):
             # Reuse the decoder (and its CUDA graphs) that warm-up built, unless another thread
             # that is still alive holds it (tests run several workers over one backend).
@@ -150,12 +164,12 @@ class TorchBackend(TokenizerMethods):
             if decoder is None or decoder.capacity != max_batch or not mine:
                 decoder = torch_fast.BatchedPhiDecoder(self.fast_weights, max_batch, compile=self.compile)
                 self._fast_decoder = decoder
-            decoder.clear()
+            decoder.clear(prompt_cache_bytes=budget)
             self._fast_decoder_owner = threading.current_thread()
             return decoder
         if max_batch > 1:
             log.warning("batching needs the Phi fast path; %s is served one sequence at a time", self.model.config.model_type)
-        return SingleSequenceDecoder(self)
+        return SingleSequenceDecoder(self, budget)
 
     @functools.cached_property
     def fast_weights(self):
@@ -216,19 +230,37 @@ def random_model(path: Path, dtype: torch.dtype, device: str):
 
 
 class SingleSequenceDecoder:
-    """Decodes one sequence at a time with a dynamic KV cache."""
+    """Decodes one sequence at a time with transformers' dynamic KV cache (any causal LM).
+
+    Its prompt cache holds each finished sequence's KV as the Phi fast path lays it out, and
+    rebuilds a DynamicCache from a stored prefix: only for models whose cache layers are all
+    plain `DynamicLayer`s (no sliding windows, no linear attention), whose KV is just that.
+    """
 
     capacity = 1
 
-    def __init__(self, backend: TorchBackend):
+    def __init__(self, backend: TorchBackend, prompt_cache_bytes: int = 0):
         self._backend = backend
         self._sequence: Sequence | None = None
+        self._cache = None
+        reusable = all(type(layer) is DynamicLayer for layer in backend.new_cache().layers)
+        self.prompts = PrefixCache(prompt_cache_bytes if reusable else 0)
 
-    def add(self, sequence: Sequence) -> None:
+    def prompt_cache_usage(self) -> PromptCacheUsage:
+        return self.prompts.usage()
+
+    def add(self, sequence: Sequence) -> int:
         self._sequence = sequence
         self._cache = self._backend.new_cache()
-        self._next_input = sequence.prompt_ids
+        self._ids = list(sequence.prompt_ids)  # then the generated ones
+        self._stepped = False
+        reused, entry = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
+        for layer in range(entry.k.shape[0] if reused else 0):
+            # Slices of the entry: the cache concatenates new tokens into fresh tensors.
+            self._cache.update(entry.k[layer, None, :, :reused], entry.v[layer, None, :, :reused], layer)
+        self._next_input = sequence.prompt_ids[reused:]
         self._generator = seeded_generator(sequence.sampling.seed, self._backend.device)
+        return reused
 
     def step(self) -> dict[int, int]:
         sequence = self._sequence
@@ -237,9 +269,20 @@ class SingleSequenceDecoder:
         logits = self._backend.forward_last(self._next_input, self._cache)
         token = sample(logits, sequence.sampling, self._generator)
         self._next_input = [token]
+        self._ids.append(token)
+        self._stepped = True
         return {sequence.id: token}
 
     def remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
+            if self._stepped:  # its prefill completed
+                self._store()
             self._sequence = None
             self._cache = None
+
+    def _store(self) -> None:
+        layers = self._cache.layers
+        n = self._cache.get_seq_length()
+        nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+        stacked = lambda which: torch.stack([getattr(layer, which)[0, :, :n] for layer in layers])  # noqa: E731
+        self.prompts.store(self._ids[:n], nbytes, lambda: (stacked("keys"), stacked("values")))

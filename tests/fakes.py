@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-from backends import Backend, Decoder, Sequence
+from backends import Backend, Decoder, PromptCacheUsage, Sequence
 
 
 class WrappedBackend:
@@ -37,8 +37,8 @@ class WrappedBackend:
     def detokenizer(self):
         return self.inner.detokenizer()
 
-    def decoder(self, max_batch: int = 1) -> Decoder:
-        return self.inner.decoder(max_batch)
+    def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None) -> Decoder:
+        return self.inner.decoder(max_batch, prompt_cache_bytes)
 
 
 # -- failing -------------------------------------------------------------------------------------
@@ -51,8 +51,8 @@ class FailingBackend(WrappedBackend):
         super().__init__(backend)
         self.after = after
 
-    def decoder(self, max_batch: int = 1) -> Decoder:
-        return FailingDecoder(self.inner.decoder(max_batch), self.after)
+    def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None) -> Decoder:
+        return FailingDecoder(self.inner.decoder(max_batch, prompt_cache_bytes), self.after)
 
 
 class FailingDecoder:
@@ -61,8 +61,11 @@ class FailingDecoder:
         self.capacity = decoder.capacity
         self._left = after
 
-    def add(self, sequence: Sequence) -> None:
-        self._decoder.add(sequence)
+    def add(self, sequence: Sequence) -> int:
+        return self._decoder.add(sequence)
+
+    def prompt_cache_usage(self) -> PromptCacheUsage:
+        return self._decoder.prompt_cache_usage()
 
     def step(self) -> dict[int, int]:
         if self._left == 0:
@@ -116,8 +119,8 @@ class GatedBackend(WrappedBackend):
         super().__init__(backend)
         self.gate = gate
 
-    def decoder(self, max_batch: int = 1) -> Decoder:
-        return GatedDecoder(self.inner.decoder(max_batch), self.gate)
+    def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None) -> Decoder:
+        return GatedDecoder(self.inner.decoder(max_batch, prompt_cache_bytes), self.gate)
 
 
 class GatedDecoder:
@@ -129,12 +132,16 @@ class GatedDecoder:
         self._kept: dict[int, deque[int]] = {}  # tokens decoded but not handed over yet
         self._held: dict[int, bool] = {}
 
-    def add(self, sequence: Sequence) -> None:
-        self._decoder.add(sequence)
+    def add(self, sequence: Sequence) -> int:
+        reused = self._decoder.add(sequence)
         self._given[sequence.id] = 0
         self._kept[sequence.id] = deque()
         self._held[sequence.id] = self._gate.held(sequence)
         self._gate._count(+1)
+        return reused
+
+    def prompt_cache_usage(self) -> PromptCacheUsage:
+        return self._decoder.prompt_cache_usage()
 
     def remove(self, sequence_id: int) -> None:
         self._decoder.remove(sequence_id)
