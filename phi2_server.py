@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import hashlib
@@ -71,6 +72,8 @@ class Settings:
     max_body_bytes: int = setting(1024 * 1024, "largest request body in bytes; larger gets 413")
     max_queue: int = setting(64, "requests that may wait for a batch slot; more get 503")
     max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
+    prompt_cache: bool = setting(True, "reuse the KV of prompts (and replies) computed before, for requests that start alike (0: off)")
+    prompt_cache_bytes: int = setting(0, "memory for reused prompt KV, in bytes (0: an eighth of RAM or GPU memory, at most 2 GiB, 8 GiB on a GPU)")
     max_tokens_limit: int = setting(0, "largest max_tokens a request may ask for (0: only the context window bounds it)")
     request_timeout: float = setting(600.0, "seconds a request may take, queue wait included (0: no limit)")
     shutdown_grace: float = setting(10.0, "seconds in-flight generations get to finish on SIGTERM/SIGINT")
@@ -134,6 +137,10 @@ class Settings:
             max_batch=self.max_batch,
             compile=None if self.compile == "auto" else _parse_bool(self.compile),
         )
+
+    def prompt_cache_budget(self) -> int | None:
+        """Each decoder's prompt cache: None for the device's default, 0 for none."""
+        return (self.prompt_cache_bytes or None) if self.prompt_cache else 0
 
 
 def _parse_bool(value: str | bool) -> bool:
@@ -554,6 +561,7 @@ async def model_info(request: web.Request) -> web.Response:
             "load_time_s": round(engine.load_time_s, 3),
             "context_length": info.context_length,
             "stats": {**engine.stats, "waiting": engine.waiting, "active": engine.active},
+            "prompt_cache": dataclasses.asdict(engine.prompt_cache_usage()),
             **info.extra,
         }
     )
@@ -709,6 +717,7 @@ def summary_fields(request: web.Request, summary: Summary, backend: Backend) -> 
         "request_id": request[REQUEST_ID],
         "tokens_used": summary.tokens_used,
         "prompt_tokens": summary.prompt_tokens,
+        "cached_tokens": summary.cached_tokens,
         "finish_reason": summary.finish_reason,
         "model": backend.info.model,
         "backend": backend.info.backend,
@@ -846,6 +855,7 @@ def usage(summary: Summary) -> dict:
         "prompt_tokens": summary.prompt_tokens,
         "completion_tokens": summary.tokens_used,
         "total_tokens": summary.prompt_tokens + summary.tokens_used,
+        "prompt_tokens_details": {"cached_tokens": summary.cached_tokens},
     }
 
 
@@ -970,6 +980,12 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("phi2_queue_waiting", "Requests waiting for a batch slot.", value=engine.waiting)
         yield GaugeMetricFamily("phi2_active_sequences", "Sequences being generated.", value=engine.active)
         yield GaugeMetricFamily("phi2_max_batch", "Batch slots of the worker.", value=engine.max_batch)
+        yield CounterMetricFamily("phi2_prompt_cache_hit_tokens", "Prompt tokens whose KV came from the prompt cache.", value=stats["prompt_tokens_cached"])
+        yield CounterMetricFamily("phi2_prompt_cache_miss_tokens", "Prompt tokens prefilled (not in the prompt cache).", value=stats["prompt_tokens_computed"])
+        usage = engine.prompt_cache_usage()
+        yield GaugeMetricFamily("phi2_prompt_cache_bytes", "Bytes of KV the prompt cache holds.", value=usage.bytes)
+        yield GaugeMetricFamily("phi2_prompt_cache_entries", "Prompts (and replies) the prompt cache holds.", value=usage.entries)
+        yield GaugeMetricFamily("phi2_prompt_cache_budget_bytes", "The prompt cache's byte budget (0: off).", value=usage.budget_bytes)
         yield GaugeMetricFamily("phi2_model_loaded", "1 once the model is loaded.", value=int(engine.status == "ok"))
         yield GaugeMetricFamily("phi2_model_load_seconds", "How long loading the model took.", value=engine.load_time_s or 0)
 
@@ -1054,6 +1070,7 @@ SUMMARY_PROPERTIES = {
     "request_id": {"type": "string"},
     "tokens_used": {"type": "integer", "minimum": 0},
     "prompt_tokens": {"type": "integer", "minimum": 1},
+    "cached_tokens": {"type": "integer", "minimum": 0, "description": "prompt tokens whose KV came from the prompt cache"},
     "finish_reason": {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]},
     "model": {"type": "string"},
     "backend": {"enum": ["torch", "mlx"]},
@@ -1066,7 +1083,7 @@ SUMMARY_PROPERTIES = {
 }
 GENERATE_RESPONSE_SCHEMA = {
     "type": "object",
-    "required": ["text", "request_id", "tokens_used", "prompt_tokens", "finish_reason", "model", "backend", "timings"],
+    "required": ["text", "request_id", "tokens_used", "prompt_tokens", "cached_tokens", "finish_reason", "model", "backend", "timings"],
     "properties": {"text": {"type": "string"}, **SUMMARY_PROPERTIES},
 }
 
@@ -1136,6 +1153,7 @@ async def start_worker(app: web.Application) -> None:
         app[LOADER],
         max_queue=settings.max_queue,
         max_batch=settings.max_batch,
+        prompt_cache_bytes=settings.prompt_cache_budget(),
         on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
     )
     app[ENGINE] = engine

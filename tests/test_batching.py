@@ -98,7 +98,7 @@ def test_mlx_removed_sequences_leave_the_running_batch(mlx_backend):
     decoder = mlx_backend.decoder(3)
     for s in [sequence(mlx_backend, i, p, 400) for i, p in enumerate(PROMPTS[:3])]:
         decoder.add(s)
-    generator = decoder._generator
+    generator = decoder.generator
     for _ in range(3):  # prefill, then the first tokens
         decoder.step()
     with generator.stats() as stats:
@@ -117,7 +117,7 @@ def test_mlx_removed_sequences_leave_the_running_batch(mlx_backend):
             assert set(decoder.step()) == {2}
     assert stats.generation_tokens == 3 and stats.prompt_tokens == 0
     decoder.remove(2)
-    assert decoder._generator is None  # an empty batch frees its generator
+    assert decoder.generator is None  # an empty batch frees its generator
 
 
 def test_mlx_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(mlx_backend):

@@ -84,7 +84,10 @@ def test_streamed_completion_equals_the_whole_one(sdk):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text == " a time there was a little"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # the second request
 
 
 def test_chat_completion_uses_phi2_chat_format(sdk, server, backend):

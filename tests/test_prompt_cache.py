@@ -1,0 +1,290 @@
+"""Prompt (prefix) KV reuse across requests, on every served runtime and batch size.
+
+The rule every test checks: greedy output with reuse is exactly the output without it
+(PROMPT_CACHE=0), and `cached_tokens` says how many prompt tokens were not prefilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from backends import Sampling, Sequence
+from backends.prompt_cache import PrefixCache, common_prefix
+from conftest import engine_of, wait_until
+from fakes import Gate, GatedBackend
+
+SYSTEM = "Phi-2 is a Transformer with 2.7 billion parameters trained on synthetic and web data.\n"
+STORY = "Once upon a time there was a little model that generated text one token at a time."
+
+
+async def generate(client, body: dict) -> dict:
+    response = await client.post("/generate", json={"max_tokens": 24, **body})
+    assert response.status == 200, await response.text()
+    return await response.json()
+
+
+@pytest.fixture
+async def cached(make_client, backend):
+    return await make_client(lambda: backend)
+
+
+@pytest.fixture
+async def uncached(make_client, backend):
+    return await make_client(lambda: backend, prompt_cache=False)
+
+
+def comparable(result: dict) -> tuple:
+    return result["text"], result["tokens_used"], result["finish_reason"]
+
+
+def expected_reuse(stored: list[int], prompt: list[int]) -> int:
+    """What a prompt can reuse of stored ids: their common prefix, leaving one token to prefill."""
+    return min(common_prefix(tuple(stored), prompt), len(prompt) - 1)
+
+
+# -- the Torch runtime's store -------------------------------------------------------------------
+
+
+def kv(n: int):
+    import torch
+
+    return torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand(2, 3, n, 4).contiguous()
+
+
+def store(cache: PrefixCache, ids: list[int]) -> None:
+    cache.store(ids, 8 * len(ids), lambda: (kv(len(ids)), kv(len(ids))))
+
+
+def test_the_store_matches_the_longest_prefix_and_trims_inside_an_entry():
+    cache = PrefixCache(budget_bytes=1000)
+    store(cache, [1, 2, 3, 4, 5, 6])
+    store(cache, [1, 2, 9])
+    assert cache.match([1, 2, 3, 4, 7], limit=4)[0] == 4  # diverges inside the first entry
+    assert cache.match([1, 2, 3, 4, 5, 6, 7], limit=6)[0] == 6
+    assert cache.match([1, 2, 3, 4, 5, 6], limit=5)[0] == 5  # the caller leaves one to prefill
+    assert cache.match([1, 2, 9, 9], limit=3)[0] == 3
+    assert cache.match([8], limit=1) == (0, None)
+    store(cache, [1, 2, 3])  # already held inside an entry: nothing new
+    assert cache.usage().entries == 2 and cache.bytes == 8 * 9
+    store(cache, [1, 2, 9, 10, 11])  # extends an entry: the entry makes way
+    assert cache.usage().entries == 2 and cache.bytes == 8 * 11
+
+
+def test_the_store_never_exceeds_its_budget_and_evicts_the_least_recently_used():
+    cache = PrefixCache(budget_bytes=8 * 10)
+    store(cache, [1, 1, 1, 1])
+    store(cache, [2, 2, 2, 2])
+    cache.match([1, 1, 5], limit=2)  # 1s used last
+    store(cache, [3, 3, 3, 3])  # 12 tokens > 10: the least recently used (2s) leaves
+    assert cache.match([2, 2, 2], limit=2)[0] == 0 and cache.match([1, 1, 1], limit=2)[0] == 2
+    assert cache.bytes <= cache.budget_bytes
+    store(cache, list(range(11)))  # larger than the whole budget: not kept, nothing evicted
+    assert cache.usage().entries == 2 and cache.bytes == 8 * 8
+    off = PrefixCache(budget_bytes=0)
+    store(off, [1, 2])
+    assert off.usage().entries == 0 and off.match([1, 2, 3], limit=2) == (0, None)
+
+
+def test_common_prefix():
+    assert common_prefix((1, 2, 3), [1, 2, 3]) == 3
+    assert common_prefix((1, 2, 3), [1, 2]) == 2
+    assert common_prefix((), [1]) == 0
+    for n in range(1, 40):
+        a = tuple(range(50))
+        assert common_prefix(a, list(range(n)) + [-1] * 5) == n
+
+
+# -- through the app, on each runtime and batch size ------------------------------------------
+
+
+async def test_a_second_identical_request_reuses_all_but_the_last_prompt_token(cached, uncached):
+    body = {"prompt": SYSTEM + "Alice: How are you today?\nBob:"}
+    first, second = await generate(cached, body), await generate(cached, body)
+    reference = await generate(uncached, body)
+    assert first["cached_tokens"] == 0 and reference["cached_tokens"] == 0
+    assert second["cached_tokens"] == second["prompt_tokens"] - 1
+    assert comparable(first) == comparable(second) == comparable(reference)
+
+
+async def test_a_longer_prompt_extending_a_cached_one(cached, uncached, backend):
+    first = await generate(cached, {"prompt": "Once upon a time"})
+    longer = {"prompt": "Once upon a time" + first["text"] + " Then"}
+    result = await generate(cached, longer)
+    stored = backend.encode("Once upon a time") + backend.encode(first["text"])  # prompt + reply, as decoded
+    assert result["cached_tokens"] >= len(backend.encode("Once upon a time"))
+    assert result["cached_tokens"] <= expected_reuse(stored, backend.encode(longer["prompt"]))
+    assert comparable(result) == comparable(await generate(uncached, longer))
+
+
+async def test_a_chat_next_turn_reuses_the_history(cached, uncached):
+    async def chat(client, messages):
+        response = await client.post("/v1/chat/completions", json={"messages": messages, "temperature": 0, "max_tokens": 30})
+        assert response.status == 200
+        return await response.json()
+
+    turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How are you today?"}]
+    first = await chat(cached, turn)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    turn += [first["choices"][0]["message"], {"role": "user", "content": "What is two plus two?"}]
+    second, reference = await chat(cached, turn), await chat(uncached, turn)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["choices"][0]["message"] == reference["choices"][0]["message"]
+
+
+async def test_a_prompt_diverging_inside_a_cached_one_reuses_the_common_part(cached, uncached, backend):
+    await generate(cached, {"prompt": SYSTEM + STORY, "max_tokens": 1})
+    diverging = {"prompt": SYSTEM + "Water boils at 100 degrees"}
+    result = await generate(cached, diverging)
+    stored = backend.encode(SYSTEM + STORY)
+    assert result["cached_tokens"] == expected_reuse(stored, backend.encode(diverging["prompt"]))
+    assert result["cached_tokens"] >= len(backend.encode(SYSTEM)) - 1
+    assert comparable(result) == comparable(await generate(uncached, diverging))
+
+
+async def test_batched_with_unrelated_sequences_the_output_is_unchanged(cached, uncached):
+    bodies = [
+        {"prompt": SYSTEM + "Alice: How are you today?\nBob:"},
+        {"prompt": "The quick brown", "max_tokens": 40, "ignore_eos": True},
+        {"prompt": SYSTEM + "Exercise: explain why the sky is blue.\nAnswer:"},
+        {"prompt": STORY[:30], "temperature": 0.9, "seed": 3},
+        {"prompt": SYSTEM + "Alice: What is two plus two?\nBob:"},
+    ]
+    for _ in range(2):  # the second round finds every prompt stored
+        results = await asyncio.gather(*(generate(cached, body) for body in bodies))
+    references = await asyncio.gather(*(generate(uncached, body) for body in bodies))
+    assert [comparable(r) for r in results] == [comparable(r) for r in references]
+    assert all(r["cached_tokens"] > 0 for r in results)
+
+
+async def test_concurrent_requests_share_a_system_prompt_once_it_is_stored(make_client, backend, max_batch):
+    # The first request is held after its first token: its prefill is complete and stored,
+    # and it is still generating when the second arrives (if the batch has room for both).
+    batched = max_batch > 1
+    gate = Gate(after=1, held=lambda sequence: sequence.id == 1 and batched)
+    client = await make_client(lambda: GatedBackend(backend, gate))
+    first = asyncio.create_task(generate(client, {"prompt": SYSTEM + "Alice: How are you today?\nBob:"}))
+    if batched:
+        await wait_until(lambda: gate.holding == 1)
+    else:
+        await first
+    second = await generate(client, {"prompt": SYSTEM + "Alice: What is two plus two?\nBob:"})
+    gate.release()
+    await first
+    assert second["cached_tokens"] >= len(backend.encode(SYSTEM)) - 1
+
+
+async def test_eviction_under_a_tiny_budget(make_client, backend):
+    a, b = {"prompt": STORY[:40]}, {"prompt": SYSTEM[:40]}
+    probe = await make_client(lambda: backend)
+    usage = engine_of(probe).prompt_cache_usage
+    await generate(probe, a)
+    await wait_until(lambda: usage().entries == 1)  # stored as the request ends, after its answer
+    size_a = usage().bytes
+    await generate(probe, b)
+    await wait_until(lambda: usage().entries == 2)
+    size_b = usage().bytes - size_a
+    # Room for either entry alone, never for both.
+    client = await make_client(lambda: backend, prompt_cache_bytes=max(size_a, size_b) + min(size_a, size_b) // 2)
+    engine = engine_of(client)
+    budget = engine.prompt_cache_usage().budget_bytes
+    assert (await generate(client, a))["cached_tokens"] == 0
+    assert (await generate(client, a))["cached_tokens"] > 0
+    assert (await generate(client, b))["cached_tokens"] == 0  # stored: a makes way
+    assert (await generate(client, a))["cached_tokens"] == 0  # evicted
+    await wait_until(lambda: engine.prompt_cache_usage().bytes != 0)
+    usage = engine.prompt_cache_usage()
+    assert 0 < usage.bytes <= budget and usage.entries == 1
+    info = await (await client.get("/model/info")).json()
+    assert info["prompt_cache"]["bytes"] <= info["prompt_cache"]["budget_bytes"] == budget
+
+
+async def test_prompt_cache_off(uncached):
+    body = {"prompt": SYSTEM}
+    for _ in range(2):
+        assert (await generate(uncached, body))["cached_tokens"] == 0
+    info = await (await uncached.get("/model/info")).json()
+    assert info["prompt_cache"] == {"budget_bytes": 0, "bytes": 0, "entries": 0}
+
+
+async def test_reuse_is_reported_in_the_stream_usage_and_metrics(cached):
+    body = {"prompt": SYSTEM + "Alice:", "max_tokens": 4}
+    await generate(cached, body)
+    stream = await cached.post("/generate/stream", json=body)
+    last = json.loads((await stream.read()).splitlines()[-1])
+    assert last["done"] and last["cached_tokens"] == last["prompt_tokens"] - 1
+    completion = await (await cached.post("/v1/completions", json={**body, "temperature": 0})).json()
+    assert completion["usage"]["prompt_tokens_details"]["cached_tokens"] == last["cached_tokens"]
+    await wait_until(lambda: engine_of(cached).prompt_cache_usage().entries >= 1)
+    text = await (await cached.get("/metrics")).text()
+    metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("phi2_prompt_cache")}
+    assert metrics["phi2_prompt_cache_hit_tokens_total"] == 2 * last["cached_tokens"]
+    assert metrics["phi2_prompt_cache_miss_tokens_total"] == 3 * last["prompt_tokens"] - 2 * last["cached_tokens"]
+    assert 0 < metrics["phi2_prompt_cache_bytes"] <= metrics["phi2_prompt_cache_budget_bytes"]
+    assert metrics["phi2_prompt_cache_entries"] >= 1
+
+
+async def test_adapters_never_share_entries_with_the_base_model(make_client, backend, adapted_backends):
+    adapted = adapted_backends[backend.info.backend]
+    body = {"prompt": SYSTEM + "Alice: How are you today?\nBob:"}
+    base = await make_client(lambda: backend)
+    await generate(base, body)
+    with_adapter = await make_client(lambda: adapted)
+    result = await generate(with_adapter, body)
+    assert result["cached_tokens"] == 0
+    reference = await make_client(lambda: adapted, prompt_cache=False)
+    assert comparable(result) == comparable(await generate(reference, body))
+
+
+# -- a prefill that does not complete leaves nothing -------------------------------------------
+
+
+def chunked_decoder(backend, name: str):
+    """A batching decoder that prefills at most 4 prompt tokens a step."""
+    if name == "torch":
+        from backends.torch_fast import BatchedPhiDecoder
+
+        decoder = BatchedPhiDecoder(backend.fast_weights, 2, prefill_chunk=4)
+        decoder.clear(prompt_cache_bytes=1 << 30)
+        return decoder
+    from backends.mlx_runtime import BatchDecoder
+
+    return BatchDecoder(backend, 2, prefill_step=4, prompt_cache_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("name", ["torch", "mlx"])
+def test_a_sequence_cancelled_during_its_prefill_leaves_no_entry(request, name):
+    backend = request.getfixturevalue(f"{name}_backend")
+    decoder = chunked_decoder(backend, name)
+    prompt = backend.encode(SYSTEM + STORY)
+    assert len(prompt) > 12
+    decoder.add(Sequence(1, prompt, Sampling(), 8))
+    assert decoder.step() == {}  # a few of its tokens are in; it is cancelled now
+    decoder.remove(1)
+    assert decoder.prompt_cache_usage().entries == 0
+    assert decoder.add(Sequence(2, prompt, Sampling(), 8)) == 0
+    decoder.remove(2)
+
+
+@pytest.mark.parametrize("name", ["torch", "mlx"])
+def test_a_complete_prefill_is_stored_while_its_sequence_still_decodes(request, name):
+    backend = request.getfixturevalue(f"{name}_backend")
+    decoder = chunked_decoder(backend, name)
+    prompt = backend.encode(SYSTEM + STORY)
+    decoder.add(Sequence(1, prompt, Sampling(), 400))
+    while not decoder.step():  # prefilled, 4 tokens a step, until its first token
+        pass
+    assert decoder.add(Sequence(2, prompt + [5], Sampling(), 4)) >= len(prompt) - 1
+    decoder.remove(1)
+    decoder.remove(2)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_each_decoder_gets_the_budget_it_is_given(backend, max_batch):
+    assert backend.decoder(max_batch, prompt_cache_bytes=0).prompt_cache_usage().budget_bytes == 0
+    assert backend.decoder(max_batch, prompt_cache_bytes=12345).prompt_cache_usage().budget_bytes == 12345
+    default = backend.decoder(max_batch).prompt_cache_usage().budget_bytes
+    assert 0 < default <= 2 << 30  # an eighth of this machine's RAM, at most 2 GiB
