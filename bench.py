@@ -6,6 +6,8 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --in-process             # the backend's own decode loop, no HTTP
     python bench.py --overhead               # both, back to back, and their ratio (make bench-overhead)
     python bench.py --dtype-sweep            # float32 against bfloat16 on this CPU, per model size
+    python bench.py --chat 4                 # a chat re-sending its history: prompt cache on, then off
+    python bench.py --shared-prefix 4        # 4 clients sharing a system prompt: cache on, then off
 
 The model and runtime come from the same environment variables as the server (PHI2_MODEL,
 PHI2_BACKEND, PHI2_DTYPE, ...). Every request forces its token count (`ignore_eos`), so runs
@@ -38,6 +40,9 @@ class Timing:
     ttft: float
     total: float
     tokens: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    text: str = ""
 
     @property
     def decode_rate(self) -> float:  # tokens after the first / time after the first
@@ -93,6 +98,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> Ti
     first = None
     lines = 0
     buffer = b""
+    pieces = []
     async with session.post(url + "/generate/stream", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
@@ -105,13 +111,14 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> Ti
                 if "token" in line:
                     lines += 1
                     first = first or now
+                    pieces.append(line["token"])
                     continue
                 if "error" in line or line["finish_reason"] != "length":
                     raise RuntimeError(f"stream did not finish normally: {line}")
                 tokens = line["tokens_used"]
                 if tokens != body["max_tokens"] or not 1 <= lines <= tokens:
                     raise RuntimeError(f"{tokens} tokens and {lines} token lines for max_tokens={body['max_tokens']}")
-                return Timing(ttft=(first or now) - sent, total=now - sent, tokens=tokens)
+                return Timing((first or now) - sent, now - sent, tokens, line["prompt_tokens"], line.get("cached_tokens", 0), "".join(pieces))
     raise RuntimeError("stream ended without its summary line")
 
 
@@ -193,6 +200,94 @@ def bench_in_process(args, backend) -> Result:
     return result
 
 
+# -- prompt reuse: a growing chat, clients sharing a system prompt --------------------------------
+
+FILLER = (
+    "Phi-2 is a Transformer with 2.7 billion parameters trained on synthetic and web data. "
+    "Water boils at 100 degrees Celsius at sea level; it freezes at 0 degrees. "
+    "Numbers like 3.14159, 2.71828 and 1.41421 are famous constants in mathematics. "
+)
+QUESTIONS = ["What is two plus two?", "How are you today?", "Why is the sky blue?", "Write a short poem about the sea.",
+             "Name a famous constant.", "When does water boil?", "What is Phi-2?", "Tell me a story."]
+
+
+async def system_prompt(session: aiohttp.ClientSession, url: str, tokens: int) -> str:
+    """A system prompt of about `tokens` tokens of the served tokenizer (measured on the server)."""
+    probe = await stream_one(session, url, {"prompt": FILLER * 4, "max_tokens": 1, "ignore_eos": True})
+    repeats = max(1, round(tokens / (probe.prompt_tokens / 4)))
+    return FILLER * repeats
+
+
+async def chat_workload(args, urls: dict[str, str]) -> dict[str, list[Timing]]:
+    """One conversation: each turn sends the whole history (system prompt, earlier questions and
+    the answers as received) plus a new question, as a chat client does. Each turn goes to the
+    server with the prompt cache, then to the one without, the same prompt (the history follows
+    the first one's answers), one at a time: neither competes with the other for the CPU."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        history = await system_prompt(session, urls["on"], args.prefix_tokens)
+        turns: dict[str, list[Timing]] = {"on": [], "off": []}
+        for turn in range(args.chat):
+            prompt = history + f"\nAlice: {QUESTIONS[turn % len(QUESTIONS)]}\nBob:"
+            body = {"prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
+            for cache, url in urls.items():
+                timing = await stream_one(session, url, body)
+                turns[cache].append(timing)
+                print(f"[chat turn {turn}, cache {cache}] {timing.prompt_tokens} prompt tokens, {timing.cached_tokens} cached, "
+                      f"TTFT {timing.ttft * 1000:.0f} ms", file=sys.stderr, flush=True)
+            history = prompt + turns["on"][-1].text
+        return turns
+
+
+async def shared_prefix_workload(args, urls: dict[str, str]) -> dict[str, list[list[Timing]]]:
+    """N clients at once with one long system prompt and different questions, in two rounds: the
+    first finds nothing stored, the second finds the system prompt (a server's steady state).
+    Each round runs against the server with the prompt cache, then the one without."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)) as session:
+        system = await system_prompt(session, urls["on"], args.prefix_tokens)
+        await system_prompt(session, urls["off"], args.prefix_tokens)  # the same probe on both
+        rounds: dict[str, list[list[Timing]]] = {"on": [], "off": []}
+        for round_ in range(2):
+            bodies = [{"prompt": system + f"\nAlice: {QUESTIONS[(i + round_ * args.shared_prefix) % len(QUESTIONS)]} ({round_}.{i})\nBob:",
+                       "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0} for i in range(args.shared_prefix)]
+            for cache, url in urls.items():
+                timings = await asyncio.gather(*(stream_one(session, url, body) for body in bodies))
+                rounds[cache].append(timings)
+                print(f"[shared prefix round {round_}, cache {cache}] TTFT max {max(t.ttft for t in timings) * 1000:.0f} ms, "
+                      f"{sum(t.cached_tokens for t in timings)} of {sum(t.prompt_tokens for t in timings)} prompt tokens cached",
+                      file=sys.stderr, flush=True)
+        return rounds
+
+
+def prompt_reuse(args) -> dict:
+    """The chat or shared-prefix workload against two spawned servers, one with the prompt cache
+    and one without (PROMPT_CACHE=0), in the same run; a table of both and their ratio."""
+    servers = {cache: SpawnedServer(args.ready_timeout, env={"PROMPT_CACHE": "1" if cache == "on" else "0"}) for cache in ("on", "off")}
+    try:
+        urls = {cache: server.url for cache, server in servers.items()}
+        results = asyncio.run(chat_workload(args, urls) if args.chat else shared_prefix_workload(args, urls))
+    finally:
+        for server in servers.values():
+            server.stop()
+    if args.chat:
+        print("| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off | off / on | same answer |\n| --- | --- | --- | --- | --- | --- | --- |")
+        for turn, (on, off) in enumerate(zip(results["on"], results["off"])):
+            print(f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on.ttft * 1000:.0f} | {off.ttft * 1000:.0f} | {off.ttft / on.ttft:.1f}x | {on.text == off.text} |")
+        later = results["on"][1:]
+        hit = sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later))
+        print(f"\nhit rate after the first turn: {hit:.1%} of prompt tokens")
+        flat = results
+    else:
+        print("| round | clients | TTFT ms mean / max, cache on | TTFT ms mean / max, cache off | hit rate (cache on) | same answers |\n| --- | --- | --- | --- | --- | --- |")
+        for round_, (on, off) in enumerate(zip(results["on"], results["off"])):
+            mean = lambda ts: statistics.mean(t.ttft for t in ts) * 1000  # noqa: E731
+            peak = lambda ts: max(t.ttft for t in ts) * 1000  # noqa: E731
+            hit = sum(t.cached_tokens for t in on) / sum(t.prompt_tokens for t in on)
+            same = sum(a.text == b.text for a, b in zip(on, off))
+            print(f"| {round_} | {len(on)} | {mean(on):.0f} / {peak(on):.0f} | {mean(off):.0f} / {peak(off):.0f} | {hit:.1%} | {same}/{len(on)} |")
+        flat = {cache: [t for r in rounds for t in r] for cache, rounds in results.items()}
+    return {cache: [asdict(t) for t in timings] for cache, timings in flat.items()}
+
+
 # -- a server of our own ------------------------------------------------------------------------
 
 
@@ -227,13 +322,13 @@ def free_port() -> int:
 
 
 class SpawnedServer:
-    """phi2_server.py on a free port, with this process's environment; stopped with SIGTERM."""
+    """phi2_server.py on a free port, with this process's environment (and `env`); stopped with SIGTERM."""
 
-    def __init__(self, ready_timeout: float):
+    def __init__(self, ready_timeout: float, env: dict | None = None):
         port = free_port()
         here = os.path.dirname(os.path.abspath(__file__))
         command = [sys.executable, os.path.join(here, "phi2_server.py"), "--host", "127.0.0.1", "--port", str(port)]
-        self.process = subprocess.Popen(command)
+        self.process = subprocess.Popen(command, env={**os.environ, **(env or {})})
         self.url = f"http://127.0.0.1:{port}"
         asyncio.run(self._wait_ready(ready_timeout))
 
@@ -403,7 +498,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a spawned server")
     parser.add_argument("--bandwidth", action="store_true", help="also measure memory bandwidth and the decode limit it sets")
     mode.add_argument("--dtype-sweep", action="store_true", help="float32 against bfloat16 decode on this CPU, per model size")
+    mode.add_argument("--chat", type=int, metavar="TURNS", help="one conversation of TURNS turns, prompt cache on then off (spawns)")
+    mode.add_argument("--shared-prefix", type=int, metavar="N", help="N clients sharing a system prompt, prompt cache on then off (spawns)")
+    parser.add_argument("--prefix-tokens", type=int, default=900, help="system prompt length for --chat and --shared-prefix (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.chat or args.shared_prefix:
+        os.environ.setdefault("PHI2_MODEL", default_model())
+        measured = prompt_reuse(args)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(measured, out, indent=2)
+        return 0
     if args.dtype_sweep:
         print("| parameters | float32 tok/s | bfloat16 tok/s | bf16 / f32 | auto picks |\n| --- | --- | --- | --- | --- |")
         rows = dtype_sweep(args)
