@@ -19,6 +19,7 @@ from backends import Decoder, Sequence
 class Driven:
     ids: dict[int, list[int]] = field(default_factory=dict)  # every sequence's generated ids
     finished: list[int] = field(default_factory=list)  # sequence ids in the order they ended
+    cached: dict[int, int] = field(default_factory=dict)  # prompt ids each took from the prompt cache
     steps: int = 0
 
 
@@ -45,7 +46,7 @@ def drive(
     for step in range(max_steps):
         while waiting and arrive_at.get(waiting[0].id, 0) <= step and len(active) < decoder.capacity:
             sequence = waiting.pop(0)
-            decoder.add(sequence)
+            out.cached[sequence.id] = decoder.add(sequence)
             active[sequence.id] = min(sequence.max_new_tokens, stop_after.get(sequence.id, sequence.max_new_tokens))
         if not active and not waiting:
             out.steps = step

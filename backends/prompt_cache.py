@@ -1,40 +1,46 @@
-"""Prompt (prefix) KV reuse for the Torch runtime: token-id prefixes whose keys and values a
-decoder still holds, least recently used out first, within a byte budget.
+"""Prompt (prefix) KV reuse for the Torch runtime: the keys and values of token ids a decoder
+has computed, in a radix tree of token ids, least recently used leaves out first, within a
+byte budget.
 
 mlx-lm has this machinery for MLX (`LRUPromptCache`, which the MLX runtime uses); it imports
-MLX, which the Torch-only image does not have, so the Torch decoders use this small equivalent.
-An entry is the KV of its ids for every layer, `k` and `v` of shape [layers, heads, n, head_dim]
-(both Torch decoders lay a sequence's cache out that way). Matching is on token ids, longest
-common prefix, and a match may end inside an entry: its first m positions are reused ("trim,
-don't discard"). Entries are few (a budget of KV, hundreds of KiB a token for Phi-2), so a
-linear scan finds the longest match.
+MLX, which the Torch-only image does not have, so the Torch decoders use this. Each node holds
+a run of ids and their KV, `k` and `v` of shape [layers, heads, n, head_dim] (both Torch
+decoders lay a sequence's cache out that way); a path from the root spells a stored prefix. So
+what prompts share (a system prompt, a conversation's history) is held once, and storing a
+prompt copies only what the tree lacks: the next turn of a chat adds its question and answer,
+clients sharing a system prompt add their own questions. (SGLang's RadixAttention keeps its KV
+this way.) Matching is on ids, longest common prefix, and may end inside a node: its first ids
+are reused ("trim, don't discard").
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from backends import PromptCacheUsage
 
 
-@dataclass(frozen=True)
-class Entry:
+@dataclass(eq=False)
+class Node:
     ids: tuple[int, ...]
-    k: Any  # torch.Tensor [layers, heads, len(ids), head_dim]
+    k: Any  # torch.Tensor [layers, heads, len(ids), head_dim]; None at the root
     v: Any
     nbytes: int
+    parent: "Node | None"
+    children: dict[int, "Node"] = field(default_factory=dict)  # by first id
+    used: int = 0  # when it was last matched or stored (a counter, not a clock)
 
 
-def common_prefix(a: tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     n = min(len(a), len(b))
-    if a[:n] == tuple(b[:n]):
+    if a[:n] == b[:n]:
         return n
     low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]: halve the gap
     while high - low > 1:
         middle = (low + high) // 2
-        if a[low:middle] == tuple(b[low:middle]):
+        if a[low:middle] == b[low:middle]:
             low = middle
         else:
             high = middle
@@ -45,49 +51,110 @@ class PrefixCache:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.bytes = 0
-        self._entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # oldest use first
+        self.root = Node((), None, None, 0, None)
+        self._clock = itertools.count(1)
 
     def usage(self) -> PromptCacheUsage:
-        return PromptCacheUsage(self.budget_bytes, self.bytes, len(self._entries))
+        return PromptCacheUsage(self.budget_bytes, self.bytes, sum(1 for _ in self._leaves()))
 
-    def match(self, ids: list[int], limit: int) -> tuple[int, Entry | None]:
-        """The longest prefix of `ids` (at most `limit` ids) held, and the entry holding it."""
-        best, found = 0, None
-        for entry in self._entries.values():
-            n = common_prefix(entry.ids, ids[:limit])
-            if n > best:
-                best, found = n, entry
-        if found is not None:
-            self._entries.move_to_end(found.ids)
-        return best, found
+    def match(self, ids: list[int], limit: int) -> tuple[int, list[tuple[Node, int]]]:
+        """The longest prefix of `ids` (at most `limit` ids) held: its length, and the nodes that
+        hold it with how many of each node's ids it takes, in order."""
+        key = tuple(ids[:limit])
+        path, matched = self._walk(key)
+        now = next(self._clock)
+        for node, _ in path:
+            node.used = now
+        return matched, path
 
-    def store(self, ids: list[int], nbytes: int, kv: Callable[[], tuple[Any, Any]]) -> None:
-        """Hold the KV of `ids`; `kv()` copies it out of the decoder, only if it is kept.
+    def store(self, ids: list[int], bytes_per_id: int, kv: Callable[[int, int], tuple[Any, Any]]) -> None:
+        """Hold the KV of `ids`; `kv(start, end)` copies out of the decoder the KV of
+        ids[start:end], for what the tree does not hold yet.
 
-        What an entry holds is never held twice: ids that an entry already starts with only
-        refresh that entry, and entries that are prefixes of `ids` make way for it. Least
-        recently used entries leave until the new one fits; one larger than the whole budget
-        is not kept. The budget is never exceeded.
+        Least recently used leaves leave until the new ids fit (never the path they extend); ids
+        that would not fit even then are not stored. The budget is never exceeded.
         """
         key = tuple(ids)
-        if not key or self.budget_bytes <= 0 or nbytes > self.budget_bytes:
+        if not key or self.budget_bytes <= 0:
             return
-        for entry in list(self._entries.values()):
-            if entry.ids[: len(key)] == key:
-                self._entries.move_to_end(entry.ids)
-                return
-            if key[: len(entry.ids)] == entry.ids:
-                self._drop(entry)
-        while self._entries and self.bytes + nbytes > self.budget_bytes:
-            self._drop(next(iter(self._entries.values())))
-        k, v = kv()
-        self._entries[key] = Entry(key, k, v, nbytes)
+        path, matched = self._walk(key)
+        now = next(self._clock)
+        for node, _ in path:
+            node.used = now
+        if matched == len(key):
+            return
+        nbytes = (len(key) - matched) * bytes_per_id
+        last, taken = path[-1] if path else (self.root, 0)
+        split_bytes = (len(last.ids) - taken) * bytes_per_id  # a split copies the rest of that node
+        if not self._make_room(nbytes + split_bytes, keep=last):
+            return
+        parent = self._split(last, taken, bytes_per_id) if path else self.root
+        k, v = kv(matched, len(key))
+        leaf = Node(key[matched:], k, v, nbytes, parent, used=now)
+        parent.children[leaf.ids[0]] = leaf
         self.bytes += nbytes
 
     def clear(self) -> None:
-        self._entries.clear()
+        self.root.children.clear()
         self.bytes = 0
 
-    def _drop(self, entry: Entry) -> None:
-        del self._entries[entry.ids]
-        self.bytes -= entry.nbytes
+    # -- the tree ----------------------------------------------------------------------------
+
+    def _walk(self, key: tuple[int, ...]) -> tuple[list[tuple[Node, int]], int]:
+        path, matched, node = [], 0, self.root
+        while matched < len(key):
+            child = node.children.get(key[matched])
+            if child is None:
+                break
+            n = common_prefix(child.ids, key[matched:])
+            path.append((child, n))
+            matched += n
+            if n < len(child.ids):
+                break
+            node = child
+        return path, matched
+
+    def _split(self, node: Node, keep: int, bytes_per_id: int) -> Node:
+        """Make `node` end after its first `keep` ids (a new child takes the rest); returns it.
+
+        The rest is copied; the node keeps a view of its first ids and is still charged for its
+        whole memory, which the view keeps alive: the budget counts what is really held, and
+        the (usually long) shared part is not copied."""
+        if keep == len(node.ids):
+            return node
+        rest_bytes = (len(node.ids) - keep) * bytes_per_id
+        rest = Node(node.ids[keep:], node.k[:, :, keep:].clone(), node.v[:, :, keep:].clone(), rest_bytes, node, node.children, node.used)
+        for child in rest.children.values():
+            child.parent = rest
+        node.ids, node.k, node.v = node.ids[:keep], node.k[:, :, :keep], node.v[:, :, :keep]
+        node.children = {rest.ids[0]: rest}
+        self.bytes += rest_bytes
+        return node
+
+
+    def _leaves(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                yield node
+
+    def _make_room(self, nbytes: int, keep: Node) -> bool:
+        """Evict least recently used leaves, never `keep` or its ancestors, until `nbytes` fit."""
+        if nbytes > self.budget_bytes:
+            return False
+        protected = set()
+        node = keep
+        while node is not None:
+            protected.add(id(node))
+            node = node.parent
+        while self.bytes + nbytes > self.budget_bytes:
+            candidates = [leaf for leaf in self._leaves() if id(leaf) not in protected]
+            if not candidates:
+                return False
+            oldest = min(candidates, key=lambda leaf: leaf.used)
+            del oldest.parent.children[oldest.ids[0]]
+            self.bytes -= oldest.nbytes
+        return True

@@ -247,11 +247,14 @@ class BatchedPhiDecoder:
         slot = _Slot(sequence, seeded_generator(sequence.sampling.seed, self.device))
         # A stored prefix goes straight into the slot's rows (at least the last prompt token is
         # left to prefill: the first sampled token needs fresh logits).
-        reused, entry = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
+        reused, nodes = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
         if reused:
             self._grow(reused)
-            self.k[:, row, :, :reused] = entry.k[:, :, :reused]
-            self.v[:, row, :, :reused] = entry.v[:, :, :reused]
+            at = 0
+            for node, n in nodes:
+                self.k[:, row, :, at : at + n] = node.k[:, :, :n]
+                self.v[:, row, :, at : at + n] = node.v[:, :, :n]
+                at += n
             slot.cached = reused
         self.index[sequence.id] = row
         self.slots.append(slot)
@@ -266,10 +269,9 @@ class BatchedPhiDecoder:
     def _store(self, row: int) -> None:
         """Keep the KV of a slot whose prompt is complete, for later prompts that start alike."""
         slot = self.slots[row]
-        n = slot.cached
-        per_token = 2 * self.k[:, row, :, :1].numel() * self.k.element_size()
+        per_id = 2 * self.k[:, row, :, :1].numel() * self.k.element_size()
         self.prompts.store(
-            slot.cached_ids(), n * per_token, lambda: (self.k[:, row, :, :n].clone(), self.v[:, row, :, :n].clone())
+            slot.cached_ids(), per_id, lambda start, end: (self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone())
         )
 
     @torch.inference_mode()

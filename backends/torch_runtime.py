@@ -181,10 +181,14 @@ class TorchBackend(TokenizerMethods):
         from backends.torch_fast import BatchedPhiDecoder
 
         decoder = self.decoder(max_batch)
-        decoder.add(Sequence(0, self.encode("Hello") or [0], Sampling(), 2))
-        decoder.step()
-        decoder.step()
-        decoder.remove(0)
+        prompt = self.encode("Hello, how are you today? I am fine, thank you.") or [0]
+        # The same prompt twice: the second takes its prefix from the prompt cache and prefills
+        # one token, a shape the first request that hits the cache should not pay for.
+        for sequence_id in (0, 1):
+            decoder.add(Sequence(sequence_id, prompt, Sampling(), 2))
+            decoder.step()
+            decoder.step()
+            decoder.remove(sequence_id)
         if isinstance(decoder, BatchedPhiDecoder):
             decoder.capture()  # CUDA graphs for the short lengths (nothing on the CPU)
 
@@ -254,10 +258,12 @@ class SingleSequenceDecoder:
         self._cache = self._backend.new_cache()
         self._ids = list(sequence.prompt_ids)  # then the generated ones
         self._stepped = False
-        reused, entry = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
-        for layer in range(entry.k.shape[0] if reused else 0):
-            # Slices of the entry: the cache concatenates new tokens into fresh tensors.
-            self._cache.update(entry.k[layer, None, :, :reused], entry.v[layer, None, :, :reused], layer)
+        reused, nodes = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
+        if reused:
+            k = torch.cat([node.k[:, :, :n] for node, n in nodes], dim=2)
+            v = torch.cat([node.v[:, :, :n] for node, n in nodes], dim=2)
+            for layer in range(k.shape[0]):  # the cache concatenates new tokens into fresh tensors
+                self._cache.update(k[layer, None], v[layer, None], layer)
         self._next_input = sequence.prompt_ids[reused:]
         self._generator = seeded_generator(sequence.sampling.seed, self._backend.device)
         return reused
@@ -283,6 +289,9 @@ class SingleSequenceDecoder:
     def _store(self) -> None:
         layers = self._cache.layers
         n = self._cache.get_seq_length()
-        nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
-        stacked = lambda which: torch.stack([getattr(layer, which)[0, :, :n] for layer in layers])  # noqa: E731
-        self.prompts.store(self._ids[:n], nbytes, lambda: (stacked("keys"), stacked("values")))
+        per_id = sum(layer.keys[0, :, :1].nbytes + layer.values[0, :, :1].nbytes for layer in layers)
+
+        def kv(start: int, end: int):
+            return tuple(torch.stack([getattr(layer, which)[0, :, start:end] for layer in layers]) for which in ("keys", "values"))
+
+        self.prompts.store(self._ids[:n], per_id, kv)

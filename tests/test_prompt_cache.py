@@ -42,35 +42,47 @@ def comparable(result: dict) -> tuple:
 
 def expected_reuse(stored: list[int], prompt: list[int]) -> int:
     """What a prompt can reuse of stored ids: their common prefix, leaving one token to prefill."""
-    return min(common_prefix(tuple(stored), prompt), len(prompt) - 1)
+    return min(common_prefix(tuple(stored), tuple(prompt)), len(prompt) - 1)
 
 
 # -- the Torch runtime's store -------------------------------------------------------------------
 
 
-def kv(n: int):
+def store(cache: PrefixCache, ids: list[int]) -> None:
+    """KV that spells the ids: every layer and head holds ids[i] at position i."""
     import torch
 
-    return torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand(2, 3, n, 4).contiguous()
+    def kv(start: int, end: int):
+        values = torch.tensor(ids[start:end], dtype=torch.float32).view(1, 1, -1, 1).expand(2, 3, -1, 4).contiguous()
+        return values, -values
+
+    cache.store(ids, 8, kv)
 
 
-def store(cache: PrefixCache, ids: list[int]) -> None:
-    cache.store(ids, 8 * len(ids), lambda: (kv(len(ids)), kv(len(ids))))
+def reused(cache: PrefixCache, ids: list[int], limit: int) -> list[int]:
+    """The ids whose KV a match gives back, read from the KV itself."""
+    n, nodes = cache.match(ids, limit)
+    out = [int(x) for node, taken in nodes for x in node.k[0, 0, :taken, 0]]
+    assert len(out) == n
+    return out
 
 
-def test_the_store_matches_the_longest_prefix_and_trims_inside_an_entry():
+def test_the_store_matches_the_longest_prefix_and_trims_inside_a_node():
     cache = PrefixCache(budget_bytes=1000)
     store(cache, [1, 2, 3, 4, 5, 6])
-    store(cache, [1, 2, 9])
-    assert cache.match([1, 2, 3, 4, 7], limit=4)[0] == 4  # diverges inside the first entry
-    assert cache.match([1, 2, 3, 4, 5, 6, 7], limit=6)[0] == 6
-    assert cache.match([1, 2, 3, 4, 5, 6], limit=5)[0] == 5  # the caller leaves one to prefill
-    assert cache.match([1, 2, 9, 9], limit=3)[0] == 3
-    assert cache.match([8], limit=1) == (0, None)
-    store(cache, [1, 2, 3])  # already held inside an entry: nothing new
-    assert cache.usage().entries == 2 and cache.bytes == 8 * 9
-    store(cache, [1, 2, 9, 10, 11])  # extends an entry: the entry makes way
-    assert cache.usage().entries == 2 and cache.bytes == 8 * 11
+    store(cache, [1, 2, 9])  # shares [1, 2]: the tree splits there
+    assert reused(cache, [1, 2, 3, 4, 7], limit=4) == [1, 2, 3, 4]  # diverges inside a node
+    assert reused(cache, [1, 2, 3, 4, 5, 6, 7], limit=6) == [1, 2, 3, 4, 5, 6]
+    assert reused(cache, [1, 2, 3, 4, 5, 6], limit=5) == [1, 2, 3, 4, 5]  # the caller leaves one to prefill
+    assert reused(cache, [1, 2, 9, 9], limit=3) == [1, 2, 9]
+    assert cache.match([8], limit=1) == (0, [])
+    # [1, 2] is held once: the split copied [3, 4, 5, 6] out, and the first node still holds
+    # (and is charged for) the memory of all six.
+    store(cache, [1, 2, 3])  # already held: nothing new
+    assert cache.usage().entries == 2 and cache.bytes == 8 * (6 + 4 + 1)
+    store(cache, [1, 2, 9, 10, 11])  # extends a leaf: only [10, 11] is copied
+    assert cache.usage().entries == 2 and cache.bytes == 8 * (6 + 4 + 1 + 2)
+    assert reused(cache, [1, 2, 9, 10, 11, 12], limit=5) == [1, 2, 9, 10, 11]
 
 
 def test_the_store_never_exceeds_its_budget_and_evicts_the_least_recently_used():
@@ -78,23 +90,24 @@ def test_the_store_never_exceeds_its_budget_and_evicts_the_least_recently_used()
     store(cache, [1, 1, 1, 1])
     store(cache, [2, 2, 2, 2])
     cache.match([1, 1, 5], limit=2)  # 1s used last
-    store(cache, [3, 3, 3, 3])  # 12 tokens > 10: the least recently used (2s) leaves
+    store(cache, [3, 3, 3, 3])  # 12 ids > 10: the least recently used (2s) leaves
     assert cache.match([2, 2, 2], limit=2)[0] == 0 and cache.match([1, 1, 1], limit=2)[0] == 2
     assert cache.bytes <= cache.budget_bytes
     store(cache, list(range(11)))  # larger than the whole budget: not kept, nothing evicted
     assert cache.usage().entries == 2 and cache.bytes == 8 * 8
+    store(cache, [1, 1, 1, 1, 7, 7, 7])  # extending a leaf never evicts the path it extends
+    assert cache.bytes <= cache.budget_bytes and reused(cache, [1, 1, 1, 1, 7, 7, 7, 0], limit=7) == [1, 1, 1, 1, 7, 7, 7]
     off = PrefixCache(budget_bytes=0)
     store(off, [1, 2])
-    assert off.usage().entries == 0 and off.match([1, 2, 3], limit=2) == (0, None)
+    assert off.usage().entries == 0 and off.match([1, 2, 3], limit=2) == (0, [])
 
 
 def test_common_prefix():
-    assert common_prefix((1, 2, 3), [1, 2, 3]) == 3
-    assert common_prefix((1, 2, 3), [1, 2]) == 2
-    assert common_prefix((), [1]) == 0
+    assert common_prefix((1, 2, 3), (1, 2, 3)) == 3
+    assert common_prefix((1, 2, 3), (1, 2)) == 2
+    assert common_prefix((), (1,)) == 0
     for n in range(1, 40):
-        a = tuple(range(50))
-        assert common_prefix(a, list(range(n)) + [-1] * 5) == n
+        assert common_prefix(tuple(range(50)), tuple(range(n)) + (-1,) * 5) == n
 
 
 # -- through the app, on each runtime and batch size ------------------------------------------
@@ -181,23 +194,26 @@ async def test_eviction_under_a_tiny_budget(make_client, backend):
     a, b = {"prompt": STORY[:40]}, {"prompt": SYSTEM[:40]}
     probe = await make_client(lambda: backend)
     usage = engine_of(probe).prompt_cache_usage
-    await generate(probe, a)
+    text_a = (await generate(probe, a))["text"]
     await wait_until(lambda: usage().entries == 1)  # stored as the request ends, after its answer
     size_a = usage().bytes
     await generate(probe, b)
     await wait_until(lambda: usage().entries == 2)
     size_b = usage().bytes - size_a
-    # Room for either entry alone, never for both.
+    # The conversation goes on after a's answer: with room for everything, the answer is reused.
+    follow = {"prompt": a["prompt"] + text_a + " And then"}
+    assert (await generate(probe, follow))["cached_tokens"] > len(backend.encode(a["prompt"]))
+
+    # Room for either a or b with its answer, never for both.
     client = await make_client(lambda: backend, prompt_cache_bytes=max(size_a, size_b) + min(size_a, size_b) // 2)
     engine = engine_of(client)
     budget = engine.prompt_cache_usage().budget_bytes
-    assert (await generate(client, a))["cached_tokens"] == 0
-    assert (await generate(client, a))["cached_tokens"] > 0
-    assert (await generate(client, b))["cached_tokens"] == 0  # stored: a makes way
-    assert (await generate(client, a))["cached_tokens"] == 0  # evicted
-    await wait_until(lambda: engine.prompt_cache_usage().bytes != 0)
-    usage = engine.prompt_cache_usage()
-    assert 0 < usage.bytes <= budget and usage.entries == 1
+    assert (await generate(client, a))["text"] == text_a
+    assert (await generate(client, b))["cached_tokens"] == 0  # stored: a's answer makes way
+    await wait_until(lambda: engine.prompt_cache_usage().bytes > 0)
+    assert engine.prompt_cache_usage().bytes <= budget
+    assert (await generate(client, follow))["cached_tokens"] <= len(backend.encode(a["prompt"]))  # evicted
+    assert 0 < engine.prompt_cache_usage().bytes <= budget  # whatever the worker is storing now
     info = await (await client.get("/model/info")).json()
     assert info["prompt_cache"]["bytes"] <= info["prompt_cache"]["budget_bytes"] == budget
 
