@@ -69,6 +69,7 @@ class Settings:
     device: str = setting("auto", "Torch device: auto (cuda when a GPU is present, else cpu), cpu, cuda or cuda:N")
     dtype: str = setting("auto", "Torch weights: auto (measured rule, see README), float32, bfloat16 or float16")
     compile: str = setting("auto", "Torch, Phi family: torch.compile the decode step (auto: on CUDA only)")
+    quantize: str = setting("", "quantize the weights at load: int8 or int4 on Torch, 4 or 8 (bits) on MLX (empty: as stored)")
     max_body_bytes: int = setting(1024 * 1024, "largest request body in bytes; larger gets 413")
     max_queue: int = setting(64, "requests that may wait for a batch slot; more get 503")
     max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
@@ -91,6 +92,7 @@ class Settings:
         "device": "PHI2_DEVICE",
         "dtype": "PHI2_DTYPE",
         "compile": "PHI2_COMPILE",
+        "quantize": "PHI2_QUANTIZE",
         "api_key": "PHI2_API_KEY",
         "api_key_file": "PHI2_API_KEY_FILE",
     }
@@ -136,6 +138,7 @@ class Settings:
             dtype=self.dtype,
             max_batch=self.max_batch,
             compile=None if self.compile == "auto" else _parse_bool(self.compile),
+            quantize=self.quantize.strip().lower(),
         )
 
     def prompt_cache_budget(self) -> int | None:
@@ -558,6 +561,7 @@ async def model_info(request: web.Request) -> web.Response:
             "dtype": info.dtype,
             "adapter_path": info.adapter_path,
             "adapter_applied": info.adapter_applied,
+            "quantization": info.quantization,
             "load_time_s": round(engine.load_time_s, 3),
             "context_length": info.context_length,
             "stats": {**engine.stats, "waiting": engine.waiting, "active": engine.active},
@@ -1064,6 +1068,15 @@ INFO_SCHEMA = {
         "model": {"type": "string"}, "backend": {"enum": ["torch", "mlx"]}, "device": {"type": "string"}, "dtype": {"type": "string"},
         "adapter_path": {"type": ["string", "null"]}, "adapter_applied": {"type": "boolean"}, "load_time_s": {"type": "number"},
         "context_length": {"type": "integer"}, "stats": {"type": "object"},
+        "quantization": {
+            "type": ["object", "null"],
+            "description": "null for full-precision weights",
+            "properties": {"method": {"type": "string"}, "bits": {"type": "integer"}, "group_size": {"type": ["integer", "null"]}},
+        },
+        "prompt_cache": {
+            "type": "object",
+            "properties": {"budget_bytes": {"type": "integer"}, "bytes": {"type": "integer"}, "entries": {"type": "integer"}},
+        },
     },
 }
 SUMMARY_PROPERTIES = {

@@ -64,6 +64,7 @@ class ModelInfo:
     context_length: int
     adapter_path: str | None = None
     adapter_applied: bool = False
+    quantization: dict | None = None  # {method, bits, group_size} of quantized weights; None: full precision
     extra: dict = field(default_factory=dict)
 
 
@@ -150,6 +151,7 @@ class LoadOptions:
     dtype: str = "auto"
     max_batch: int = 0  # sequences per decode step; 0: the runtime's default (CUDA graphs are captured for it)
     compile: bool | None = None  # torch.compile the Phi fast path's step; None: on CUDA only
+    quantize: str = ""  # PHI2_QUANTIZE: quantize the weights at load (each runtime says which values it takes)
     warmup: bool = True
 
 

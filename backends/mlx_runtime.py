@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
+from mlx_lm.utils import load_adapters, quantize_model
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, greedy_sampler
@@ -107,20 +108,34 @@ class MlxBackend(TokenizerMethods):
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> "MlxBackend":
         adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
+        bits = quantize_bits(options.quantize)
         try:
             if is_random(options.model):
                 model, tokenizer = random_model(path, options.dtype)
+                config = json.loads((path / "config.json").read_text())
             else:
-                model, tokenizer = mlx_load(str(path), adapter_path=str(adapter) if adapter else None)
+                model, tokenizer, config = mlx_load(str(path), return_config=True)
         except (ValueError, KeyError, FileNotFoundError) as exc:
-            what = f"ADAPTER_PATH={adapter}" if adapter and "adapter" in str(exc).lower() else f"PHI2_MODEL={options.model!r}"
-            raise ModelLoadError(f"{what} could not be loaded by mlx-lm: {exc}") from exc
-        config = json.loads((path / "config.json").read_text())
+            raise ModelLoadError(f"PHI2_MODEL={options.model!r} could not be loaded by mlx-lm: {exc}") from exc
+        if bits:
+            if "quantization" in config:
+                raise ModelLoadError(
+                    f"PHI2_MODEL={options.model!r} is already quantized ({config['quantization'].get('bits')}-bit): leave PHI2_QUANTIZE unset"
+                )
+            # mlx-lm's own quantization, as `mlx_lm.convert -q` does (group size 64, affine).
+            model, config = quantize_model(model, config, group_size=None, bits=bits)
+        if adapter is not None:  # as mlx_lm.load does: LoRA layers over the (quantized) linears, not fused
+            try:
+                model = load_adapters(model, str(adapter))
+            except (ValueError, KeyError) as exc:
+                raise ModelLoadError(f"ADAPTER_PATH={adapter} could not be loaded by mlx-lm: {exc}") from exc
+            model.eval()
         info = ModelInfo(
             model=options.model,
             backend=cls.name,
             device=mx.default_device().type.name,  # gpu (Metal) or cpu
-            dtype=_weights_dtype(model, config),
+            dtype=_weights_dtype(model),
+            quantization=_quantization(config),
             context_length=int(config.get("max_position_embeddings") or 2048),
             adapter_path=options.adapter_path,
             adapter_applied=adapter is not None,
@@ -204,13 +219,32 @@ def random_model(path: Path, dtype: str):
     return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
 
-def _weights_dtype(model, config: dict) -> str:
-    if "quantization" in config:
-        return f"{config['quantization'].get('bits', '?')}-bit quantized"
+def _weights_dtype(model) -> str:
+    """The floating dtype the model computes in (of its full-precision weights, or its
+    quantized weights' scales)."""
     for _, value in tree_flatten(model.parameters()):
         if mx.issubdtype(value.dtype, mx.floating):
             return str(value.dtype).removeprefix("mlx.core.")
     return "unknown"
+
+
+QUANTIZE_BITS = ("4", "8")
+
+
+def quantize_bits(requested: str) -> int:
+    """PHI2_QUANTIZE on MLX: 4 or 8 bits (mlx-lm's affine quantization), or off."""
+    if requested in ("", "none", "0"):
+        return 0
+    if requested not in QUANTIZE_BITS:
+        raise ModelLoadError(f"PHI2_QUANTIZE must be one of {', '.join(QUANTIZE_BITS)} (or empty) on the MLX backend, not {requested!r}")
+    return int(requested)
+
+
+def _quantization(config: dict) -> dict | None:
+    quantization = config.get("quantization")
+    if not quantization:
+        return None
+    return {"method": f"mlx-{quantization.get('mode', 'affine')}", "bits": quantization.get("bits"), "group_size": quantization.get("group_size")}
 
 
 # Entries of a prompt cache: the byte budget is what bounds it; this only bounds the trie's size.

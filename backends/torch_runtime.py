@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import json
 import logging
 import threading
 from pathlib import Path
@@ -21,6 +23,7 @@ from backends.adapters import find_adapter, merge_lora_into_torch
 from backends.model_files import is_random
 from backends.prompt_cache import PrefixCache
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
+from backends.torch_quant import QuantizedWeight, describe, parse_method, quantize_linears
 from backends.torch_sampling import sample, seeded_generator
 
 log = logging.getLogger("phi2_server.torch")
@@ -74,6 +77,20 @@ def prompt_cache_budget(requested: int | None, device: torch.device) -> int:
     return default_prompt_cache_bytes(physical_memory(), on_gpu=False)
 
 
+def refuse_mlx_quantized(path: Path, spec: str) -> None:
+    """A checkpoint `mlx_lm.convert -q` wrote (packed weights, `quantization` in config.json)
+    would load into transformers as garbage: say which runtime serves it."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # transformers will say what is wrong
+    if "quantization" in config and "quantization_config" not in config or config.get("quantization_config", {}).get("mode"):
+        raise ModelLoadError(
+            f"PHI2_MODEL={spec!r} is an MLX-quantized checkpoint (mlx_lm.convert -q): serve it with PHI2_BACKEND=mlx, "
+            "or give the full-precision checkpoint with PHI2_QUANTIZE=int8|int4"
+        )
+
+
 def count_parameters(path: Path) -> int:
     """The model's parameter count, from its config alone (built on the meta device: no memory)."""
     from transformers import AutoConfig
@@ -101,11 +118,14 @@ class TorchBackend(TokenizerMethods):
         self._fast_decoder_owner: threading.Thread | None = None
         self.max_batch = 1
         self.compile = False
+        self.quantized = False
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> "TorchBackend":
         device = pick_device(options.device)
+        method = parse_method(options.quantize, torch.device(device))
+        refuse_mlx_quantized(path, options.model)
         transformers_logging.disable_progress_bar()  # the server log is for the server
         try:
             dtype = pick_dtype(options.dtype, device, lambda: count_parameters(path))
@@ -123,6 +143,7 @@ class TorchBackend(TokenizerMethods):
         if adapter is not None:
             changed = merge_lora_into_torch(model, adapter)
             log.info("merged the LoRA adapter at %s into %d Linear layers", adapter, changed)
+        parameters = sum(p.numel() for p in model.parameters())
         info = ModelInfo(
             model=options.model,
             backend=cls.name,
@@ -131,13 +152,18 @@ class TorchBackend(TokenizerMethods):
             context_length=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
             adapter_path=options.adapter_path,
             adapter_applied=adapter is not None,
+        )
+        backend = cls(model, tokenizer, info)
+        quantized = backend.quantize(method) if method else []  # after the adapter was merged
+        backend.info = dataclasses.replace(
+            info,
+            quantization=describe(method, quantized) if method else None,
             extra={
-                "parameters": sum(p.numel() for p in model.parameters()),
-                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "parameters": parameters,
+                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()) + sum(q.nbytes for q in quantized),
                 "threads": torch.get_num_threads() if device == "cpu" else None,
             },
         )
-        backend = cls(model, tokenizer, info)
         on_cuda = backend.device.type == "cuda"
         # Measured defaults (BENCHMARKS.md): a GPU serves 64 clients at once at full speed;
         # torch.compile pays on CUDA (step 3.0 -> 2.4 ms) and costs ~30 s of startup.
@@ -146,6 +172,22 @@ class TorchBackend(TokenizerMethods):
         if options.warmup:
             backend.warm_up(backend.max_batch)
         return backend
+
+    def quantize(self, method: str) -> list[QuantizedWeight]:
+        """Quantize the weights in place: the Phi fast path's fused matrices (it then serves at
+        any batch size), else every Linear but the output head (torch_quant)."""
+        from backends import torch_fast
+
+        if torch_fast.supports(self.model):
+            quantized = self.fast_weights.quantize(self.model, method)
+        else:
+            quantized = quantize_linears(self.model, method)
+        self.quantized = True
+        if self.device.type == "cpu":
+            import gc
+
+            gc.collect()  # the full-precision copies are garbage now: give their memory back
+        return quantized
 
     def detokenizer(self) -> StreamDetokenizer:
         return StreamDetokenizer(self.text)
@@ -156,7 +198,7 @@ class TorchBackend(TokenizerMethods):
         from backends import torch_fast
 
         budget = prompt_cache_budget(prompt_cache_bytes, self.device)
-        if torch_fast.supports(self.model) and (max_batch > 1 or self.device.type == "cuda"):
+        if torch_fast.supports(self.model) and (max_batch > 1 or self.device.type == "cuda" or self.quantized):
             # Reuse the decoder (and its CUDA graphs) that warm-up built, unless another thread
             # that is still alive holds it (tests run several workers over one backend).
             decoder, owner = self._fast_decoder, self._fast_decoder_owner

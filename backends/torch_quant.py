@@ -1,0 +1,166 @@
+"""Weight-only quantization for the Torch runtime (PHI2_QUANTIZE=int8|int4), on torch's own kernels.
+
+Decode reads every weight once per token, so it runs at the speed weights stream from memory:
+fewer bytes per weight is the speed-up, and the activations stay in the model's dtype.
+
+- **int8**: symmetric, one scale per output channel. CPU: `aten._weight_int8pack_mm`. CUDA: the
+  weight is dequantized inside the decode step, which torch.compile may fuse into the matrix
+  product (as gpt-fast does); torch's CUDA int8pack kernel measured far slower (BENCHMARKS.md).
+- **int4**: asymmetric, a scale and a zero per group of input channels (group size 128, or the
+  largest of 128/64/32 dividing the input width). CPU: `aten._weight_int4pack_mm_for_cpu`; CUDA:
+  `aten._weight_int4pack_mm` (tinygemm), both on tinygemm's layout: w = (q - 8) * scale + zero.
+
+Only the big matrices are quantized (the Phi fast path's fused block weights, or every Linear
+but the output head on other models); embeddings, norms, biases and the output head stay in the
+model's dtype. The kernels were measured against each other on Phi-2's shapes (bench.py
+--quant-kernels; BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backends import ModelLoadError
+
+METHODS = ("int8", "int4")
+INT4_GROUP_SIZES = (128, 64, 32)
+
+
+def parse_method(requested: str, device: torch.device) -> str:
+    """PHI2_QUANTIZE on Torch: int8 (CPU, CUDA), int4 (CPU, CUDA), or off."""
+    if requested in ("", "none", "0"):
+        return ""
+    if requested not in METHODS:
+        raise ModelLoadError(f"PHI2_QUANTIZE must be one of {', '.join(METHODS)} (or empty) on the Torch backend, not {requested!r}")
+    return requested
+
+
+class QuantizedWeight:
+    """A Linear weight (out_features x in_features) in fewer bits, and its matrix product."""
+
+    bits: int
+    group_size: int | None
+    out_features: int
+    in_features: int
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class Int8Weight(QuantizedWeight):
+    bits, group_size = 8, None
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self.scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        self.qweight = (w / self.scales[:, None]).round().clamp(-128, 127).to(torch.int8).contiguous()
+        self.scales = self.scales.to(weight.dtype)
+        # torch's int8pack kernel on the CPU; on CUDA it exists but measured 10x slower than
+        # bfloat16 at batch 1 on an H200 (BENCHMARKS.md), so the dequantizing product is used.
+        self.kernel = not weight.is_cuda
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        else:  # fused with the matrix product when compiled (see the module docstring)
+            y = F.linear(flat, self.qweight.to(flat.dtype)) * self.scales
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+class Int4Weight(QuantizedWeight):
+    bits = 4
+    INNER_K_TILES = 8
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        self.out_features, self.in_features = n, k = w.shape
+        self.group_size = next((g for g in INT4_GROUP_SIZES if k % g == 0), None)
+        if self.group_size is None:
+            raise ModelLoadError(f"PHI2_QUANTIZE=int4 needs input widths divisible by 32; this model has a Linear of width {k}")
+        groups = w.view(n, k // self.group_size, self.group_size)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = ((groups - low) / scale).round().clamp(0, 15).view(n, k).to(torch.int32)
+        zero = low + 8 * scale  # tinygemm dequantizes (q - 8) * scale + zero
+        scales_and_zeros = torch.stack([scale.view(n, -1), zero.view(n, -1)], dim=-1).transpose(0, 1)
+        self.scales_and_zeros = scales_and_zeros.contiguous().to(weight.dtype)  # [k / group, n, 2]
+        self.on_cuda = weight.is_cuda
+        if self.on_cuda:
+            packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two nibbles a byte
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(packed, self.INNER_K_TILES)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, self.INNER_K_TILES)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+def quantize_weight(weight: torch.Tensor, method: str) -> QuantizedWeight:
+    return Int8Weight(weight) if method == "int8" else Int4Weight(weight)
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a full-precision or a quantized weight."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(x, bias)
+    return F.linear(x, weight, bias)
+
+
+def describe(method: str, weights: list[QuantizedWeight]) -> dict:
+    """/model/info's `quantization`."""
+    group_sizes = sorted({w.group_size for w in weights if w.group_size})
+    return {
+        "method": f"torch-{method}-weight-only",
+        "bits": 8 if method == "int8" else 4,
+        "group_size": group_sizes[0] if len(group_sizes) == 1 else (group_sizes or None),
+    }
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A Linear whose weight is quantized, for the generic (non-Phi) decoder."""
+
+    def __init__(self, linear_module: torch.nn.Linear, method: str):
+        super().__init__()
+        self.weight_q = quantize_weight(linear_module.weight, method)
+        self.bias = linear_module.bias
+        self.in_features, self.out_features = linear_module.in_features, linear_module.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight_q.linear(x, self.bias)
+
+
+def quantize_linears(model, method: str) -> list[QuantizedWeight]:
+    """Replace every Linear but the output head with a QuantizedLinear, in place."""
+    head = model.get_output_embeddings()
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            parent_name, _, child = name.rpartition(".")
+            quantized = QuantizedLinear(module, method)
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
+            replaced.append(quantized.weight_q)
+    return replaced

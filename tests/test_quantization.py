@@ -1,0 +1,194 @@
+"""Quantized weights: MLX 4/8-bit (checkpoints and quantize-at-load), Torch int8/int4.
+
+The tiny model memorized its corpus: at 8 bits greedy text on the memorized lines must be the
+full-precision text, on both runtimes; at 4 bits the agreement is measured (BENCHMARKS.md), and
+the model must still load, batch and stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
+from backends.drive import drive
+from backends.tiny import ascii_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+QUANTIZE = {"torch": {8: "int8", 4: "int4"}, "mlx": {8: "8", 4: "4"}}
+
+
+@pytest.fixture(scope="session")
+def quantized(tiny_path):
+    """Backends loaded with PHI2_QUANTIZE, per (runtime, bits), once per session."""
+    loaded = {}
+
+    def get(runtime: str, bits: int):
+        if (runtime, bits) not in loaded:
+            options = LoadOptions(model=str(tiny_path), dtype="float32", quantize=QUANTIZE[runtime][bits])
+            loaded[runtime, bits] = load_backend(runtime, options)
+        return loaded[runtime, bits]
+
+    return get
+
+
+def memorized(backend) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, the rest of the line's ids) for each memorized line, cut after a few words."""
+    cases = []
+    for line in ascii_lines():
+        cut = line.index(" ", 6) if " " in line[6:] else len(line) // 2  # the rest starts with its space, as trained
+        prompt, rest = backend.encode(line[:cut]), backend.encode(line[cut:])
+        cases.append((prompt, rest))
+    return cases
+
+
+def greedy(backend, prompt: list[int], n: int, max_batch: int = 1) -> list[int]:
+    return drive(backend.decoder(max_batch), [Sequence(1, prompt, Sampling(), n)]).ids[1]
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+def test_8_bit_greedy_text_on_the_memorized_lines_is_the_full_precision_text(runtime, quantized, request):
+    full = request.getfixturevalue(f"{runtime}_backend")
+    eight = quantized(runtime, 8)
+    checked = 0
+    for prompt, rest in memorized(full):
+        expected = greedy(full, prompt, len(rest))
+        if expected != rest:  # the full-precision model does not finish this line from here
+            continue
+        assert greedy(eight, prompt, len(rest), max_batch=4) == expected, full.decode(prompt)
+        checked += 1
+    assert checked >= 6
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+def test_4_bit_serves_and_mostly_agrees(runtime, quantized, request):
+    full = request.getfixturevalue(f"{runtime}_backend")
+    four = quantized(runtime, 4)
+    same = total = 0
+    for prompt, rest in memorized(full):
+        a, b = greedy(full, prompt, len(rest)), greedy(four, prompt, len(rest), max_batch=4)
+        same += sum(x == y for x, y in zip(a, b))
+        total += len(rest)
+    assert same / total > 0.5  # measured: see BENCHMARKS.md (4-bit on the tiny model)
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_model_info_reports_the_quantization(runtime, bits, quantized, request):
+    backend, full = quantized(runtime, bits), request.getfixturevalue(f"{runtime}_backend")
+    info = backend.info.quantization
+    assert info["bits"] == bits and info["method"].startswith(runtime)
+    assert info["group_size"] in ((None,) if (runtime, bits) == ("torch", 8) else (32, 64, 128))
+    assert backend.info.extra["weight_bytes"] < full.info.extra["weight_bytes"]
+    assert full.info.quantization is None
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+async def test_a_quantized_model_serves_batched_and_streamed(runtime, quantized, make_client):
+    backend = quantized(runtime, 8)
+    client = await make_client(lambda: backend, max_batch=4)
+    info = await (await client.get("/model/info")).json()
+    assert info["quantization"]["bits"] == 8
+    bodies = [{"prompt": p, "max_tokens": 12, "ignore_eos": True} for p in ("The quick brown", "Once upon a time", "Water boils", "zq")]
+    results = await asyncio.gather(*(client.post("/generate", json=body) for body in bodies))
+    texts = [(await r.json())["text"] for r in results]
+    assert texts[0].startswith(" fox jumps over the lazy dog.")
+    stream = await client.post("/generate/stream", json=bodies[1])
+    lines = [json.loads(line) for line in (await stream.read()).splitlines()]
+    assert "".join(line.get("token", "") for line in lines[:-1]) == texts[1]
+    assert lines[-1]["tokens_used"] == 12
+
+
+def test_torch_quantizes_the_fast_path_and_serves_it_at_any_batch_size(quantized):
+    from backends.torch_fast import BatchedPhiDecoder
+    from backends.torch_quant import QuantizedWeight
+
+    backend = quantized("torch", 8)
+    assert isinstance(backend.decoder(1), BatchedPhiDecoder)  # transformers' forward has no weights left
+    assert all(isinstance(layer[2], QuantizedWeight) and isinstance(layer[4], QuantizedWeight) for layer in backend.fast_weights.layers)
+
+
+# -- adapters -------------------------------------------------------------------------------------
+
+
+def test_mlx_keeps_the_adapter_as_lora_layers_over_quantized_linears(tiny_path, adapter_path):
+    import mlx.nn as nn
+    from mlx_lm.tuner.lora import LoRALinear
+
+    plain = load_backend("mlx", LoadOptions(model=str(tiny_path), quantize="8"))
+    adapted = load_backend("mlx", LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path), quantize="8"))
+    assert adapted.info.adapter_applied and adapted.info.quantization["bits"] == 8
+    loras = [m for _, m in adapted.model.named_modules() if isinstance(m, LoRALinear)]
+    assert loras and all(isinstance(m.linear, nn.QuantizedLinear) for m in loras)
+    prompt = adapted.encode("Once upon a time")
+    assert greedy(adapted, prompt, 20) != greedy(plain, prompt, 20)
+
+
+def test_torch_merges_the_adapter_before_quantizing(tiny_path, adapter_path, adapted_backends):
+    adapted = load_backend("torch", LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path), dtype="float32", quantize="int8"))
+    assert adapted.info.adapter_applied and adapted.info.quantization["bits"] == 8
+    reference = adapted_backends["torch"]  # the same adapter, full precision
+    prompt = adapted.encode("The quick brown")
+    assert greedy(adapted, prompt, 8, max_batch=4) == greedy(reference, prompt, 8)
+
+
+# -- checkpoints that mlx_lm.convert -q writes ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mlx_quantized_checkpoints(tiny_path, tmp_path_factory):
+    from mlx_lm import convert
+
+    made = {}
+    for bits, group_size in ((4, 32), (8, 64)):
+        path = tmp_path_factory.mktemp(f"tiny-q{bits}") / "model"
+        convert(str(tiny_path), mlx_path=str(path), quantize=True, q_bits=bits, q_group_size=group_size)
+        made[bits, group_size] = path
+    return made
+
+
+def test_an_mlx_quantized_checkpoint_loads_and_serves(mlx_quantized_checkpoints, mlx_backend):
+    for (bits, group_size), path in mlx_quantized_checkpoints.items():
+        backend = load_backend("mlx", LoadOptions(model=str(path)))
+        assert backend.info.quantization == {"method": "mlx-affine", "bits": bits, "group_size": group_size}
+        sequences = [Sequence(i, backend.encode(p), Sampling(), 10) for i, p in enumerate(("The quick brown", "Once upon"))]
+        batched = drive(backend.decoder(4), sequences).ids
+        assert all(len(ids) == 10 for ids in batched.values())
+        if bits == 8:
+            prompt = backend.encode("The quick brown")
+            assert greedy(backend, prompt, 8) == greedy(mlx_backend, prompt, 8)
+
+
+def test_torch_refuses_an_mlx_quantized_checkpoint_clearly(mlx_quantized_checkpoints):
+    path = next(iter(mlx_quantized_checkpoints.values()))
+    with pytest.raises(ModelLoadError, match="MLX-quantized.*PHI2_BACKEND=mlx"):
+        load_backend("torch", LoadOptions(model=str(path)))
+
+
+def test_quantizing_a_quantized_checkpoint_again_is_refused(mlx_quantized_checkpoints):
+    path = next(iter(mlx_quantized_checkpoints.values()))
+    with pytest.raises(ModelLoadError, match="already quantized.*PHI2_QUANTIZE"):
+        load_backend("mlx", LoadOptions(model=str(path), quantize="8"))
+
+
+# -- bad values ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime, value", [("torch", "4"), ("torch", "int3"), ("mlx", "int8"), ("mlx", "3"), ("torch", "fp8")])
+def test_an_unsupported_value_is_a_clear_error_naming_the_variable(tiny_path, runtime, value):
+    with pytest.raises(ModelLoadError, match="PHI2_QUANTIZE must be one of"):
+        load_backend(runtime, LoadOptions(model=str(tiny_path), quantize=value, warmup=False))
+
+
+def test_the_server_exits_with_that_error(tiny_path, tmp_path):
+    env = {**os.environ, "PHI2_MODEL": str(tiny_path), "PHI2_QUANTIZE": "int3", "PORT": "0", "LOG_DIR": str(tmp_path), "ADAPTER_PATH": ""}
+    out = subprocess.run([sys.executable, "phi2_server.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "PHI2_QUANTIZE must be one of int8, int4" in out.stderr
+    assert "Traceback" not in out.stderr
