@@ -6,6 +6,9 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --in-process             # the backend's own decode loop, no HTTP
     python bench.py --overhead               # both, back to back, and their ratio (make bench-overhead)
     python bench.py --dtype-sweep            # float32 against bfloat16 on this CPU, per model size
+    python bench.py --quant-kernels          # int8/int4 weight-only kernels on Phi-2's shapes
+    python bench.py --quant-quality          # int8/int4 logits against bfloat16's (random:phi-2)
+    python bench.py --quant-agreement        # 8- and 4-bit greedy text against full precision (tiny)
     python bench.py --chat 4                 # a chat re-sending its history: prompt cache on, then off
     python bench.py --shared-prefix 4        # 4 clients sharing a system prompt: cache on, then off
 
@@ -239,14 +242,15 @@ async def chat_workload(args, urls: dict[str, str]) -> dict[str, list[Timing]]:
 
 
 async def shared_prefix_workload(args, urls: dict[str, str]) -> dict[str, list[list[Timing]]]:
-    """N clients at once with one long system prompt and different questions, in two rounds: the
-    first finds nothing stored, the second finds the system prompt (a server's steady state).
-    Each round runs against the server with the prompt cache, then the one without."""
+    """N clients at once with one long system prompt and different questions, in rounds: the
+    first finds nothing stored, the later ones find the system prompt (a server's steady state;
+    the first rounds also pay each server's first calls of new shapes). Each round runs
+    against the server with the prompt cache, then the one without."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)) as session:
         system = await system_prompt(session, urls["on"], args.prefix_tokens)
         await system_prompt(session, urls["off"], args.prefix_tokens)  # the same probe on both
         rounds: dict[str, list[list[Timing]]] = {"on": [], "off": []}
-        for round_ in range(2):
+        for round_ in range(args.rounds):
             bodies = [{"prompt": system + f"\nAlice: {QUESTIONS[(i + round_ * args.shared_prefix) % len(QUESTIONS)]} ({round_}.{i})\nBob:",
                        "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0} for i in range(args.shared_prefix)]
             for cache, url in urls.items():
@@ -256,6 +260,46 @@ async def shared_prefix_workload(args, urls: dict[str, str]) -> dict[str, list[l
                       f"{sum(t.cached_tokens for t in timings)} of {sum(t.prompt_tokens for t in timings)} prompt tokens cached",
                       file=sys.stderr, flush=True)
         return rounds
+
+
+def chat_in_process(args) -> list[dict]:
+    """--chat TURNS --in-process: the same conversation through two decoders over one loaded
+    model, one with a prompt cache and one without; each turn's TTFT (from adding the sequence
+    to its first token) and whether the two decode the same ids. One model in memory, so this
+    also runs in float32 at Phi-2's size."""
+    from backends import Sampling, Sequence
+    from backends.drive import drive
+
+    backend = load_in_process()
+    with_cache = backend.decoder(backend.max_batch)
+    try:  # a second fast-path decoder of its own (backend.decoder hands one thread the same one)
+        from backends.torch_fast import BatchedPhiDecoder
+
+        without = BatchedPhiDecoder(backend.fast_weights, backend.max_batch) if isinstance(with_cache, BatchedPhiDecoder) else None
+    except ImportError:
+        without = None
+    without = without or backend.decoder(backend.max_batch, prompt_cache_bytes=0)
+    history = FILLER * max(1, round(args.prefix_tokens / (len(backend.encode(FILLER * 4)) / 4)))
+    rows = []
+    for turn in range(args.chat):
+        prompt = history + f"\nAlice: {QUESTIONS[turn % len(QUESTIONS)]}\nBob:"
+        ids = backend.encode(prompt)
+        row: dict = {"turn": turn, "prompt_tokens": len(ids)}
+        for name, decoder in (("on", with_cache), ("off", without)):
+            first = None
+            sent = time.perf_counter()
+
+            def on_tokens(step: int, tokens: dict[int, int]) -> None:
+                nonlocal first
+                first = first or (time.perf_counter() if tokens else None)
+
+            driven = drive(decoder, [Sequence(turn, ids, Sampling(), args.max_tokens)], on_tokens=on_tokens)
+            row[name] = {"ttft_ms": (first - sent) * 1000, "cached_tokens": driven.cached[turn], "ids": driven.ids[turn]}
+        row["same"] = row["on"]["ids"] == row["off"]["ids"]
+        print(f"| {turn} | {len(ids)} | {row['on']['cached_tokens']} | {row['on']['ttft_ms']:.0f} | {row['off']['ttft_ms']:.0f} | "
+              f"{row['off']['ttft_ms'] / row['on']['ttft_ms']:.1f}x | {row['same']} |", flush=True)
+        history = prompt + backend.decode(row["on"]["ids"])
+    return rows
 
 
 def prompt_reuse(args) -> dict:
@@ -347,11 +391,12 @@ class SpawnedServer:
                 await asyncio.sleep(0.5)
         raise SystemExit(f"the server was not ready after {timeout:.0f} s")
 
-    def peak_rss_gib(self) -> float | None:
+    def peak_rss_gib(self, field: str = "VmHWM") -> float | None:
+        """The server's peak resident memory (VmHWM), or with field="VmRSS" its memory now."""
         try:
             with open(f"/proc/{self.process.pid}/status") as status:
                 for line in status:
-                    if line.startswith("VmHWM:"):
+                    if line.startswith(field + ":"):
                         return int(line.split()[1]) / 2**20
         except OSError:
             return None  # not Linux
@@ -465,6 +510,136 @@ def dtype_sweep(args) -> list[dict]:
     return rows
 
 
+# Phi-2's matrices as the fast path multiplies them: [q; k; v; fc1] and [dense | fc2] of a block.
+PHI2_SHAPES = {"block in (17920 x 2560)": (17920, 2560), "block out (2560 x 12800)": (2560, 12800)}
+
+
+def quant_kernels(args) -> list[dict]:
+    """Weight-only matrix products on Phi-2's shapes at batch 1 and 8, per candidate kernel, on
+    this machine's device (CUDA if there is one): time, and weight bytes streamed per second."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from backends.torch_quant import Int4Weight, Int8Weight
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16
+
+    def timed(fn) -> float:  # median of 20 calls after 3 warm-ups, the device synchronized
+        for _ in range(3):
+            fn()
+        samples = []
+        for _ in range(20):
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - started)
+        return statistics.median(samples)
+
+    rows = []
+    for shape_name, (n, k) in PHI2_SHAPES.items():
+        weight = (torch.randn(n, k, device=device) * 0.02).to(dtype)
+        candidates = {"bfloat16": (lambda x: F.linear(x, weight), weight.nbytes)}
+        if not cuda:
+            fp32 = weight.float()
+            candidates["float32"] = (lambda x: F.linear(x.float(), fp32), fp32.nbytes)
+        int8 = Int8Weight(weight)
+        int8pack = lambda x: torch.ops.aten._weight_int8pack_mm(x, int8.qweight, int8.scales)  # noqa: E731
+        candidates["int8 (aten._weight_int8pack_mm)"] = (int8pack, int8.nbytes)
+        if cuda:
+            dequantizing = lambda x: F.linear(x, int8.qweight.to(x.dtype)) * int8.scales  # noqa: E731
+            candidates["int8 (dequantize + matmul)"] = (dequantizing, int8.nbytes)
+            candidates["int8 (dequantize + matmul, torch.compile)"] = (torch.compile(dequantizing, dynamic=False), int8.nbytes)
+        else:
+            from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+            dynamic = DynamicLinear(k, n, bias_=False, dtype=torch.qint8)
+            dynamic.set_weight_bias(torch.quantize_per_channel(weight.float(), int8.scales.float(), torch.zeros(n, dtype=torch.long), 0, torch.qint8), None)
+            candidates["int8 (fbgemm dynamic: int8 activations too)"] = (lambda x: dynamic(x.float()), int8.nbytes)
+        int4 = Int4Weight(weight)
+        candidates["int4 (aten._weight_int4pack_mm" + ("" if cuda else "_for_cpu") + f", group {int4.group_size})"] = (int4.linear, int4.nbytes)
+        for batch in (1, 8, 64) if cuda else (1, 8):
+            x = torch.randn(batch, k, device=device, dtype=dtype)
+            base = None
+            for name, (fn, nbytes) in candidates.items():
+                seconds = timed(lambda: fn(x))
+                base = base or seconds
+                row = {"shape": shape_name, "batch": batch, "kernel": name, "ms": seconds * 1000, "weight_gb_s": nbytes / seconds / 1e9, "speedup_vs_bf16": base / seconds}
+                rows.append(row)
+                print(f"| {shape_name} | {batch} | {name} | {row['ms']:.3f} | {row['weight_gb_s']:.1f} | {row['speedup_vs_bf16']:.2f}x |", flush=True)
+    return rows
+
+
+def quant_quality(args) -> list[dict]:
+    """How far quantized weights move the last-position logits from bfloat16's, on PHI2_MODEL
+    (random:phi-2 where Phi-2's weights cannot be fetched): the relative L2 error, and whether
+    the most likely token is the same, over a few prompts. Each method on a fresh bfloat16 load."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from backends import LoadOptions, load_backend, select_backend
+    from backends.torch_fast import BatchedPhiDecoder
+
+    model = os.environ.get("PHI2_MODEL", "random:phi-2")
+    prompts = [FILLER[: 40 * (i + 1)] + q for i, q in enumerate(QUESTIONS)]
+    rows = []
+    for method in ("int8", "int4"):
+        backend = load_backend(select_backend("torch"), LoadOptions(model=model, dtype="bfloat16", warmup=False))
+        ids = [backend.encode(p) for p in prompts]
+        reference = [BatchedPhiDecoder(backend.fast_weights, 1).logits_after(i) for i in ids]
+        started = time.perf_counter()
+        backend.quantize(method)
+        seconds = time.perf_counter() - started
+        decoder = BatchedPhiDecoder(backend.fast_weights, 1)
+        errors, same = [], 0
+        for i, ref in zip(ids, reference):
+            logits = decoder.logits_after(i)
+            decodable = torch.isfinite(ref)  # ids past the tokenizer's are masked to -inf in both
+            errors.append(float((logits - ref)[decodable].norm() / ref[decodable].norm()))
+            same += int(logits.argmax() == ref.argmax())
+        row = {"method": method, "relative_error_mean": statistics.mean(errors), "relative_error_max": max(errors),
+               "same_top1": same, "prompts": len(prompts), "quantize_seconds": seconds}
+        rows.append(row)
+        print(f"| {method} | {row['relative_error_mean']:.4f} | {row['relative_error_max']:.4f} | {same}/{len(prompts)} | {seconds:.1f} |", flush=True)
+        del backend, decoder, reference
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def quant_agreement(args) -> list[dict]:
+    """Greedy ids of quantized weights against full precision on the tiny demo model, which
+    memorized its corpus: each memorized line is cut after its first word or two and the rest
+    decoded (float32, both runtimes, 8 and 4 bits), as tests/test_quantization.py does."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from backends import LoadOptions, Sampling, Sequence, load_backend
+    from backends.drive import drive
+    from backends.tiny import ascii_lines
+
+    rows = []
+    for runtime, methods in (("torch", ("int8", "int4")), ("mlx", ("8", "4"))):
+        full = load_backend(runtime, LoadOptions(model="tiny", dtype="float32", warmup=False))
+        cases = []
+        for line in ascii_lines():
+            cut = line.index(" ", 6) if " " in line[6:] else len(line) // 2  # the rest starts with its space, as trained
+            cases.append((full.encode(line[:cut]), len(full.encode(line[cut:]))))
+        expected = [drive(full.decoder(1), [Sequence(0, prompt, Sampling(), n)]).ids[0] for prompt, n in cases]
+        for method in methods:
+            quantized = load_backend(runtime, LoadOptions(model="tiny", dtype="float32", quantize=method, warmup=False))
+            got = [drive(quantized.decoder(4), [Sequence(0, prompt, Sampling(), n)]).ids[0] for prompt, n in cases]
+            same = sum(a == b for x, y in zip(expected, got) for a, b in zip(x, y))
+            total = sum(len(x) for x in expected)
+            lines = sum(x == y for x, y in zip(expected, got))
+            rows.append({"runtime": runtime, "method": method, "tokens_same": same, "tokens": total, "lines_same": lines, "lines": len(cases)})
+            print(f"| {runtime} | {method} | {same}/{total} ({same / total:.0%}) | {lines}/{len(cases)} |", flush=True)
+    return rows
+
+
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -498,16 +673,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a spawned server")
     parser.add_argument("--bandwidth", action="store_true", help="also measure memory bandwidth and the decode limit it sets")
     mode.add_argument("--dtype-sweep", action="store_true", help="float32 against bfloat16 decode on this CPU, per model size")
-    mode.add_argument("--chat", type=int, metavar="TURNS", help="one conversation of TURNS turns, prompt cache on then off (spawns)")
-    mode.add_argument("--shared-prefix", type=int, metavar="N", help="N clients sharing a system prompt, prompt cache on then off (spawns)")
+    mode.add_argument("--quant-kernels", action="store_true", help="weight-only int8/int4 kernels against bfloat16 on Phi-2's shapes")
+    mode.add_argument("--quant-quality", action="store_true", help="int8/int4 logits against bfloat16's on PHI2_MODEL (default random:phi-2)")
+    mode.add_argument("--quant-agreement", action="store_true", help="greedy ids of 8- and 4-bit weights against full precision, tiny model, both runtimes")
+    parser.add_argument("--chat", type=int, metavar="TURNS", help="one conversation of TURNS turns, prompt cache on then off (spawns; with --in-process: two decoders here)")
+    parser.add_argument("--shared-prefix", type=int, metavar="N", help="N clients sharing a system prompt, prompt cache on then off (spawns)")
     parser.add_argument("--prefix-tokens", type=int, default=900, help="system prompt length for --chat and --shared-prefix (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --shared-prefix clients (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.chat or args.shared_prefix:
         os.environ.setdefault("PHI2_MODEL", default_model())
-        measured = prompt_reuse(args)
+        if args.chat and args.in_process:
+            print("| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off | off / on | same ids |\n| --- | --- | --- | --- | --- | --- | --- |")
+            measured = {"in_process": chat_in_process(args)}
+        else:
+            measured = prompt_reuse(args)
         if args.json:
             with open(args.json, "w") as out:
                 json.dump(measured, out, indent=2)
+        return 0
+    if args.quant_agreement:
+        print("| runtime | quantization | greedy ids equal to full precision | memorized lines equal |\n| --- | --- | --- | --- |")
+        rows = quant_agreement(args)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"quant_agreement": rows}, out, indent=2)
+        return 0
+    if args.quant_quality:
+        print("| method | relative logit error, mean | max | same top-1 token | quantize at load, s |\n| --- | --- | --- | --- | --- |")
+        rows = quant_quality(args)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"quant_quality": rows}, out, indent=2)
+        return 0
+    if args.quant_kernels:
+        print("| matrix | batch | kernel | ms | weight GB/s | vs bfloat16 |\n| --- | --- | --- | --- | --- | --- |")
+        rows = quant_kernels(args)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"quant_kernels": rows}, out, indent=2)
         return 0
     if args.dtype_sweep:
         print("| parameters | float32 tok/s | bfloat16 tok/s | bf16 / f32 | auto picks |\n| --- | --- | --- | --- | --- |")
@@ -522,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
 
     results: list[Result] = []
-    weights = None
+    weights = rss_now = None
     if args.overhead:
         results += overhead(args)
     if args.in_process:
@@ -534,6 +738,7 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 results.append(asyncio.run(bench_http(args, level)))
             results[-1].peak_rss_gib = server.peak_rss_gib()
+            rss_now = server.peak_rss_gib("VmRSS")
             weights = asyncio.run(weight_bytes(server.url))
         finally:
             server.stop()
@@ -544,6 +749,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [r.summary() for r in results]
     print(markdown(rows))
+    if args.spawn and rss_now is not None:
+        print(f"\nserver memory after the runs: {rss_now:.2f} GiB resident (peak {results[-1].peak_rss_gib:.2f} GiB, loading included)")
     measured = {}
     if args.bandwidth:
         limits = memory_bandwidth()  # after the server stopped: its memory is free again

@@ -9,7 +9,11 @@
    fast path at batch 1, 8, 32, 64, and the memory-bandwidth limit measured in the same run.
 4. A real server (`phi2_server.py`, MAX_BATCH=64): time to ready, then bench.py at
    concurrency 1, 8, 32, 64. Prints a table; writes every number to --out.
-Not part of `make test` (CI has no GPU).
+5. quant: int8/int4 weight-only kernels on Phi-2's shapes (bench.py --quant-kernels), logits
+   against bfloat16 (--quant-quality), greedy ids; serve_quant: a server per PHI2_QUANTIZE at 1
+   and 64 clients. prompt_cache: a 1,000-token shared prefix, cache on against off
+   (bench.py --shared-prefix 1 and 8).
+`--only quant,prompt_cache` runs just those sections. Not part of `make test` (CI has no GPU).
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def parity(dtype: str) -> dict:
         with torch.inference_mode():
             reference = backend.model(ids).logits[0, -1].float()
         decoder = BatchedPhiDecoder(backend.fast_weights, 1, cuda_graphs=False)
-        fast = decoder._prefill([(0, ids[0].tolist(), 0)])[0].float()  # the prompt into slot 0
+        fast = decoder.logits_after(ids[0].tolist())
         decodable = backend.fast_weights.decodable  # the fast path masks the ids the tokenizer cannot decode
         result["max_abs_logit_diff_vs_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
         result["logit_scale"] = float(reference.abs().max())
@@ -166,10 +170,42 @@ def profile_step(backend) -> dict:
             "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:12]}
 
 
-def serve_and_bench(out: Path, compile: bool) -> dict:
-    out = out / f"serve-compile{int(compile)}"
+def quant_parity(method: str) -> dict:
+    """Greedy ids of quantized weights against bfloat16 on the fast path (CUDA graphs), 8 prompts."""
+    backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False))
+    prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
+    n = 32
+    reference = decode_together(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 8))
+    started = time.perf_counter()
+    quantized = backend.quantize(method)
+    seconds = time.perf_counter() - started
+    batched = decode_together(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 8))
+    alone = decode_alone(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 1))
+    result = {
+        "quantize_s": seconds,
+        "weight_bytes": sum(q.nbytes for q in quantized),
+        "tokens_same_as_bf16": sum(a == b for x, y in zip(reference, batched) for a, b in zip(x, y)),
+        "tokens": len(prompts) * n,
+        "batched_identical_to_alone": sum(a == b for a, b in zip(alone, batched)),
+    }
+    del backend, quantized
+    torch.cuda.empty_cache()
+    return result
+
+
+def run_bench(*arguments: str, env: dict | None = None, timeout: int = 500) -> str:
+    command = [sys.executable, str(ROOT / "bench.py"), *arguments]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    say(done.stdout)
+    say(done.stderr[-2000:])
+    return done.stdout
+
+
+def serve_and_bench(out: Path, compile: bool, quantize: str = "", concurrency: str = "1,8,32,64") -> dict:
+    out = out / f"serve-compile{int(compile)}{'-' + quantize if quantize else ''}"
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PHI2_COMPILE": str(int(compile)), "PHI2_MODEL": "random:phi-2", "MAX_BATCH": "64", "MAX_QUEUE": "256", "LOG_DIR": str(out / "logs"), "ADAPTER_PATH": ""}
+    env = {**os.environ, "PHI2_COMPILE": str(int(compile)), "PHI2_MODEL": "random:phi-2", "MAX_BATCH": "64", "MAX_QUEUE": "256",
+           "LOG_DIR": str(out / "logs"), "ADAPTER_PATH": "", "PHI2_QUANTIZE": quantize}
     port = 8321
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, str(ROOT / "phi2_server.py"), "--port", str(port)], env=env, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
@@ -190,8 +226,9 @@ def serve_and_bench(out: Path, compile: bool) -> dict:
     result = {"startup_to_ready_s": ready}
     say("server ready after", ready)
     if ready is not None:
-        command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", "1,8,32,64",
-                   "--max-tokens", "128", "--runs", "3", "--prompt", PROMPT, "--label", f"H200 compile={int(compile)}", "--json", str(out / "bench.json")]
+        label = f"H200 compile={int(compile)}" + (f" {quantize}" if quantize else "")
+        command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", concurrency,
+                   "--max-tokens", "128", "--runs", "3", "--prompt", PROMPT, "--label", label, "--json", str(out / "bench.json")]
         bench = subprocess.run(command, capture_output=True, text=True, timeout=600)
         say(bench.stdout)
         say(bench.stderr[-3000:])
@@ -210,10 +247,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--skip", default="", help="comma list to skip: parity,speed,serve0,serve1,compile,generate_dynamic,generate_static")
+    parser.add_argument("--only", default="", help="comma list of sections to run instead: parity,speed,serve0,serve1,quant,serve_quant,prompt_cache")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
+    only = set(filter(None, args.only.split(",")))
+    if only:  # every section not named is skipped
+        skip |= {"parity", "speed", "serve0", "serve1", "quant", "serve_quant", "prompt_cache"} - only
     SKIP.update(skip)
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
@@ -229,6 +270,25 @@ def main() -> int:
     for compile in (False, True):
         if f"serve{int(compile)}" not in skip:
             RESULTS[f"serve_compile{int(compile)}"] = serve_and_bench(out, compile)
+    if "quant" not in skip:
+        # Weight-only int8/int4 (PHI2_QUANTIZE): kernels, logits against bfloat16, greedy ids;
+        # then (serve_quant) a served model at 1 and 64 clients beside bfloat16 in the same run.
+        RESULTS["quant_kernels"] = run_bench("--quant-kernels")
+        RESULTS["quant_quality"] = run_bench("--quant-quality", env={"PHI2_MODEL": "random:phi-2"})
+        for method in ("int8", "int4"):
+            RESULTS[f"quant_parity_{method}"] = quant_parity(method)
+            say(method, RESULTS[f"quant_parity_{method}"])
+    if "serve_quant" not in skip:
+        for method in ("", "int8", "int4"):
+            RESULTS[f"serve_quant_{method or 'bf16'}"] = serve_and_bench(out, True, method, concurrency="1,64")
+    if "prompt_cache" not in skip:
+        # A 1,000-token shared prefix plus a short question: TTFT with the prompt cache against
+        # without, one client, then 8 at once.
+        for clients in ("1", "8"):
+            RESULTS[f"prompt_cache_shared_{clients}"] = run_bench(
+                "--shared-prefix", clients, "--prefix-tokens", "1000", "--max-tokens", "16", "--rounds", "5",
+                env={"PHI2_MODEL": "random:phi-2", "MAX_BATCH": "16"}, timeout=560,  # two servers on one GPU: 16 slots each
+            )
     (out / "results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     say(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("serve")}, indent=1, default=str))
     return 0
