@@ -692,34 +692,21 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as out:
                 json.dump(measured, out, indent=2)
         return 0
-    if args.quant_agreement:
-        print("| runtime | quantization | greedy ids equal to full precision | memorized lines equal |\n| --- | --- | --- | --- |")
-        rows = quant_agreement(args)
-        if args.json:
-            with open(args.json, "w") as out:
-                json.dump({"quant_agreement": rows}, out, indent=2)
-        return 0
-    if args.quant_quality:
-        print("| method | relative logit error, mean | max | same top-1 token | quantize at load, s |\n| --- | --- | --- | --- | --- |")
-        rows = quant_quality(args)
-        if args.json:
-            with open(args.json, "w") as out:
-                json.dump({"quant_quality": rows}, out, indent=2)
-        return 0
-    if args.quant_kernels:
-        print("| matrix | batch | kernel | ms | weight GB/s | vs bfloat16 |\n| --- | --- | --- | --- | --- | --- |")
-        rows = quant_kernels(args)
-        if args.json:
-            with open(args.json, "w") as out:
-                json.dump({"quant_kernels": rows}, out, indent=2)
-        return 0
-    if args.dtype_sweep:
-        print("| parameters | float32 tok/s | bfloat16 tok/s | bf16 / f32 | auto picks |\n| --- | --- | --- | --- | --- |")
-        rows = dtype_sweep(args)
-        if args.json:
-            with open(args.json, "w") as out:
-                json.dump({"dtype_sweep": rows}, out, indent=2)
-        return 0
+    # The one-table studies: (flag, the table's header, the study).
+    studies = [
+        (args.quant_agreement, "| runtime | quantization | greedy ids equal to full precision | memorized lines equal |", quant_agreement),
+        (args.quant_quality, "| method | relative logit error, mean | max | same top-1 token | quantize at load, s |", quant_quality),
+        (args.quant_kernels, "| matrix | batch | kernel | ms | weight GB/s | vs bfloat16 |", quant_kernels),
+        (args.dtype_sweep, "| parameters | float32 tok/s | bfloat16 tok/s | bf16 / f32 | auto picks |", dtype_sweep),
+    ]
+    for wanted, header, study in studies:
+        if wanted:
+            print(header + "\n|" + " --- |" * (header.count("|") - 1))
+            rows = study(args)
+            if args.json:
+                with open(args.json, "w") as out:
+                    json.dump({study.__name__: rows}, out, indent=2)
+            return 0
     if args.spawn or args.in_process or args.overhead:
         os.environ.setdefault("PHI2_MODEL", default_model())  # the spawned server inherits it
         args.label = args.label if args.label != "server" else os.environ["PHI2_MODEL"]
