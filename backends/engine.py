@@ -192,6 +192,7 @@ class Engine:
         self._thread = threading.Thread(target=self._main, name="generation-worker", daemon=True)
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._decoder: Decoder | None = None
+        self._finished: list[int] = []  # sequence ids that ended and are still in the decoder
         self._urgent = False
         self._flushed_at = 0.0
 
@@ -325,6 +326,7 @@ class Engine:
             for ticket in admitted:
                 self._start(decoder, backend, ticket)
             self._retire_ended(decoder, abort_reason)
+            self._remove_finished(decoder)
             if not self._running:
                 continue
             try:
@@ -336,11 +338,13 @@ class Engine:
                 log.exception("decode step failed")
                 for seq_id in list(self._running):
                     self._finish(seq_id, "error", decoder, f"generation failed: {exc}")
+                self._remove_finished(decoder)
                 decoder = self._decoder = self._new_decoder(backend)  # nothing of the old one is reused
                 continue
             now = time.perf_counter()
             for seq_id, token in tokens.items():
                 self._advance(decoder, backend, seq_id, token, now)
+            self._remove_finished(decoder)
             self.stats["busy_seconds"] += time.perf_counter() - started
 
     def _new_decoder(self, backend: Backend) -> Decoder:
@@ -430,13 +434,21 @@ class Engine:
                 running.ticket._emit(rest)
         self._complete(running.ticket, reason, running.count, running.first_at, running.last_at, error, running.cached)
         if decoder is not None:
-            # The end goes out first: removing may take a while (the decoder keeps the
-            # sequence's KV in its prompt cache).
-            self._flush(force=True)
+            self._finished.append(seq_id)  # removed from the decoder once the step's ends are out
+
+    def _remove_finished(self, decoder: Decoder) -> None:
+        """Remove the sequences that ended in this step from the decoder, after their ends went
+        out in one hand-over: removing may take a while (the decoder keeps a sequence's KV in
+        its prompt cache)."""
+        if not self._finished:
+            return
+        self._flush(force=True)
+        for seq_id in self._finished:
             try:
                 decoder.remove(seq_id)
             except Exception:  # a broken decoder is replaced; the request still got its end
                 log.exception("could not remove sequence %d", seq_id)
+        self._finished.clear()
 
     def _finish_unstarted(self, ticket: Ticket, reason: str, error: str | None = None) -> None:
         self._complete(ticket, reason, 0, None, None, error)

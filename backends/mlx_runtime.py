@@ -306,7 +306,6 @@ class SingleSequenceDecoder:
         cache, rest = self._prompts.fetch(sequence.prompt_ids)
         self._cache = cache if cache is not None else make_prompt_cache(self._backend.model)
         self._ids = list(sequence.prompt_ids)  # then the generated ones
-        self._stepped = False
         self._tokens = self._backend.generation(rest, sequence, self._cache)
         return len(sequence.prompt_ids) - len(rest)
 
@@ -315,7 +314,6 @@ class SingleSequenceDecoder:
             return {}
         token, _ = next(self._tokens)
         self._ids.append(int(token))
-        self._stepped = True
         return {self._sequence.id: int(token)}
 
     def remove(self, sequence_id: int) -> None:
@@ -323,7 +321,7 @@ class SingleSequenceDecoder:
             # Close the generator here, on the generation thread: it holds an MLX stream
             # context that must not be torn down by the garbage collector on another thread.
             self._tokens.close()
-            if self._stepped:  # its prefill completed; generate_step fed every token it gave
+            if len(self._ids) > len(self._sequence.prompt_ids):  # its prefill completed; generate_step fed every token it gave
                 held = self._cache[0].offset
                 self._prompts.store(self._ids[:held], self._cache)
             self._sequence = None

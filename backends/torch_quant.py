@@ -27,7 +27,7 @@ METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (128, 64, 32)
 
 
-def parse_method(requested: str, device: torch.device) -> str:
+def parse_method(requested: str) -> str:
     """PHI2_QUANTIZE on Torch: int8 (CPU, CUDA), int4 (CPU, CUDA), or off."""
     if requested in ("", "none", "0"):
         return ""
@@ -43,8 +43,16 @@ class QuantizedWeight:
     group_size: int | None
     out_features: int
     in_features: int
+    on_cuda: bool
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self._product(x.reshape(-1, self.in_features))
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] times the weight's transpose."""
         raise NotImplementedError
 
     @property
@@ -61,19 +69,14 @@ class Int8Weight(QuantizedWeight):
         self.scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
         self.qweight = (w / self.scales[:, None]).round().clamp(-128, 127).to(torch.int8).contiguous()
         self.scales = self.scales.to(weight.dtype)
-        # torch's int8pack kernel on the CPU; on CUDA it exists but measured 10x slower than
-        # bfloat16 at batch 1 on an H200 (BENCHMARKS.md), so the dequantizing product is used.
-        self.kernel = not weight.is_cuda
+        self.on_cuda = weight.is_cuda
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.kernel:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
-        else:  # fused with the matrix product when compiled (see the module docstring)
-            y = F.linear(flat, self.qweight.to(flat.dtype)) * self.scales
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's int8pack kernel on the CPU; on CUDA it exists but measured 10x slower than
+        # bfloat16 at batch 1 on an H200 (BENCHMARKS.md), so the weight is dequantized there.
+        if self.on_cuda:
+            return F.linear(x, self.qweight.to(x.dtype)) * self.scales
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     @property
     def nbytes(self) -> int:
@@ -104,15 +107,9 @@ class Int4Weight(QuantizedWeight):
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, self.INNER_K_TILES)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.on_cuda:
-            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        product = torch.ops.aten._weight_int4pack_mm if self.on_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+        return product(x, self.packed, self.group_size, self.scales_and_zeros)
 
     @property
     def nbytes(self) -> int:

@@ -124,7 +124,7 @@ class TorchBackend(TokenizerMethods):
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> "TorchBackend":
         device = pick_device(options.device)
-        method = parse_method(options.quantize, torch.device(device))
+        method = parse_method(options.quantize)
         refuse_mlx_quantized(path, options.model)
         transformers_logging.disable_progress_bar()  # the server log is for the server
         try:
@@ -299,7 +299,6 @@ class SingleSequenceDecoder:
         self._sequence = sequence
         self._cache = self._backend.new_cache()
         self._ids = list(sequence.prompt_ids)  # then the generated ones
-        self._stepped = False
         reused, nodes = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
         if reused:
             k = torch.cat([node.k[:, :, :n] for node, n in nodes], dim=2)
@@ -318,12 +317,11 @@ class SingleSequenceDecoder:
         token = sample(logits, sequence.sampling, self._generator)
         self._next_input = [token]
         self._ids.append(token)
-        self._stepped = True
         return {sequence.id: token}
 
     def remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
-            if self._stepped:  # its prefill completed
+            if len(self._ids) > len(self._sequence.prompt_ids):  # its prefill completed
                 self._store()
             self._sequence = None
             self._cache = None

@@ -41,6 +41,26 @@ class WrappedBackend:
         return self.inner.decoder(max_batch, prompt_cache_bytes)
 
 
+class WrappedDecoder:
+    """The Decoder contract, passed through to a real decoder; subclasses change `step`."""
+
+    def __init__(self, decoder: Decoder):
+        self.inner = decoder
+        self.capacity = decoder.capacity
+
+    def add(self, sequence: Sequence) -> int:
+        return self.inner.add(sequence)
+
+    def step(self) -> dict[int, int]:
+        return self.inner.step()
+
+    def remove(self, sequence_id: int) -> None:
+        self.inner.remove(sequence_id)
+
+    def prompt_cache_usage(self) -> PromptCacheUsage:
+        return self.inner.prompt_cache_usage()
+
+
 # -- failing -------------------------------------------------------------------------------------
 
 
@@ -55,26 +75,16 @@ class FailingBackend(WrappedBackend):
         return FailingDecoder(self.inner.decoder(max_batch, prompt_cache_bytes), self.after)
 
 
-class FailingDecoder:
+class FailingDecoder(WrappedDecoder):
     def __init__(self, decoder: Decoder, after: int):
-        self._decoder = decoder
-        self.capacity = decoder.capacity
+        super().__init__(decoder)
         self._left = after
-
-    def add(self, sequence: Sequence) -> int:
-        return self._decoder.add(sequence)
-
-    def prompt_cache_usage(self) -> PromptCacheUsage:
-        return self._decoder.prompt_cache_usage()
 
     def step(self) -> dict[int, int]:
         if self._left == 0:
             raise RuntimeError("simulated device failure")
         self._left -= 1
-        return self._decoder.step()
-
-    def remove(self, sequence_id: int) -> None:
-        self._decoder.remove(sequence_id)
+        return self.inner.step()
 
 
 # -- gated ---------------------------------------------------------------------------------------
@@ -123,28 +133,24 @@ class GatedBackend(WrappedBackend):
         return GatedDecoder(self.inner.decoder(max_batch, prompt_cache_bytes), self.gate)
 
 
-class GatedDecoder:
+class GatedDecoder(WrappedDecoder):
     def __init__(self, decoder: Decoder, gate: Gate):
-        self._decoder = decoder
+        super().__init__(decoder)
         self._gate = gate
-        self.capacity = decoder.capacity
         self._given: dict[int, int] = {}  # tokens handed to the engine, per sequence
         self._kept: dict[int, deque[int]] = {}  # tokens decoded but not handed over yet
         self._held: dict[int, bool] = {}
 
     def add(self, sequence: Sequence) -> int:
-        reused = self._decoder.add(sequence)
+        reused = self.inner.add(sequence)
         self._given[sequence.id] = 0
         self._kept[sequence.id] = deque()
         self._held[sequence.id] = self._gate.held(sequence)
         self._gate._count(+1)
         return reused
 
-    def prompt_cache_usage(self) -> PromptCacheUsage:
-        return self._decoder.prompt_cache_usage()
-
     def remove(self, sequence_id: int) -> None:
-        self._decoder.remove(sequence_id)
+        self.inner.remove(sequence_id)
         if self._given.pop(sequence_id, None) is not None:
             del self._kept[sequence_id], self._held[sequence_id]
             self._gate._count(-1)
@@ -155,7 +161,7 @@ class GatedDecoder:
     def step(self) -> dict[int, int]:
         must_step = any(self._may_advance(i) and not self._kept[i] for i in self._given)
         if must_step:
-            for sequence_id, token in self._decoder.step().items():
+            for sequence_id, token in self.inner.step().items():
                 self._kept[sequence_id].append(token)
         out = {}
         for sequence_id, kept in self._kept.items():
