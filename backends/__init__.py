@@ -28,9 +28,25 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class Sampling:
+    """How a sequence picks its next token. Both runtimes apply the same steps, in the order of
+    transformers' `generate`: logit_bias, repetition_penalty (prompt and generated ids), then
+    presence and frequency penalties (generated ids only, as OpenAI defines them); greedy takes
+    the argmax of that; sampling divides by the temperature, then keeps top_k, top_p and min_p."""
+
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off; a logit l of a seen id becomes l / p if l > 0, else l * p
+    presence_penalty: float = 0.0  # subtracted once from the logit of every id generated so far
+    frequency_penalty: float = 0.0  # subtracted once per time an id was generated so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits change before the choice: if not, greedy is the raw argmax."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +61,9 @@ class Sampling:
         return 1.0 / min(self.temperature, 1e4)
 
 
+MAX_LOGPROBS = 20  # the most alternatives a token may report (OpenAI's chat limit)
+
+
 @dataclass(frozen=True)
 class Sequence:
     """One generation as the decoder sees it."""
@@ -53,6 +72,27 @@ class Sequence:
     prompt_ids: list[int]
     sampling: Sampling
     max_new_tokens: int
+    logprobs: int | None = None  # report each generated token's logprob and this many alternatives (None: nothing)
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (the prompt is then prefilled whole)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model: the log-softmax of the raw logits in float32,
+    over the whole model vocabulary, from the pass that chose it. Temperature, penalties,
+    logit_bias and top_k/top_p/min_p do not apply (as vLLM's default: the model's own view)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the most likely ids at this position, most likely first
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """What a decode step reports for a sequence that asked for logprobs."""
+
+    token: TokenLogprob | None  # None only where the engine passes on a prompt's logprobs alone (max_tokens 0)
+    prompt: tuple[TokenLogprob, ...] | None = None  # with the first token, if prompt logprobs were asked for
 
 
 @dataclass(frozen=True)
@@ -111,8 +151,11 @@ class Decoder(Protocol):
 
         A sequence whose prompt is still being prefilled may have no token yet (a batch
         prefills a joining prompt over the next steps while the others keep decoding).
+        Sequences that asked for logprobs find them in `logprobs` until the next step.
         """
         ...
+
+    logprobs: dict[int, StepLogprobs]  # of the last step: {sequence id: its logprobs}, for those that asked
 
     def remove(self, sequence_id: int) -> None: ...
 
@@ -127,6 +170,16 @@ class Backend(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (logprobs show tokens one by one)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows: token-id prompts and logit_bias may use these (the model's
+        vocabulary may be larger; its extra ids are never generated)."""
+        ...
 
     def chat_prompt(self, messages: list[dict]) -> "ChatPrompt":
         """Chat messages ({role, content: str}) as a prompt, with the stops its format needs."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 
-from backends import Decoder, Sequence
+from backends import Decoder, Sequence, StepLogprobs
 
 
 @dataclass
@@ -20,6 +20,7 @@ class Driven:
     ids: dict[int, list[int]] = field(default_factory=dict)  # every sequence's generated ids
     finished: list[int] = field(default_factory=list)  # sequence ids in the order they ended
     cached: dict[int, int] = field(default_factory=dict)  # prompt ids each took from the prompt cache
+    logprobs: dict[int, list[StepLogprobs]] = field(default_factory=dict)  # of the sequences that asked, a step each
     steps: int = 0
 
 
@@ -52,6 +53,8 @@ def drive(
             out.steps = step
             return out
         tokens = decoder.step()
+        for seq_id, scores in decoder.logprobs.items():
+            out.logprobs.setdefault(seq_id, []).append(scores)
         if on_tokens is not None:
             on_tokens(step, tokens)
         for seq_id, token in tokens.items():

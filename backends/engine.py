@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from backends import Backend, Decoder, Detokenizer, PromptCacheUsage, Sampling, Sequence
+from backends import Backend, Decoder, Detokenizer, PromptCacheUsage, Sampling, Sequence, StepLogprobs
 
 log = logging.getLogger("phi2_server.engine")
 
@@ -57,46 +57,65 @@ class Summary:
 @dataclass(frozen=True)
 class Request:
     prompt_ids: list[int]
-    max_tokens: int
+    max_tokens: int  # 0 only with prompt_logprobs: score the prompt, generate nothing
     sampling: Sampling
     stop: tuple[str, ...] = ()
     received_at: float = 0.0  # time.perf_counter() when the HTTP request arrived
     timeout_s: float | None = None
     ignore_eos: bool = False  # benchmarks force the token count
+    logprobs: int | None = None  # each token's logprob and this many alternatives, as StepLogprobs events
+    prompt_logprobs: int | None = None  # the same for the prompt, with the first token's event
+
+
+Event = "str | StepLogprobs | Summary"  # text, a token's logprobs (before its text), the end
 
 
 class Ticket:
-    """A submitted request as its handler sees it: events in, cancel out."""
+    """A submitted request as its handler sees it: events in, cancel out.
 
-    def __init__(self, engine: "Engine", request: Request, loop: asyncio.AbstractEventLoop):
+    Tickets submitted together (`Engine.submit_all`: the choices of one HTTP request) share one
+    inbox of (index, event) pairs, so their handler waits on all of them at once."""
+
+    def __init__(self, engine: "Engine", request: Request, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue | None = None, index: int = 0):
         self.request = request
+        self.index = index
         self._sent_text = False
         self.cancelled = False
         self.summary: Summary | None = None
         self._engine = engine
         self._loop = loop
-        self._events: asyncio.Queue[str | Summary] = asyncio.Queue()
+        self._events: asyncio.Queue[tuple[int, Event]] = inbox if inbox is not None else asyncio.Queue()
 
-    async def next_events(self) -> list[str | Summary]:
+    async def next_events(self) -> list[Event]:
         """Wait for at least one event; return all that are ready (text pieces, then a Summary)."""
-        events = [await self._events.get()]
-        while not self._events.empty():
-            events.append(self._events.get_nowait())
-        return events
+        return [event for _, event in await _next_events(self._events)]
 
     def cancel(self) -> None:
         """The client is gone: leave the queue, or stop generating at the next step."""
         if self.summary is None:
             self._engine._cancel(self)
 
-    def _emit(self, event: str | Summary) -> None:
+    def _emit(self, event: Event) -> None:
         self._engine._send(self, event)
 
 
-def _deliver(batch: list[tuple[Ticket, str | Summary]]) -> None:
+async def next_events(tickets: list[Ticket]) -> list[tuple[int, Event]]:
+    """For tickets submitted together: wait for at least one (ticket index, event) pair; return
+    all that are ready, in order."""
+    return await _next_events(tickets[0]._events)
+
+
+async def _next_events(inbox: asyncio.Queue) -> list[tuple[int, Event]]:
+    events = [await inbox.get()]
+    while not inbox.empty():
+        events.append(inbox.get_nowait())
+    return events
+
+
+def _deliver(batch: list[tuple[Ticket, Event]]) -> None:
     """On the event loop: hand a decode step's events to their handlers."""
     for ticket, event in batch:
-        ticket._events.put_nowait(event)
+        ticket._events.put_nowait((ticket.index, event))
 
 
 class StopText:
@@ -215,15 +234,23 @@ class Engine:
         return decoder.prompt_cache_usage() if decoder is not None else PromptCacheUsage()
 
     def submit(self, request: Request) -> Ticket:
-        ticket = Ticket(self, request, asyncio.get_running_loop())
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[Ticket]:
+        """Queue requests together, all or none: their tickets share one inbox of (index, event)."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        tickets = [Ticket(self, request, loop, inbox, index) for index, request in enumerate(requests)]
         with self._cond:
             if self.status != "ok" or not self._accepting:
                 raise NotAccepting("shutting down" if self.status == "ok" else self.status)
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"all {self.max_queue} queue slots are taken")
-            self._waiting.append(ticket)
+            if len(self._waiting) + len(tickets) > self.max_queue:
+                if len(tickets) == 1:
+                    raise QueueFull(f"all {self.max_queue} queue slots are taken")
+                raise QueueFull(f"{len(tickets)} sequences need as many of the {self.max_queue} queue slots; {len(self._waiting)} are taken")
+            self._waiting.extend(tickets)
             self._cond.notify()
-        return ticket
+        return tickets
 
     @property
     def accepting(self) -> bool:
@@ -250,11 +277,13 @@ class Engine:
         if self._thread.is_alive() and self.status != "loading":
             self._thread.join(timeout)
 
-    def _send(self, ticket: Ticket, event: str | Summary) -> None:
+    def _send(self, ticket: Ticket, event: Event) -> None:
         """Queue an event for its handler. The worker hands events over in batches: one wake-up
         of the event loop per flush, not one per token and stream."""
         if threading.current_thread() is self._thread:
             self._outbox.setdefault(ticket._loop, []).append((ticket, event))
+            if isinstance(event, StepLogprobs):
+                return  # its text follows, and sets the pace
             if isinstance(event, Summary) or not ticket._sent_text:
                 self._urgent = True  # a first token (TTFT) or an end goes out at once
             ticket._sent_text = True
@@ -342,8 +371,9 @@ class Engine:
                 decoder = self._decoder = self._new_decoder(backend)  # nothing of the old one is reused
                 continue
             now = time.perf_counter()
+            scores = decoder.logprobs
             for seq_id, token in tokens.items():
-                self._advance(decoder, backend, seq_id, token, now)
+                self._advance(decoder, backend, seq_id, token, now, scores.get(seq_id))
             self._remove_finished(decoder)
             self.stats["busy_seconds"] += time.perf_counter() - started
 
@@ -376,7 +406,10 @@ class Engine:
         request = ticket.request
         seq_id = next(self._ids)
         try:
-            cached = decoder.add(Sequence(seq_id, request.prompt_ids, request.sampling, request.max_tokens))
+            logprobs = request.logprobs if request.prompt_logprobs is None else max(request.logprobs or 0, request.prompt_logprobs)
+            # A prompt scored alone (max_tokens 0) still computes its first token: its logits end the prefill.
+            sequence = Sequence(seq_id, request.prompt_ids, request.sampling, max(request.max_tokens, 1), logprobs, request.prompt_logprobs)
+            cached = decoder.add(sequence)
         except Exception as exc:
             log.exception("could not start a sequence")
             self._finish_unstarted(ticket, "error", f"generation failed: {exc}")
@@ -400,10 +433,18 @@ class Engine:
                 continue
             self._finish(seq_id, reason, decoder)
 
-    def _advance(self, decoder: Decoder, backend: Backend, seq_id: int, token: int, now: float) -> None:
+    def _advance(self, decoder: Decoder, backend: Backend, seq_id: int, token: int, now: float, scores: StepLogprobs | None) -> None:
         running = self._running.get(seq_id)
         if running is None:
             return
+        request = running.ticket.request
+        if request.max_tokens == 0:  # only the prompt's logprobs were asked for
+            if scores is not None:
+                running.ticket._emit(StepLogprobs(None, scores.prompt))
+            self._finish(seq_id, "length", decoder)
+            return
+        if scores is not None:
+            running.ticket._emit(scores if request.prompt_logprobs is not None or scores.prompt is None else StepLogprobs(scores.token))
         running.count += 1
         running.first_at = running.first_at or now
         running.last_at = now

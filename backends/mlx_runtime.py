@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,13 +16,15 @@ from mlx_lm import load as mlx_load
 from mlx_lm.utils import load_adapters, quantize_model
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_top_p, greedy_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from backends import (
-    LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, default_prompt_cache_bytes, physical_memory,
+    LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs, TokenLogprob,
+    default_prompt_cache_bytes, physical_memory,
 )
 from backends.adapters import find_adapter
+from backends.mlx_logprobs import token_logprobs
+from backends.mlx_sampling import logits_processors, make_sampler
 from backends.model_files import is_random
 from backends.text import TokenizerMethods, TokenizerText
 
@@ -63,34 +64,6 @@ class MlxDetokenizer:
         return piece
 
 
-def make_sampler(sampling: Sampling):
-    """Temperature first, then top-p (as transformers and the Torch runtime do), from mlx-lm's parts.
-
-    A sampled sequence draws from its own PRNG key, split once per token, never from MLX's
-    global state: in a batch every row is sampled in the same step, so a global seed could
-    not make one request reproducible whatever else is running. The key sequence is the
-    same in both decoders (each calls the sampler once per generated token), so a seed
-    gives the same text at any MAX_BATCH.
-    """
-    if sampling.greedy:
-        # One shared function: BatchGenerator samples a batch whose rows all share one
-        # sampler in a single call.
-        return greedy_sampler
-    inverse_temperature = sampling.scale
-    top_p = sampling.top_p
-    key = mx.random.key(sampling.seed if sampling.seed is not None else secrets.randbits(63))
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, subkey = mx.random.split(key)
-        scaled = logprobs * inverse_temperature
-        if top_p < 1.0:
-            scaled = apply_top_p(scaled, top_p)
-        return mx.random.categorical(scaled, key=subkey)
-
-    return sample
-
-
 class MlxBackend(TokenizerMethods):
     name = "mlx"
 
@@ -103,7 +76,9 @@ class MlxBackend(TokenizerMethods):
         self.max_batch = max_batch
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._skipped = frozenset(hf.all_special_ids) | frozenset(range(len(hf), self._model_vocab()))
-        self.logits_processors = self._mask_undecodable()
+        # Phi-2's model vocabulary exceeds its tokenizer's: the ids past it decode to nothing and
+        # are never chosen (the samplers' rule, as on Torch); logprobs still cover them.
+        self.decodable = self.text.vocab_size
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> "MlxBackend":
@@ -175,25 +150,34 @@ class MlxBackend(TokenizerMethods):
         weight = getattr(head, "weight", None)
         return int(weight.shape[0]) if weight is not None else self.text.vocab_size
 
-    def _mask_undecodable(self) -> list:
-        """Phi-2's model vocabulary exceeds its tokenizer's; those ids are never sampled (as on Torch)."""
-        decodable = self.text.vocab_size
-        vocab = self._model_vocab()
-        if vocab <= decodable:
-            return []
-        bias = mx.where(mx.arange(vocab) < decodable, 0.0, -mx.inf)
-        return [lambda tokens, logits: logits + bias]
-
     def generation(self, prompt: list[int], sequence: Sequence, cache: list):
         """mlx-lm's own token generator for one sequence: `prompt` is what `cache` lacks of it."""
+        sampler = self.sampler(sequence)
         return generate_step(
             mx.array(prompt),
             self.model,
             max_tokens=sequence.max_new_tokens,
-            sampler=make_sampler(sequence.sampling),
-            logits_processors=self.logits_processors,
+            sampler=sampler,
+            logits_processors=logits_processors(sampler),
             prompt_cache=cache,
         )
+
+    def sampler(self, sequence: Sequence):
+        return make_sampler(sequence.sampling, sequence.prompt_ids, self.decodable)
+
+    def score_prompt(self, sequence: Sequence) -> tuple[list | None, tuple[TokenLogprob, ...]]:
+        """Prefill all of a prompt but its last id, keeping the logits of every position: a cache
+        holding it (None for a one-id prompt), and the logprobs of prompt ids 1..n-1."""
+        prompt = sequence.prompt_ids
+        if len(prompt) < 2:
+            return None, ()
+        cache = make_prompt_cache(self.model)
+        scores = []
+        for start in range(0, len(prompt) - 1, PREFILL_STEP):
+            piece = prompt[start : min(start + PREFILL_STEP, len(prompt) - 1)]
+            logits = self.model(mx.array(piece)[None], cache=cache)[0]
+            scores += token_logprobs(logits, prompt[start + 1 : start + 1 + len(piece)], sequence.prompt_logprobs)
+        return cache, tuple(scores)
 
 
 def wrapped_tokenizer(wrapper):
@@ -295,6 +279,7 @@ class SingleSequenceDecoder:
         self._sequence: Sequence | None = None
         self._tokens = None
         self._prompts = PromptReuse(prompt_cache_bytes)
+        self.logprobs: dict[int, StepLogprobs] = {}
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self._prompts.usage()
@@ -303,18 +288,30 @@ class SingleSequenceDecoder:
         if self._sequence is not None:
             self.remove(self._sequence.id)
         self._sequence = sequence
-        cache, rest = self._prompts.fetch(sequence.prompt_ids)
+        self._prompt_scores = None
+        if sequence.prompt_logprobs is not None:
+            cache, self._prompt_scores = self._backend.score_prompt(sequence)
+            rest = sequence.prompt_ids[-1:] if cache is not None else sequence.prompt_ids
+        else:
+            cache, rest = self._prompts.fetch(sequence.prompt_ids)
         self._cache = cache if cache is not None else make_prompt_cache(self._backend.model)
         self._ids = list(sequence.prompt_ids)  # then the generated ones
         self._tokens = self._backend.generation(rest, sequence, self._cache)
-        return len(sequence.prompt_ids) - len(rest)
+        return len(sequence.prompt_ids) - len(rest) if self._prompt_scores is None else 0
 
     def step(self) -> dict[int, int]:
-        if self._sequence is None:
+        self.logprobs = {}
+        sequence = self._sequence
+        if sequence is None:
             return {}
-        token, _ = next(self._tokens)
-        self._ids.append(int(token))
-        return {self._sequence.id: int(token)}
+        token, logprobs = next(self._tokens)
+        token = int(token)
+        self._ids.append(token)
+        if sequence.logprobs is not None:
+            (score,) = token_logprobs(logprobs[None], [token], sequence.logprobs)
+            prompt, self._prompt_scores = self._prompt_scores, None
+            self.logprobs[sequence.id] = StepLogprobs(score, prompt)
+        return {sequence.id: token}
 
     def remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
@@ -361,6 +358,9 @@ class BatchDecoder:
         self._ids: dict[int, int] = {}  # BatchGenerator uid -> sequence id
         self._generating: set[int] = set()  # uids past their prefill
         self._prompts = PromptReuse(prompt_cache_bytes)
+        self._sequences: dict[int, Sequence] = {}  # uid -> its sequence
+        self._prompt_scores: dict[int, tuple[TokenLogprob, ...]] = {}  # uid -> its prompt's logprobs, until its first token
+        self.logprobs: dict[int, StepLogprobs] = {}
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self._prompts.usage()
@@ -378,19 +378,28 @@ class BatchDecoder:
                 prefill_batch_size=self.capacity,
                 prefill_step_size=self._prefill_step,
             )
-        cache, rest = self._prompts.fetch(sequence.prompt_ids)
+        scores = None
+        if sequence.prompt_logprobs is not None:  # prefilled here, whole: BatchGenerator keeps no prompt logits
+            cache, scores = self._backend.score_prompt(sequence)
+            rest = sequence.prompt_ids[-1:] if cache is not None else sequence.prompt_ids
+        else:
+            cache, rest = self._prompts.fetch(sequence.prompt_ids)
         reused = len(sequence.prompt_ids) - len(rest)
+        sampler = self._backend.sampler(sequence)
         (uid,) = self._generator.insert(
             [rest],
             max_tokens=[sequence.max_new_tokens],
             caches=[cache],
             all_tokens=[sequence.prompt_ids[:reused]],
-            samplers=[make_sampler(sequence.sampling)],
-            logits_processors=[self._backend.logits_processors],
+            samplers=[sampler],
+            logits_processors=[logits_processors(sampler)],  # the repetition penalty reads raw logits
         )
         self._uids[sequence.id] = uid
         self._ids[uid] = sequence.id
-        return reused
+        self._sequences[uid] = sequence
+        if scores is not None:
+            self._prompt_scores[uid] = scores
+        return reused if scores is None else 0
 
     def step(self) -> dict[int, int]:
         if self._generator is None:
@@ -400,12 +409,23 @@ class BatchDecoder:
         for cache, tokens in self._generator.extract_cache(prefilled).values():
             self._prompts.store(tokens, cache)
         out = {}
+        self.logprobs = {}
+        asking = []
         for r in generated:
             out[self._ids[r.uid]] = r.token
             self._generating.add(r.uid)
+            if self._sequences[r.uid].logprobs is not None:
+                asking.append(r)
             if r.finish_reason is not None:  # at its length limit BatchGenerator drops it itself
                 self._prompts.store(r.all_tokens, r.prompt_cache)
                 self._generating.discard(r.uid)
+        if asking:
+            top = max(self._sequences[r.uid].logprobs for r in asking)
+            scores = token_logprobs(mx.stack([r.logprobs.reshape(-1) for r in asking]), [r.token for r in asking], top)
+            for r, score in zip(asking, scores):
+                sequence = self._sequences[r.uid]
+                score = TokenLogprob(score.token, score.logprob, score.top[: sequence.logprobs])
+                self.logprobs[sequence.id] = StepLogprobs(score, self._prompt_scores.pop(r.uid, None))
         return out
 
     def remove(self, sequence_id: int) -> None:
@@ -413,6 +433,8 @@ class BatchDecoder:
         if uid is None:
             return
         del self._ids[uid]
+        self._sequences.pop(uid, None)
+        self._prompt_scores.pop(uid, None)
         generating = uid in self._generating
         self._generating.discard(uid)
         # Nothing more is computed for it from the next step; a sequence past its prefill

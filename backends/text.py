@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import codecs
+import functools
 from dataclasses import dataclass
+
+
+@functools.cache
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Phi's tokenizer uses it): each byte is one printable
+    character in a token's string. Character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
 
 
 class TokenizerText:
@@ -20,6 +37,20 @@ class TokenizerText:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its own text; an id past the
+        tokenizer's vocabulary: none). A byte-level token may hold part of a character."""
+        if not 0 <= token_id < self.vocab_size:
+            return b""
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        alphabet = byte_level_alphabet()
+        if token_id not in self.tokenizer.all_special_ids and all(c in alphabet for c in token):
+            return bytes(alphabet[c] for c in token)
+        if token_id in self.tokenizer.all_special_ids:
+            return token.encode()
+        return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode()  # other tokenizer kinds
 
     def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
         """The tokenizer's chat template when it has one, else Phi-2's model-card chat format."""
@@ -40,8 +71,39 @@ class TokenizerMethods:
     def decode(self, token_ids: list[int]) -> str:
         return self.text.decode(token_ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.text.token_bytes(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
     def chat_prompt(self, messages: list[dict]) -> "ChatPrompt":
         return self.text.chat_prompt(messages)
+
+
+def token_string(data: bytes) -> str:
+    """A token as text, as OpenAI shows it: the bytes of part of a character as `bytes:\\xNN`."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+class TextOffsets:
+    """Where each token's text starts in the decoded text, token after token (from `start`): a
+    token holding the end of a split character starts where that character does."""
+
+    def __init__(self, start: int = 0):
+        self.at = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def __call__(self, pieces: list[bytes]) -> list[int]:
+        offsets = []
+        for data in pieces:
+            offsets.append(self.at)
+            self.at += len(self._decoder.decode(data))
+        return offsets
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from backends import PromptCacheUsage, Sequence
+from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob
 from backends.prompt_cache import PrefixCache
+from backends.torch_logprobs import token_logprobs
 from backends.torch_quant import QuantizedWeight, linear, quantize_weight
-from backends.torch_sampling import sample, seeded_generator
+from backends.torch_sampling import TokenChooser
 
 log = logging.getLogger("phi2_server.torch_fast")
 
@@ -187,12 +188,15 @@ class _Launch:
 
 
 class _Slot:
-    def __init__(self, sequence: Sequence, generator):
+    def __init__(self, sequence: Sequence, chooser: TokenChooser):
         self.sequence = sequence
-        self.generator = generator
+        self.chooser = chooser
         self.cached = 0  # tokens in the cache: the prompt as far as prefilled, then the generated ones fed back
         self.next_token: int | None = None  # the input of the next decode step, once the prompt is in
         self.generated: list[int] = []
+        self.prompt_scores: list[TokenLogprob] = []  # prompt logprobs so far, if asked for
+        # The device's greedy argmax is its token: no logits to read back, and steps may chain.
+        self.plain = chooser.plain and sequence.logprobs is None
 
     def cached_ids(self) -> list[int]:
         """The ids whose keys and values are in the cache."""
@@ -237,6 +241,7 @@ class BatchedPhiDecoder:
         self._flip = 0
         self._inflight: _Launch | None = None
         self._stash: dict[int, int] | None = None
+        self.logprobs: dict[int, StepLogprobs] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
 
@@ -268,7 +273,7 @@ class BatchedPhiDecoder:
         if len(self.slots) >= self.rows:
             raise RuntimeError("no free row")
         self._drain()
-        return self._prefill([(len(self.slots), ids, 0)])[0].float()
+        return self._prefill([(len(self.slots), ids, 0)])[0][0].float()
 
     def _drain(self) -> None:
         """Read a step still in flight before the slots change under it."""
@@ -282,10 +287,12 @@ class BatchedPhiDecoder:
             raise RuntimeError("decoder is full")
         self._store_prompts()
         row = len(self.slots)
-        slot = _Slot(sequence, seeded_generator(sequence.sampling.seed, self.device))
+        slot = _Slot(sequence, TokenChooser(sequence.sampling, sequence.prompt_ids, self.weights.decodable, self.device))
         # A stored prefix goes straight into the slot's rows (at least the last prompt token is
-        # left to prefill: the first sampled token needs fresh logits).
-        reused, nodes = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
+        # left to prefill: the first sampled token needs fresh logits). Prompt logprobs need
+        # the logits of every prompt position: that prompt is prefilled whole.
+        limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
+        reused, nodes = self.prompts.match(sequence.prompt_ids, limit)
         if reused:
             self._grow(reused)
             at = 0
@@ -337,6 +344,7 @@ class BatchedPhiDecoder:
         prompt waits, steps are chained: the next step is launched, fed its tokens on the device,
         before this one's are read, so the GPU never waits for Python."""
         self._store_prompts()
+        self.logprobs = {}
         if self._stash is not None:  # read early, when a sequence left while a step was in flight
             produced, self._stash = self._stash, None
             return {i: t for i, t in produced.items() if i in self.index}
@@ -361,7 +369,7 @@ class BatchedPhiDecoder:
         return (
             self.use_graphs
             and len(launched.rows) == len(self.slots)  # nobody joined or waits for a prompt
-            and all(self.slots[i].sequence.sampling.greedy for i in launched.rows)
+            and all(self.slots[i].plain for i in launched.rows)
         )
 
     def _collect(self, launched: "_Launch") -> dict[int, int]:
@@ -372,14 +380,28 @@ class BatchedPhiDecoder:
         produced = {}
         for i in launched.rows:
             slot = self.slots[i]
-            token = greedy[i]
-            if not slot.sequence.sampling.greedy:  # its own generator, on its own logits row
-                token = sample(launched.logits[i], slot.sequence.sampling, slot.generator)
+            token = greedy[i] if slot.chooser.plain else slot.chooser.choose(launched.logits[i])
             slot.cached += 1  # its input token went into the cache in that step
             slot.next_token = token
             slot.generated.append(token)
             produced[slot.sequence.id] = token
+        self._report([(i, launched.logits[i], produced[self.slots[i].sequence.id]) for i in launched.rows])
         return produced
+
+    def _report(self, rows: list[tuple[int, torch.Tensor, int]]) -> None:
+        """Logprobs of the tokens just chosen, for the slots that asked: (slot, logits row, token)."""
+        asking = [(i, row, token) for i, row, token in rows if self.slots[i].sequence.logprobs is not None]
+        if not asking:
+            return
+        top = max(self.slots[i].sequence.logprobs for i, _, _ in asking)
+        scores = token_logprobs(torch.stack([row for _, row, _ in asking]), [token for _, _, token in asking], top)
+        for (i, _, _), score in zip(asking, scores):
+            slot = self.slots[i]
+            score = TokenLogprob(score.token, score.logprob, score.top[: slot.sequence.logprobs])
+            prompt = None
+            if slot.sequence.prompt_logprobs is not None and len(slot.generated) == 1:
+                prompt = tuple(slot.prompt_scores)
+            self.logprobs[slot.sequence.id] = StepLogprobs(score, prompt)
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -398,28 +420,42 @@ class BatchedPhiDecoder:
         groups: dict[int, list] = {}
         for part in parts:  # padding to the longest in a group wastes at most half of it
             groups.setdefault(len(part[1]).bit_length(), []).append(part)
-        produced = {}
+        produced, first = {}, []
         for group in groups.values():
-            logits = self._prefill(group)
-            greedy = logits.argmax(dim=-1).tolist()
-            for (i, ids, start), row, token in zip(group, logits, greedy):
+            scored = [r for r, (i, _, _) in enumerate(group) if self.slots[i].sequence.prompt_logprobs is not None]
+            logits, every = self._prefill(group, every_position=scored)
+            greedy = logits[:, : self.weights.decodable].argmax(dim=-1).tolist()
+            for r, ((i, ids, start), row, token) in enumerate(zip(group, logits, greedy)):
                 slot = self.slots[i]
+                if r in every:
+                    self._score_prompt(slot, every[r], start, len(ids))
                 slot.cached = start + len(ids)
                 if slot.cached == len(slot.sequence.prompt_ids):
-                    if not slot.sequence.sampling.greedy:
-                        token = sample(row, slot.sequence.sampling, slot.generator)
+                    if not slot.chooser.plain:
+                        token = slot.chooser.choose(row)
+                    first.append((i, row, token))
                     slot.next_token = token
                     slot.generated.append(token)
                     produced[slot.sequence.id] = token
                     # Its prompt, for requests that arrive while it generates: stored at the
                     # next step, so that copying it does not delay this first token.
                     self._to_store.append(slot.sequence.id)
+        self._report(first)
         return produced
 
+    def _score_prompt(self, slot: _Slot, logits: torch.Tensor, start: int, length: int) -> None:
+        """Logprobs of the prompt ids that a prefilled piece's logits predict (each position
+        predicts the next id, as far as the prompt goes)."""
+        prompt = slot.sequence.prompt_ids
+        predicted = prompt[start + 1 : start + length + 1]
+        if predicted:
+            slot.prompt_scores += token_logprobs(logits[: len(predicted)], predicted, slot.sequence.prompt_logprobs)
+
     @torch.inference_mode()
-    def _prefill(self, parts: list[tuple[int, list[int], int]]) -> torch.Tensor:
+    def _prefill(self, parts: list[tuple[int, list[int], int]], every_position: list[int] = ()) -> tuple[torch.Tensor, dict]:
         """Run prompt pieces (slot, ids, first position) through the model, padded to the longest;
-        write their keys and values to their slots; return each piece's last-token logits.
+        write their keys and values to their slots; return each piece's last-token logits, and
+        {piece: the logits of each of its positions} for the pieces in `every_position`.
 
         Padding writes past a piece's end, in columns its sequence has not reached: a decode
         step writes a column before any query reads it, and the mask hides the rest."""
@@ -444,7 +480,8 @@ class BatchedPhiDecoder:
         with prefill_attention():
             x = self._prefill_layers(x, cos, sin, mask, slots, positions, span)
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
-        return self._logits(x[torch.arange(n, device=self.device), last])
+        every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
+        return self._logits(x[torch.arange(n, device=self.device), last]), every
 
     def _prefill_layers(self, x, cos, sin, mask, slots, positions, span) -> torch.Tensor:
         w = self.weights
@@ -464,13 +501,11 @@ class BatchedPhiDecoder:
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The raw logits over the whole model vocabulary (logprobs are taken over all of it;
+        the choice of a token is limited to the ids the tokenizer can decode)."""
         w = self.weights
         x = F.layer_norm(x, (w.hidden,), *w.final_norm, w.eps)
-        logits = F.linear(x, *w.lm_head)
-        decodable = w.decodable
-        if logits.shape[-1] > decodable:
-            logits[:, decodable:] = float("-inf")
-        return logits
+        return F.linear(x, *w.lm_head)
 
     # -- decode ----------------------------------------------------------------------------------
 
@@ -526,7 +561,7 @@ class BatchedPhiDecoder:
         for l, layer in enumerate(w.layers):
             x = self._layer(x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *layer, shape=self._shape)
         logits = self._logits(x)
-        return logits, logits.argmax(dim=-1)
+        return logits, logits[:, : w.decodable].argmax(dim=-1)
 
     def _replay(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (batch, span)

@@ -17,14 +17,16 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as transformers_logging
 
 from backends import (
-    LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, default_prompt_cache_bytes, physical_memory,
+    LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs,
+    default_prompt_cache_bytes, physical_memory,
 )
 from backends.adapters import find_adapter, merge_lora_into_torch
 from backends.model_files import is_random
 from backends.prompt_cache import PrefixCache
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.torch_quant import QuantizedWeight, describe, parse_method, quantize_linears
-from backends.torch_sampling import sample, seeded_generator
+from backends.torch_logprobs import token_logprobs
+from backends.torch_sampling import TokenChooser
 
 log = logging.getLogger("phi2_server.torch")
 
@@ -234,15 +236,13 @@ class TorchBackend(TokenizerMethods):
         if isinstance(decoder, BatchedPhiDecoder):
             decoder.capture()  # CUDA graphs for the short lengths (nothing on the CPU)
 
-    def forward_last(self, input_ids: list[int], cache) -> torch.Tensor:
-        """Logits for the position after `input_ids`, extending `cache` in place."""
+    def forward(self, input_ids: list[int], cache, every_position: bool = False) -> torch.Tensor:
+        """Raw logits for the position after `input_ids` ([vocab]), or for each of its positions
+        ([len, vocab]), extending `cache` in place."""
         ids = torch.tensor([input_ids], device=self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-            logits = out.logits[0, -1]
-            if logits.shape[-1] > self.undecodable_from:
-                logits[self.undecodable_from :] = float("-inf")
-        return logits
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if every_position else 1, **{self._cache_kw: cache})
+        return out.logits[0] if every_position else out.logits[0, -1]
 
     def new_cache(self):
         try:
@@ -289,6 +289,7 @@ class SingleSequenceDecoder:
         self._backend = backend
         self._sequence: Sequence | None = None
         self._cache = None
+        self.logprobs: dict[int, StepLogprobs] = {}
         reusable = all(type(layer) is DynamicLayer for layer in backend.new_cache().layers)
         self.prompts = PrefixCache(prompt_cache_bytes if reusable else 0)
 
@@ -299,22 +300,34 @@ class SingleSequenceDecoder:
         self._sequence = sequence
         self._cache = self._backend.new_cache()
         self._ids = list(sequence.prompt_ids)  # then the generated ones
-        reused, nodes = self.prompts.match(sequence.prompt_ids, len(sequence.prompt_ids) - 1)
+        # Prompt logprobs need the logits of every prompt position: that prompt is prefilled whole.
+        limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
+        reused, nodes = self.prompts.match(sequence.prompt_ids, limit)
         if reused:
             k = torch.cat([node.k[:, :, :n] for node, n in nodes], dim=2)
             v = torch.cat([node.v[:, :, :n] for node, n in nodes], dim=2)
             for layer in range(k.shape[0]):  # the cache concatenates new tokens into fresh tensors
                 self._cache.update(k[layer, None], v[layer, None], layer)
         self._next_input = sequence.prompt_ids[reused:]
-        self._generator = seeded_generator(sequence.sampling.seed, self._backend.device)
+        self._chooser = TokenChooser(sequence.sampling, sequence.prompt_ids, self._backend.undecodable_from, self._backend.device)
         return reused
 
     def step(self) -> dict[int, int]:
+        self.logprobs = {}
         sequence = self._sequence
         if sequence is None:
             return {}
-        logits = self._backend.forward_last(self._next_input, self._cache)
-        token = sample(logits, sequence.sampling, self._generator)
+        prefill = len(self._ids) == len(sequence.prompt_ids)
+        scored = prefill and sequence.prompt_logprobs is not None
+        logits = self._backend.forward(self._next_input, self._cache, every_position=scored)
+        prompt = None
+        if scored:  # position i predicts prompt id i + 1; the last position, the first new token
+            prompt = tuple(token_logprobs(logits[:-1], sequence.prompt_ids[1:], sequence.prompt_logprobs))
+            logits = logits[-1]
+        token = self._chooser.choose(logits)
+        if sequence.logprobs is not None:
+            (score,) = token_logprobs(logits[None], [token], sequence.logprobs)
+            self.logprobs[sequence.id] = StepLogprobs(score, prompt)
         self._next_input = [token]
         self._ids.append(token)
         return {sequence.id: token}

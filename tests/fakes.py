@@ -31,6 +31,13 @@ class WrappedBackend:
     def decode(self, token_ids):
         return self.inner.decode(token_ids)
 
+    def token_bytes(self, token_id):
+        return self.inner.token_bytes(token_id)
+
+    @property
+    def vocab_size(self):
+        return self.inner.vocab_size
+
     def chat_prompt(self, messages):
         return self.inner.chat_prompt(messages)
 
@@ -53,6 +60,10 @@ class WrappedDecoder:
 
     def step(self) -> dict[int, int]:
         return self.inner.step()
+
+    @property
+    def logprobs(self):
+        return self.inner.logprobs
 
     def remove(self, sequence_id: int) -> None:
         self.inner.remove(sequence_id)
@@ -157,6 +168,10 @@ class GatedDecoder(WrappedDecoder):
 
     def _may_advance(self, sequence_id: int) -> bool:
         return self._gate.released or not self._held[sequence_id] or self._given[sequence_id] < self._gate.after
+
+    @property
+    def logprobs(self):
+        return {}  # held tokens come out later than their step: no gated test asks for logprobs
 
     def step(self) -> dict[int, int]:
         must_step = any(self._may_advance(i) and not self._kept[i] for i in self._given)

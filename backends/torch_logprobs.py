@@ -1,0 +1,25 @@
+"""Log-probabilities of chosen tokens on PyTorch, shared by both Torch decoders.
+
+The model's own distribution: log-softmax of the raw logits in float32 over the whole model
+vocabulary (ids the tokenizer cannot decode included, as any other scorer of the model sees
+them), whatever the sampling did to choose the token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends import TokenLogprob
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int) -> list[TokenLogprob]:
+    """For each row of `logits` ([n, vocab]), the logprob of its chosen id and its `top` most
+    likely ids (one log-softmax and one top-k for all rows, one copy to the host)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device)[:, None])[:, 0].tolist()
+    if top > 0:
+        values, ids = logprobs.topk(top, dim=-1)
+        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [()] * len(chosen)
+    return [TokenLogprob(token, logprob, alt) for token, logprob, alt in zip(chosen, picked, alternatives)]
