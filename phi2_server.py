@@ -39,8 +39,9 @@ from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from backends import Backend, LoadOptions, ModelLoadError, Sampling, load_backend, select_backend
-from backends.engine import Engine, NotAccepting, QueueFull, Request, Summary, Ticket
+from backends import MAX_LOGPROBS, Backend, LoadOptions, ModelLoadError, Sampling, StepLogprobs, TokenLogprob, load_backend, select_backend
+from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
+from backends.text import TextOffsets, token_string
 
 log = logging.getLogger("phi2_server")
 
@@ -84,6 +85,7 @@ class Settings:
     api_key: str = setting("", "API key(s) clients must send as Authorization: Bearer, comma-separated (empty: no keys)")
     api_key_file: str = setting("", "a file of API keys, one a line (# comments allowed)")
     rate_limit: int = setting(0, "requests a minute per key, or per client address without keys (0: no limit)")
+    served_model_name: str = setting("", "the model's names on the OpenAI API, comma-separated aliases (empty: PHI2_MODEL); the first is the one /v1/models lists first")
     cors_origins: str = setting("", "browser origins allowed to call the API, comma-separated, or * (empty: no CORS)")
 
     ENV = {
@@ -173,6 +175,23 @@ RECEIVED_AT: web.RequestKey[float] = web.RequestKey("received_at")
 # -- request validation -----------------------------------------------------------------------
 
 MAX_STOP = 4
+# Sampling beyond temperature and top_p, on both APIs (vLLM's names; the order they apply in:
+# backends.Sampling). Off by default.
+SAMPLING_PROPERTIES: dict[str, Any] = {
+    "top_k": {"type": "integer", "minimum": -1, "default": 0, "description": "keep the k most likely tokens (0 or -1: all)"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.0, "description": "drop tokens less likely than min_p times the most likely"},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100, "default": 1.0, "description": "transformers' repetition penalty over prompt and generated tokens (1: off)"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
+    "logit_bias": {
+        "type": "object",
+        "propertyNames": {"pattern": "[0-9]{1,9}"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "maxProperties": 1024,
+        "default": {},
+        "description": "{token id: added to its logit}, -100 to 100",
+    },
+}
 GENERATE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["prompt"],
@@ -196,6 +215,11 @@ GENERATE_SCHEMA: dict[str, Any] = {
         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1, "default": None},
         # Keep generating past end-of-text: benchmarks need a fixed token count.
         "ignore_eos": {"type": "boolean", "default": False},
+        **SAMPLING_PROPERTIES,
+        "logprobs": {
+            "type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS, "default": None,
+            "description": "report each generated token's logprob and this many most likely alternatives",
+        },
     },
 }
 
@@ -207,8 +231,8 @@ class Invalid(Exception):
 
 
 def _type_ok(value: Any, kind: str) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "integer":  # 16.0 is an integer, as JSON Schema counts (clients that write floats send it)
+        return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return isinstance(value, {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}[kind])
@@ -218,16 +242,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b and isinstance(a, bool) == isinstance(b, bool)  # True is not 1 here
 
 
-def check(value: Any, schema: dict, field: str) -> None:
-    """Validate against the small JSON Schema subset the request schemas use."""
+def check(value: Any, schema: dict, field: str) -> Any:
+    """Validate against the small JSON Schema subset the request schemas use; returns the value
+    with integral floats made integers where an integer is asked for."""
     if "anyOf" in schema:
         errors = []
         for option in schema["anyOf"]:
             try:
                 return check(value, option, field)
             except Invalid as exc:
-                errors.append(str(exc))
-        raise Invalid(field, " or ".join(errors) if len(errors) < 3 else errors[0])
+                errors.append(exc)
+        fitting = [e for e, option in zip(errors, schema["anyOf"]) if "type" in option and _type_ok(value, option["type"])]
+        if len(fitting) == 1 and "x-error" not in schema:  # the value is of that option's kind: its error says most
+            raise fitting[0]
+        messages = [str(e) for e in errors]
+        raise Invalid(field, schema.get("x-error", " or ".join(messages) if len(messages) < 3 else messages[0]))
     if "enum" in schema and not any(_same(value, allowed) for allowed in schema["enum"]):
         if schema.get("x-unsupported"):
             supported = [json.dumps(v) for v in schema["enum"] if v is not None]
@@ -240,7 +269,9 @@ def check(value: Any, schema: dict, field: str) -> None:
         finite = " (finite)" if "number" in kinds else ""
         raise Invalid(field, f"{field} must be {' or '.join(kinds)}{finite}")
     if value is None:
-        return
+        return value
+    if isinstance(value, float) and "integer" in kinds and "number" not in kinds:
+        value = int(value)
     if "minimum" in schema and value < schema["minimum"]:
         raise Invalid(field, f"{field} must be >= {schema['minimum']}")
     if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
@@ -261,20 +292,33 @@ def check(value: Any, schema: dict, field: str) -> None:
             raise Invalid(field, f"{field} must hold at least {schema['minItems']} item(s)")
         if len(value) > schema.get("maxItems", math.inf):
             raise Invalid(field, f"{field} may hold at most {schema['maxItems']} items")
-        for i, item in enumerate(value):
-            check(item, schema["items"], f"{field}[{i}]")
+        if "items" not in schema:  # an enum's list, checked whole above
+            return value
+        return [check(item, schema["items"], f"{field}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict) and "properties" in schema:
         def path(name: str) -> str:
             return name if field == "body" else f"{field}.{name}"
 
+        first = schema.get("x-check-first")  # the field that says what the object is (a content part's type)
+        if first in value:
+            check(value[first], schema["properties"][first], path(first))
         for name in schema.get("required", []):
             if name not in value:
                 raise Invalid(path(name), f"{path(name)} is required")
         properties = schema["properties"]
-        for name, item in value.items():
+        for name in value:
             if name not in properties:
                 raise Invalid(path(name), f"unknown field {path(name)!r}")
-            check(item, properties[name], path(name))
+        return {name: check(item, properties[name], path(name)) for name, item in value.items()}
+    if isinstance(value, dict) and "additionalProperties" in schema:  # a map, such as logit_bias
+        pattern = re.compile(schema["propertyNames"]["pattern"])
+        if len(value) > schema.get("maxProperties", math.inf):
+            raise Invalid(field, f"{field} may hold at most {schema['maxProperties']} entries")
+        for name in value:
+            if not pattern.fullmatch(name):
+                raise Invalid(field, f"{field} keys must be token ids, not {name!r}")
+        return {name: check(item, schema["additionalProperties"], f"{field}.{name}") for name, item in value.items()}
+    return value
 
 
 def with_defaults(body: dict, schema: dict) -> dict:
@@ -294,10 +338,20 @@ async def read_json(request: web.Request) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
 
 
+def without_nulls(value: Any) -> Any:
+    """Objects without their null members, at any depth: OpenAI's clients send null for an
+    optional field they leave unset (and in messages OpenAI itself returned)."""
+    if isinstance(value, dict):
+        return {name: without_nulls(item) for name, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
+
+
 def parse(body: Any, schema: dict) -> dict:
     """The validated parameters with defaults filled in, or a 422 naming the field."""
     try:
-        check(body, schema, "body")
+        body = check(body, schema, "body")
     except Invalid as exc:
         raise ApiError(422, str(exc), field=exc.field) from None
     return with_defaults(body, schema)
@@ -576,113 +630,204 @@ async def model_info(request: web.Request) -> web.Response:
 
 @dataclass(frozen=True)
 class Generation:
-    prompt: str
-    max_tokens: int
+    prompt: str | list[int]  # text, or token ids (OpenAI's completions take both)
+    max_tokens: int  # 0 only with prompt_logprobs: the prompt is scored, nothing generated
     max_tokens_given: bool  # False: a default, clipped to the context left instead of refused
     sampling: Sampling
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # each generated token's logprob and this many alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt (OpenAI's echo)
+    prompt_field: str = "prompt"  # the field a prompt too long for the context names
 
 
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
-async def submit(request: web.Request, gen: Generation) -> Ticket:
-    """Tokenize (off the loop), check the limits, and queue the request for the worker."""
-    received_at = request[RECEIVED_AT]
-    settings = request.app[SETTINGS]
-    if settings.log_prompts:
-        request[LOG_FACTS]["prompt"] = gen.prompt[:100]
-    engine = engine_ready(request)
-    backend = engine.backend
+def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None) -> Sampling:
+    return Sampling(
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        top_k=max(params["top_k"], 0),
+        min_p=params["min_p"],
+        repetition_penalty=params["repetition_penalty"],
+        presence_penalty=params["presence_penalty"],
+        frequency_penalty=params["frequency_penalty"],
+        logit_bias=tuple(sorted((int(token), float(bias)) for token, bias in params["logit_bias"].items())),
+    )
+
+
+async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation) -> list[int]:
+    if isinstance(gen.prompt, list):
+        if not all(0 <= token < backend.vocab_size for token in gen.prompt):
+            raise ApiError(422, f"{gen.prompt_field} holds a token id outside the vocabulary (0 to {backend.vocab_size - 1})", field=gen.prompt_field)
+        return gen.prompt
     # Tokenizing a long prompt takes milliseconds: off the loop, on the app's own small pool.
     loop = asyncio.get_running_loop()
-    prompt_ids = await loop.run_in_executor(request.app[TOKENIZER_POOL], backend.encode, gen.prompt)
-    context = backend.info.context_length
-    room = context - len(prompt_ids)
-    if not prompt_ids:
-        raise ApiError(422, "prompt encodes to no tokens", field="prompt")
-    if room < 1:
-        raise ApiError(422, f"prompt is {len(prompt_ids)} tokens; the context window is {context} tokens", field="prompt")
-    max_tokens = gen.max_tokens
-    limit = settings.max_tokens_limit
-    if limit and max_tokens > limit:
-        raise ApiError(422, f"max_tokens is {max_tokens}; this server allows at most {limit} (MAX_TOKENS_LIMIT)", field="max_tokens")
-    if not gen.max_tokens_given:
-        max_tokens = min(max_tokens, room)
-    elif max_tokens > room:
-        raise ApiError(
+    return await loop.run_in_executor(request.app[TOKENIZER_POOL], backend.encode, gen.prompt)
+
+
+def too_long(request: web.Request, gen: Generation, prompt_tokens: int, max_tokens: int | None, context: int) -> ApiError:
+    """A prompt (and completion) beyond the context window: OpenAI's wording and code on /v1,
+    which clients such as litellm recognise (ContextWindowExceededError)."""
+    if not is_openai(request):
+        if max_tokens is None:
+            return ApiError(422, f"prompt is {prompt_tokens} tokens; the context window is {context} tokens", field=gen.prompt_field)
+        return ApiError(
             422,
-            f"max_tokens is {max_tokens}, but the prompt is {len(prompt_ids)} tokens and the context "
-            f"window is {context}: at most {room} tokens can be generated",
+            f"max_tokens is {max_tokens}, but the prompt is {prompt_tokens} tokens and the context "
+            f"window is {context}: at most {context - prompt_tokens} tokens can be generated",
             field="max_tokens",
         )
-    job = Request(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        sampling=gen.sampling,
-        stop=gen.stop,
-        received_at=received_at,
-        timeout_s=settings.request_timeout or None,
-        ignore_eos=gen.ignore_eos,
+    where = "messages" if gen.prompt_field == "messages" else "prompt"
+    asked = prompt_tokens + (max_tokens or 0)
+    return ApiError(
+        400,
+        f"This model's maximum context length is {context} tokens. However, you requested {asked} tokens "
+        f"({prompt_tokens} in the {where}, {max_tokens or 0} in the completion). Please reduce the length of the {where} or completion.",
+        field=gen.prompt_field,
+        code="context_length_exceeded",
     )
+
+
+async def submit(request: web.Request, gens: list[Generation]) -> list[Ticket]:
+    """Tokenize (off the loop), check the limits, and queue the requests for the worker, all or
+    none: the choices of one HTTP request."""
+    received_at = request[RECEIVED_AT]
+    settings = request.app[SETTINGS]
+    if settings.log_prompts and isinstance(gens[0].prompt, str):
+        request[LOG_FACTS]["prompt"] = gens[0].prompt[:100]
+    engine = engine_ready(request)
+    backend = engine.backend
+    context = backend.info.context_length
+    jobs, encoded = [], {}
+    for gen in gens:
+        key = gen.prompt if isinstance(gen.prompt, str) else tuple(gen.prompt)
+        if key not in encoded:  # the n choices of a prompt share its tokens
+            encoded[key] = await prompt_ids_of(request, backend, gen)
+        prompt_ids = encoded[key]
+        if any(not 0 <= token < backend.vocab_size for token, _ in gen.sampling.logit_bias):
+            raise ApiError(422, f"logit_bias holds a token id outside the vocabulary (0 to {backend.vocab_size - 1})", field="logit_bias")
+        room = context - len(prompt_ids)
+        if not prompt_ids:
+            raise ApiError(422, "prompt encodes to no tokens", field=gen.prompt_field)
+        if room < 1 and not (gen.max_tokens == 0 and room == 0):
+            raise too_long(request, gen, len(prompt_ids), None, context)
+        max_tokens = gen.max_tokens
+        limit = settings.max_tokens_limit
+        if limit and max_tokens > limit:
+            raise ApiError(422, f"max_tokens is {max_tokens}; this server allows at most {limit} (MAX_TOKENS_LIMIT)", field="max_tokens")
+        if not gen.max_tokens_given:
+            max_tokens = min(max_tokens, room)
+        elif max_tokens > room:
+            raise too_long(request, gen, len(prompt_ids), max_tokens, context)
+        jobs.append(
+            Request(
+                prompt_ids=prompt_ids,
+                max_tokens=max_tokens,
+                sampling=gen.sampling,
+                stop=gen.stop,
+                received_at=received_at,
+                timeout_s=settings.request_timeout or None,
+                ignore_eos=gen.ignore_eos,
+                logprobs=gen.logprobs,
+                prompt_logprobs=gen.prompt_logprobs,
+            )
+        )
     try:
-        return engine.submit(job)
+        return engine.submit_all(jobs)
     except QueueFull as exc:
         raise ApiError(503, f"server busy: {exc}", retry_after=2) from None
     except NotAccepting as exc:
         raise ApiError(503, f"not accepting requests: {exc}", retry_after=5) from None
 
 
+def combined(summaries: list[Summary]) -> Summary:
+    """One summary for the request log and metrics: the choices' tokens added up."""
+    first = summaries[0]
+    if len(summaries) == 1:
+        return first
+    return dataclasses.replace(
+        first,
+        tokens_used=sum(s.tokens_used for s in summaries),
+        cached_tokens=sum(s.cached_tokens for s in summaries),
+        finish_reason=next((s.finish_reason for s in summaries if s.finish_reason not in ("stop", "length")), first.finish_reason),
+    )
+
+
 def note_summary(request: web.Request, summary: Summary) -> None:
     request[LOG_FACTS].update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason, summary=summary)
 
 
-async def collect(request: web.Request, ticket: Ticket) -> tuple[str, Summary]:
-    """The whole text and the summary; an unfinished generation is an error answer."""
-    pieces: list[str] = []
+def raise_unfinished(summary: Summary) -> None:
+    """An error answer for a generation that did not finish (whole responses only)."""
+    reason = summary.finish_reason
+    if reason == "error":
+        raise ApiError(500, summary.error or "generation failed")
+    if reason == "timeout":
+        raise ApiError(504, f"generation did not finish within REQUEST_TIMEOUT ({summary.total_ms / 1000:.1f} s)")
+    if reason == "shutdown" and summary.tokens_used == 0:
+        raise ApiError(503, "the server is shutting down", retry_after=5)
+
+
+@dataclass
+class Answer:
+    """One choice as it comes back: its text, its tokens' logprobs, its summary."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[StepLogprobs] = field(default_factory=list)
+    summary: Summary | None = None
+
+
+async def collect(request: web.Request, tickets: list[Ticket]) -> list[Answer]:
+    """Every choice whole; an unfinished generation is an error answer."""
+    answers = [Answer() for _ in tickets]
     try:
-        while True:
-            for event in await ticket.next_events():
+        while any(a.summary is None for a in answers):
+            for index, event in await next_events(tickets):
+                answer = answers[index]
                 if isinstance(event, str):
-                    pieces.append(event)
-                    continue
-                note_summary(request, event)
-                reason = event.finish_reason
-                if reason == "error":
-                    raise ApiError(500, event.error or "generation failed")
-                if reason == "timeout":
-                    raise ApiError(504, f"generation did not finish within REQUEST_TIMEOUT ({event.total_ms / 1000:.1f} s)")
-                if reason == "shutdown" and event.tokens_used == 0:
-                    raise ApiError(503, "the server is shutting down", retry_after=5)
-                return "".join(pieces), event
+                    answer.text.append(event)
+                elif isinstance(event, StepLogprobs):
+                    answer.logprobs.append(event)
+                else:
+                    answer.summary = event
+        note_summary(request, combined([a.summary for a in answers]))
+        for answer in answers:
+            raise_unfinished(answer.summary)
+        return answers
     finally:
-        ticket.cancel()  # no-op when finished; stops the worker when the client went away
+        for ticket in tickets:
+            ticket.cancel()  # no-op when finished; stops the worker when the client went away
 
 
 async def stream(
     request: web.Request,
-    ticket: Ticket,
+    tickets: list[Ticket],
     content_type: str,
-    render_text: Callable[[str], str],
-    render_end: Callable[[Summary], str],
+    render: Callable[[int, Event], str],
     first: str = "",
+    last: Callable[[list[Summary]], str] = lambda summaries: "",
 ) -> web.StreamResponse:
-    """Write each piece of text as the worker decodes it, then the end; stop if the client goes."""
+    """Write each choice's events as the worker sends them (`render(index, event)`), then `last`
+    once every choice has ended; stop if the client goes."""
     facts = request[LOG_FACTS]
     response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
     response.enable_chunked_encoding()
     started = time.perf_counter()
+    summaries: dict[int, Summary] = {}
     try:
         while True:
-            chunks, summary = [] if response.prepared else [first], None
-            for event in await ticket.next_events():
-                if isinstance(event, str):
-                    chunks.append(render_text(event))
-                else:
-                    summary = event
-                    chunks.append(render_end(event))
+            chunks = [] if response.prepared else [first]
+            for index, event in await next_events(tickets):
+                if isinstance(event, Summary):
+                    summaries[index] = event
+                chunks.append(render(index, event))
+            done = len(summaries) == len(tickets)
+            if done:
+                chunks.append(last([summaries[i] for i in range(len(tickets))]))
             if not response.prepared:
                 # Headers go out with the first text, so a queued request has not answered yet
                 # and a client sees one consistent first byte.
@@ -691,15 +836,16 @@ async def stream(
             data = "".join(chunks)
             if data:
                 await response.write(data.encode())
-            if summary is not None:
-                note_summary(request, summary)
+            if done:
+                note_summary(request, combined([summaries[i] for i in range(len(tickets))]))
                 await response.write_eof()
                 return response
     except ConnectionResetError:
         facts["client_closed"] = True
         return response
     finally:
-        ticket.cancel()
+        for ticket in tickets:
+            ticket.cancel()
 
 
 # -- native API ---------------------------------------------------------------------------------
@@ -710,9 +856,10 @@ def native_generation(params: dict, body: dict) -> Generation:
         prompt=params["prompt"],
         max_tokens=params["max_tokens"],
         max_tokens_given="max_tokens" in body,
-        sampling=Sampling(params["temperature"], params["top_p"], params["seed"]),
+        sampling=sampling_of(params, params["temperature"], params["top_p"], params["seed"]),
         stop=stop_tuple(params["stop"]),
         ignore_eos=params["ignore_eos"],
+        logprobs=params["logprobs"],
     )
 
 
@@ -732,55 +879,99 @@ def summary_fields(request: web.Request, summary: Summary, backend: Backend) -> 
     return fields_
 
 
+def native_logprobs(backend: Backend, scores: list[StepLogprobs]) -> list[dict]:
+    """The native shape: one entry a generated token, {id, token, logprob, top: [{id, token, logprob}]}."""
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"id": token, "token": token_string(backend.token_bytes(token)), "logprob": logprob}
+
+    return [{**entry(s.token.token, s.token.logprob), "top": [entry(t, lp) for t, lp in s.token.top]} for s in scores]
+
+
 async def generate(request: web.Request) -> web.Response:
     body = await read_json(request)
     params = parse(body, GENERATE_SCHEMA)
-    ticket = await submit(request, native_generation(params, body))
-    text, summary = await collect(request, ticket)
-    return web.json_response({"text": text, **summary_fields(request, summary, request.app[ENGINE].backend)})
+    tickets = await submit(request, [native_generation(params, body)])
+    (answer,) = await collect(request, tickets)
+    backend = request.app[ENGINE].backend
+    out = {"text": "".join(answer.text), **summary_fields(request, answer.summary, backend)}
+    if params["logprobs"] is not None:
+        out["logprobs"] = native_logprobs(backend, answer.logprobs)
+    return web.json_response(out)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    """NDJSON: `{"token": ...}` lines as text is decoded, then one `{"done": true, ...}` line."""
+    """NDJSON: `{"token": ...}` lines as text is decoded, then one `{"done": true, ...}` line.
+    With logprobs, each line carries those of the tokens whose text it brings (a token that
+    brings no text of its own, such as end-of-text, comes in a line of its own before the end)."""
     body = await read_json(request)
     params = parse(body, GENERATE_SCHEMA)
-    ticket = await submit(request, native_generation(params, body))
+    tickets = await submit(request, [native_generation(params, body)])
     backend = request.app[ENGINE].backend
-    return await stream(
-        request,
-        ticket,
-        "application/x-ndjson",
-        lambda text: json.dumps({"token": text}, ensure_ascii=False) + "\n",
-        lambda summary: json.dumps({"done": True, **summary_fields(request, summary, backend)}) + "\n",
-    )
+    pending: list[StepLogprobs] = []
+
+    def line(text: str) -> str:
+        out = {"token": text}
+        if params["logprobs"] is not None:
+            out["logprobs"] = native_logprobs(backend, pending)
+            pending.clear()
+        return json.dumps(out, ensure_ascii=False) + "\n"
+
+    def render(index: int, event: Event) -> str:
+        if isinstance(event, StepLogprobs):
+            pending.append(event)
+            return ""
+        if isinstance(event, str):
+            return line(event)
+        rest = line("") if pending else ""
+        return rest + json.dumps({"done": True, **summary_fields(request, event, backend)}) + "\n"
+
+    return await stream(request, tickets, "application/x-ndjson", render)
 
 
 # -- OpenAI-compatible API ----------------------------------------------------------------------
 # The same worker, limits and log as the native routes; OpenAI's wire format and defaults.
-# Parameters this server cannot honour are refused with a 400 rather than ignored.
+# Unset optional fields may come as null, and what a local server can ignore is accepted (user,
+# store, metadata, service_tier ...); a field that asks for what this server cannot do (tools,
+# audio, response_format other than text) is a 400 that names it. README, "OpenAI API".
+
+MAX_CHOICES = 16  # n and best_of: each choice is a sequence of its own in the batch
+MAX_PROMPTS = 64  # prompts in one completions request (lm-eval sends a batch of them)
 
 
 def _unsupported(*allowed: Any) -> dict:
     return {"enum": [None, *allowed], "x-unsupported": True}
 
 
-STOP_SCHEMA = {"anyOf": [{"type": "null"}, *GENERATE_SCHEMA["properties"]["stop"]["anyOf"]]}
+def _ignored(kind: str) -> dict:
+    return {"type": kind, "description": "accepted and ignored"}
+
+
+STOP_SCHEMA = GENERATE_SCHEMA["properties"]["stop"]
 OPENAI_COMMON = {
     "model": {"type": "string"},
-    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2, "default": 1.0},
-    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1.0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
     "stop": STOP_SCHEMA,
     "seed": GENERATE_SCHEMA["properties"]["seed"],
-    "stream": {"type": ["boolean", "null"], "default": False},
-    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
-    "user": {"type": "string"},  # harmless to ignore
-    "n": _unsupported(1),
-    "logprobs": _unsupported(False),
-    "presence_penalty": _unsupported(0),
-    "frequency_penalty": _unsupported(0),
-    "logit_bias": _unsupported({}),
+    "stream": {"type": "boolean", "default": False},
+    "stream_options": {
+        "type": "object",
+        "properties": {"include_usage": {"type": "boolean"}, "include_obfuscation": _ignored("boolean")},
+        "default": {},
+    },
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "default": 1},
+    **SAMPLING_PROPERTIES,
+    "ignore_eos": GENERATE_SCHEMA["properties"]["ignore_eos"],  # vLLM's: benchmark clients send it
+    "user": _ignored("string"),
+    "store": _ignored("boolean"),
+    "metadata": _ignored("object"),
+    "service_tier": _ignored("string"),
+    "prompt_cache_key": _ignored("string"),
+    "safety_identifier": _ignored("string"),
 }
+TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 COMPLETIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["prompt"],
@@ -789,29 +980,41 @@ COMPLETIONS_SCHEMA: dict[str, Any] = {
         "prompt": {
             "anyOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-            ]
+                {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"type": "string", "minLength": 1}},
+                TOKEN_IDS,
+                {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": TOKEN_IDS},
+            ],
+            "x-error": f"prompt must be a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either (none empty)",
         },
         # OpenAI's default is 16, applied in v1_completions: a schema default here would count
         # as asked for, and refuse a prompt that leaves less room instead of clipping to it.
-        "max_tokens": OPENAI_COMMON["max_tokens"],
-        "echo": _unsupported(False),
-        "best_of": _unsupported(1),
+        # 0 scores the prompt alone (with echo).
+        "max_tokens": {"type": "integer", "minimum": 0},
+        "echo": {"type": "boolean", "default": False},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+        "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
         "suffix": _unsupported(""),
     },
 }
 CONTENT_PART = {
     "type": "object",
     "required": ["type", "text"],
-    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+    "properties": {"type": {"enum": ["text"], "x-unsupported": True}, "text": {"type": "string"}},
+    "x-check-first": "type",
 }
 MESSAGE = {
     "type": "object",
-    "required": ["role", "content"],
+    "required": ["role"],
     "properties": {
         "role": {"enum": ["system", "developer", "user", "assistant"]},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART}]},
         "name": {"type": "string"},
+        # What OpenAI puts in the assistant messages it returns: clients send them back as they are.
+        "refusal": _ignored("string"),
+        "annotations": {"type": "array", "items": {}, "description": "accepted and ignored"},
+        "audio": _unsupported(),
+        "tool_calls": _unsupported([]),
+        "function_call": _unsupported(),
     },
 }
 CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI has no default cap; a local server wants one
@@ -821,45 +1024,82 @@ CHAT_SCHEMA: dict[str, Any] = {
     "properties": {
         **OPENAI_COMMON,
         "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
-        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "top_logprobs": _unsupported(0),
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "logprobs": {"type": "boolean", "default": False},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+        "parallel_tool_calls": _ignored("boolean"),
         "tools": _unsupported([]),
-        "tool_choice": _unsupported("none"),
-        "parallel_tool_calls": _unsupported(),
+        "tool_choice": _unsupported("none", "auto"),
         "functions": _unsupported([]),
-        "function_call": _unsupported("none"),
+        "function_call": _unsupported("none", "auto"),
         "response_format": _unsupported({"type": "text"}),
+        "modalities": _unsupported(["text"]),
+        "audio": _unsupported(),
+        "prediction": _unsupported(),
+        "web_search_options": _unsupported(),
     },
 }
 
 
-def model_name(request: web.Request) -> str:
-    return request.app[SETTINGS].model
+def served_names(request: web.Request) -> list[str]:
+    """The names the model answers to on /v1: SERVED_MODEL_NAME's aliases, else PHI2_MODEL."""
+    settings = request.app[SETTINGS]
+    return [name.strip() for name in settings.served_model_name.split(",") if name.strip()] or [settings.model]
 
 
-def check_model(request: web.Request, params: dict) -> None:
-    if params["model"] not in (None, model_name(request)):
-        raise ApiError(404, f"The model {params['model']!r} does not exist; this server serves {model_name(request)!r}", field="model", code="model_not_found")
+def model_named(request: web.Request, name: str | None) -> str:
+    """The name to answer with: the one the request used, if it is one of the served names."""
+    names = served_names(request)
+    if name is None:
+        return names[0]
+    if name not in names:
+        raise ApiError(404, f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))}", field="model", code="model_not_found")
+    return name
 
 
-def openai_generation(prompt: str, max_tokens: int | None, default_max: int, params: dict, extra_stop: tuple[str, ...] = ()) -> Generation:
-    temperature = params["temperature"] if params["temperature"] is not None else 1.0
-    top_p = params["top_p"] if params["top_p"] is not None else 1.0
-    return Generation(
-        prompt=prompt,
-        max_tokens=max_tokens or default_max,
-        max_tokens_given=max_tokens is not None,
-        sampling=Sampling(temperature, top_p, params["seed"]),
-        stop=stop_tuple(params["stop"]) + extra_stop,
-    )
+def openai_params(body: Any, schema: dict) -> dict:
+    """Validated /v1 parameters: nulls count as absent; the defaults OpenAI documents."""
+    params = parse(without_nulls(body), schema)
+    if params.get("top_logprobs") is not None and not params.get("logprobs"):
+        raise ApiError(400, "top_logprobs needs logprobs: true", field="top_logprobs")
+    return params
 
 
-def usage(summary: Summary) -> dict:
+def openai_generations(params: dict, prompt: str | list[int], copies: int, max_tokens: int | None, default_max: int, **options) -> list[Generation]:
+    """`copies` generations of one prompt (the choices n or best_of); a seed gives each its own
+    (seed, seed + 1, ...): reproducible, yet not n copies of one text."""
+    seed = params["seed"]
+    return [
+        Generation(
+            prompt=prompt,
+            max_tokens=default_max if max_tokens is None else max_tokens,
+            max_tokens_given=max_tokens is not None,
+            sampling=sampling_of(params, params["temperature"], params["top_p"], None if seed is None else (seed + i) % 2**63),
+            ignore_eos=params["ignore_eos"],
+            **options,
+        )
+        for i in range(copies)
+    ]
+
+
+def check_sequences(request: web.Request, gens: list[Generation]) -> None:
+    limit = request.app[SETTINGS].max_queue
+    if len(gens) > limit:
+        raise ApiError(400, f"this request asks for {len(gens)} sequences (prompts x choices); the server queues at most {limit} (MAX_QUEUE)", field="n")
+
+
+def usage(summaries: list[Summary], prompts: int) -> dict:
+    """Token counts of a request: each prompt counted once (its `copies` choices share it),
+    every choice's tokens."""
+    copies = len(summaries) // prompts
+    prompt_summaries = summaries[::copies]
+    prompt_tokens = sum(s.prompt_tokens for s in prompt_summaries)
+    completion = sum(s.tokens_used for s in summaries)
     return {
-        "prompt_tokens": summary.prompt_tokens,
-        "completion_tokens": summary.tokens_used,
-        "total_tokens": summary.prompt_tokens + summary.tokens_used,
-        "prompt_tokens_details": {"cached_tokens": summary.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompt_summaries)},
     }
 
 
@@ -867,50 +1107,163 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def openai_answer(request: web.Request, params: dict, gen: Generation, kind: str) -> web.StreamResponse:
-    """One completion (kind "text_completion") or chat completion, whole or as Server-Sent Events."""
-    ticket = await submit(request, gen)
-    chat = kind == "chat.completion"
-    head = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": model_name(request),
-    }
-    trim = LeadingSpace() if chat else None
+def sse_error(summary: Summary) -> str:
+    return sse({"error": {"message": summary.error, "type": "server_error", "param": None, "code": None}})
+
+
+def response_head(name: str, kind: str) -> dict:
+    return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": name}
+
+
+class CompletionLogprobs:
+    """The legacy completions' logprobs of one choice ({tokens, token_logprobs, top_logprobs,
+    text_offset}), built as its tokens come: `top_logprobs` holds the `k` most likely tokens and
+    the chosen one (so up to k + 1, as OpenAI says); offsets count from the prompt's start."""
+
+    def __init__(self, backend: Backend, k: int, offset: int):
+        self.backend, self.k, self.offsets = backend, k, TextOffsets(offset)
+
+    def shape(self, entries: list[tuple[int, float | None, tuple]]) -> dict:
+        pieces = [self.backend.token_bytes(token) for token, _, _ in entries]
+        offsets = self.offsets(pieces)
+        tops = []
+        for (token, logprob, top), piece in zip(entries, pieces):
+            if logprob is None:  # a prompt's first token: nothing predicts it
+                tops.append(None)
+                continue
+            alternatives = {token_string(self.backend.token_bytes(t)): lp for t, lp in top[: self.k]}
+            alternatives.setdefault(token_string(piece), logprob)
+            tops.append(alternatives)
+        return {
+            "tokens": [token_string(piece) for piece in pieces],
+            "token_logprobs": [logprob for _, logprob, _ in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def prompt_entries(prompt_ids: list[int], scores: list[StepLogprobs]) -> list[tuple[int, float | None, tuple]]:
+        scored = next((s.prompt for s in scores if s.prompt is not None), ())
+        return [(prompt_ids[0], None, ())] + [(t.token, t.logprob, t.top) for t in scored]
+
+    @staticmethod
+    def token_entries(scores: list[StepLogprobs]) -> list[tuple[int, float | None, tuple]]:
+        return [(s.token.token, s.token.logprob, s.token.top) for s in scores if s.token is not None]
+
+
+def chat_logprobs(backend: Backend, scores: list[StepLogprobs], k: int) -> dict:
+    """Chat's logprobs: {content: [{token, logprob, bytes, top_logprobs: [...]}], refusal: null}."""
+
+    def entry(token: int, logprob: float) -> dict:
+        piece = backend.token_bytes(token)
+        return {"token": token_string(piece), "logprob": logprob, "bytes": list(piece)}
+
+    content = [{**entry(s.token.token, s.token.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.token.top[:k]]} for s in scores if s.token]
+    return {"content": content, "refusal": None}
+
+
+def mean_logprob(answer: Answer) -> float:
+    """best_of's measure: the mean logprob of a choice's tokens (OpenAI: "the highest log
+    probability per token")."""
+    values = [s.token.logprob for s in answer.logprobs if s.token is not None]
+    return sum(values) / len(values) if values else -math.inf
+
+
+async def v1_models(request: web.Request) -> web.Response:
+    engine = engine_ready(request)
+    return web.json_response({"object": "list", "data": [model_card(engine, name) for name in served_names(request)]})
+
+
+async def v1_model(request: web.Request) -> web.Response:
+    engine = engine_ready(request)
+    return web.json_response(model_card(engine, model_named(request, request.match_info["model"])))
+
+
+def model_card(engine: Engine, name: str) -> dict:
+    created = int(time.time() - (time.perf_counter() - engine.loaded_at))
+    return {"id": name, "object": "model", "created": created, "owned_by": "phi2-server"}
+
+
+async def v1_completions(request: web.Request) -> web.StreamResponse:
+    params = openai_params(await read_json(request), COMPLETIONS_SCHEMA)
+    name = model_named(request, params["model"])
+    prompt = params["prompt"]
+    # One prompt or several; a prompt is text or token ids.
+    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+    n, echo, k = params["n"], params["echo"], params["logprobs"]
+    best_of = params["best_of"] or n
+    if best_of < n:
+        raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", field="best_of")
+    if best_of > n and params["stream"]:
+        raise ApiError(400, "best_of cannot be streamed: the best choices are known only at the end", field="best_of")
+    if params["max_tokens"] == 0 and not echo:
+        raise ApiError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", field="max_tokens")
+    scored = k if k is not None else (0 if best_of > n else None)  # best_of ranks by logprob
+    options = dict(stop=stop_tuple(params["stop"]), logprobs=scored, prompt_logprobs=k if echo else None)
+    gens = [g for p in prompts for g in openai_generations(params, p, best_of, params["max_tokens"], 16, **options)]
+    check_sequences(request, gens)
+    tickets = await submit(request, gens)
+    backend = request.app[ENGINE].backend
+
+    def prompt_text(i: int) -> str:
+        return prompts[i] if isinstance(prompts[i], str) else backend.decode(prompts[i])
+
     if not params["stream"]:
-        text, summary = await collect(request, ticket)
-        text = trim.strip(text) if trim else text
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=summary.finish_reason)
-        return web.json_response({**head, "choices": [choice], "usage": usage(summary)})
+        answers = await collect(request, tickets)
+        choices = []
+        for p in range(len(prompts)):
+            group = list(zip(tickets, answers))[p * best_of : (p + 1) * best_of]
+            if best_of > n:
+                group = sorted(group, key=lambda pair: mean_logprob(pair[1]), reverse=True)[:n]
+            for j, (ticket, answer) in enumerate(group):
+                text = "".join(answer.text)
+                logprobs = None
+                if k is not None:
+                    prefix = prompt_text(p)
+                    shaper = CompletionLogprobs(backend, k, 0 if echo else len(prefix))
+                    entries = CompletionLogprobs.token_entries(answer.logprobs)
+                    if echo:
+                        entries = CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, answer.logprobs) + entries
+                    logprobs = shaper.shape(entries)
+                choices.append({"index": p * n + j, "text": prompt_text(p) + text if echo else text, "logprobs": logprobs, "finish_reason": answer.summary.finish_reason})
+        body = {**response_head(name, "text_completion"), "choices": choices, "usage": usage([a.summary for a in answers], len(prompts))}
+        return web.json_response(body)
 
-    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    include_usage = bool((params["stream_options"] or {}).get("include_usage"))
+    head = response_head(name, "text_completion")
+    include_usage = bool(params["stream_options"].get("include_usage"))
+    pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
+    echoed: set[int] = set()
+    shapers = {i: CompletionLogprobs(backend, k or 0, 0 if echo else len(prompt_text(i // n))) for i in range(len(tickets))}
 
-    def chunk(delta: str | None = None, finish: str | None = None, role: bool = False) -> str:
-        if chat:
-            content = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": content}
-        else:
-            choice = {"index": 0, "text": delta or ""}
-        payload = {**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
+    def chunk(index: int, text: str, entries: list | None = None, finish: str | None = None) -> str:
+        logprobs = shapers[index].shape(entries) if k is not None and entries else None
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        payload = {**head, "choices": [choice]}
         return sse({**payload, "usage": None} if include_usage else payload)
 
-    def render_text(text: str) -> str:
-        text = trim.strip(text) if trim else text
-        return chunk(text) if text else ""
+    def render(index: int, event: Event) -> str:
+        out = ""
+        if echo and index not in echoed:  # the prompt first, with its logprobs
+            echoed.add(index)
+            prompt_ids = tickets[index].request.prompt_ids
+            scores = [event] if isinstance(event, StepLogprobs) else []
+            out = chunk(index, prompt_text(index // n), CompletionLogprobs.prompt_entries(prompt_ids, scores))
+        if isinstance(event, StepLogprobs):
+            pending[index].append(event)
+            return out
+        entries = CompletionLogprobs.token_entries(pending[index])
+        pending[index].clear()
+        if isinstance(event, str):
+            return out + chunk(index, event, entries)
+        if event.finish_reason == "error":  # the SDKs raise on an error event
+            return out + sse_error(event)
+        return out + chunk(index, "", entries, finish=event.finish_reason)
 
-    def render_end(summary: Summary) -> str:
-        if summary.finish_reason == "error":  # the SDKs raise on an error event
-            return sse({"error": {"message": summary.error, "type": "server_error", "param": None, "code": None}}) + sse("[DONE]")
-        end = chunk(finish=summary.finish_reason)
-        if include_usage:
-            end += sse({**head, "choices": [], "usage": usage(summary)})
+    def last(summaries: list[Summary]) -> str:
+        end = sse({**head, "choices": [], "usage": usage(summaries, len(prompts))}) if include_usage else ""
         return end + sse("[DONE]")
 
-    first = chunk(role=True) if chat else ""
-    return await stream(request, ticket, "text/event-stream", render_text, render_end, first=first)
+    return await stream(request, tickets, "text/event-stream", render, last=last)
 
 
 class LeadingSpace:
@@ -926,31 +1279,75 @@ class LeadingSpace:
         return text
 
 
-async def v1_models(request: web.Request) -> web.Response:
-    engine = engine_ready(request)
-    created = int(time.time() - (time.perf_counter() - engine.loaded_at))
-    model = {"id": model_name(request), "object": "model", "created": created, "owned_by": "phi2-server"}
-    return web.json_response({"object": "list", "data": [model]})
-
-
-async def v1_completions(request: web.Request) -> web.StreamResponse:
-    params = parse(await read_json(request), COMPLETIONS_SCHEMA)
-    check_model(request, params)
-    prompt = params["prompt"] if isinstance(params["prompt"], str) else params["prompt"][0]
-    return await openai_answer(request, params, openai_generation(prompt, params["max_tokens"], 16, params), "text_completion")
+def chat_messages(params: dict) -> list[dict]:
+    messages = []
+    for i, m in enumerate(params["messages"]):
+        content = m.get("content")
+        if content is None:
+            if m["role"] != "assistant":  # an assistant turn that only called tools has none
+                raise ApiError(400, f"messages[{i}].content is required", field=f"messages[{i}].content")
+            content = ""
+        messages.append({"role": m["role"], "content": content if isinstance(content, str) else "".join(p["text"] for p in content)})
+    return messages
 
 
 async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
-    params = parse(await read_json(request), CHAT_SCHEMA)
-    check_model(request, params)
-    messages = [
-        {"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])}
-        for m in params["messages"]
-    ]
-    prompt = engine_ready(request).backend.chat_prompt(messages)
+    params = openai_params(await read_json(request), CHAT_SCHEMA)
+    name = model_named(request, params["model"])
+    backend = engine_ready(request).backend
+    prompt = backend.chat_prompt(chat_messages(params))
+    n = params["n"]
+    k = (params["top_logprobs"] or 0) if params["logprobs"] else None
     max_tokens = params["max_completion_tokens"] or params["max_tokens"]
-    gen = openai_generation(prompt.text, max_tokens, CHAT_DEFAULT_MAX_TOKENS, params, prompt.stop)
-    return await openai_answer(request, params, gen, "chat.completion")
+    options = dict(stop=stop_tuple(params["stop"]) + prompt.stop, logprobs=k, prompt_field="messages")
+    gens = openai_generations(params, prompt.text, n, max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
+    check_sequences(request, gens)
+    tickets = await submit(request, gens)
+
+    if not params["stream"]:
+        answers = await collect(request, tickets)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": LeadingSpace().strip("".join(answer.text)), "refusal": None},
+                "logprobs": chat_logprobs(backend, answer.logprobs, k) if k is not None else None,
+                "finish_reason": answer.summary.finish_reason,
+            }
+            for i, answer in enumerate(answers)
+        ]
+        body = {**response_head(name, "chat.completion"), "choices": choices, "usage": usage([a.summary for a in answers], 1)}
+        return web.json_response(body)
+
+    head = response_head(name, "chat.completion.chunk")
+    include_usage = bool(params["stream_options"].get("include_usage"))
+    trims = [LeadingSpace() for _ in tickets]
+    pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
+
+    def chunk(index: int, delta: dict, finish: str | None = None) -> str:
+        logprobs = None
+        if k is not None and pending[index]:
+            logprobs = chat_logprobs(backend, pending[index], k)
+            pending[index].clear()
+        payload = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        return sse({**payload, "usage": None} if include_usage else payload)
+
+    def render(index: int, event: Event) -> str:
+        if isinstance(event, StepLogprobs):
+            pending[index].append(event)
+            return ""
+        if isinstance(event, str):
+            text = trims[index].strip(event)
+            return chunk(index, {"content": text}) if text else ""  # its logprobs wait for text
+        if event.finish_reason == "error":  # the SDKs raise on an error event
+            return sse_error(event)
+        return chunk(index, {}, finish=event.finish_reason)
+
+    def last(summaries: list[Summary]) -> str:
+        end = sse({**head, "choices": [], "usage": usage(summaries, 1)}) if include_usage else ""
+        return end + sse("[DONE]")
+
+    first = "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(tickets)))
+    return await stream(request, tickets, "text/event-stream", render, first=first, last=last)
 
 
 # -- metrics (Prometheus, through prometheus-client) ------------------------------------------------
@@ -1094,26 +1491,121 @@ SUMMARY_PROPERTIES = {
     },
     "error": ERROR_SCHEMA["properties"]["error"],
 }
+TOKEN_LOGPROB = {
+    "type": "object",
+    "required": ["id", "token", "logprob"],
+    "properties": {"id": {"type": "integer"}, "token": {"type": "string"}, "logprob": {"type": "number"}},
+}
+NATIVE_LOGPROBS = {
+    "type": "array",
+    "description": "with logprobs: one entry a generated token (end-of-text included), and its most likely alternatives",
+    "items": {**TOKEN_LOGPROB, "properties": {**TOKEN_LOGPROB["properties"], "top": {"type": "array", "items": TOKEN_LOGPROB}}},
+}
 GENERATE_RESPONSE_SCHEMA = {
     "type": "object",
     "required": ["text", "request_id", "tokens_used", "prompt_tokens", "cached_tokens", "finish_reason", "model", "backend", "timings"],
-    "properties": {"text": {"type": "string"}, **SUMMARY_PROPERTIES},
+    "properties": {"text": {"type": "string"}, **SUMMARY_PROPERTIES, "logprobs": NATIVE_LOGPROBS},
+}
+# The /v1 answers, as far as this server fills them (OpenAI's own description has the rest).
+OPENAI_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+        }
+    },
+}
+MODEL_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": {"type": "string"}},
+}
+USAGE_SCHEMA = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+}
+FINISH_REASON = {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]}
+COMPLETION_RESPONSE_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"}, "model": {"type": "string"},
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "text", "logprobs", "finish_reason"],
+                "properties": {
+                    "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": FINISH_REASON,
+                    "logprobs": {
+                        "type": ["object", "null"],
+                        "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+                        "properties": {
+                            "tokens": {"type": "array", "items": {"type": "string"}},
+                            "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                            "top_logprobs": {"type": "array", "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}}},
+                            "text_offset": {"type": "array", "items": {"type": "integer"}},
+                        },
+                    },
+                },
+            },
+        },
+        "usage": USAGE_SCHEMA,
+    },
+}
+CHAT_TOKEN_LOGPROB = {
+    "type": "object",
+    "required": ["token", "logprob", "bytes"],
+    "properties": {"token": {"type": "string"}, "logprob": {"type": "number"}, "bytes": {"type": "array", "items": {"type": "integer"}}},
+}
+CHAT_RESPONSE_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"}, "model": {"type": "string"},
+        "choices": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "message", "logprobs", "finish_reason"],
+                "properties": {
+                    "index": {"type": "integer"}, "finish_reason": FINISH_REASON,
+                    "message": {"type": "object", "required": ["role", "content"], "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                    "logprobs": {
+                        "type": ["object", "null"],
+                        "required": ["content"],
+                        "properties": {"content": {"type": "array", "items": {**CHAT_TOKEN_LOGPROB, "properties": {**CHAT_TOKEN_LOGPROB["properties"], "top_logprobs": {"type": "array", "items": CHAT_TOKEN_LOGPROB}}}}},
+                    },
+                },
+            },
+        },
+        "usage": USAGE_SCHEMA,
+    },
 }
 
 
 def openapi_document() -> dict:
-    def answers(ok: dict, *errors: int, media: str = "application/json") -> dict:
+    def answers(ok: dict, *errors: int, media: str = "application/json", error: dict = ERROR_SCHEMA) -> dict:
         out = {"200": {"description": "OK", "content": {media: {"schema": ok}}}}
         for status in errors:
-            out[str(status)] = {"description": HTTPStatus(status).phrase, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+            out[str(status)] = {"description": HTTPStatus(status).phrase, "content": {"application/json": {"schema": error}}}
         return out
+
+    def openai_post(summary: str, request: dict, response: dict) -> dict:
+        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error=OPENAI_ERROR_SCHEMA)
+        ok["200"]["content"]["text/event-stream"] = {"schema": {"type": "string", "description": "with stream: Server-Sent Events of chunks, then data: [DONE]"}}
+        return {"post": {"summary": summary, **guarded, "requestBody": {"required": True, "content": {"application/json": {"schema": request}}}, "responses": ok}}
 
     guarded = {"security": [{}, {"bearer": []}]}  # a key is needed when PHI2_API_KEY is set
     generation_errors = (400, 401, 413, 422, 429, 500, 503, 504)
     stream_line = "One JSON object per line: {\"token\": text} as text is decoded, then {\"done\": true, ...the summary}."
     return {
         "openapi": "3.1.0",
-        "info": {"title": "phi2-server", "version": VERSION, "description": "The native API (the OpenAI-compatible /v1 routes follow OpenAI's description)."},
+        "info": {"title": "phi2-server", "version": VERSION, "description": "The native API, and the OpenAI-compatible /v1 routes as far as this server fills OpenAI's shapes (request fields: what is accepted; null counts as absent on /v1)."},
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {
             "/health": {"get": {"summary": "Liveness", "responses": answers(HEALTH_SCHEMA)}},
@@ -1136,6 +1628,21 @@ def openapi_document() -> dict:
                 }
             },
             "/metrics": {"get": {"summary": "Prometheus metrics", **guarded, "responses": answers({"type": "string"}, 401, media="text/plain")}},
+            "/v1/models": {
+                "get": {
+                    "summary": "The served model names (OpenAI)", **guarded,
+                    "responses": answers({"type": "object", "required": ["object", "data"], "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL_SCHEMA}}}, 401, 429, 503, error=OPENAI_ERROR_SCHEMA),
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One served model name (OpenAI)", **guarded,
+                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": answers(MODEL_SCHEMA, 401, 404, 429, 503, error=OPENAI_ERROR_SCHEMA),
+                }
+            },
+            "/v1/completions": openai_post("Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, COMPLETION_RESPONSE_SCHEMA),
+            "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, CHAT_RESPONSE_SCHEMA),
         },
     }
 
@@ -1214,6 +1721,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", v1_models)
+    app.router.add_get("/v1/models/{model:.+}", v1_model)  # an id may hold slashes (microsoft/phi-2)
     app.router.add_post("/v1/completions", v1_completions)
     app.router.add_post("/v1/chat/completions", v1_chat_completions)
     return app

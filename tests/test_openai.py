@@ -132,8 +132,12 @@ def test_sampling_with_a_seed_is_reproducible(sdk):
     [
         ({"temperature": 3}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"n": 17}, "n"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"extra_body": {"audio": {"voice": "alloy", "format": "wav"}}}, "audio"),
+        ({"extra_body": {"modalities": ["text", "audio"]}}, "modalities"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
         ({"extra_body": {"wat": 1}}, "wat"),
         ({"messages": []}, "messages"),
@@ -200,7 +204,9 @@ async def test_raw_errors_have_openai_shape(client):
     assert (await response.json())["error"]["type"] == "invalid_request_error"
     response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000})
     assert response.status == 400  # over the context window: a 422 on the native route
-    assert (await response.json())["error"]["param"] == "max_tokens"
+    error = (await response.json())["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert error["message"].startswith("This model's maximum context length is 512 tokens. However, you requested 10001 tokens (1 in the prompt, 10000 in the completion)")
 
 
 async def test_sse_disconnect_stops_generation(make_client, backend):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from conftest import LiveServer
-from phi2_server import GENERATE_SCHEMA, Settings, create_app
+from phi2_server import CHAT_SCHEMA, COMPLETIONS_SCHEMA, GENERATE_SCHEMA, Settings, create_app
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
@@ -28,6 +28,8 @@ def from_schema(schema: dict) -> st.SearchStrategy:
         return st.one_of([from_schema(s) for s in schema["anyOf"]])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
+    if "type" not in schema:  # anything
+        return JSON
     kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
     options = []
     for kind in kinds:
@@ -90,7 +92,11 @@ def conforms(document: dict, path: str, method: str, status: int, media: str, da
         Draft202012Validator(content[media]["schema"]).validate(json.loads(data))
     elif media == "application/x-ndjson":
         lines = [json.loads(line) for line in data.decode("utf-8").splitlines()]
-        assert all(set(line) == {"token"} for line in lines[:-1]) and lines[-1]["done"] is True
+        assert all(set(line) in ({"token"}, {"token", "logprobs"}) for line in lines[:-1]) and lines[-1]["done"] is True
+    elif media == "text/event-stream":
+        events = [line.removeprefix("data: ") for line in data.decode("utf-8").splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert all("choices" in json.loads(e) or "error" in json.loads(e) for e in events[:-1])
 
 
 def test_the_document_uses_the_validation_schema(document):
@@ -113,3 +119,26 @@ def test_fuzz_generation_from_the_document(server, document, body, stream):
 def test_every_described_get_answers_as_described(server, document, path):
     status, media, data = call(server, "GET", path)
     conforms(document, path, "GET", status, media, data)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    body=st.one_of(
+        from_schema(COMPLETIONS_SCHEMA),
+        from_schema(COMPLETIONS_SCHEMA).map(lambda b: {**b, "prompt": "Once upon"}),
+        from_schema(CHAT_SCHEMA),
+        from_schema(CHAT_SCHEMA).map(lambda b: {**b, "messages": [{"role": "user", "content": "Hi"}], "tools": [], "audio": None}),
+        JSON,
+    ),
+)
+def test_fuzz_openai_routes_from_the_document(server, document, body):
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    status, media, data = call(server, "POST", path, json.dumps(body).encode())
+    assert status < 500, data
+    conforms(document, path, "POST", status, media, data)
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/nope"])
+def test_the_model_routes_answer_as_described(server, document, path):
+    status, media, data = call(server, "GET", path)
+    conforms(document, "/v1/models/{model}" if path != "/v1/models" else path, "GET", status, media, data)

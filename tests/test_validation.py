@@ -21,7 +21,7 @@ VALID = {"prompt": "Hello"}
         ({**VALID, "max_tokens": 0}, "max_tokens"),
         ({**VALID, "max_tokens": -3}, "max_tokens"),
         ({**VALID, "max_tokens": True}, "max_tokens"),  # a bool is not an int
-        ({**VALID, "max_tokens": 2.0}, "max_tokens"),
+        ({**VALID, "max_tokens": 2.5}, "max_tokens"),  # 2.0 is an integer (JSON Schema's rule)
         ({**VALID, "max_tokens": "10"}, "max_tokens"),
         ({**VALID, "max_tokens": 10**30}, "max_tokens"),
         ({**VALID, "temperature": -0.1}, "temperature"),
@@ -31,7 +31,7 @@ VALID = {"prompt": "Hello"}
         ({**VALID, "top_p": 1.01}, "top_p"),
         ({**VALID, "top_p": False}, "top_p"),
         ({**VALID, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({**VALID, "stop": [1]}, "stop"),
+        ({**VALID, "stop": [1]}, "stop[0]"),  # the list option fits: its own error
         ({**VALID, "stop": ""}, "stop"),
         ({**VALID, "stop": {"a": 1}}, "stop"),
         ({**VALID, "seed": -1}, "seed"),
