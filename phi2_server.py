@@ -180,7 +180,8 @@ MAX_STOP = 4
 SAMPLING_PROPERTIES: dict[str, Any] = {
     "top_k": {"type": "integer", "minimum": -1, "default": 0, "description": "keep the k most likely tokens (0 or -1: all)"},
     "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.0, "description": "drop tokens less likely than min_p times the most likely"},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100, "default": 1.0, "description": "transformers' repetition penalty over prompt and generated tokens (1: off)"},
+    # Bounded where the logits stay finite: a logit divided by 1e-300 is inf, and its softmax NaN.
+    "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10, "default": 1.0, "description": "transformers' repetition penalty over prompt and generated tokens (1: off)"},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
     "logit_bias": {

@@ -371,3 +371,25 @@ def test_langchain_chat_model(server):
     assert whole.content and streamed == whole.content
     scored = chat.bind(logprobs=True, top_logprobs=2).invoke("How are you today?")
     assert len(scored.response_metadata["logprobs"]["content"]) == whole.usage_metadata["output_tokens"]
+
+
+def test_streamed_choices_carry_their_index(server):
+    """Several prompts and choices in one stream: each choice's chunks, in order, make the same
+    text as the whole answer; every choice ends once; usage comes last."""
+    body = {"prompt": ["Once upon", "The quick brown"], "n": 2, "max_tokens": 6, "temperature": 0.9, "seed": 8, "stream_options": {"include_usage": True}}
+    _, whole = post(server, "/v1/completions", body)
+    chunks = sse_events(server, "/v1/completions", body)
+    texts, ends = {}, []
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"]:
+            ends.append(choice["index"])
+    assert sorted(ends) == [0, 1, 2, 3]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    tokens = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: the second request reuses the first's prompts
+    assert chunks[-1]["choices"] == [] and [chunks[-1]["usage"][k] for k in tokens] == [whole["usage"][k] for k in tokens]
+    chat = sse_events(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 3, "max_tokens": 4})
+    roles = [c["choices"][0]["index"] for c in chat if c["choices"][0]["delta"].get("role")]
+    finished = [c["choices"][0]["index"] for c in chat if c["choices"][0]["finish_reason"]]
+    assert roles == [0, 1, 2] and sorted(finished) == [0, 1, 2]
