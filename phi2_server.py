@@ -186,7 +186,7 @@ SAMPLING_PROPERTIES: dict[str, Any] = {
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
     "logit_bias": {
         "type": "object",
-        "propertyNames": {"pattern": "[0-9]{1,9}"},
+        "propertyNames": {"pattern": "^[0-9]{1,9}$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         "maxProperties": 1024,
         "default": {},
@@ -959,7 +959,11 @@ OPENAI_COMMON = {
     "stream": {"type": "boolean", "default": False},
     "stream_options": {
         "type": "object",
-        "properties": {"include_usage": {"type": "boolean"}, "include_obfuscation": _ignored("boolean")},
+        "properties": {
+            "include_usage": {"type": "boolean"},
+            "include_obfuscation": _ignored("boolean"),
+            "continuous_usage_stats": _unsupported(False),  # vLLM's usage in every chunk
+        },
         "default": {},
     },
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "default": 1},
