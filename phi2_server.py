@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from backends import MAX_LOGPROBS, Backend, LoadOptions, ModelLoadError, Sampling, StepLogprobs, TokenLogprob, load_backend, select_backend
+from backends import MAX_LOGPROBS, Backend, Constraint, GrammarError, LoadOptions, ModelLoadError, Sampling, StepLogprobs, load_backend, select_backend
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
 from backends.text import TextOffsets, token_string
 
@@ -221,6 +221,11 @@ GENERATE_SCHEMA: dict[str, Any] = {
             "type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS, "default": None,
             "description": "report each generated token's logprob and this many most likely alternatives",
         },
+        "json_schema": {
+            "type": ["object", "null"], "default": None,
+            "description": "constrain the text to JSON valid against this JSON Schema ({} or {\"type\": \"object\"}: any JSON object)",
+        },
+        "regex": {"type": ["string", "null"], "minLength": 1, "maxLength": 4096, "default": None, "description": "constrain the text to match this regular expression"},
     },
 }
 
@@ -646,7 +651,7 @@ def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
-def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None) -> Sampling:
+def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None, constraint: Constraint | None = None) -> Sampling:
     return Sampling(
         temperature=temperature,
         top_p=top_p,
@@ -657,7 +662,39 @@ def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None
         presence_penalty=params["presence_penalty"],
         frequency_penalty=params["frequency_penalty"],
         logit_bias=tuple(sorted((int(token), float(bias)) for token, bias in params["logit_bias"].items())),
+        constraint=constraint,
     )
+
+
+GRAMMAR_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is refused (the library bounds its own work too)
+
+
+async def compile_constraint(request: web.Request, kind: str, spec: str, field: str, params: dict) -> Constraint:
+    """A JSON Schema, JSON mode or a regex compiled for the model's tokenizer (off the loop,
+    cached by the backend); what cannot be compiled is a 422 (400 on /v1) naming the field."""
+    if params.get("ignore_eos"):
+        raise ApiError(422, "ignore_eos cannot be combined with a constraint: generation ends where the grammar does", field="ignore_eos")
+    if params.get("stop"):
+        raise ApiError(422, f"stop cannot be combined with {field}: the output ends where the grammar is complete, and a stop sequence could cut it short", field="stop")
+    backend = engine_ready(request).backend
+    loop = asyncio.get_running_loop()
+    work = loop.run_in_executor(request.app[TOKENIZER_POOL], backend.constraint, kind, spec)
+    try:
+        return await asyncio.wait_for(work, GRAMMAR_TIMEOUT_S)
+    except GrammarError as exc:
+        raise ApiError(422, f"{field} cannot be used: {exc}", field=field) from None
+    except asyncio.TimeoutError:
+        raise ApiError(422, f"{field} did not compile within {GRAMMAR_TIMEOUT_S:.0f} s", field=field) from None
+
+
+async def native_constraint(request: web.Request, params: dict) -> Constraint | None:
+    if params["json_schema"] is not None and params["regex"] is not None:
+        raise ApiError(422, "give json_schema or regex, not both", field="regex")
+    if params["json_schema"] is not None:
+        return await compile_constraint(request, "json_schema", json.dumps(params["json_schema"]), "json_schema", params)
+    if params["regex"] is not None:
+        return await compile_constraint(request, "regex", params["regex"], "regex", params)
+    return None
 
 
 async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation) -> list[int]:
@@ -852,12 +889,12 @@ async def stream(
 # -- native API ---------------------------------------------------------------------------------
 
 
-def native_generation(params: dict, body: dict) -> Generation:
+def native_generation(params: dict, body: dict, constraint: Constraint | None) -> Generation:
     return Generation(
         prompt=params["prompt"],
         max_tokens=params["max_tokens"],
         max_tokens_given="max_tokens" in body,
-        sampling=sampling_of(params, params["temperature"], params["top_p"], params["seed"]),
+        sampling=sampling_of(params, params["temperature"], params["top_p"], params["seed"], constraint),
         stop=stop_tuple(params["stop"]),
         ignore_eos=params["ignore_eos"],
         logprobs=params["logprobs"],
@@ -892,7 +929,7 @@ def native_logprobs(backend: Backend, scores: list[StepLogprobs]) -> list[dict]:
 async def generate(request: web.Request) -> web.Response:
     body = await read_json(request)
     params = parse(body, GENERATE_SCHEMA)
-    tickets = await submit(request, [native_generation(params, body)])
+    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))])
     (answer,) = await collect(request, tickets)
     backend = request.app[ENGINE].backend
     out = {"text": "".join(answer.text), **summary_fields(request, answer.summary, backend)}
@@ -907,7 +944,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     brings no text of its own, such as end-of-text, comes in a line of its own before the end)."""
     body = await read_json(request)
     params = parse(body, GENERATE_SCHEMA)
-    tickets = await submit(request, [native_generation(params, body)])
+    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))])
     backend = request.app[ENGINE].backend
     pending: list[StepLogprobs] = []
 
@@ -977,6 +1014,23 @@ OPENAI_COMMON = {
     "safety_identifier": _ignored("string"),
 }
 TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+RESPONSE_FORMAT = {
+    "type": "object",
+    "required": ["type"],
+    "x-check-first": "type",
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "description": {"type": "string"},
+                "schema": {"type": "object", "description": "a JSON Schema; absent: any JSON object"},
+                "strict": {"type": "boolean", "description": "accepted: the output always follows the schema"},
+            },
+        },
+    },
+}
 COMPLETIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["prompt"],
@@ -999,6 +1053,7 @@ COMPLETIONS_SCHEMA: dict[str, Any] = {
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
         "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
         "suffix": _unsupported(""),
+        "response_format": RESPONSE_FORMAT,
     },
 }
 CONTENT_PART = {
@@ -1037,7 +1092,7 @@ CHAT_SCHEMA: dict[str, Any] = {
         "tool_choice": _unsupported("none", "auto"),
         "functions": _unsupported([]),
         "function_call": _unsupported("none", "auto"),
-        "response_format": _unsupported({"type": "text"}),
+        "response_format": RESPONSE_FORMAT,
         "modalities": _unsupported(["text"]),
         "audio": _unsupported(),
         "prediction": _unsupported(),
@@ -1070,7 +1125,20 @@ def openai_params(body: Any, schema: dict) -> dict:
     return params
 
 
-def openai_generations(params: dict, prompt: str | list[int], copies: int, max_tokens: int | None, default_max: int, **options) -> list[Generation]:
+async def response_constraint(request: web.Request, params: dict) -> Constraint | None:
+    """`response_format` compiled: json_object (any JSON object) or json_schema."""
+    response_format = params["response_format"]
+    if response_format is None or response_format["type"] == "text":
+        return None
+    if response_format["type"] == "json_object":
+        return await compile_constraint(request, "json_object", "", "response_format", params)
+    if "json_schema" not in response_format:
+        raise ApiError(400, "response_format.json_schema is required with type json_schema", field="response_format.json_schema")
+    schema = response_format["json_schema"].get("schema", {"type": "object"})
+    return await compile_constraint(request, "json_schema", json.dumps(schema), "response_format.json_schema.schema", params)
+
+
+def openai_generations(params: dict, prompt: str | list[int], copies: int, max_tokens: int | None, default_max: int, constraint: Constraint | None = None, **options) -> list[Generation]:
     """`copies` generations of one prompt (the choices n or best_of); a seed gives each its own
     (seed, seed + 1, ...): reproducible, yet not n copies of one text."""
     seed = params["seed"]
@@ -1079,7 +1147,7 @@ def openai_generations(params: dict, prompt: str | list[int], copies: int, max_t
             prompt=prompt,
             max_tokens=default_max if max_tokens is None else max_tokens,
             max_tokens_given=max_tokens is not None,
-            sampling=sampling_of(params, params["temperature"], params["top_p"], None if seed is None else (seed + i) % 2**63),
+            sampling=sampling_of(params, params["temperature"], params["top_p"], None if seed is None else (seed + i) % 2**63, constraint),
             ignore_eos=params["ignore_eos"],
             **options,
         )
@@ -1204,7 +1272,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     if params["max_tokens"] == 0 and not echo:
         raise ApiError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", field="max_tokens")
     scored = k if k is not None else (0 if best_of > n else None)  # best_of ranks by logprob
-    options = dict(stop=stop_tuple(params["stop"]), logprobs=scored, prompt_logprobs=k if echo else None)
+    options = dict(stop=stop_tuple(params["stop"]), logprobs=scored, prompt_logprobs=k if echo else None, constraint=await response_constraint(request, params))
     gens = [g for p in prompts for g in openai_generations(params, p, best_of, params["max_tokens"], 16, **options)]
     check_sequences(request, gens)
     tickets = await submit(request, gens)
@@ -1304,7 +1372,7 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     n = params["n"]
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
     max_tokens = params["max_completion_tokens"] or params["max_tokens"]
-    options = dict(stop=stop_tuple(params["stop"]) + prompt.stop, logprobs=k, prompt_field="messages")
+    options = dict(stop=stop_tuple(params["stop"]) + prompt.stop, logprobs=k, prompt_field="messages", constraint=await response_constraint(request, params))
     gens = openai_generations(params, prompt.text, n, max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
     check_sequences(request, gens)
     tickets = await submit(request, gens)

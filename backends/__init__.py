@@ -26,10 +26,22 @@ class ModelLoadError(RuntimeError):
     """The configured model (or adapter) cannot be loaded; the message says what to do."""
 
 
+class GrammarError(ValueError):
+    """A JSON Schema or regex that cannot constrain generation; the message is the grammar
+    library's reason."""
+
+
+class Constraint(Protocol):
+    """A compiled grammar (backends.grammar): each constrained sequence walks it with a matcher
+    of its own, which masks the tokens the grammar does not allow next."""
+
+    def matcher(self): ...
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How a sequence picks its next token. Both runtimes apply the same steps, in the order of
-    transformers' `generate`: logit_bias, repetition_penalty (prompt and generated ids), then
+    """How a sequence picks its next token. Both runtimes apply the same steps: a constraint's
+    mask first, then in the order of transformers' `generate`: logit_bias, repetition_penalty (prompt and generated ids), then
     presence and frequency penalties (generated ids only, as OpenAI defines them); greedy takes
     the argmax of that; sampling divides by the temperature, then keeps top_k, top_p and min_p."""
 
@@ -42,10 +54,17 @@ class Sampling:
     presence_penalty: float = 0.0  # subtracted once from the logit of every id generated so far
     frequency_penalty: float = 0.0  # subtracted once per time an id was generated so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # A grammar the text must follow (JSON Schema, JSON mode, regex): the tokens it does not
+    # allow next are masked out before every other step, so only allowed tokens are chosen.
+    constraint: Constraint | None = None
 
     @property
     def processed(self) -> bool:
         """Whether the logits change before the choice: if not, greedy is the raw argmax."""
+        return self.processed_besides_constraint or self.constraint is not None
+
+    @property
+    def processed_besides_constraint(self) -> bool:
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
@@ -183,6 +202,11 @@ class Backend(Protocol):
 
     def chat_prompt(self, messages: list[dict]) -> "ChatPrompt":
         """Chat messages ({role, content: str}) as a prompt, with the stops its format needs."""
+        ...
+
+    def constraint(self, kind: str, spec: str) -> Constraint:
+        """A grammar for this model's tokenizer: kind `json_schema` (spec: the schema as JSON),
+        `json_object` (any JSON object) or `regex`. Compiled once (cached); GrammarError if not."""
         ...
 
     def detokenizer(self) -> Detokenizer: ...

@@ -23,6 +23,7 @@ from backends import (
     default_prompt_cache_bytes, physical_memory,
 )
 from backends.adapters import find_adapter
+from backends.grammar import Grammars
 from backends.mlx_logprobs import token_logprobs
 from backends.mlx_sampling import logits_processors, make_sampler
 from backends.model_files import is_random
@@ -79,6 +80,7 @@ class MlxBackend(TokenizerMethods):
         # Phi-2's model vocabulary exceeds its tokenizer's: the ids past it decode to nothing and
         # are never chosen (the samplers' rule, as on Torch); logprobs still cover them.
         self.decodable = self.text.vocab_size
+        self.grammars = Grammars(hf, self._model_vocab())
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> "MlxBackend":

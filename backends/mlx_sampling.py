@@ -66,6 +66,11 @@ class SequenceSampler:
         if repetition and ids:
             self.prompt_seen = mx.zeros(decodable, dtype=mx.float32).at[mx.array(ids)].add(1.0) > 0
         self._logits = None  # this step's raw logits, when `see_logits` is wired in
+        # A constraint's matcher must see each chosen token before it can mask the next step:
+        # the one exception to never reading a choice back (that sequence's step then waits
+        # for its previous token, which mlx-lm's pipelining would otherwise overlap).
+        self.matcher = sampling.constraint.matcher() if sampling.constraint is not None else None
+        self._unconsumed: mx.array | None = None
 
     def see_logits(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """A logits processor that changes nothing: it hands this step's raw logits to the sampler.
@@ -81,7 +86,13 @@ class SequenceSampler:
     def scores(self, logprobs: mx.array) -> mx.array:
         """What the next choice is made from, given this sequence's history (see `process`)."""
         row = logprobs if self._logits is None else self._logits
-        return process(row, self.sampling, self.decodable, self.prompt_seen, self.counts)
+        allowed = None
+        if self.matcher is not None:
+            if self._unconsumed is not None:
+                self.matcher.consume(self._unconsumed.item())
+                self._unconsumed = None
+            allowed = mx.array(self.matcher.allowed()[: self.decodable])
+        return process(row, self.sampling, self.decodable, self.prompt_seen, self.counts, allowed)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         scores = self.scores(logprobs)
@@ -93,6 +104,8 @@ class SequenceSampler:
             token = mx.random.categorical(scores, axis=-1, key=subkey)
         if self.counts is not None:
             self.counts = self.counts.at[token].add(1.0)
+        if self.matcher is not None:
+            self._unconsumed = token
         return token
 
 
@@ -102,12 +115,15 @@ def process(
     decodable: int,
     prompt_seen: mx.array | None = None,
     counts: mx.array | None = None,
+    allowed: mx.array | None = None,
 ) -> mx.array:
     """The float32 scores over ids < `decodable` (last axis) that a choice is made from, as
     `torch_sampling.process`: logit_bias, repetition penalty (ids of `prompt_seen` or with
     `counts` > 0), presence and frequency penalties (`counts`: how often each id was generated);
     when sampling, then the temperature, and -inf for the ids that top_k, top_p and min_p remove."""
     scores = logits[..., :decodable].astype(mx.float32)
+    if allowed is not None:  # a constraint's mask first: bias and filters then choose among what it allows
+        scores = mx.where(allowed, scores, NEG_INF)
     pairs = [(i, b) for i, b in sampling.logit_bias if 0 <= i < decodable]
     if pairs:
         ids, biases = zip(*pairs)

@@ -64,6 +64,7 @@ class TokenizerMethods:
     """The contract's tokenizer methods, for a runtime that keeps a TokenizerText in `self.text`."""
 
     text: TokenizerText
+    grammars: "Grammars"  # backends.grammar, over the model's whole vocabulary
 
     def encode(self, text: str) -> list[int]:
         return self.text.encode(text)
@@ -73,6 +74,9 @@ class TokenizerMethods:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.text.token_bytes(token_id)
+
+    def constraint(self, kind: str, spec: str):
+        return self.grammars.compile(kind, spec)
 
     @property
     def vocab_size(self) -> int:

@@ -25,7 +25,7 @@ from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob
 from backends.prompt_cache import PrefixCache
 from backends.torch_logprobs import token_logprobs
 from backends.torch_quant import QuantizedWeight, linear, quantize_weight
-from backends.torch_sampling import TokenChooser
+from backends.torch_sampling import TokenChooser, choose_constrained
 
 log = logging.getLogger("phi2_server.torch_fast")
 
@@ -377,10 +377,16 @@ class BatchedPhiDecoder:
         if launched.done is not None:
             launched.done.synchronize()
         greedy = launched.greedy.tolist()
+        constrained = [i for i in launched.rows if self.slots[i].chooser.matcher is not None]
+        if constrained:
+            index = torch.tensor(constrained, device=launched.logits.device)
+            for i, token in zip(constrained, choose_constrained(launched.logits[index], [self.slots[i].chooser for i in constrained])):
+                greedy[i] = token
         produced = {}
         for i in launched.rows:
             slot = self.slots[i]
-            token = greedy[i] if slot.chooser.plain else slot.chooser.choose(launched.logits[i])
+            done = slot.chooser.plain or slot.chooser.matcher is not None
+            token = greedy[i] if done else slot.chooser.choose(launched.logits[i])
             slot.cached += 1  # its input token went into the cache in that step
             slot.next_token = token
             slot.generated.append(token)

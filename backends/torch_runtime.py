@@ -21,6 +21,7 @@ from backends import (
     default_prompt_cache_bytes, physical_memory,
 )
 from backends.adapters import find_adapter, merge_lora_into_torch
+from backends.grammar import Grammars
 from backends.model_files import is_random
 from backends.prompt_cache import PrefixCache
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
@@ -116,6 +117,7 @@ class TorchBackend(TokenizerMethods):
         # Phi-2's model vocabulary (51200) is larger than its tokenizer's: those ids decode to
         # nothing, so they are never sampled (the same rule as the MLX runtime).
         self.undecodable_from = self.text.vocab_size
+        self.grammars = Grammars(tokenizer, int(model.config.vocab_size))
         self._fast_decoder = None  # kept: its CUDA graphs took seconds to capture
         self._fast_decoder_owner: threading.Thread | None = None
         self.max_batch = 1

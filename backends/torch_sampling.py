@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 
+import numpy as np
 import torch
 
 from backends import Sampling
@@ -37,24 +38,62 @@ class TokenChooser:
             ids = [i for i in set(prompt_ids) if 0 <= i < decodable]
             if ids:
                 self.prompt_seen[torch.tensor(ids, device=device)] = True
+        self.matcher = sampling.constraint.matcher() if sampling.constraint is not None else None
+        # Greedy under a constraint and nothing else: its token is the masked argmax
+        # (`choose_constrained` takes those of all such rows at once).
+        self.constrained_greedy = self.matcher is not None and sampling.greedy and not sampling.processed_besides_constraint
 
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """What the next choice is made from, given this sequence's history (see `process`)."""
-        return process(logits, self.sampling, self.decodable, self.prompt_seen, self.counts)
+    def scores(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """What the next choice is made from, given this sequence's history (see `process`);
+        `allowed`: its constraint's mask, when the caller unpacked it with other rows'."""
+        if self.matcher is not None and allowed is None:
+            allowed = unpack(self.matcher.allowed_words()[None], self.decodable, logits.device)[0]
+        return process(logits, self.sampling, self.decodable, self.prompt_seen, self.counts, allowed)
 
-    def choose(self, logits: torch.Tensor) -> int:
-        """The next token from a 1-D row over the whole model vocabulary; recorded as generated."""
+    def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, advance: bool = True) -> int:
+        """The next token from a 1-D row over the whole model vocabulary; recorded as generated
+        (its matcher advanced too, unless the caller advances the rows together)."""
         if self.plain:
             token = int(torch.argmax(logits[: self.decodable]))
         else:
-            token = _choose(self.scores(logits), self.sampling, self.generator)
-        self.record(token)
+            token = _choose(self.scores(logits, allowed), self.sampling, self.generator)
+        self.record(token, advance)
         return token
 
-    def record(self, token: int) -> None:
+    def record(self, token: int, advance: bool = True) -> None:
         """A token chosen outside `choose` (the plain greedy path): the penalties see it from now on."""
         if self.counts is not None and 0 <= token < self.decodable:
             self.counts[token] += 1
+        if self.matcher is not None and advance:
+            self.matcher.consume(token)
+
+
+def unpack(words: np.ndarray, decodable: int, device: torch.device) -> torch.Tensor:
+    """Packed masks ([n, words] int32, a bit an id) as bools [n, decodable], unpacked on the
+    device: an eighth of the bytes to copy."""
+    packed = torch.from_numpy(words).to(device, non_blocking=True)
+    bits = (packed[:, :, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1
+    return bits.reshape(len(words), -1)[:, :decodable].bool()
+
+
+def choose_constrained(logits: torch.Tensor, choosers: list[TokenChooser]) -> list[int]:
+    """The tokens of constrained rows ([n, vocab] logits, a chooser each), chosen together: one
+    mask copy for all, one argmax for the greedy ones (the others sample each with its own
+    generator); then their matchers advance, and fill their next masks, in one task."""
+    from backends.grammar import advance_together
+
+    decodable = choosers[0].decodable
+    allowed = unpack(np.stack([chooser.matcher.allowed_words() for chooser in choosers]), decodable, logits.device)
+    greedy = logits[:, :decodable].masked_fill(~allowed, float("-inf")).argmax(dim=-1).tolist()
+    tokens = []
+    for chooser, row, mask, token in zip(choosers, logits, allowed, greedy):
+        if chooser.constrained_greedy:
+            chooser.record(token, advance=False)
+        else:
+            token = chooser.choose(row, mask, advance=False)
+        tokens.append(token)
+    advance_together([chooser.matcher for chooser in choosers], tokens)
+    return tokens
 
 
 def process(
@@ -63,12 +102,15 @@ def process(
     decodable: int,
     prompt_seen: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The float32 scores over ids < `decodable` that a choice is made from, in `Sampling`'s order:
-    logit_bias, repetition penalty (ids of `prompt_seen` or with `counts` > 0), presence and
+    -inf for the ids a constraint does not allow (`allowed`: bool per id), logit_bias, repetition penalty (ids of `prompt_seen` or with `counts` > 0), presence and
     frequency penalties (`counts`: how often each id was generated); when sampling, then the
     temperature, and -inf for the ids that top_k, top_p and min_p remove. Never changes `logits`."""
     scores = logits[:decodable].to(torch.float32)  # ops below are out of place: this may be a view
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     if sampling.logit_bias:
         pairs = [(i, b) for i, b in sampling.logit_bias if 0 <= i < decodable]
         if pairs:

@@ -34,6 +34,9 @@ class WrappedBackend:
     def token_bytes(self, token_id):
         return self.inner.token_bytes(token_id)
 
+    def constraint(self, kind, spec):
+        return self.inner.constraint(kind, spec)
+
     @property
     def vocab_size(self):
         return self.inner.vocab_size

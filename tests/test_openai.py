@@ -137,7 +137,7 @@ def test_sampling_with_a_seed_is_reproducible(sdk):
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"extra_body": {"audio": {"voice": "alloy", "format": "wav"}}}, "audio"),
         ({"extra_body": {"modalities": ["text", "audio"]}}, "modalities"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, "response_format.json_schema.schema"),
         ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
         ({"extra_body": {"wat": 1}}, "wat"),
         ({"messages": []}, "messages"),
