@@ -1277,28 +1277,26 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     check_sequences(request, gens)
     tickets = await submit(request, gens)
     backend = request.app[ENGINE].backend
-
-    def prompt_text(i: int) -> str:
-        return prompts[i] if isinstance(prompts[i], str) else backend.decode(prompts[i])
+    # The prompts as text, where the answer shows them (echo) or counts offsets from them (logprobs).
+    texts = [p if isinstance(p, str) else backend.decode(p) for p in prompts] if echo or k is not None else []
 
     if not params["stream"]:
         answers = await collect(request, tickets)
+        pairs = list(zip(tickets, answers))
         choices = []
         for p in range(len(prompts)):
-            group = list(zip(tickets, answers))[p * best_of : (p + 1) * best_of]
+            group = pairs[p * best_of : (p + 1) * best_of]
             if best_of > n:
                 group = sorted(group, key=lambda pair: mean_logprob(pair[1]), reverse=True)[:n]
             for j, (ticket, answer) in enumerate(group):
                 text = "".join(answer.text)
                 logprobs = None
                 if k is not None:
-                    prefix = prompt_text(p)
-                    shaper = CompletionLogprobs(backend, k, 0 if echo else len(prefix))
                     entries = CompletionLogprobs.token_entries(answer.logprobs)
                     if echo:
                         entries = CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, answer.logprobs) + entries
-                    logprobs = shaper.shape(entries)
-                choices.append({"index": p * n + j, "text": prompt_text(p) + text if echo else text, "logprobs": logprobs, "finish_reason": answer.summary.finish_reason})
+                    logprobs = CompletionLogprobs(backend, k, 0 if echo else len(texts[p])).shape(entries)
+                choices.append({"index": p * n + j, "text": texts[p] + text if echo else text, "logprobs": logprobs, "finish_reason": answer.summary.finish_reason})
         body = {**response_head(name, "text_completion"), "choices": choices, "usage": usage([a.summary for a in answers], len(prompts))}
         return web.json_response(body)
 
@@ -1306,7 +1304,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool(params["stream_options"].get("include_usage"))
     pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
     echoed: set[int] = set()
-    shapers = {i: CompletionLogprobs(backend, k or 0, 0 if echo else len(prompt_text(i // n))) for i in range(len(tickets))}
+    shapers = {i: CompletionLogprobs(backend, k, 0 if echo else len(texts[i // n])) for i in range(len(tickets))} if k is not None else {}
 
     def chunk(index: int, text: str, entries: list | None = None, finish: str | None = None) -> str:
         logprobs = shapers[index].shape(entries) if k is not None and entries else None
@@ -1320,7 +1318,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
             echoed.add(index)
             prompt_ids = tickets[index].request.prompt_ids
             scores = [event] if isinstance(event, StepLogprobs) else []
-            out = chunk(index, prompt_text(index // n), CompletionLogprobs.prompt_entries(prompt_ids, scores))
+            out = chunk(index, texts[index // n], CompletionLogprobs.prompt_entries(prompt_ids, scores))
         if isinstance(event, StepLogprobs):
             pending[index].append(event)
             return out

@@ -444,7 +444,7 @@ class Engine:
             self._finish(seq_id, "length", decoder)
             return
         if scores is not None:
-            running.ticket._emit(scores if request.prompt_logprobs is not None or scores.prompt is None else StepLogprobs(scores.token))
+            running.ticket._emit(scores)
         running.count += 1
         running.first_at = running.first_at or now
         running.last_at = now

@@ -8,9 +8,11 @@ import mlx.core as mx
 from backends import TokenLogprob
 
 
-def token_logprobs(logits: mx.array, chosen: list[int], top: int) -> list[TokenLogprob]:
+def token_logprobs(logits: mx.array, chosen: list[int], top: int | list[int]) -> list[TokenLogprob]:
     """For each row of `logits` or log-probabilities ([n, vocab]), the logprob of its chosen id
-    and its `top` most likely ids, renormalized in float32."""
+    and its `top` most likely ids (`top`: for all rows, or a count a row), renormalized in float32."""
+    tops = top if isinstance(top, list) else [top] * len(chosen)
+    top = max(tops)
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     picked = mx.take_along_axis(logprobs, mx.array(chosen)[:, None], axis=-1)[:, 0]
@@ -19,7 +21,7 @@ def token_logprobs(logits: mx.array, chosen: list[int], top: int) -> list[TokenL
         values = mx.take_along_axis(logprobs, ids, axis=-1)
         order = mx.argsort(-values, axis=-1)  # argpartition leaves the top ids unordered
         ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     else:
-        alternatives = [()] * len(chosen)
-    return [TokenLogprob(token, logprob, alt) for token, logprob, alt in zip(chosen, picked.tolist(), alternatives)]
+        alternatives = [[]] * len(chosen)
+    return [TokenLogprob(token, logprob, tuple(alt[:k])) for token, logprob, alt, k in zip(chosen, picked.tolist(), alternatives, tops)]

@@ -167,19 +167,25 @@ class MlxBackend(TokenizerMethods):
     def sampler(self, sequence: Sequence):
         return make_sampler(sequence.sampling, sequence.prompt_ids, self.decodable)
 
-    def score_prompt(self, sequence: Sequence) -> tuple[list | None, tuple[TokenLogprob, ...]]:
-        """Prefill all of a prompt but its last id, keeping the logits of every position: a cache
-        holding it (None for a one-id prompt), and the logprobs of prompt ids 1..n-1."""
+    def start(self, sequence: Sequence, prompts: "PromptReuse") -> tuple[list | None, list[int], tuple[TokenLogprob, ...] | None]:
+        """Where a sequence starts: a cache holding part of its prompt (or None), the ids left to
+        prefill, and its prompt's logprobs if it asked for them.
+
+        A stored prefix comes from `prompts`; a prompt whose logprobs are asked for is prefilled
+        here instead, all but its last id, keeping the logits of every position (mlx-lm's
+        generators keep none)."""
         prompt = sequence.prompt_ids
+        if sequence.prompt_logprobs is None:
+            return *prompts.fetch(prompt), None
         if len(prompt) < 2:
-            return None, ()
+            return None, prompt, ()
         cache = make_prompt_cache(self.model)
         scores = []
         for start in range(0, len(prompt) - 1, PREFILL_STEP):
             piece = prompt[start : min(start + PREFILL_STEP, len(prompt) - 1)]
             logits = self.model(mx.array(piece)[None], cache=cache)[0]
             scores += token_logprobs(logits, prompt[start + 1 : start + 1 + len(piece)], sequence.prompt_logprobs)
-        return cache, tuple(scores)
+        return cache, prompt[-1:], tuple(scores)
 
 
 def wrapped_tokenizer(wrapper):
@@ -290,12 +296,7 @@ class SingleSequenceDecoder:
         if self._sequence is not None:
             self.remove(self._sequence.id)
         self._sequence = sequence
-        self._prompt_scores = None
-        if sequence.prompt_logprobs is not None:
-            cache, self._prompt_scores = self._backend.score_prompt(sequence)
-            rest = sequence.prompt_ids[-1:] if cache is not None else sequence.prompt_ids
-        else:
-            cache, rest = self._prompts.fetch(sequence.prompt_ids)
+        cache, rest, self._prompt_scores = self._backend.start(sequence, self._prompts)
         self._cache = cache if cache is not None else make_prompt_cache(self._backend.model)
         self._ids = list(sequence.prompt_ids)  # then the generated ones
         self._tokens = self._backend.generation(rest, sequence, self._cache)
@@ -380,12 +381,7 @@ class BatchDecoder:
                 prefill_batch_size=self.capacity,
                 prefill_step_size=self._prefill_step,
             )
-        scores = None
-        if sequence.prompt_logprobs is not None:  # prefilled here, whole: BatchGenerator keeps no prompt logits
-            cache, scores = self._backend.score_prompt(sequence)
-            rest = sequence.prompt_ids[-1:] if cache is not None else sequence.prompt_ids
-        else:
-            cache, rest = self._prompts.fetch(sequence.prompt_ids)
+        cache, rest, scores = self._backend.start(sequence, self._prompts)
         reused = len(sequence.prompt_ids) - len(rest)
         sampler = self._backend.sampler(sequence)
         (uid,) = self._generator.insert(
@@ -422,12 +418,10 @@ class BatchDecoder:
                 self._prompts.store(r.all_tokens, r.prompt_cache)
                 self._generating.discard(r.uid)
         if asking:
-            top = max(self._sequences[r.uid].logprobs for r in asking)
-            scores = token_logprobs(mx.stack([r.logprobs.reshape(-1) for r in asking]), [r.token for r in asking], top)
+            tops = [self._sequences[r.uid].logprobs for r in asking]
+            scores = token_logprobs(mx.stack([r.logprobs.reshape(-1) for r in asking]), [r.token for r in asking], tops)
             for r, score in zip(asking, scores):
-                sequence = self._sequences[r.uid]
-                score = TokenLogprob(score.token, score.logprob, score.top[: sequence.logprobs])
-                self.logprobs[sequence.id] = StepLogprobs(score, self._prompt_scores.pop(r.uid, None))
+                self.logprobs[self._ids[r.uid]] = StepLogprobs(score, self._prompt_scores.pop(r.uid, None))
         return out
 
     def remove(self, sequence_id: int) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import codecs
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backends.grammar import Grammars
 
 
 @functools.cache

@@ -391,22 +391,20 @@ class BatchedPhiDecoder:
             slot.next_token = token
             slot.generated.append(token)
             produced[slot.sequence.id] = token
-        self._report([(i, launched.logits[i], produced[self.slots[i].sequence.id]) for i in launched.rows])
+        self._report(launched.logits, [(i, i, produced[self.slots[i].sequence.id]) for i in launched.rows])
         return produced
 
-    def _report(self, rows: list[tuple[int, torch.Tensor, int]]) -> None:
-        """Logprobs of the tokens just chosen, for the slots that asked: (slot, logits row, token)."""
-        asking = [(i, row, token) for i, row, token in rows if self.slots[i].sequence.logprobs is not None]
+    def _report(self, logits: torch.Tensor, chosen: list[tuple[int, int, int]]) -> None:
+        """Logprobs of the tokens just chosen, (slot, its row of `logits`, token), for the slots
+        that asked (only their rows are read)."""
+        asking = [(i, row, token) for i, row, token in chosen if self.slots[i].sequence.logprobs is not None]
         if not asking:
             return
-        top = max(self.slots[i].sequence.logprobs for i, _, _ in asking)
-        scores = token_logprobs(torch.stack([row for _, row, _ in asking]), [token for _, _, token in asking], top)
+        rows = torch.tensor([row for _, row, _ in asking], device=logits.device)
+        scores = token_logprobs(logits[rows], [token for _, _, token in asking], [self.slots[i].sequence.logprobs for i, _, _ in asking])
         for (i, _, _), score in zip(asking, scores):
             slot = self.slots[i]
-            score = TokenLogprob(score.token, score.logprob, score.top[: slot.sequence.logprobs])
-            prompt = None
-            if slot.sequence.prompt_logprobs is not None and len(slot.generated) == 1:
-                prompt = tuple(slot.prompt_scores)
+            prompt = tuple(slot.prompt_scores) if slot.sequence.prompt_logprobs is not None and len(slot.generated) == 1 else None
             self.logprobs[slot.sequence.id] = StepLogprobs(score, prompt)
 
     # -- prefill ---------------------------------------------------------------------------------
@@ -426,11 +424,12 @@ class BatchedPhiDecoder:
         groups: dict[int, list] = {}
         for part in parts:  # padding to the longest in a group wastes at most half of it
             groups.setdefault(len(part[1]).bit_length(), []).append(part)
-        produced, first = {}, []
+        produced = {}
         for group in groups.values():
             scored = [r for r, (i, _, _) in enumerate(group) if self.slots[i].sequence.prompt_logprobs is not None]
             logits, every = self._prefill(group, every_position=scored)
             greedy = logits[:, : self.weights.decodable].argmax(dim=-1).tolist()
+            first = []  # (slot, row, its first token)
             for r, ((i, ids, start), row, token) in enumerate(zip(group, logits, greedy)):
                 slot = self.slots[i]
                 if r in every:
@@ -439,14 +438,14 @@ class BatchedPhiDecoder:
                 if slot.cached == len(slot.sequence.prompt_ids):
                     if not slot.chooser.plain:
                         token = slot.chooser.choose(row)
-                    first.append((i, row, token))
+                    first.append((i, r, token))
                     slot.next_token = token
                     slot.generated.append(token)
                     produced[slot.sequence.id] = token
                     # Its prompt, for requests that arrive while it generates: stored at the
                     # next step, so that copying it does not delay this first token.
                     self._to_store.append(slot.sequence.id)
-        self._report(first)
+            self._report(logits, first)
         return produced
 
     def _score_prompt(self, slot: _Slot, logits: torch.Tensor, start: int, length: int) -> None:

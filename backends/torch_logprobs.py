@@ -12,14 +12,16 @@ import torch
 from backends import TokenLogprob
 
 
-def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int | list[int]) -> list[TokenLogprob]:
     """For each row of `logits` ([n, vocab]), the logprob of its chosen id and its `top` most
-    likely ids (one log-softmax and one top-k for all rows, one copy to the host)."""
+    likely ids (`top`: for all rows, or a count a row); one log-softmax and one top-k for all
+    rows, one copy to the host."""
+    tops = top if isinstance(top, list) else [top] * len(chosen)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device)[:, None])[:, 0].tolist()
-    if top > 0:
-        values, ids = logprobs.topk(top, dim=-1)
-        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        alternatives = [()] * len(chosen)
-    return [TokenLogprob(token, logprob, alt) for token, logprob, alt in zip(chosen, picked, alternatives)]
+    most = max(tops)
+    alternatives = [[]] * len(chosen)
+    if most > 0:
+        values, ids = logprobs.topk(most, dim=-1)
+        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return [TokenLogprob(token, logprob, tuple(alt[:k])) for token, logprob, alt, k in zip(chosen, picked, alternatives, tops)]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from backends import Sampling
+from backends.grammar import advance_together
 
 
 class TokenChooser:
@@ -61,7 +62,8 @@ class TokenChooser:
         return token
 
     def record(self, token: int, advance: bool = True) -> None:
-        """A token chosen outside `choose` (the plain greedy path): the penalties see it from now on."""
+        """A token chosen (here or by the caller, on the device): the penalties see it from now
+        on, and its matcher moves past it unless the caller advances the rows together."""
         if self.counts is not None and 0 <= token < self.decodable:
             self.counts[token] += 1
         if self.matcher is not None and advance:
@@ -80,8 +82,6 @@ def choose_constrained(logits: torch.Tensor, choosers: list[TokenChooser]) -> li
     """The tokens of constrained rows ([n, vocab] logits, a chooser each), chosen together: one
     mask copy for all, one argmax for the greedy ones (the others sample each with its own
     generator); then their matchers advance, and fill their next masks, in one task."""
-    from backends.grammar import advance_together
-
     decodable = choosers[0].decodable
     allowed = unpack(np.stack([chooser.matcher.allowed_words() for chooser in choosers]), decodable, logits.device)
     greedy = logits[:, :decodable].masked_fill(~allowed, float("-inf")).argmax(dim=-1).tolist()
@@ -105,9 +105,10 @@ def process(
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The float32 scores over ids < `decodable` that a choice is made from, in `Sampling`'s order:
-    -inf for the ids a constraint does not allow (`allowed`: bool per id), logit_bias, repetition penalty (ids of `prompt_seen` or with `counts` > 0), presence and
-    frequency penalties (`counts`: how often each id was generated); when sampling, then the
-    temperature, and -inf for the ids that top_k, top_p and min_p remove. Never changes `logits`."""
+    -inf for the ids a constraint does not allow (`allowed`: bool per id), logit_bias,
+    repetition penalty (ids of `prompt_seen` or with `counts` > 0), presence and frequency
+    penalties (`counts`: how often each id was generated); when sampling, then the temperature,
+    and -inf for the ids that top_k, top_p and min_p remove. Never changes `logits`."""
     scores = logits[:decodable].to(torch.float32)  # ops below are out of place: this may be a view
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))

@@ -102,6 +102,20 @@ async def wait_idle(engine, timeout: float = 60.0) -> None:
     await wait_until(lambda: engine.active == 0 and engine.waiting == 0, timeout)
 
 
+def post(server, path: str, body: dict) -> tuple[int, dict]:
+    """POST JSON to a LiveServer: (status, the JSON answer), errors included."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
 def engine_of(client):
     return client.server.app[ENGINE]
 

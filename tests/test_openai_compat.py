@@ -5,7 +5,6 @@ nulls clients send, OpenAI's context-overflow error, model names. On both runtim
 from __future__ import annotations
 
 import json
-import math
 import threading
 import urllib.error
 import urllib.request
@@ -14,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from conftest import engine_of
+from conftest import post
 
 
 @pytest.fixture
@@ -31,15 +30,6 @@ def model_of(server) -> str:
     from phi2_server import SETTINGS
 
     return server.app[SETTINGS].model
-
-
-def post(server, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def sse_events(server, path: str, body: dict) -> list[dict]:

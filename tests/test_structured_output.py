@@ -17,6 +17,8 @@ import openai
 import pydantic
 import pytest
 
+from conftest import post
+
 SCHEMAS = {
     "object": {
         "type": "object",
@@ -67,15 +69,6 @@ def validate(text: str, schema: dict) -> None:
 @pytest.fixture
 def server(live_server, backend, tiny_path):
     return live_server(lambda: backend, model=str(tiny_path))
-
-
-def post(server, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def concurrently(*calls):
