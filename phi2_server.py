@@ -40,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from backends import MAX_LOGPROBS, Backend, Constraint, GrammarError, LoadOptions, ModelLoadError, Sampling, StepLogprobs, load_backend, select_backend
+from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
 from backends.text import TextOffsets, token_string
 
@@ -55,6 +56,7 @@ def setting(default: Any, help: str) -> Any:
 
 
 DEFAULT_ADAPTER_PATH = "~/ml-experiment/experiments/2026-05-04-0014"
+DEFAULT_ADAPTERS_DIR = str(Path(DEFAULT_ADAPTER_PATH).parent)  # the experiments next to the default one
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,9 @@ class Settings:
 
     model: str = setting("microsoft/phi-2", "the model: a Hugging Face hub id, a local checkpoint directory, `tiny` (the offline demo model) or `random:phi-2` (Phi-2's architecture, random weights)")
     backend: str = setting("auto", "runtime: auto (MLX on macOS arm64, else Torch), mlx or torch")
-    adapter_path: str = setting(DEFAULT_ADAPTER_PATH, "an mlx-lm LoRA adapter directory to apply; empty for none (the default path may be absent)")
+    adapter_path: str = setting(DEFAULT_ADAPTER_PATH, "the default mlx-lm LoRA adapter: requests that name no adapter get it; empty for none (the default path may be absent)")
+    adapters_dir: str = setting(DEFAULT_ADAPTERS_DIR, "a folder of mlx-lm LoRA adapter folders that requests choose by name (model base:name on /v1, adapter natively)")
+    max_adapters: int = setting(8, "adapters kept loaded (least recently used out first), and the most that decode at once")
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; set PHI2_API_KEY then)")
     port: int = setting(8000, "port to listen on")
     log_dir: str = setting("logs", "directory of the request log (requests.log), created at startup")
@@ -136,6 +140,8 @@ class Settings:
             model=self.model,
             adapter_path=adapter,
             adapter_path_is_default=self.adapter_path == DEFAULT_ADAPTER_PATH,
+            adapters_dir=self.adapters_dir or None,
+            max_adapters=self.max_adapters,
             device=self.device,
             dtype=self.dtype,
             max_batch=self.max_batch,
@@ -226,6 +232,10 @@ GENERATE_SCHEMA: dict[str, Any] = {
             "description": "constrain the text to JSON valid against this JSON Schema ({} or {\"type\": \"object\"}: any JSON object)",
         },
         "regex": {"type": ["string", "null"], "minLength": 1, "maxLength": 4096, "default": None, "description": "constrain the text to match this regular expression"},
+        "adapter": {
+            "type": ["string", "null"], "maxLength": 128, "default": None,
+            "description": "a LoRA adapter: a folder name in ADAPTERS_DIR; \"\" for the base model; absent or null: the default (ADAPTER_PATH)",
+        },
     },
 }
 
@@ -621,6 +631,7 @@ async def model_info(request: web.Request) -> web.Response:
             "dtype": info.dtype,
             "adapter_path": info.adapter_path,
             "adapter_applied": info.adapter_applied,
+            "adapters": await adapters_info(engine.backend),
             "quantization": info.quantization,
             "load_time_s": round(engine.load_time_s, 3),
             "context_length": info.context_length,
@@ -629,6 +640,19 @@ async def model_info(request: web.Request) -> web.Response:
             **info.extra,
         }
     )
+
+
+async def adapters_info(backend: Backend) -> dict:
+    """The adapters requests may choose (ADAPTERS_DIR read again now), the default, and the loaded ones."""
+    registry = backend.adapters
+    available = await asyncio.get_running_loop().run_in_executor(None, registry.available)
+    return {
+        "dir": str(registry.directory) if registry.directory else None,
+        "default": registry.default_name,
+        "max_loaded": registry.max_loaded,
+        "loaded": registry.loaded(),
+        "available": [facts.describe() for facts in available],
+    }
 
 
 # -- generation, shared by the native and the OpenAI routes -------------------------------------
@@ -730,15 +754,36 @@ def too_long(request: web.Request, gen: Generation, prompt_tokens: int, max_toke
     )
 
 
-async def submit(request: web.Request, gens: list[Generation]) -> list[Ticket]:
+async def adapter_for(request: web.Request, name: str | None) -> Adapter | None:
+    """The adapter a request chose, loaded (off the loop; the backend keeps the last MAX_ADAPTERS
+    loaded): `name` None is the default (ADAPTER_PATH's, if there is one), "" the base model."""
+    registry = engine_ready(request).backend.adapters
+    if name is None:
+        name = registry.default_name or ""
+    if name == "":
+        return None
+    request[LOG_FACTS]["adapter"] = name
+    field = "model" if is_openai(request) else "adapter"
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, registry.get, name)
+    except UnknownAdapter as exc:
+        if is_openai(request):
+            raise ApiError(404, f"The model {request[LOG_FACTS].get('model_id', name)!r} does not exist: {exc}", field=field, code="model_not_found") from None
+        raise ApiError(422, str(exc), field=field) from None
+    except AdapterError as exc:  # a name that leads out of ADAPTERS_DIR, or a broken folder
+        raise ApiError(422, str(exc), field=field, code="invalid_adapter") from None
+
+
+async def submit(request: web.Request, gens: list[Generation], adapter: str | None = None) -> list[Ticket]:
     """Tokenize (off the loop), check the limits, and queue the requests for the worker, all or
-    none: the choices of one HTTP request."""
+    none: the choices of one HTTP request, with the adapter it chose (see `adapter_for`)."""
     received_at = request[RECEIVED_AT]
     settings = request.app[SETTINGS]
     if settings.log_prompts and isinstance(gens[0].prompt, str):
         request[LOG_FACTS]["prompt"] = gens[0].prompt[:100]
     engine = engine_ready(request)
     backend = engine.backend
+    loaded = await adapter_for(request, adapter)
     context = backend.info.context_length
     jobs, encoded = [], {}
     for gen in gens:
@@ -772,6 +817,7 @@ async def submit(request: web.Request, gens: list[Generation]) -> list[Ticket]:
                 ignore_eos=gen.ignore_eos,
                 logprobs=gen.logprobs,
                 prompt_logprobs=gen.prompt_logprobs,
+                adapter=loaded,
             )
         )
     try:
@@ -909,6 +955,7 @@ def summary_fields(request: web.Request, summary: Summary, backend: Backend) -> 
         "cached_tokens": summary.cached_tokens,
         "finish_reason": summary.finish_reason,
         "model": backend.info.model,
+        "adapter": request[LOG_FACTS].get("adapter"),
         "backend": backend.info.backend,
         "timings": summary.timings(),
     }
@@ -929,7 +976,7 @@ def native_logprobs(backend: Backend, scores: list[StepLogprobs]) -> list[dict]:
 async def generate(request: web.Request) -> web.Response:
     body = await read_json(request)
     params = parse(body, GENERATE_SCHEMA)
-    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))])
+    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))], params["adapter"])
     (answer,) = await collect(request, tickets)
     backend = request.app[ENGINE].backend
     out = {"text": "".join(answer.text), **summary_fields(request, answer.summary, backend)}
@@ -944,7 +991,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     brings no text of its own, such as end-of-text, comes in a line of its own before the end)."""
     body = await read_json(request)
     params = parse(body, GENERATE_SCHEMA)
-    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))])
+    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))], params["adapter"])
     backend = request.app[ENGINE].backend
     pending: list[StepLogprobs] = []
 
@@ -1107,14 +1154,23 @@ def served_names(request: web.Request) -> list[str]:
     return [name.strip() for name in settings.served_model_name.split(",") if name.strip()] or [settings.model]
 
 
-def model_named(request: web.Request, name: str | None) -> str:
-    """The name to answer with: the one the request used, if it is one of the served names."""
+def model_named(request: web.Request, name: str | None) -> tuple[str, str | None]:
+    """The name to answer with (the one the request used) and the adapter it names: a served
+    name alone is the default adapter (None), `name:adapter` that adapter, `name:` the base model.
+    Whether the adapter exists is for `adapter_for` to say."""
     names = served_names(request)
     if name is None:
-        return names[0]
-    if name not in names:
-        raise ApiError(404, f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))}", field="model", code="model_not_found")
-    return name
+        return names[0], None
+    if name in names:
+        return name, None
+    base, colon, adapter = name.rpartition(":")
+    if not colon or base not in names:
+        raise ApiError(
+            404, f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))} and their adapters (name:adapter, GET /v1/models)",
+            field="model", code="model_not_found",
+        )
+    request[LOG_FACTS]["model_id"] = name
+    return name, adapter
 
 
 def openai_params(body: Any, schema: dict) -> dict:
@@ -1243,13 +1299,26 @@ def mean_logprob(answer: Answer) -> float:
 
 
 async def v1_models(request: web.Request) -> web.Response:
+    """The served names, then `name:adapter` for every adapter there is now (ADAPTERS_DIR is read
+    again for each listing), with its config's facts (as vLLM lists LoRA modules: parent, root)."""
     engine = engine_ready(request)
-    return web.json_response({"object": "list", "data": [model_card(engine, name) for name in served_names(request)]})
+    names = served_names(request)
+    cards = [model_card(engine, name) for name in names]
+    facts = await asyncio.get_running_loop().run_in_executor(None, engine.backend.adapters.available)
+    cards += [adapter_card(engine, names[0], adapter) for adapter in facts]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def v1_model(request: web.Request) -> web.Response:
     engine = engine_ready(request)
-    return web.json_response(model_card(engine, model_named(request, request.match_info["model"])))
+    name, adapter = model_named(request, request.match_info["model"])
+    if not adapter:
+        return web.json_response(model_card(engine, name))
+    facts = await asyncio.get_running_loop().run_in_executor(None, engine.backend.adapters.available)
+    found = next((f for f in facts if f.name == adapter), None)
+    if found is None:
+        raise ApiError(404, f"The model {name!r} does not exist: no adapter {adapter!r}", field="model", code="model_not_found")
+    return web.json_response(adapter_card(engine, name.rpartition(":")[0], found))
 
 
 def model_card(engine: Engine, name: str) -> dict:
@@ -1257,9 +1326,13 @@ def model_card(engine: Engine, name: str) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "phi2-server"}
 
 
+def adapter_card(engine: Engine, base: str, facts: AdapterFacts) -> dict:
+    return {**model_card(engine, f"{base}:{facts.name}"), "parent": base, "root": facts.path, "adapter": facts.describe()}
+
+
 async def v1_completions(request: web.Request) -> web.StreamResponse:
     params = openai_params(await read_json(request), COMPLETIONS_SCHEMA)
-    name = model_named(request, params["model"])
+    name, adapter = model_named(request, params["model"])
     prompt = params["prompt"]
     # One prompt or several; a prompt is text or token ids.
     prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
@@ -1275,7 +1348,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     options = dict(stop=stop_tuple(params["stop"]), logprobs=scored, prompt_logprobs=k if echo else None, constraint=await response_constraint(request, params))
     gens = [g for p in prompts for g in openai_generations(params, p, best_of, params["max_tokens"], 16, **options)]
     check_sequences(request, gens)
-    tickets = await submit(request, gens)
+    tickets = await submit(request, gens, adapter)
     backend = request.app[ENGINE].backend
     # The prompts as text, where the answer shows them (echo) or counts offsets from them (logprobs).
     texts = [p if isinstance(p, str) else backend.decode(p) for p in prompts] if echo or k is not None else []
@@ -1364,7 +1437,7 @@ def chat_messages(params: dict) -> list[dict]:
 
 async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     params = openai_params(await read_json(request), CHAT_SCHEMA)
-    name = model_named(request, params["model"])
+    name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
     prompt = backend.chat_prompt(chat_messages(params))
     n = params["n"]
@@ -1373,7 +1446,7 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     options = dict(stop=stop_tuple(params["stop"]) + prompt.stop, logprobs=k, prompt_field="messages", constraint=await response_constraint(request, params))
     gens = openai_generations(params, prompt.text, n, max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
     check_sequences(request, gens)
-    tickets = await submit(request, gens)
+    tickets = await submit(request, gens, adapter)
 
     if not params["stream"]:
         answers = await collect(request, tickets)
@@ -1529,6 +1602,15 @@ HEALTH_SCHEMA = {
     "properties": {"status": {"enum": ["loading", "ok", "error"]}, "model_loaded": {"type": "boolean"}, "queue": QUEUE_SCHEMA},
 }
 READY_SCHEMA = {"type": "object", "required": ["ready", "status"], "properties": {"ready": {"type": "boolean"}, "status": {"enum": ["loading", "ok", "error"]}}}
+ADAPTER_FACTS_SCHEMA = {
+    "type": "object",
+    "required": ["name", "path", "problem"],
+    "properties": {
+        "name": {"type": "string"}, "path": {"type": "string"}, "fine_tune_type": {"type": "string"}, "rank": {"type": "integer"},
+        "scale": {"type": "number"}, "num_layers": {"type": "integer"}, "keys": {"type": "array", "items": {"type": "string"}},
+        "problem": {"type": ["string", "null"], "description": "why it cannot be used, where its config already shows that"},
+    },
+}
 INFO_SCHEMA = {
     "type": "object",
     "required": ["model", "backend", "device", "dtype", "adapter_path", "adapter_applied", "load_time_s", "context_length"],
@@ -1545,6 +1627,15 @@ INFO_SCHEMA = {
             "type": "object",
             "properties": {"budget_bytes": {"type": "integer"}, "bytes": {"type": "integer"}, "entries": {"type": "integer"}},
         },
+        "adapters": {
+            "type": "object",
+            "required": ["dir", "default", "max_loaded", "loaded", "available"],
+            "properties": {
+                "dir": {"type": ["string", "null"]}, "default": {"type": ["string", "null"]}, "max_loaded": {"type": "integer"},
+                "loaded": {"type": "array", "items": {"type": "string"}, "description": "least recently used first"},
+                "available": {"type": "array", "items": ADAPTER_FACTS_SCHEMA},
+            },
+        },
     },
 }
 SUMMARY_PROPERTIES = {
@@ -1554,6 +1645,7 @@ SUMMARY_PROPERTIES = {
     "cached_tokens": {"type": "integer", "minimum": 0, "description": "prompt tokens whose KV came from the prompt cache"},
     "finish_reason": {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]},
     "model": {"type": "string"},
+    "adapter": {"type": ["string", "null"], "description": "the LoRA adapter it decoded with (null: the base model)"},
     "backend": {"enum": ["torch", "mlx"]},
     "timings": {
         "type": "object",
@@ -1592,7 +1684,11 @@ OPENAI_ERROR_SCHEMA = {
 MODEL_SCHEMA = {
     "type": "object",
     "required": ["id", "object", "created", "owned_by"],
-    "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": {"type": "string"}},
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": {"type": "string"},
+        "parent": {"type": "string", "description": "an adapter's base model"}, "root": {"type": "string", "description": "an adapter's folder"},
+        "adapter": ADAPTER_FACTS_SCHEMA,
+    },
 }
 USAGE_SCHEMA = {
     "type": "object",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
+    from backends.adapters import Adapter, AdapterRegistry
     from backends.text import ChatPrompt
 
 BACKEND_NAMES = ("auto", "mlx", "torch")
@@ -93,6 +94,9 @@ class Sequence:
     max_new_tokens: int
     logprobs: int | None = None  # report each generated token's logprob and this many alternatives (None: nothing)
     prompt_logprobs: int | None = None  # the same for every prompt token but the first (the prompt is then prefilled whole)
+    # The LoRA adapter this sequence decodes with (None: the base model), applied unmerged on its
+    # rows of the batch; its prompt cache entries are its own.
+    adapter: "Adapter | None" = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,7 @@ class Decoder(Protocol):
     """
 
     capacity: int  # how many sequences may be active at once
+    adapter_slots: int  # how many distinct adapters its active sequences may use at once (the engine keeps to it)
 
     def add(self, sequence: Sequence) -> int:
         """Start a sequence; returns how many of its prompt ids came from the prompt cache."""
@@ -185,6 +190,7 @@ class Backend(Protocol):
     info: ModelInfo
     eos_token_ids: frozenset[int]
     max_batch: int  # the batch size its decoder serves (MAX_BATCH, or the runtime's default)
+    adapters: "AdapterRegistry"  # the LoRA adapters requests may name, loaded on first use
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -227,6 +233,8 @@ class LoadOptions:
     device: str = "auto"
     dtype: str = "auto"
     max_batch: int = 0  # sequences per decode step; 0: the runtime's default (CUDA graphs are captured for it)
+    adapters_dir: str | None = None  # a folder of mlx-lm adapter folders, chosen per request by name
+    max_adapters: int = 8  # adapters held loaded (LRU), and distinct adapters decoding at once
     compile: bool | None = None  # torch.compile the Phi fast path's step; None: on CUDA only
     quantize: str = ""  # PHI2_QUANTIZE: quantize the weights at load (each runtime says which values it takes)
     warmup: bool = True

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from backends import Backend, Decoder, Detokenizer, PromptCacheUsage, Sampling, Sequence, StepLogprobs
+from backends.adapters import Adapter
 
 log = logging.getLogger("phi2_server.engine")
 
@@ -65,6 +66,7 @@ class Request:
     ignore_eos: bool = False  # benchmarks force the token count
     logprobs: int | None = None  # each token's logprob and this many alternatives, as StepLogprobs events
     prompt_logprobs: int | None = None  # the same for the prompt, with the first token's event
+    adapter: "Adapter | None" = None  # the LoRA adapter to decode with, loaded (None: the base model)
 
 
 Event = "str | StepLogprobs | Summary"  # text, a token's logprobs (before its text), the end
@@ -346,7 +348,7 @@ class Engine:
         decoder = self._decoder
         while True:
             self._flush(force=not self._running)  # about to wait for work: nothing may stay behind
-            work = self._admit(decoder.capacity)
+            work = self._admit(decoder.capacity, decoder.adapter_slots)
             if work is None:
                 self._flush(force=True)
                 return
@@ -380,8 +382,11 @@ class Engine:
     def _new_decoder(self, backend: Backend) -> Decoder:
         return backend.decoder(self.max_batch, prompt_cache_bytes=self.prompt_cache_bytes)
 
-    def _admit(self, capacity: int) -> tuple[list[Ticket], str | None] | None:
+    def _admit(self, capacity: int, adapter_slots: int) -> tuple[list[Ticket], str | None] | None:
         """Wait for work; fill free decoder slots from the queue, in arrival order.
+
+        At most `adapter_slots` distinct adapters decode at once: a request for one more waits
+        (and the requests behind it, to keep the order) until a running adapter's last sequence ends.
 
         Returns the admitted tickets and a pending abort reason, or None to end the worker.
         """
@@ -398,7 +403,13 @@ class Engine:
             if self._stopped and not self._running:
                 return None
             admitted = []
+            adapters = {r.ticket.request.adapter.key for r in self._running.values() if r.ticket.request.adapter is not None}
             while self._waiting and len(self._running) + len(admitted) < capacity:
+                adapter = self._waiting[0].request.adapter
+                if adapter is not None and adapter.key not in adapters:
+                    if len(adapters) >= adapter_slots:
+                        break
+                    adapters.add(adapter.key)
                 admitted.append(self._waiting.popleft())
             return admitted, abort_reason
 
@@ -408,7 +419,9 @@ class Engine:
         try:
             logprobs = request.logprobs if request.prompt_logprobs is None else max(request.logprobs or 0, request.prompt_logprobs)
             # A prompt scored alone (max_tokens 0) still computes its first token: its logits end the prefill.
-            sequence = Sequence(seq_id, request.prompt_ids, request.sampling, max(request.max_tokens, 1), logprobs, request.prompt_logprobs)
+            sequence = Sequence(
+                seq_id, request.prompt_ids, request.sampling, max(request.max_tokens, 1), logprobs, request.prompt_logprobs, request.adapter
+            )
             cached = decoder.add(sequence)
         except Exception as exc:
             log.exception("could not start a sequence")

@@ -2,6 +2,8 @@
 
 One sequence at a time steps mlx-lm's `generate_step`; several share one running batch of
 mlx-lm's `BatchGenerator` (continuous batching: sequences join and leave between steps).
+A sequence's LoRA adapter is applied to its own rows only (backends.mlx_lora): its ids go into
+the model offset by its adapter slot, and come back out of the sampler offset the same way.
 """
 
 from __future__ import annotations
@@ -9,11 +11,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
-from mlx_lm.utils import load_adapters, quantize_model
+from mlx_lm.utils import quantize_model
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
@@ -22,9 +25,12 @@ from backends import (
     LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs, TokenLogprob,
     default_prompt_cache_bytes, physical_memory,
 )
-from backends.adapters import find_adapter
+from backends.adapters import AdapterError, AdapterRegistry, find_adapter
 from backends.grammar import Grammars
 from backends.mlx_logprobs import token_logprobs
+from backends.mlx_lora import (
+    Router, SlotBank, block_linears, install_router, load_adapter_tensors, prompt_cache_key, routed_sampler,
+)
 from backends.mlx_sampling import logits_processors, make_sampler
 from backends.model_files import is_random
 from backends.text import TokenizerMethods, TokenizerText
@@ -68,13 +74,16 @@ class MlxDetokenizer:
 class MlxBackend(TokenizerMethods):
     name = "mlx"
 
-    def __init__(self, model, tokenizer, info: ModelInfo, max_batch: int = 1):
+    def __init__(self, model, tokenizer, info: ModelInfo, adapters: AdapterRegistry, router: Router, max_batch: int = 1, max_adapters: int = 8):
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
         hf = wrapped_tokenizer(tokenizer)
         self.text = TokenizerText(hf)
         self.info = info
         self.max_batch = max_batch
+        self.adapters = adapters
+        self.max_adapters = max(max_adapters, 1)  # distinct adapters a batch decodes at once
+        self.router = router
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._skipped = frozenset(hf.all_special_ids) | frozenset(range(len(hf), self._model_vocab()))
         # Phi-2's model vocabulary exceeds its tokenizer's: the ids past it decode to nothing and
@@ -84,7 +93,7 @@ class MlxBackend(TokenizerMethods):
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> "MlxBackend":
-        adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
+        default_adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
         bits = quantize_bits(options.quantize)
         try:
             if is_random(options.model):
@@ -101,12 +110,18 @@ class MlxBackend(TokenizerMethods):
                 )
             # mlx-lm's own quantization, as `mlx_lm.convert -q` does (group size 64, affine).
             model, config = quantize_model(model, config, group_size=None, bits=bits)
-        if adapter is not None:  # as mlx_lm.load does: LoRA layers over the (quantized) linears, not fused
+        # Adapters stay unmerged, over the (quantized) linears, applied per sequence; the
+        # ADAPTER_PATH one is the default of requests that name none (the server's choice).
+        adapters = AdapterRegistry(
+            options.adapters_dir, default_adapter, load_tensors=load_adapter_tensors, linears=block_linears(model),
+            blocks=len(model.layers), max_loaded=options.max_adapters,
+        )
+        if default_adapter is not None:  # loaded now: a broken one fails the start, not a request
             try:
-                model = load_adapters(model, str(adapter))
-            except (ValueError, KeyError) as exc:
-                raise ModelLoadError(f"ADAPTER_PATH={adapter} could not be loaded by mlx-lm: {exc}") from exc
-            model.eval()
+                adapters.get(adapters.default_name)
+            except AdapterError as exc:
+                raise ModelLoadError(f"ADAPTER_PATH={default_adapter}: {exc}") from exc
+        router = install_router(model)
         info = ModelInfo(
             model=options.model,
             backend=cls.name,
@@ -115,13 +130,13 @@ class MlxBackend(TokenizerMethods):
             quantization=_quantization(config),
             context_length=int(config.get("max_position_embeddings") or 2048),
             adapter_path=options.adapter_path,
-            adapter_applied=adapter is not None,
+            adapter_applied=default_adapter is not None,
             extra={
                 "parameters": sum(v.size for _, v in tree_flatten(model.parameters())),
                 "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
             },
         )
-        backend = cls(model, tokenizer, info, max_batch=options.max_batch or 8)
+        backend = cls(model, tokenizer, info, adapters, router, max_batch=options.max_batch or 8, max_adapters=options.max_adapters)
         if options.warmup:
             backend.warm_up()  # the first request should not pay for kernel compilation
         return backend
@@ -152,38 +167,46 @@ class MlxBackend(TokenizerMethods):
         weight = getattr(head, "weight", None)
         return int(weight.shape[0]) if weight is not None else self.text.vocab_size
 
-    def generation(self, prompt: list[int], sequence: Sequence, cache: list):
-        """mlx-lm's own token generator for one sequence: `prompt` is what `cache` lacks of it."""
-        sampler = self.sampler(sequence)
+    def slot_bank(self, size: int) -> SlotBank:
+        """Adapter slots for a decoder: `size` adapters at once, over this backend's model."""
+        return SlotBank(self.model, self.router, size)
+
+    def generation(self, prompt: list[int], sequence: Sequence, cache: list, offset: int = 0):
+        """mlx-lm's own token generator for one sequence: `prompt` is what `cache` lacks of it;
+        its ids go in, and come out, offset by its adapter slot's `offset`."""
+        sampler, processors = self.sampler(sequence, offset)
         return generate_step(
-            mx.array(prompt),
+            mx.array(prompt) + offset,
             self.model,
             max_tokens=sequence.max_new_tokens,
             sampler=sampler,
-            logits_processors=logits_processors(sampler),
+            logits_processors=processors,
             prompt_cache=cache,
         )
 
-    def sampler(self, sequence: Sequence):
-        return make_sampler(sequence.sampling, sequence.prompt_ids, self.decodable)
+    def sampler(self, sequence: Sequence, offset: int = 0) -> tuple[Callable, list]:
+        """A sequence's sampler, its choices offset by `offset`, and the logits processors it needs."""
+        sampler = make_sampler(sequence.sampling, sequence.prompt_ids, self.decodable)
+        return routed_sampler(sampler, offset), logits_processors(sampler)
 
-    def start(self, sequence: Sequence, prompts: "PromptReuse") -> tuple[list | None, list[int], tuple[TokenLogprob, ...] | None]:
+    def start(self, sequence: Sequence, prompts: "PromptReuse", offset: int = 0) -> tuple[list | None, list[int], tuple[TokenLogprob, ...] | None]:
         """Where a sequence starts: a cache holding part of its prompt (or None), the ids left to
-        prefill, and its prompt's logprobs if it asked for them.
+        prefill (plain), and its prompt's logprobs if it asked for them.
 
         A stored prefix comes from `prompts`; a prompt whose logprobs are asked for is prefilled
         here instead, all but its last id, keeping the logits of every position (mlx-lm's
-        generators keep none)."""
+        generators keep none). The model sees the ids offset by `offset`: call this with the
+        sequence's slot bank in use."""
         prompt = sequence.prompt_ids
         if sequence.prompt_logprobs is None:
-            return *prompts.fetch(prompt), None
+            return *prompts.fetch(prompt, prompt_cache_key(sequence.adapter)), None
         if len(prompt) < 2:
             return None, prompt, ()
         cache = make_prompt_cache(self.model)
         scores = []
         for start in range(0, len(prompt) - 1, PREFILL_STEP):
             piece = prompt[start : min(start + PREFILL_STEP, len(prompt) - 1)]
-            logits = self.model(mx.array(piece)[None], cache=cache)[0]
+            logits = self.model(mx.array(piece)[None] + offset, cache=cache)[0]
             scores += token_logprobs(logits, prompt[start + 1 : start + 1 + len(piece)], sequence.prompt_logprobs)
         return cache, prompt[-1:], tuple(scores)
 
@@ -241,23 +264,25 @@ def _quantization(config: dict) -> dict | None:
 
 # Entries of a prompt cache: the byte budget is what bounds it; this only bounds the trie's size.
 PROMPT_CACHE_ENTRIES = 256
-CACHE_KEY = "model"  # one model (and adapter) per decoder, so the key tells nothing apart
 
 
 class PromptReuse:
     """mlx-lm's own prompt cache (`LRUPromptCache`: a trie of token ids, least recently used
-    out first, within a byte budget), as both MLX decoders use it."""
+    out first, within a byte budget), as both MLX decoders use it.
+
+    Its "model" key is the adapter's (`prompt_cache_key`), so no adapter reuses another's KV;
+    its ids are plain (not offset by a slot), so an adapter's entries serve it in any slot."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self._lru = LRUPromptCache(max_size=PROMPT_CACHE_ENTRIES, max_bytes=budget_bytes) if budget_bytes > 0 else None
 
-    def fetch(self, prompt: list[int]) -> tuple[list | None, list[int]]:
+    def fetch(self, prompt: list[int], key: str) -> tuple[list | None, list[int]]:
         """A cache holding the longest stored prefix of `prompt` (a copy), and the ids left to
         prefill: always at least the last one, whose logits give the first token."""
         if self._lru is None:
             return None, prompt
-        cache, rest = self._lru.fetch_nearest_cache(CACHE_KEY, prompt)
+        cache, rest = self._lru.fetch_nearest_cache(key, prompt)
         if cache is not None and not rest:  # all of it is stored
             if not can_trim_prompt_cache(cache):
                 return None, prompt
@@ -265,11 +290,11 @@ class PromptReuse:
             rest = prompt[-1:]
         return cache, list(rest)
 
-    def store(self, tokens: list[int], cache: list) -> None:
+    def store(self, tokens: list[int], cache: list, key: str) -> None:
         """Keep a cache holding exactly `tokens`; one larger than the whole budget is not kept
         (mlx-lm would evict every other entry before dropping it)."""
         if self._lru is not None and tokens and sum(c.nbytes for c in cache) <= self.budget_bytes:
-            self._lru.insert_cache(CACHE_KEY, list(tokens), cache)
+            self._lru.insert_cache(key, list(tokens), cache)
 
     def usage(self) -> PromptCacheUsage:
         if self._lru is None:
@@ -281,10 +306,14 @@ class SingleSequenceDecoder:
     """Steps mlx-lm's `generate_step` for one sequence at a time."""
 
     capacity = 1
+    adapter_slots = 1  # one sequence, so one adapter, at a time
 
     def __init__(self, backend: MlxBackend, prompt_cache_bytes: int = 0):
         self._backend = backend
+        self._router = backend.router
+        self._bank = backend.slot_bank(self.adapter_slots)
         self._sequence: Sequence | None = None
+        self._slot: int | None = None
         self._tokens = None
         self._prompts = PromptReuse(prompt_cache_bytes)
         self.logprobs: dict[int, StepLogprobs] = {}
@@ -295,20 +324,29 @@ class SingleSequenceDecoder:
     def add(self, sequence: Sequence) -> int:
         if self._sequence is not None:
             self.remove(self._sequence.id)
-        self._sequence = sequence
-        cache, rest, self._prompt_scores = self._backend.start(sequence, self._prompts)
-        self._cache = cache if cache is not None else make_prompt_cache(self._backend.model)
-        self._ids = list(sequence.prompt_ids)  # then the generated ones
-        self._tokens = self._backend.generation(rest, sequence, self._cache)
-        return len(sequence.prompt_ids) - len(rest) if self._prompt_scores is None else 0
+        slot = self._bank.acquire(sequence.adapter)
+        offset = self._router.offset(slot)
+        try:
+            with self._router.using(self._bank):
+                cache, rest, prompt_scores = self._backend.start(sequence, self._prompts, offset)
+            cache = cache if cache is not None else make_prompt_cache(self._backend.model)
+            tokens = self._backend.generation(rest, sequence, cache, offset)
+        except BaseException:  # the engine removes no sequence it could not add
+            self._bank.release(slot)
+            raise
+        self._sequence, self._slot, self._cache, self._tokens = sequence, slot, cache, tokens
+        self._prompt_scores = prompt_scores
+        self._ids = list(sequence.prompt_ids)  # then the generated ones (plain, as the prompt cache keeps them)
+        return len(sequence.prompt_ids) - len(rest) if prompt_scores is None else 0
 
     def step(self) -> dict[int, int]:
         self.logprobs = {}
         sequence = self._sequence
         if sequence is None:
             return {}
-        token, logprobs = next(self._tokens)
-        token = int(token)
+        with self._router.using(self._bank):
+            token, logprobs = next(self._tokens)
+        token = int(token) % self._router.vocab
         self._ids.append(token)
         if sequence.logprobs is not None:
             (score,) = token_logprobs(logprobs[None], [token], sequence.logprobs)
@@ -323,8 +361,10 @@ class SingleSequenceDecoder:
             self._tokens.close()
             if len(self._ids) > len(self._sequence.prompt_ids):  # its prefill completed; generate_step fed every token it gave
                 held = self._cache[0].offset
-                self._prompts.store(self._ids[:held], self._cache)
+                self._prompts.store(self._ids[:held], self._cache, prompt_cache_key(self._sequence.adapter))
+            self._bank.release(self._slot)
             self._sequence = None
+            self._slot = None
             self._tokens = None
             self._cache = None
 
@@ -350,11 +390,18 @@ class BatchDecoder:
     (`insert(caches=...)`); a prompt's cache is stored once its prefill is complete (all but
     its last token, BatchGenerator's end of the first segment), and again with the generated
     ids when the sequence ends.
+
+    Sequences of up to `adapter_slots` distinct adapters share the batch, each in a slot of the
+    decoder's bank: BatchGenerator holds their ids offset by their slot (mlx_lora), which the
+    decoder takes off again for the engine and the prompt cache.
     """
 
     def __init__(self, backend: MlxBackend, capacity: int, prefill_step: int = PREFILL_STEP, prompt_cache_bytes: int = 0):
         self.capacity = capacity
+        self.adapter_slots = backend.max_adapters
         self._backend = backend
+        self._router = backend.router
+        self._bank = backend.slot_bank(self.adapter_slots)
         self._prefill_step = prefill_step
         self._generator: BatchGenerator | None = None
         self._uids: dict[int, int] = {}  # sequence id -> BatchGenerator uid
@@ -362,6 +409,7 @@ class BatchDecoder:
         self._generating: set[int] = set()  # uids past their prefill
         self._prompts = PromptReuse(prompt_cache_bytes)
         self._sequences: dict[int, Sequence] = {}  # uid -> its sequence
+        self._slots: dict[int, int | None] = {}  # uid -> its adapter slot (None: the base model)
         self._prompt_scores: dict[int, tuple[TokenLogprob, ...]] = {}  # uid -> its prompt's logprobs, until its first token
         self.logprobs: dict[int, StepLogprobs] = {}
 
@@ -381,20 +429,28 @@ class BatchDecoder:
                 prefill_batch_size=self.capacity,
                 prefill_step_size=self._prefill_step,
             )
-        cache, rest, scores = self._backend.start(sequence, self._prompts)
-        reused = len(sequence.prompt_ids) - len(rest)
-        sampler = self._backend.sampler(sequence)
-        (uid,) = self._generator.insert(
-            [rest],
-            max_tokens=[sequence.max_new_tokens],
-            caches=[cache],
-            all_tokens=[sequence.prompt_ids[:reused]],
-            samplers=[sampler],
-            logits_processors=[logits_processors(sampler)],  # the repetition penalty reads raw logits
-        )
+        slot = self._bank.acquire(sequence.adapter)
+        offset = self._router.offset(slot)
+        try:
+            with self._router.using(self._bank):
+                cache, rest, scores = self._backend.start(sequence, self._prompts, offset)
+            reused = len(sequence.prompt_ids) - len(rest)
+            sampler, processors = self._backend.sampler(sequence, offset)
+            (uid,) = self._generator.insert(
+                [[i + offset for i in rest]],
+                max_tokens=[sequence.max_new_tokens],
+                caches=[cache],
+                all_tokens=[[i + offset for i in sequence.prompt_ids[:reused]]],
+                samplers=[sampler],
+                logits_processors=[processors],  # the repetition penalty reads raw logits
+            )
+        except BaseException:  # the engine removes no sequence it could not add
+            self._bank.release(slot)
+            raise
         self._uids[sequence.id] = uid
         self._ids[uid] = sequence.id
         self._sequences[uid] = sequence
+        self._slots[uid] = slot
         if scores is not None:
             self._prompt_scores[uid] = scores
         return reused if scores is None else 0
@@ -402,25 +458,28 @@ class BatchDecoder:
     def step(self) -> dict[int, int]:
         if self._generator is None:
             return {}
-        prompts, generated = self._generator.next()
+        with self._router.using(self._bank):
+            prompts, generated = self._generator.next()
         prefilled = [r.uid for r in prompts if r.end_of_segment and not r.end_of_prompt]
-        for cache, tokens in self._generator.extract_cache(prefilled).values():
-            self._prompts.store(tokens, cache)
+        for uid, (cache, tokens) in self._generator.extract_cache(prefilled).items():
+            self._store(self._sequences[uid], tokens, cache)
         out = {}
         self.logprobs = {}
         asking = []
         for r in generated:
-            out[self._ids[r.uid]] = r.token
+            token = r.token % self._router.vocab
+            out[self._ids[r.uid]] = token
             self._generating.add(r.uid)
             if self._sequences[r.uid].logprobs is not None:
-                asking.append(r)
+                asking.append((r, token))
             if r.finish_reason is not None:  # at its length limit BatchGenerator drops it itself
-                self._prompts.store(r.all_tokens, r.prompt_cache)
+                self._store(self._sequences[r.uid], r.all_tokens, r.prompt_cache)
                 self._generating.discard(r.uid)
         if asking:
-            tops = [self._sequences[r.uid].logprobs for r in asking]
-            scores = token_logprobs(mx.stack([r.logprobs.reshape(-1) for r in asking]), [r.token for r in asking], tops)
-            for r, score in zip(asking, scores):
+            tops = [self._sequences[r.uid].logprobs for r, _ in asking]
+            rows = mx.stack([r.logprobs.reshape(-1) for r, _ in asking])
+            scores = token_logprobs(rows, [token for _, token in asking], tops)
+            for (r, _), score in zip(asking, scores):
                 self.logprobs[self._ids[r.uid]] = StepLogprobs(score, self._prompt_scores.pop(r.uid, None))
         return out
 
@@ -429,17 +488,22 @@ class BatchDecoder:
         if uid is None:
             return
         del self._ids[uid]
-        self._sequences.pop(uid, None)
+        sequence = self._sequences.pop(uid)
         self._prompt_scores.pop(uid, None)
         generating = uid in self._generating
         self._generating.discard(uid)
         # Nothing more is computed for it from the next step; a sequence past its prefill
         # leaves its cache behind (one still in its prefill leaves nothing).
         caches = self._generator.remove([uid], return_prompt_caches=generating)
+        self._bank.release(self._slots.pop(uid))  # its rows are gone from the batch
         for cache, tokens in caches.values():
-            self._prompts.store(tokens, cache)
+            self._store(sequence, tokens, cache)
         if not self._uids:
             # Drop the idle generator here, on the generation thread (as mlx-lm's server does):
             # its close() synchronizes its thread-local stream.
             self._generator.close()
             self._generator = None
+
+    def _store(self, sequence: Sequence, tokens: list[int], cache: list) -> None:
+        """Keep the cache of a sequence's `tokens` (as BatchGenerator holds them: offset)."""
+        self._prompts.store(self._router.plain(tokens), cache, prompt_cache_key(sequence.adapter))

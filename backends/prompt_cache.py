@@ -22,6 +22,12 @@ from typing import Any, Callable
 from backends import PromptCacheUsage
 
 
+def namespace(sequence) -> str:
+    """The part of a prompt cache a sequence's KV belongs to: its adapter's (KV computed with one
+    adapter is of no use to another, or to the base model)."""
+    return sequence.adapter.key if sequence.adapter is not None else ""
+
+
 @dataclass(eq=False)
 class Node:
     ids: tuple[int, ...]
@@ -51,23 +57,23 @@ class PrefixCache:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.bytes = 0
-        self.root = Node((), None, None, 0, None)
+        self.roots: dict[str, Node] = {}  # one tree a namespace (an adapter's KV is its own)
         self._clock = itertools.count(1)
 
     def usage(self) -> PromptCacheUsage:
         return PromptCacheUsage(self.budget_bytes, self.bytes, sum(1 for _ in self._leaves()))
 
-    def match(self, ids: list[int], limit: int) -> tuple[int, list[tuple[Node, int]]]:
-        """The longest prefix of `ids` (at most `limit` ids) held: its length, and the nodes that
-        hold it with how many of each node's ids it takes, in order."""
+    def match(self, ids: list[int], limit: int, namespace: str = "") -> tuple[int, list[tuple[Node, int]]]:
+        """The longest prefix of `ids` (at most `limit` ids) held in `namespace`: its length, and
+        the nodes that hold it with how many of each node's ids it takes, in order."""
         key = tuple(ids[:limit])
-        path, matched = self._walk(key)
+        path, matched = self._walk(key, self._root(namespace))
         now = next(self._clock)
         for node, _ in path:
             node.used = now
         return matched, path
 
-    def store(self, ids: list[int], bytes_per_id: int, kv: Callable[[int, int], tuple[Any, Any]]) -> None:
+    def store(self, ids: list[int], bytes_per_id: int, kv: Callable[[int, int], tuple[Any, Any]], namespace: str = "") -> None:
         """Hold the KV of `ids`; `kv(start, end)` copies out of the decoder the KV of
         ids[start:end], for what the tree does not hold yet.
 
@@ -77,31 +83,37 @@ class PrefixCache:
         key = tuple(ids)
         if not key or self.budget_bytes <= 0:
             return
-        path, matched = self._walk(key)
+        root = self._root(namespace)
+        path, matched = self._walk(key, root)
         now = next(self._clock)
         for node, _ in path:
             node.used = now
         if matched == len(key):
             return
         nbytes = (len(key) - matched) * bytes_per_id
-        last, taken = path[-1] if path else (self.root, 0)
+        last, taken = path[-1] if path else (root, 0)
         split_bytes = (len(last.ids) - taken) * bytes_per_id  # a split copies the rest of that node
         if not self._make_room(nbytes + split_bytes, keep=last):
             return
-        parent = self._split(last, taken, bytes_per_id) if path else self.root
+        parent = self._split(last, taken, bytes_per_id) if path else root
         k, v = kv(matched, len(key))
         leaf = Node(key[matched:], k, v, nbytes, parent, used=now)
         parent.children[leaf.ids[0]] = leaf
         self.bytes += nbytes
 
     def clear(self) -> None:
-        self.root.children.clear()
+        self.roots.clear()
         self.bytes = 0
 
     # -- the tree ----------------------------------------------------------------------------
 
-    def _walk(self, key: tuple[int, ...]) -> tuple[list[tuple[Node, int]], int]:
-        path, matched, node = [], 0, self.root
+    def _root(self, namespace: str) -> Node:
+        if namespace not in self.roots:
+            self.roots[namespace] = Node((), None, None, 0, None)
+        return self.roots[namespace]
+
+    def _walk(self, key: tuple[int, ...], root: Node) -> tuple[list[tuple[Node, int]], int]:
+        path, matched, node = [], 0, root
         while matched < len(key):
             child = node.children.get(key[matched])
             if child is None:
@@ -133,7 +145,7 @@ class PrefixCache:
 
 
     def _leaves(self):
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             if node.children:

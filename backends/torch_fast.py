@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob
-from backends.prompt_cache import PrefixCache
+from backends.prompt_cache import PrefixCache, namespace
 from backends.torch_logprobs import token_logprobs
 from backends.torch_quant import QuantizedWeight, linear, quantize_weight
+from backends.torch_lora import FusedLoraSlots
 from backends.torch_sampling import TokenChooser, choose_constrained
 
 log = logging.getLogger("phi2_server.torch_fast")
@@ -80,6 +81,7 @@ class PhiWeights:
         self.decodable = decodable  # ids from here on decode to nothing: they are never sampled
         self.context = context
         self.hidden = config.hidden_size
+        self.inner = config.intermediate_size
         self.heads = config.num_attention_heads
         self.head_dim = self.hidden // self.heads
         rope_parameters = getattr(config, "rope_parameters", None) or {}
@@ -158,14 +160,17 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_
     rot.copy_(torch.addcmul(rot * cos, rolled, signed_sin))
 
 
-def decode_layer(x, cos, sin, bias, positions, rows, k_cache, v_cache, ln_w, ln_b, w_in, b_in, w_out, b_out, *, shape):
+def decode_layer(x, cos, sin, bias, positions, rows, k_cache, v_cache, ln_w, ln_b, w_in, b_in, w_out, b_out, *, shape, lora=None):
     """One Phi block for one new token per row: x [b, hidden] at `positions`, the cache of
     each row in k_cache/v_cache [rows, heads, length, head_dim]; `bias` masks the columns a
-    row must not see ([b * heads, 1, span]). Compilable: shapes come from the tensors."""
+    row must not see ([b * heads, 1, span]); `lora`, if the block is adapted, is each row's
+    adapter product (torch_lora). Compilable: shapes come from the tensors."""
     hidden, heads, head_dim, rotary_dim, eps, activation = shape
     batch, span = x.shape[0], bias.shape[-1]
     h = F.layer_norm(x, (hidden,), ln_w, ln_b, eps)
     y = linear(h, w_in, b_in)
+    if lora is not None:
+        y = y + lora_product(h, *lora[0])
     qkv = y[:, : 3 * hidden].view(batch, 3, heads, head_dim)
     rope_(qkv[:, :2], cos, sin, rotary_dim)
     q, k, v = qkv.unbind(1)
@@ -177,7 +182,15 @@ def decode_layer(x, cos, sin, bias, positions, rows, k_cache, v_cache, ln_w, ln_
     scores = torch.baddbmm(bias, q.reshape(batch * heads, 1, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5)
     attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(batch, hidden)
     mixed = torch.cat((attention, activation(y[:, 3 * hidden :])), dim=-1)
-    return x + linear(mixed, w_out, b_out)
+    out = linear(mixed, w_out, b_out)
+    if lora is not None:
+        out = out + lora_product(mixed, *lora[1])
+    return x + out
+
+
+def lora_product(x, a, b, mask):
+    """Each row's own adapter's x @ A @ B: the mask keeps its slot's columns (torch_lora)."""
+    return ((x @ a) * mask) @ b
 
 
 class _Launch:
@@ -188,9 +201,10 @@ class _Launch:
 
 
 class _Slot:
-    def __init__(self, sequence: Sequence, chooser: TokenChooser):
+    def __init__(self, sequence: Sequence, chooser: TokenChooser, lora_index: int):
         self.sequence = sequence
         self.chooser = chooser
+        self.lora_index = lora_index  # its adapter's slot in the decoder's FusedLoraSlots; -1: the base model
         self.cached = 0  # tokens in the cache: the prompt as far as prefilled, then the generated ones fed back
         self.next_token: int | None = None  # the input of the next decode step, once the prompt is in
         self.generated: list[int] = []
@@ -209,7 +223,7 @@ class BatchedPhiDecoder:
     @torch.inference_mode()  # the cache and buffers are inference tensors, as everything that writes them
     def __init__(
         self, weights: PhiWeights, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
-        compile: bool = False, prompt_cache_bytes: int = 0,
+        compile: bool = False, prompt_cache_bytes: int = 0, adapter_slots: int = 8,
     ):
         self.weights = weights
         self.prompts = PrefixCache(prompt_cache_bytes)
@@ -217,6 +231,8 @@ class BatchedPhiDecoder:
         self.device = weights.device
         self.dtype = weights.embed.dtype
         self.capacity = max_batch
+        self.adapter_slots = adapter_slots
+        self.lora = FusedLoraSlots(weights.hidden, weights.inner, adapter_slots, self.device, self.dtype)
         self.context = weights.context
         on_cuda = self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or (512 if on_cuda else 64)
@@ -233,10 +249,11 @@ class BatchedPhiDecoder:
         # torch.compile fuses each block's small kernels (LayerNorm, rotary, GELU, residual);
         # dynamic shapes: one compilation serves every batch and length bucket.
         self._layer = torch.compile(decode_layer, dynamic=True, fullgraph=True) if compile else decode_layer
-        # Per row: input token, position, and 1 if the row decodes (its position advances when chained).
-        self.inputs = torch.zeros(3, self.rows, dtype=torch.long, device=self.device)
+        # Per row: input token, position, 1 if the row decodes (its position advances when
+        # chained), and its adapter's slot (-1: none).
+        self.inputs = torch.zeros(4, self.rows, dtype=torch.long, device=self.device)
         pinned = self.device.type == "cuda"
-        self._host_inputs = torch.zeros(3, self.rows, dtype=torch.long, pin_memory=pinned)
+        self._host_inputs = torch.zeros(4, self.rows, dtype=torch.long, pin_memory=pinned)
         self._greedy_host = [torch.zeros(self.rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._flip = 0
         self._inflight: _Launch | None = None
@@ -260,6 +277,7 @@ class BatchedPhiDecoder:
         self._stash = None
         self.slots.clear()
         self.index.clear()
+        self.lora.table.users = [0] * self.lora.size  # the adapters stay in their slots, unused
         self.prompts = PrefixCache(prompt_cache_bytes)
         self._to_store.clear()
 
@@ -267,13 +285,18 @@ class BatchedPhiDecoder:
         return self.prompts.usage()
 
     @torch.inference_mode()
-    def logits_after(self, ids: list[int]) -> torch.Tensor:
-        """The next-token logits after `ids` (float32), computed in a free row, which stays free;
-        for checks and benchmarks (the quality of quantized weights, the GPU check)."""
+    def logits_after(self, ids: list[int], adapter=None) -> torch.Tensor:
+        """The next-token logits after `ids` (float32), with `adapter` if given, computed in a free
+        row, which stays free; for checks and benchmarks (quantized weights, the GPU check)."""
         if len(self.slots) >= self.rows:
             raise RuntimeError("no free row")
         self._drain()
-        return self._prefill([(len(self.slots), ids, 0)])[0][0].float()
+        index = self._place(adapter)
+        try:
+            return self._prefill([(len(self.slots), ids, 0)], lora_rows=[index])[0][0].float()
+        finally:
+            if index >= 0:
+                self.lora.release(index)
 
     def _drain(self) -> None:
         """Read a step still in flight before the slots change under it."""
@@ -287,12 +310,13 @@ class BatchedPhiDecoder:
             raise RuntimeError("decoder is full")
         self._store_prompts()
         row = len(self.slots)
-        slot = _Slot(sequence, TokenChooser(sequence.sampling, sequence.prompt_ids, self.weights.decodable, self.device))
+        chooser = TokenChooser(sequence.sampling, sequence.prompt_ids, self.weights.decodable, self.device)
+        slot = _Slot(sequence, chooser, self._place(sequence.adapter))
         # A stored prefix goes straight into the slot's rows (at least the last prompt token is
         # left to prefill: the first sampled token needs fresh logits). Prompt logprobs need
         # the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
-        reused, nodes = self.prompts.match(sequence.prompt_ids, limit)
+        reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=namespace(sequence))
         if reused:
             self._grow(reused)
             at = 0
@@ -305,6 +329,17 @@ class BatchedPhiDecoder:
         self.slots.append(slot)
         return reused
 
+    def _place(self, adapter) -> int:
+        if adapter is None:
+            return -1
+        if adapter.key not in self.lora.table.keys:
+            self._drain()  # its weights are about to be written (or the buffers replaced): no step may be reading them
+        version = self.lora.version
+        index = self.lora.place(adapter)
+        if self.lora.version != version:  # new buffers: graphs that read the old ones are stale
+            self.graphs = {key: graph for key, graph in self.graphs.items() if key[2] == 0}
+        return index
+
     def _store_prompts(self) -> None:
         for sequence_id in self._to_store:
             if sequence_id in self.index:
@@ -316,7 +351,8 @@ class BatchedPhiDecoder:
         slot = self.slots[row]
         per_id = 2 * self.k[:, row, :, :1].numel() * self.k.element_size()
         self.prompts.store(
-            slot.cached_ids(), per_id, lambda start, end: (self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone())
+            slot.cached_ids(), per_id, lambda start, end: (self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()),
+            namespace=namespace(slot.sequence),
         )
 
     @torch.inference_mode()
@@ -327,6 +363,8 @@ class BatchedPhiDecoder:
         if self.slots[self.index[sequence_id]].next_token is not None:  # its prefill completed
             self._store(self.index[sequence_id])
         slot = self.index.pop(sequence_id)
+        if self.slots[slot].lora_index >= 0:
+            self.lora.release(self.slots[slot].lora_index)
         last = len(self.slots) - 1
         if slot != last:  # keep slots packed: the last sequence moves into the freed slot
             moved = self.slots[last]
@@ -457,7 +495,7 @@ class BatchedPhiDecoder:
             slot.prompt_scores += token_logprobs(logits[: len(predicted)], predicted, slot.sequence.prompt_logprobs)
 
     @torch.inference_mode()
-    def _prefill(self, parts: list[tuple[int, list[int], int]], every_position: list[int] = ()) -> tuple[torch.Tensor, dict]:
+    def _prefill(self, parts: list[tuple[int, list[int], int]], every_position: list[int] = (), lora_rows: list[int] | None = None) -> tuple[torch.Tensor, dict]:
         """Run prompt pieces (slot, ids, first position) through the model, padded to the longest;
         write their keys and values to their slots; return each piece's last-token logits, and
         {piece: the logits of each of its positions} for the pieces in `every_position`.
@@ -482,18 +520,23 @@ class BatchedPhiDecoder:
         cos, sin = self.cos[positions][:, :, None, None, :], self.sin[positions][:, :, None, None, :]
         visible = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, length, span]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
+        adapted = self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
         with prefill_attention():
-            x = self._prefill_layers(x, cos, sin, mask, slots, positions, span)
+            x = self._prefill_layers(x, cos, sin, mask, slots, positions, span, adapted)
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
 
-    def _prefill_layers(self, x, cos, sin, mask, slots, positions, span) -> torch.Tensor:
+    def _prefill_layers(self, x, cos, sin, mask, slots, positions, span, adapted: dict) -> torch.Tensor:
         w = self.weights
         n, length = x.shape[:2]
         for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
+            lora = adapted.get(l)
             h = F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps)
             y = linear(h, w_in, b_in)
+            if lora is not None:
+                y = y + lora_product(h, *lora[0])
             qkv = y[..., : 3 * w.hidden].view(n, length, 3, w.heads, w.head_dim)
             rope_(qkv[:, :, :2], cos, sin, w.rotary_dim)
             q, k, v = qkv.unbind(2)  # [n, length, heads, head_dim]
@@ -502,7 +545,10 @@ class BatchedPhiDecoder:
             keys, values = self.k[l][slots, :, :span], self.v[l][slots, :, :span]
             attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
             mixed = torch.cat((attention.transpose(1, 2).reshape(n, length, w.hidden), w.activation(y[..., 3 * w.hidden :])), dim=-1)
-            x = x + linear(mixed, w_out, b_out)
+            out = linear(mixed, w_out, b_out)
+            if lora is not None:
+                out = out + lora_product(mixed, *lora[1])
+            x = x + out
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -527,10 +573,13 @@ class BatchedPhiDecoder:
             host = self._host_inputs.numpy()  # a view: plain writes, no tensor per row
             host[:, :batch] = 0
             host[1, :batch] = self.cache_length - 1
+            host[3, :batch] = -1
             for i in rows:
-                host[:, i] = (self.slots[i].next_token, self.slots[i].cached, 1)
-            self.inputs[:, :batch].copy_(self._host_inputs[:, :batch], non_blocking=True)  # tokens, positions, advance
-        logits, greedy = self._replay(batch, span) if self.use_graphs else self._decode_step(batch, span)
+                host[:, i] = (self.slots[i].next_token, self.slots[i].cached, 1, self.slots[i].lora_index)
+            self.inputs[:, :batch].copy_(self._host_inputs[:, :batch], non_blocking=True)  # tokens, positions, advance, adapter
+        # The adapters' product only while a sequence uses one (its graphs are captured apart).
+        lora = self.lora.version if any(self.slots[i].lora_index >= 0 for i in rows) else 0
+        logits, greedy = self._replay(batch, span, lora) if self.use_graphs else self._decode_step(batch, span, lora)
         if not self.use_graphs:
             return _Launch(rows, logits, greedy, None)
         # Feed the next step on the device: its tokens are these greedy ones, one position on.
@@ -553,8 +602,9 @@ class BatchedPhiDecoder:
         return buckets + [self.context + 1]
 
     @torch.inference_mode()
-    def _decode_step(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and greedy tokens for rows 0..batch-1, attending to cache columns 0..span-1."""
+    def _decode_step(self, batch: int, span: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens for rows 0..batch-1, attending to cache columns 0..span-1,
+        with each row's adapter if `lora` (the adapter buffers' version) is not 0."""
         w = self.weights
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         rows = torch.arange(batch, device=self.device)
@@ -563,16 +613,25 @@ class BatchedPhiDecoder:
         visible = torch.arange(span, device=self.device)[None, :] <= positions[:, None]
         bias = torch.zeros(batch, span, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
         bias = bias[:, None, None, :].expand(batch, w.heads, 1, span).reshape(batch * w.heads, 1, span)
+        adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
         for l, layer in enumerate(w.layers):
-            x = self._layer(x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *layer, shape=self._shape)
+            x = self._layer(x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *layer, shape=self._shape, lora=adapted.get(l))
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
-    def _replay(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (batch, span)
+    def _lora_layers(self, row_slots: torch.Tensor, prefill: bool = False) -> dict[int, tuple]:
+        """{block: ((a_in, b_in, mask_in), (a_out, b_out, mask_out))} for the adapted blocks,
+        masked by each row's adapter slot (prefill rows hold several positions: the mask broadcasts)."""
+        mask_in, mask_out = self.lora.masks(row_slots)
+        if prefill:
+            mask_in, mask_out = mask_in[:, None], mask_out[:, None]
+        return {l: ((a_in, b_in, mask_in), (a_out, b_out, mask_out)) for l, (a_in, b_in, a_out, b_out) in self.lora.blocks.items()}
+
+    def _replay(self, batch: int, span: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (batch, span, lora)
         if key not in self.graphs:
             try:
-                self.graphs[key] = self._capture(batch, span)
+                self.graphs[key] = self._capture(batch, span, lora)
             except Exception:
                 if self._layer is decode_layer:
                     raise
@@ -580,23 +639,23 @@ class BatchedPhiDecoder:
                 log.exception("torch.compile failed: the decode step runs uncompiled")
                 self._layer, self._pool = decode_layer, None
                 self.graphs.clear()
-                self.graphs[key] = self._capture(batch, span)
+                self.graphs[key] = self._capture(batch, span, lora)
         graph, out = self.graphs[key]
         graph.replay()
         return out
 
-    def _capture(self, batch: int, span: int):
+    def _capture(self, batch: int, span: int, lora: int = 0):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up kernels and workspaces outside the capture
-                self._decode_step(batch, span)
+                self._decode_step(batch, span, lora)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._decode_step(batch, span)
+            out = self._decode_step(batch, span, lora)
         self._pool = graph.pool()
-        log.info("captured a decode step for batch %d, attention length %d", batch, span)
+        log.info("captured a decode step for batch %d, attention length %d%s", batch, span, " with adapters" if lora else "")
         return graph, out
 
     @torch.inference_mode()

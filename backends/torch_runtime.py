@@ -20,13 +20,14 @@ from backends import (
     LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs,
     default_prompt_cache_bytes, physical_memory,
 )
-from backends.adapters import find_adapter, merge_lora_into_torch
+from backends.adapters import AdapterError, AdapterRegistry, find_adapter, torch_linears
 from backends.grammar import Grammars
 from backends.model_files import is_random
-from backends.prompt_cache import PrefixCache
+from backends.prompt_cache import PrefixCache, namespace
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.torch_quant import QuantizedWeight, describe, parse_method, quantize_linears
 from backends.torch_logprobs import token_logprobs
+from backends.torch_lora import LoraHooks
 from backends.torch_sampling import TokenChooser
 
 log = logging.getLogger("phi2_server.torch")
@@ -121,6 +122,8 @@ class TorchBackend(TokenizerMethods):
         self._fast_decoder = None  # kept: its CUDA graphs took seconds to capture
         self._fast_decoder_owner: threading.Thread | None = None
         self.max_batch = 1
+        self.max_adapters = 8
+        self.adapters: AdapterRegistry | None = None
         self.compile = False
         self.quantized = False
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -144,9 +147,16 @@ class TorchBackend(TokenizerMethods):
                 "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
             ) from exc
         adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
-        if adapter is not None:
-            changed = merge_lora_into_torch(model, adapter)
-            log.info("merged the LoRA adapter at %s into %d Linear layers", adapter, changed)
+        registry = AdapterRegistry(
+            options.adapters_dir, adapter, load_tensors=_load_safetensors, linears=torch_linears(model),
+            blocks=len(model.model.layers) if hasattr(model, "model") and hasattr(model.model, "layers") else 0,
+            max_loaded=options.max_adapters,
+        )
+        if adapter is not None:  # the default adapter: checked now, so a broken one stops the start
+            try:
+                registry.get(registry.default_name)
+            except AdapterError as exc:
+                raise ModelLoadError(f"ADAPTER_PATH={adapter}: {exc}") from exc
         parameters = sum(p.numel() for p in model.parameters())
         info = ModelInfo(
             model=options.model,
@@ -158,7 +168,8 @@ class TorchBackend(TokenizerMethods):
             adapter_applied=adapter is not None,
         )
         backend = cls(model, tokenizer, info)
-        quantized = backend.quantize(method) if method else []  # after the adapter was merged
+        backend.adapters, backend.max_adapters = registry, max(options.max_adapters, 1)
+        quantized = backend.quantize(method) if method else []  # adapters apply on top, unmerged
         backend.info = dataclasses.replace(
             info,
             quantization=describe(method, quantized) if method else None,
@@ -207,8 +218,8 @@ class TorchBackend(TokenizerMethods):
             # that is still alive holds it (tests run several workers over one backend).
             decoder, owner = self._fast_decoder, self._fast_decoder_owner
             mine = owner is None or owner is threading.current_thread() or not owner.is_alive()
-            if decoder is None or decoder.capacity != max_batch or not mine:
-                decoder = torch_fast.BatchedPhiDecoder(self.fast_weights, max_batch, compile=self.compile)
+            if decoder is None or decoder.capacity != max_batch or decoder.adapter_slots != self.max_adapters or not mine:
+                decoder = torch_fast.BatchedPhiDecoder(self.fast_weights, max_batch, compile=self.compile, adapter_slots=self.max_adapters)
                 self._fast_decoder = decoder
             decoder.clear(prompt_cache_bytes=budget)
             self._fast_decoder_owner = threading.current_thread()
@@ -253,6 +264,12 @@ class TorchBackend(TokenizerMethods):
             return DynamicCache()
 
 
+def _load_safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
 def random_model(path: Path, dtype: torch.dtype, device: str):
     """The architecture in `path`/config.json with random weights, built without a CPU copy."""
     from transformers import AutoConfig
@@ -286,9 +303,11 @@ class SingleSequenceDecoder:
     """
 
     capacity = 1
+    adapter_slots = 1
 
     def __init__(self, backend: TorchBackend, prompt_cache_bytes: int = 0):
         self._backend = backend
+        self._lora = LoraHooks(backend.model)  # the sequence's adapter, if it has one
         self._sequence: Sequence | None = None
         self._cache = None
         self.logprobs: dict[int, StepLogprobs] = {}
@@ -300,11 +319,12 @@ class SingleSequenceDecoder:
 
     def add(self, sequence: Sequence) -> int:
         self._sequence = sequence
+        self._lora.apply(sequence.adapter)
         self._cache = self._backend.new_cache()
         self._ids = list(sequence.prompt_ids)  # then the generated ones
         # Prompt logprobs need the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
-        reused, nodes = self.prompts.match(sequence.prompt_ids, limit)
+        reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=namespace(sequence))
         if reused:
             k = torch.cat([node.k[:, :, :n] for node, n in nodes], dim=2)
             v = torch.cat([node.v[:, :, :n] for node, n in nodes], dim=2)
@@ -340,6 +360,7 @@ class SingleSequenceDecoder:
                 self._store()
             self._sequence = None
             self._cache = None
+            self._lora.clear()
 
     def _store(self) -> None:
         layers = self._cache.layers
@@ -349,4 +370,4 @@ class SingleSequenceDecoder:
         def kv(start: int, end: int):
             return tuple(torch.stack([getattr(layer, which)[0, :, start:end] for layer in layers]) for which in ("keys", "values"))
 
-        self.prompts.store(self._ids[:n], per_id, kv)
+        self.prompts.store(self._ids[:n], per_id, kv, namespace=namespace(self._sequence))

@@ -24,6 +24,7 @@ class WrappedBackend:
         self.info = backend.info
         self.eos_token_ids = backend.eos_token_ids
         self.max_batch = backend.max_batch
+        self.adapters = backend.adapters
 
     def encode(self, text):
         return self.inner.encode(text)
@@ -57,6 +58,7 @@ class WrappedDecoder:
     def __init__(self, decoder: Decoder):
         self.inner = decoder
         self.capacity = decoder.capacity
+        self.adapter_slots = decoder.adapter_slots
 
     def add(self, sequence: Sequence) -> int:
         return self.inner.add(sequence)

@@ -117,36 +117,26 @@ def test_torch_quantizes_the_fast_path_and_serves_it_at_any_batch_size(quantized
 # -- adapters -------------------------------------------------------------------------------------
 
 
-def test_mlx_keeps_the_adapter_as_lora_layers_over_quantized_linears(tiny_path, adapter_path):
-    import mlx.nn as nn
-    from mlx_lm.tuner.lora import LoRALinear
-
-    plain = load_backend("mlx", LoadOptions(model=str(tiny_path), quantize="8"))
-    adapted = load_backend("mlx", LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path), quantize="8"))
-    assert adapted.info.adapter_applied and adapted.info.quantization["bits"] == 8
-    loras = [m for _, m in adapted.model.named_modules() if isinstance(m, LoRALinear)]
-    assert loras and all(isinstance(m.linear, nn.QuantizedLinear) for m in loras)
-    prompt = adapted.encode("Once upon a time")
-    assert greedy(adapted, prompt, 20) != greedy(plain, prompt, 20)
+# MLX: tests/test_mlx_adapters.py decodes adapters over a quantized model against mlx-lm's own.
 
 
-def test_torch_merges_the_adapter_before_quantizing(tiny_path, adapter_path, adapted_backends, quantized):
+def test_torch_applies_adapters_over_quantized_weights(tiny_path, adapter_path, adapted_backends, quantized):
     from backends.torch_fast import BatchedPhiDecoder
 
     adapted = load_backend("torch", LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path), dtype="float32", quantize="int8"))
     assert adapted.info.adapter_applied and adapted.info.quantization["bits"] == 8
-    # The logits are those of the adapted model (full precision: the same adapter, merged),
-    # within int8's error, and far from the quantized base model's. (Greedy text is no test:
-    # the random adapter leaves near-ties that int8's error may flip.)
+    # The logits are those of the adapted model (full precision, the same adapter), within
+    # int8's error, and far from the quantized base model's. (Greedy text is no test: the random
+    # adapter leaves near-ties that int8's error may flip.)
     reference = adapted_backends["torch"]
     prompt = adapted.encode("The quick brown")
 
-    def logits(backend):
-        return BatchedPhiDecoder(backend.fast_weights, 1).logits_after(prompt)[: len(reference.text.tokenizer)]
+    def logits(backend, adapter):
+        return BatchedPhiDecoder(backend.fast_weights, 1).logits_after(prompt, adapter)[: len(reference.text.tokenizer)]
 
-    expected = logits(reference)
-    to_adapted = (logits(adapted) - expected).norm() / expected.norm()
-    to_base = (logits(quantized("torch", 8)) - expected).norm() / expected.norm()
+    expected = logits(reference, reference.adapters.get(adapter_path.name))
+    to_adapted = (logits(adapted, adapted.adapters.get(adapter_path.name)) - expected).norm() / expected.norm()
+    to_base = (logits(quantized("torch", 8), None) - expected).norm() / expected.norm()
     assert to_adapted < 0.05 and to_base > 10 * to_adapted
 
 

@@ -14,10 +14,10 @@ from conftest import write_mlx_adapter
 PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq"]
 
 
-def greedy_ids(backend, prompt: str, n: int) -> list[int]:
+def greedy_ids(backend, prompt: str, n: int, adapter=None) -> list[int]:
     """n greedy token ids through the backend's own decoder, end-of-text ignored."""
     decoder = backend.decoder()
-    decoder.add(Sequence(1, backend.encode(prompt), Sampling(), n))
+    decoder.add(Sequence(1, backend.encode(prompt), Sampling(), n, adapter=adapter))
     ids = [decoder.step()[1] for _ in range(n)]
     decoder.remove(1)
     return ids
@@ -29,27 +29,41 @@ def test_greedy_ids_match_across_runtimes(torch_backend, mlx_backend, prompt):
     assert greedy_ids(torch_backend, prompt, 60) == greedy_ids(mlx_backend, prompt, 60)
 
 
+def default_adapter(backend):
+    """The ADAPTER_PATH adapter, which requests that name none get (the HTTP layer chooses it)."""
+    return backend.adapters.get(backend.adapters.default_name)
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_ids_match_across_runtimes_with_the_adapter(adapted_backends, prompt):
-    assert greedy_ids(adapted_backends["torch"], prompt, 60) == greedy_ids(adapted_backends["mlx"], prompt, 60)
+    torch_ids = greedy_ids(adapted_backends["torch"], prompt, 60, default_adapter(adapted_backends["torch"]))
+    assert torch_ids == greedy_ids(adapted_backends["mlx"], prompt, 60, default_adapter(adapted_backends["mlx"]))
 
 
 def test_the_adapter_changes_the_output(adapted_backends, torch_backend, mlx_backend):
     base = [greedy_ids(torch_backend, p, 30) for p in PROMPTS]
-    assert [greedy_ids(adapted_backends["torch"], p, 30) for p in PROMPTS] != base
-    assert [greedy_ids(adapted_backends["mlx"], p, 30) for p in PROMPTS] != base
+    for backend in adapted_backends.values():
+        assert [greedy_ids(backend, p, 30, default_adapter(backend)) for p in PROMPTS] != base
+        assert [greedy_ids(backend, p, 30) for p in PROMPTS] == base  # unmerged: the base model is still there
     assert base == [greedy_ids(mlx_backend, p, 30) for p in PROMPTS]
 
 
-def test_merged_adapter_reproduces_mlx_lora_logits(adapted_backends):
-    # W += scale * (A @ B).T on Torch against mlx-lm's LoRALinear computing x @ A @ B.
+def test_merged_adapter_reproduces_mlx_lora_logits(tiny_path, adapter_path):
+    # The tests' reference, W += scale * (A @ B).T on Torch, against mlx-lm's own LoRALinear computing x @ A @ B.
     import mlx.core as mx
     import torch
+    from mlx_lm import load as mlx_load
+    from transformers import AutoModelForCausalLM
 
-    ids = adapted_backends["torch"].encode("Once upon a time there was")
+    from backends.adapters import merge_lora_into_torch
+
+    merged = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+    merge_lora_into_torch(merged, adapter_path)
+    mlx_model, tokenizer = mlx_load(str(tiny_path), adapter_path=str(adapter_path))
+    ids = tokenizer.encode("Once upon a time there was")
     with torch.inference_mode():
-        torch_logits = adapted_backends["torch"].model(torch.tensor([ids])).logits[0].numpy()
-    mlx_logits = np.array(adapted_backends["mlx"].model(mx.array([ids]))[0])
+        torch_logits = merged(torch.tensor([ids])).logits[0].numpy()
+    mlx_logits = np.array(mlx_model(mx.array([ids]))[0])
     assert np.abs(torch_logits - mlx_logits).max() < 1e-4
 
 
@@ -125,20 +139,17 @@ def test_broken_adapter_is_a_clear_startup_error(tiny_path, broken, runtime, cas
         load_backend(runtime, LoadOptions(model=str(tiny_path), adapter_path=str(broken[case]), warmup=False))
 
 
-def test_dora_is_refused_on_torch_and_applied_on_mlx(tiny_path, tmp_path):
-    path = write_mlx_adapter(tiny_path, tmp_path / "dora", dora=True)
-    with pytest.raises(ModelLoadError, match="dora.*not supported on the Torch backend"):
-        load_backend("torch", LoadOptions(model=str(tiny_path), adapter_path=str(path), warmup=False))
-    mlx = load_backend("mlx", LoadOptions(model=str(tiny_path), adapter_path=str(path), warmup=False))
-    assert mlx.info.adapter_applied is True
-
-
-def test_full_fine_tune_is_refused_on_torch(tiny_path, tmp_path):
-    path = write_mlx_adapter(tiny_path, tmp_path / "full")
-    config = json.loads((path / "adapter_config.json").read_text())
-    (path / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "full"}))
-    with pytest.raises(ModelLoadError, match="'full' is not supported"):
-        load_backend("torch", LoadOptions(model=str(tiny_path), adapter_path=str(path), warmup=False))
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+def test_dora_and_full_fine_tunes_are_refused_with_what_to_do(tiny_path, tmp_path, runtime):
+    # Neither is a low-rank product that can be added per request: `mlx_lm.fuse` makes a model of them.
+    dora = write_mlx_adapter(tiny_path, tmp_path / "dora", dora=True)
+    with pytest.raises(ModelLoadError, match="fine_tune_type 'dora' cannot be applied per request.*mlx_lm.fuse"):
+        load_backend(runtime, LoadOptions(model=str(tiny_path), adapter_path=str(dora), warmup=False))
+    full = write_mlx_adapter(tiny_path, tmp_path / "full")
+    config = json.loads((full / "adapter_config.json").read_text())
+    (full / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "full"}))
+    with pytest.raises(ModelLoadError, match="fine_tune_type 'full' cannot be applied per request"):
+        load_backend(runtime, LoadOptions(model=str(tiny_path), adapter_path=str(full), warmup=False))
 
 
 def test_detokenizers_follow_one_convention(torch_backend, mlx_backend):
@@ -158,7 +169,7 @@ def test_detokenizers_follow_one_convention(torch_backend, mlx_backend):
 
 
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])
-async def test_server_reports_and_serves_the_adapter(make_client, adapted_backends, request, runtime):
+async def test_server_reports_and_serves_the_adapter(make_client, adapted_backends, adapter_path, request, runtime):
     backend = request.getfixturevalue(f"{runtime}_backend")
     adapted = await make_client(lambda: adapted_backends[runtime])
     info = await (await adapted.get("/model/info")).json()
@@ -168,4 +179,6 @@ async def test_server_reports_and_serves_the_adapter(make_client, adapted_backen
     with_adapter = await (await adapted.post("/generate", json=body)).json()
     base = backend.decode(greedy_ids(backend, "Once upon", 20))
     assert with_adapter["text"] != base
-    assert with_adapter["text"] == adapted_backends[runtime].decode(greedy_ids(adapted_backends[runtime], "Once upon", 20))
+    adapted_backend = adapted_backends[runtime]
+    assert with_adapter["text"] == adapted_backend.decode(greedy_ids(adapted_backend, "Once upon", 20, default_adapter(adapted_backend)))
+    assert with_adapter["adapter"] == adapter_path.name
