@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -717,6 +718,97 @@ def constrained_outputs_check(backend, prompt_ids: list[int], n: int = 16) -> st
     return f"constrained outputs beside unconstrained ones, batch {n}: {complete}/{n // 2} complete within 96 tokens, {valid}/{complete} valid"
 
 
+def write_random_adapters(backend, folder: str, count: int, rank: int = 8, layers: int = 8, scale: float = 20.0) -> list[str]:
+    """`count` LoRA adapters in mlx-lm's format for the loaded model: rank 8 on every Linear of
+    the last 8 blocks (mlx-lm's default keys for Phi), random weights, scale 20 (its default)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from backends.adapters import torch_linears
+
+    linears = torch_linears(backend.model)
+    blocks = 1 + max(int(name.split(".")[2]) for name in linears)
+    names = []
+    for index in range(count):
+        generator = torch.Generator().manual_seed(index)
+        tensors = {}
+        for name, (n_in, n_out) in linears.items():
+            if int(name.split(".")[2]) >= blocks - layers:
+                tensors[f"{name}.lora_a"] = torch.randn(n_in, rank, generator=generator) * n_in**-0.5
+                tensors[f"{name}.lora_b"] = torch.randn(rank, n_out, generator=generator) * 1e-3
+        path = os.path.join(folder, f"adapter-{index}")
+        os.makedirs(path)
+        save_file(tensors, os.path.join(path, "adapters.safetensors"))
+        config = {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0}}
+        with open(os.path.join(path, "adapter_config.json"), "w") as out:
+            json.dump(config, out)
+        names.append(f"adapter-{index}")
+    return names
+
+
+def adapter_decoding(args) -> list[dict]:
+    """Decode tok/s of per-request LoRA adapters, in process, on the Torch runtime, alternating
+    runs on one decoder: a batch of 8 mixing 4 adapters against 8 sequences of the base model;
+    and one sequence with one adapter, unmerged, against the same adapter merged into the weights
+    (merged in place and subtracted again: the same memory, the same decoder)."""
+    import tempfile
+
+    from backends import Sampling, Sequence
+    from backends.drive import drive
+
+    os.environ.setdefault("PHI2_MODEL", "random:phi-2")
+    folder = tempfile.mkdtemp(prefix="bench-adapters-")
+    os.environ["ADAPTERS_DIR"] = folder
+    backend = load_in_process()
+    names = write_random_adapters(backend, folder, 8 if backend.max_batch >= 64 else 4)
+    adapters = [backend.adapters.get(name) for name in names]
+    prompt_ids = backend.encode(args.prompt)
+
+    def rate(decoder, chosen: list) -> float:
+        sequences = [Sequence(i, prompt_ids, Sampling(), args.max_tokens, adapter=adapter) for i, adapter in enumerate(chosen)]
+        first: list[float] = []
+        drive(decoder, sequences, on_tokens=lambda step, tokens: first or first.append(time.perf_counter()))
+        return len(chosen) * (args.max_tokens - 1) / (time.perf_counter() - first[0])
+
+    def merged(sign: float) -> None:  # the adapter's product added to (or taken from) the weights
+        import torch
+
+        with torch.no_grad():
+            for name, (a, b) in adapters[0].modules.items():
+                weight = backend.model.get_submodule(name).weight
+                weight += (sign * adapters[0].scale * (a.double() @ b.double()).T).to(device=weight.device, dtype=weight.dtype)
+
+    comparisons = [
+        ("batch 8: 4 adapters, 2 sequences each / the base model", 8, lambda d: rate(d, [adapters[i % 4] for i in range(8)]), lambda d: rate(d, [None] * 8)),
+        ("batch 1: one adapter unmerged / merged into the weights", 1, lambda d: rate(d, [adapters[0]]), None),
+    ]
+    if backend.max_batch >= 64:  # a GPU's batch: every slot in use
+        comparisons.append(
+            ("batch 64: 8 adapters, 8 sequences each / the base model", 64, lambda d: rate(d, [adapters[i % 8] for i in range(64)]), lambda d: rate(d, [None] * 64))
+        )
+    rows = []
+    for label, batch, measure, against in comparisons:
+        decoder = backend.decoder(max(batch, backend.max_batch))  # the batched path, as the server decodes
+        rates: dict[str, list[float]] = {"with adapters": [], "reference": []}
+        for run in range(args.runs):
+            rates["with adapters"].append(measure(decoder))
+            if against is not None:
+                rates["reference"].append(against(decoder))
+            else:
+                merged(+1)
+                try:
+                    rates["reference"].append(rate(decoder, [None]))
+                finally:
+                    merged(-1)
+        if args.runs > 1:  # the first run warms up
+            rates = {k: v[1:] for k, v in rates.items()}
+        ours, reference = statistics.median(rates["with adapters"]), statistics.median(rates["reference"])
+        rows.append({"comparison": label, "batch": batch, "adapters_tok_s": ours, "reference_tok_s": reference, "ratio": ours / reference})
+        print(f"| {label} | {ours:.2f} | {reference:.2f} | {ours / reference:.3f} |", flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -754,6 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quant-quality", action="store_true", help="int8/int4 logits against bfloat16's on PHI2_MODEL (default random:phi-2)")
     mode.add_argument("--quant-agreement", action="store_true", help="greedy ids of 8- and 4-bit weights against full precision, tiny model, both runtimes")
     mode.add_argument("--constrained", action="store_true", help="decode tok/s with and without a typical JSON Schema, in process, per --concurrency batch size (PHI2_MODEL default random:phi-2)")
+    mode.add_argument("--adapters", action="store_true", help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged against merged, in process (PHI2_MODEL default random:phi-2)")
     parser.add_argument("--chat", type=int, metavar="TURNS", help="one conversation of TURNS turns, prompt cache on then off (spawns; with --in-process: two decoders here)")
     parser.add_argument("--shared-prefix", type=int, metavar="N", help="N clients sharing a system prompt, prompt cache on then off (spawns)")
     parser.add_argument("--prefix-tokens", type=int, default=900, help="system prompt length for --chat and --shared-prefix (default: %(default)s)")
@@ -777,6 +870,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.quant_kernels, "| matrix | batch | kernel | ms | weight GB/s | vs bfloat16 |", quant_kernels),
         (args.dtype_sweep, "| parameters | float32 tok/s | bfloat16 tok/s | bf16 / f32 | auto picks |", dtype_sweep),
         (args.constrained, "| batch | temperature | unconstrained tok/s | with the schema tok/s | with / without |", constrained_decoding),
+        (args.adapters, "| comparison | with adapters tok/s | reference tok/s | ratio |", adapter_decoding),
     ]
     for wanted, header, study in studies:
         if wanted:

@@ -13,6 +13,9 @@
    against bfloat16 (--quant-quality), greedy ids; serve_quant: a server per PHI2_QUANTIZE at 1
    and 64 clients. prompt_cache: a 1,000-token shared prefix, cache on against off
    (bench.py --shared-prefix 1 and 8).
+adapters: per-request LoRA adapters, float32: a batch mixing the base model and 3 adapters
+   (CUDA graphs) against each sequence alone, and the fast path's logits with an adapter against
+   transformers' forward with it merged; then bench.py --adapters (bfloat16).
 `--only quant,prompt_cache` runs just those sections. Not part of `make test` (CI has no GPU).
 """
 
@@ -100,6 +103,46 @@ def parity(dtype: str) -> dict:
     if dtype == "bfloat16" and "compile" not in SKIP:
         compiled = decode_alone(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 1, compile=True))
         result["compiled_identical_to_eager"] = sum(a == b for a, b in zip(alone, compiled))
+    del backend, single
+    torch.cuda.empty_cache()
+    return result
+
+
+def adapter_parity() -> dict:
+    """Per-request adapters on the GPU, float32: mixed batches equal each sequence alone, and the
+    unmerged product equals the adapter merged into transformers' weights."""
+    import tempfile
+
+    from bench import write_random_adapters
+
+    folder = tempfile.mkdtemp(prefix="adapters-")
+    backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="float32", adapters_dir=folder, warmup=False))
+    adapters = [backend.adapters.get(name) for name in write_random_adapters(backend, folder, 3)]
+    prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
+    chosen = [None if i % 4 == 0 else adapters[i % 4 - 1] for i in range(8)]
+    n = 32
+
+    def sequences(decoder, pairs):
+        decoder.clear()
+        ids = drive(decoder, [Sequence(i, backend.encode(p), Sampling(), n, adapter=a) for i, (p, a) in enumerate(pairs)]).ids
+        return [ids[i] for i in range(len(pairs))]
+
+    single = BatchedPhiDecoder(backend.fast_weights, 1)
+    alone = [sequences(single, [pair])[0] for pair in zip(prompts, chosen)]
+    together = sequences(BatchedPhiDecoder(backend.fast_weights, 8), list(zip(prompts, chosen)))
+    base = sequences(BatchedPhiDecoder(backend.fast_weights, 8), [(p, None) for p in prompts])
+    result = {"sequences": 8, "tokens": n, "identical_batched_vs_alone": sum(a == b for a, b in zip(alone, together)),
+              "adapter_changes_ids": sum(a != b for a, b, c in zip(together, base, chosen) if c is not None)}
+    ids = backend.encode(PROMPT)
+    fast = BatchedPhiDecoder(backend.fast_weights, 1, cuda_graphs=False).logits_after(ids, adapters[0])
+    with torch.no_grad():
+        for name, (a, b) in adapters[0].modules.items():
+            weight = backend.model.get_submodule(name).weight
+            weight += (adapters[0].scale * (a.double() @ b.double()).T).to(device=weight.device, dtype=weight.dtype)
+        reference = backend.model(torch.tensor([ids], device="cuda")).logits[0, -1].float()
+    decodable = backend.fast_weights.decodable
+    result["max_abs_logit_diff_vs_merged_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
+    result["logit_scale"] = float(reference.abs().max())
     del backend, single
     torch.cuda.empty_cache()
     return result
@@ -247,14 +290,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--skip", default="", help="comma list to skip: parity,speed,serve0,serve1,compile,generate_dynamic,generate_static")
-    parser.add_argument("--only", default="", help="comma list of sections to run instead: parity,speed,serve0,serve1,quant,serve_quant,prompt_cache")
+    parser.add_argument("--only", default="", help="comma list of sections to run instead: parity,speed,serve0,serve1,quant,serve_quant,prompt_cache,adapters")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     only = set(filter(None, args.only.split(",")))
     if only:  # every section not named is skipped
-        skip |= {"parity", "speed", "serve0", "serve1", "quant", "serve_quant", "prompt_cache"} - only
+        skip |= {"parity", "speed", "serve0", "serve1", "quant", "serve_quant", "prompt_cache", "adapters"} - only
     SKIP.update(skip)
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
@@ -289,6 +332,10 @@ def main() -> int:
                 "--shared-prefix", clients, "--prefix-tokens", "1000", "--max-tokens", "16", "--rounds", "5",
                 env={"PHI2_MODEL": "random:phi-2", "MAX_BATCH": "16"}, timeout=560,  # two servers on one GPU: 16 slots each
             )
+    if "adapters" not in skip:
+        RESULTS["adapter_parity"] = adapter_parity()
+        say("adapter parity", RESULTS["adapter_parity"])
+        RESULTS["adapter_speed"] = run_bench("--adapters", "--max-tokens", "128", "--runs", "4", env={"PHI2_MODEL": "random:phi-2"})
     (out / "results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     say(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("serve")}, indent=1, default=str))
     return 0
