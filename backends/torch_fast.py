@@ -26,7 +26,8 @@ from backends.prompt_cache import PrefixCache, namespace
 from backends.torch_logprobs import token_logprobs
 from backends.torch_quant import QuantizedWeight, linear, quantize_weight
 from backends.torch_lora import FusedLoraSlots
-from backends.torch_sampling import TokenChooser, choose_constrained
+from backends.grammar import advance_together
+from backends.torch_sampling import TokenChooser, choose_rows, unpack_on_device
 
 log = logging.getLogger("phi2_server.torch_fast")
 
@@ -196,8 +197,10 @@ def lora_product(x, a, b, mask):
 class _Launch:
     """A decode step started on the device and not yet read."""
 
-    def __init__(self, rows, logits, greedy, done):
+    def __init__(self, rows, logits, greedy, done, batch: int = 0, masked: list[int] = ()):
         self.rows, self.logits, self.greedy, self.done = rows, logits, greedy, done
+        self.batch = batch
+        self.masked = masked  # rows whose token the device chooses under their grammar's mask (`_finish`)
 
 
 class _Slot:
@@ -211,6 +214,10 @@ class _Slot:
         self.prompt_scores: list[TokenLogprob] = []  # prompt logprobs so far, if asked for
         # The device's greedy argmax is its token: no logits to read back, and steps may chain.
         self.plain = chooser.plain and sequence.logprobs is None
+        # Greedy under a grammar and nothing else: the device takes the argmax under its mask,
+        # which may arrive after the step's forward pass was launched (`_finish`).
+        self.masked = chooser.constrained_greedy
+        self.chains = self.plain or (self.masked and sequence.logprobs is None)  # may be fed its next input on the device
 
     def cached_ids(self) -> list[int]:
         """The ids whose keys and values are in the cache."""
@@ -256,6 +263,8 @@ class BatchedPhiDecoder:
         self._host_inputs = torch.zeros(4, self.rows, dtype=torch.long, pin_memory=pinned)
         self._greedy_host = [torch.zeros(self.rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._flip = 0
+        self._mask_host: list[torch.Tensor] | None = None  # pinned: constrained rows' index and packed masks (`_masks_to_device`)
+        self._mask_flip = 0
         self._inflight: _Launch | None = None
         self._stash: dict[int, int] | None = None
         self.logprobs: dict[int, StepLogprobs] = {}
@@ -388,8 +397,14 @@ class BatchedPhiDecoder:
             return {i: t for i, t in produced.items() if i in self.index}
         if self._inflight is not None:
             if self._can_chain(self._inflight):
-                chained = self._launch(self._inflight.rows, chained=True)
-                produced, self._inflight = self._collect(self._inflight), chained
+                # The next step's forward pass goes first; then this step's tokens are read, the
+                # grammars take them and make the masks that the next step's choice needs, while
+                # the device computes it.
+                chained = self._launch(self._inflight.rows, chained=True, finish=False)
+                inflight, self._inflight = self._inflight, None
+                produced = self._collect(inflight)
+                self._finish(chained)
+                self._inflight = chained
                 return produced
             produced, self._inflight = self._collect(self._inflight), None
             return produced
@@ -407,7 +422,7 @@ class BatchedPhiDecoder:
         return (
             self.use_graphs
             and len(launched.rows) == len(self.slots)  # nobody joined or waits for a prompt
-            and all(self.slots[i].plain for i in launched.rows)
+            and all(self.slots[i].chains for i in launched.rows)
         )
 
     def _collect(self, launched: "_Launch") -> dict[int, int]:
@@ -415,16 +430,22 @@ class BatchedPhiDecoder:
         if launched.done is not None:
             launched.done.synchronize()
         greedy = launched.greedy.tolist()
-        constrained = [i for i in launched.rows if self.slots[i].chooser.matcher is not None]
-        if constrained:
-            index = torch.tensor(constrained, device=launched.logits.device)
-            for i, token in zip(constrained, choose_constrained(launched.logits[index], [self.slots[i].chooser for i in constrained])):
+        if launched.masked:  # chosen on the device under their masks: the grammars move past them
+            tokens = [greedy[i] for i in launched.masked]
+            for i, token in zip(launched.masked, tokens):
+                self.slots[i].chooser.record(token, advance=False)
+            advance_together([self.slots[i].chooser.matcher for i in launched.masked], tokens)
+        # The others (sampled, or with penalties or logit_bias) choose from their logits here,
+        # read back together.
+        chosen = [i for i in launched.rows if not (self.slots[i].chooser.plain or self.slots[i].masked)]
+        if chosen:
+            index = torch.tensor(chosen, device=launched.logits.device)
+            for i, token in zip(chosen, choose_rows(launched.logits[index], [self.slots[i].chooser for i in chosen])):
                 greedy[i] = token
         produced = {}
         for i in launched.rows:
             slot = self.slots[i]
-            done = slot.chooser.plain or slot.chooser.matcher is not None
-            token = greedy[i] if done else slot.chooser.choose(launched.logits[i])
+            token = greedy[i]
             slot.cached += 1  # its input token went into the cache in that step
             slot.next_token = token
             slot.generated.append(token)
@@ -560,10 +581,11 @@ class BatchedPhiDecoder:
 
     # -- decode ----------------------------------------------------------------------------------
 
-    def _launch(self, rows: list[int], chained: bool = False) -> "_Launch":
+    def _launch(self, rows: list[int], chained: bool = False, finish: bool = True) -> "_Launch":
         """Start a decode step for the slots in `rows` (their inputs from the host, or, chained,
         from the previous step on the device). The other rows up to the batch bucket idle: they
-        write to the cache's last column, which no sequence uses, and their output is dropped."""
+        write to the cache's last column, which no sequence uses, and their output is dropped.
+        Unless `finish`, the caller `_finish`es it (when its masks are known)."""
         ahead = 1 if chained else 0  # a chained step's inputs sit one position past the slots' own count
         longest = max(self.slots[i].cached for i in rows) + 1 + ahead
         self._grow(longest)
@@ -580,19 +602,50 @@ class BatchedPhiDecoder:
         # The adapters' product only while a sequence uses one (its graphs are captured apart).
         lora = self.lora.version if any(self.slots[i].lora_index >= 0 for i in rows) else 0
         logits, greedy = self._replay(batch, span, lora) if self.use_graphs else self._decode_step(batch, span, lora)
+        launched = _Launch(rows, logits, greedy, None, batch, [i for i in rows if self.slots[i].masked])
+        if finish:
+            self._finish(launched)
+        return launched
+
+    def _finish(self, launched: "_Launch") -> None:
+        """After a step's forward pass: the argmax of its constrained greedy rows under their
+        masks (on the device, written into its greedy tokens), then, with graphs, feed the next
+        step on the device and start copying the tokens to the host."""
+        if launched.masked:
+            index, packed = self._masks_to_device(launched.masked)
+            allowed = unpack_on_device(packed, self.weights.decodable)
+            chosen = launched.logits[index, : self.weights.decodable].masked_fill(~allowed, float("-inf")).argmax(dim=-1)
+            launched.greedy.index_copy_(0, index, chosen)
         if not self.use_graphs:
-            return _Launch(rows, logits, greedy, None)
+            return
+        batch, greedy = launched.batch, launched.greedy
         # Feed the next step on the device: its tokens are these greedy ones, one position on.
         self.inputs[0, :batch].copy_(greedy)
         self.inputs[1, :batch].add_(self.inputs[2, :batch])
         buffer = self._greedy_host[self._flip][:batch]  # two buffers: one may still be read
         self._flip ^= 1
         buffer.copy_(greedy, non_blocking=True)
-        done = None
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return _Launch(rows, logits, buffer, done)
+            launched.done = torch.cuda.Event()
+            launched.done.record()
+        launched.greedy = buffer
+
+    def _masks_to_device(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows and their grammars' packed masks, copied to the device through pinned memory:
+        a copy from pageable memory would first wait for the forward pass the masks are late for.
+        Two buffers in turn: the one filled now was last copied two steps ago, long done."""
+        words = [self.slots[i].chooser.matcher.allowed_words() for i in rows]
+        if self._mask_host is None:
+            pinned = self.device.type == "cuda"
+            self._mask_host = [torch.zeros(self.rows, 1 + len(words[0]), dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        host = self._mask_host[self._mask_flip][: len(rows)]
+        self._mask_flip ^= 1
+        view = host.numpy()
+        view[:, 0] = rows
+        for r, row_words in enumerate(words):
+            view[r, 1:] = row_words
+        on_device = host.to(self.device, non_blocking=True)
+        return on_device[:, 0].long(), on_device[:, 1:]
 
     def _length_buckets(self):
         n, buckets = MIN_LENGTH_BUCKET, []

@@ -41,25 +41,34 @@ class TokenChooser:
                 self.prompt_seen[torch.tensor(ids, device=device)] = True
         self.matcher = sampling.constraint.matcher() if sampling.constraint is not None else None
         # Greedy under a constraint and nothing else: its token is the masked argmax
-        # (`choose_constrained` takes those of all such rows at once).
+        # (the Phi fast path takes it on the device, for all such rows at once).
         self.constrained_greedy = self.matcher is not None and sampling.greedy and not sampling.processed_besides_constraint
 
-    def scores(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, masked: bool = False) -> torch.Tensor:
         """What the next choice is made from, given this sequence's history (see `process`);
-        `allowed`: its constraint's mask, when the caller unpacked it with other rows'."""
-        if self.matcher is not None and allowed is None:
+        `allowed`: its constraint's mask, when the caller unpacked it with other rows'; `masked`:
+        the caller applied it to `logits` already."""
+        if self.matcher is not None and allowed is None and not masked:
             allowed = unpack(self.matcher.allowed_words()[None], self.decodable, logits.device)[0]
         return process(logits, self.sampling, self.decodable, self.prompt_seen, self.counts, allowed)
 
     def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, advance: bool = True) -> int:
         """The next token from a 1-D row over the whole model vocabulary; recorded as generated
         (its matcher advanced too, unless the caller advances the rows together)."""
-        if self.plain:
-            token = int(torch.argmax(logits[: self.decodable]))
-        else:
-            token = _choose(self.scores(logits, allowed), self.sampling, self.generator)
+        token = int(self.pick(logits, allowed))
         self.record(token, advance)
         return token
+
+    def pick(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, masked: bool = False) -> torch.Tensor:
+        """The next token as a 0-d tensor on the logits' device, not recorded: a batch reads all
+        its rows' picks back at once (`choose_rows`), not with a wait each."""
+        if self.plain:
+            return torch.argmax(logits[: self.decodable])
+        scores = self.scores(logits, allowed, masked)
+        if self.sampling.greedy:
+            return torch.argmax(scores)
+        # One draw per token from the sequence's own generator: a seed gives the same tokens in any batch.
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator)[0]
 
     def record(self, token: int, advance: bool = True) -> None:
         """A token chosen (here or by the caller, on the device): the penalties see it from now
@@ -73,26 +82,32 @@ class TokenChooser:
 def unpack(words: np.ndarray, decodable: int, device: torch.device) -> torch.Tensor:
     """Packed masks ([n, words] int32, a bit an id) as bools [n, decodable], unpacked on the
     device: an eighth of the bytes to copy."""
-    packed = torch.from_numpy(words).to(device, non_blocking=True)
-    bits = (packed[:, :, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1
-    return bits.reshape(len(words), -1)[:, :decodable].bool()
+    return unpack_on_device(torch.from_numpy(words).to(device, non_blocking=True), decodable)
 
 
-def choose_constrained(logits: torch.Tensor, choosers: list[TokenChooser]) -> list[int]:
-    """The tokens of constrained rows ([n, vocab] logits, a chooser each), chosen together: one
-    mask copy for all, one argmax for the greedy ones (the others sample each with its own
-    generator); then their matchers advance, and fill their next masks, in one task."""
+def unpack_on_device(packed: torch.Tensor, decodable: int) -> torch.Tensor:
+    """Packed masks already on the device ([n, words] int32) as bools [n, decodable]."""
+    bits = (packed[:, :, None] >> torch.arange(32, dtype=torch.int32, device=packed.device)) & 1
+    return bits.reshape(len(packed), -1)[:, :decodable].bool()
+
+
+def choose_rows(logits: torch.Tensor, choosers: list[TokenChooser]) -> list[int]:
+    """The tokens of a batch's rows ([n, vocab] logits, a chooser each), chosen together and
+    read back with one wait. Constrained rows get their masks in one copy and one masking; then
+    their matchers advance, and fill their next masks, in one task."""
     decodable = choosers[0].decodable
-    allowed = unpack(np.stack([chooser.matcher.allowed_words() for chooser in choosers]), decodable, logits.device)
-    greedy = logits[:, :decodable].masked_fill(~allowed, float("-inf")).argmax(dim=-1).tolist()
-    tokens = []
-    for chooser, row, mask, token in zip(choosers, logits, allowed, greedy):
-        if chooser.constrained_greedy:
-            chooser.record(token, advance=False)
-        else:
-            token = chooser.choose(row, mask, advance=False)
-        tokens.append(token)
-    advance_together([chooser.matcher for chooser in choosers], tokens)
+    constrained = [r for r, chooser in enumerate(choosers) if chooser.matcher is not None]
+    masked = {}
+    if constrained:
+        allowed = unpack(np.stack([choosers[r].matcher.allowed_words() for r in constrained]), decodable, logits.device)
+        index = torch.tensor(constrained, device=logits.device)
+        masked = dict(zip(constrained, logits[index, :decodable].float().masked_fill(~allowed, float("-inf"))))
+    picks = [chooser.pick(masked[r], masked=True) if r in masked else chooser.pick(logits[r]) for r, chooser in enumerate(choosers)]
+    tokens = torch.stack(picks).tolist()
+    for chooser, token in zip(choosers, tokens):
+        chooser.record(token, advance=False)
+    if constrained:
+        advance_together([choosers[r].matcher for r in constrained], [tokens[r] for r in constrained])
     return tokens
 
 
@@ -143,13 +158,6 @@ def process(
         probs = torch.softmax(scores, dim=-1)
         scores = scores.masked_fill(probs < sampling.min_p * probs.max(), float("-inf"))
     return scores
-
-
-def _choose(scores: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    if sampling.greedy:
-        return int(torch.argmax(scores))
-    # One draw per token from the sequence's own generator: a seed gives the same tokens in any batch.
-    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
 
 
 def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator:
