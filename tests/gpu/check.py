@@ -16,6 +16,9 @@
 adapters: per-request LoRA adapters, float32: a batch mixing the base model and 3 adapters
    (CUDA graphs) against each sequence alone, and the fast path's logits with an adapter against
    transformers' forward with it merged; then bench.py --adapters (bfloat16).
+constrained: structured output, float32: greedy rows under a JSON Schema beside plain ones, with
+   CUDA graphs (their steps chain, the masks applied after each forward pass) against the same
+   without graphs; then bench.py --constrained at 1 and 64 (bfloat16).
 `--only quant,prompt_cache` runs just those sections. Not part of `make test` (CI has no GPU).
 """
 
@@ -143,9 +146,28 @@ def adapter_parity() -> dict:
     decodable = backend.fast_weights.decodable
     result["max_abs_logit_diff_vs_merged_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
     result["logit_scale"] = float(reference.abs().max())
-    del backend, single
-    torch.cuda.empty_cache()
-    return result
+    return result  # its model is freed on return (main empties the cache)
+
+
+def constrained_parity() -> dict:
+    """Constrained greedy rows chain on the GPU: their masks are applied after the forward pass
+    that the previous step's tokens fed on the device. The ids must equal an unchained decode's."""
+    from bench import TYPICAL_SCHEMA, constrained_outputs_check
+
+    backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="float32", warmup=False))
+    constraint = backend.constraint("json_schema", json.dumps(TYPICAL_SCHEMA))
+    prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
+
+    def decode(decoder):
+        sequences = [Sequence(i, backend.encode(p), Sampling(constraint=constraint if i % 2 == 0 else None), 64) for i, p in enumerate(prompts)]
+        ids = drive(decoder, sequences).ids
+        return [ids[i] for i in range(len(prompts))]
+
+    chained = decode(BatchedPhiDecoder(backend.fast_weights, 8))
+    unchained = decode(BatchedPhiDecoder(backend.fast_weights, 8, cuda_graphs=False))
+    result = {"sequences": 8, "constrained": 4, "tokens": 64, "identical_chained_vs_unchained": sum(a == b for a, b in zip(chained, unchained))}
+    result["sampled_outputs"] = constrained_outputs_check(backend, backend.encode("Alice: Describe yourself as a JSON record.\nBob:"))
+    return result  # its model is freed on return (main empties the cache)
 
 
 def speed() -> dict:
@@ -290,14 +312,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--skip", default="", help="comma list to skip: parity,speed,serve0,serve1,compile,generate_dynamic,generate_static")
-    parser.add_argument("--only", default="", help="comma list of sections to run instead: parity,speed,serve0,serve1,quant,serve_quant,prompt_cache,adapters")
+    parser.add_argument("--only", default="", help="comma list of sections to run instead: parity,speed,serve0,serve1,quant,serve_quant,prompt_cache,adapters,constrained")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     only = set(filter(None, args.only.split(",")))
     if only:  # every section not named is skipped
-        skip |= {"parity", "speed", "serve0", "serve1", "quant", "serve_quant", "prompt_cache", "adapters"} - only
+        skip |= {"parity", "speed", "serve0", "serve1", "quant", "serve_quant", "prompt_cache", "adapters", "constrained"} - only
     SKIP.update(skip)
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
@@ -334,8 +356,16 @@ def main() -> int:
             )
     if "adapters" not in skip:
         RESULTS["adapter_parity"] = adapter_parity()
+        torch.cuda.empty_cache()
         say("adapter parity", RESULTS["adapter_parity"])
         RESULTS["adapter_speed"] = run_bench("--adapters", "--max-tokens", "128", "--runs", "4", env={"PHI2_MODEL": "random:phi-2"})
+    if "constrained" not in skip:
+        RESULTS["constrained_parity"] = constrained_parity()
+        torch.cuda.empty_cache()
+        say("constrained parity", RESULTS["constrained_parity"])
+        RESULTS["constrained_speed"] = run_bench(
+            "--constrained", "--concurrency", "1,64", "--max-tokens", "128", "--runs", "4", env={"PHI2_MODEL": "random:phi-2"}, timeout=560
+        )
     (out / "results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     say(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("serve")}, indent=1, default=str))
     return 0
