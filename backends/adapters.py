@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -138,6 +139,8 @@ def lora_settings(config: dict) -> tuple[float, int, int, list[str] | None]:
     try:
         params = config["lora_parameters"]
         scale, rank, num_layers = float(params["scale"]), int(params["rank"]), int(config["num_layers"])
+        if not math.isfinite(scale) or rank < 1:
+            raise ValueError(f"lora_parameters.scale {scale} and .rank {rank} (needs a finite scale and a rank of at least 1)")
         keys = params.get("keys")
         if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
             raise ValueError("lora_parameters.keys is not a list of names")
@@ -251,19 +254,17 @@ class AdapterRegistry:
         return out
 
     def _facts(self, name: str, path: Path) -> AdapterFacts:
+        """Its config's facts, as checked (a config that cannot work shows why instead)."""
         try:
             config = read_config(path)
-            params = config.get("lora_parameters") or {}
-            facts = AdapterFacts(
-                name, str(path), config.get("fine_tune_type", "lora"), params.get("rank"), params.get("scale"),
-                config.get("num_layers"), params.get("keys"),
-            )
-            lora_settings(config)
-            return facts
         except BrokenAdapter as exc:
             return AdapterFacts(name, str(path), problem=str(exc))
-        except OSError as exc:
-            return AdapterFacts(name, str(path), problem=str(exc))
+        try:
+            scale, rank, num_layers, keys = lora_settings(config)
+        except BrokenAdapter as exc:
+            kind = config.get("fine_tune_type")
+            return AdapterFacts(name, str(path), fine_tune_type=kind if isinstance(kind, str) else None, problem=str(exc))
+        return AdapterFacts(name, str(path), "lora", rank, scale, num_layers, keys)
 
     def path_of(self, name: str) -> Path:
         """The folder a request's adapter name stands for; UnknownAdapter or InvalidAdapterName if none."""

@@ -307,3 +307,39 @@ async def test_the_request_log_names_the_adapter(make_client, served_backend, lo
     await wait_until(lambda: (log_dir / "requests.log").exists() and len((log_dir / "requests.log").read_text().splitlines()) >= 2)
     records = [json.loads(line) for line in (log_dir / "requests.log").read_text().splitlines()]
     assert [r.get("adapter") for r in records if r["path"] == "/generate"] == ["exp-c", None]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": "8", "scale": 2.0}},  # a string rank: listed as the number it is
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4, "scale": float("nan")}},
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 0, "scale": 2.0}},
+        {"fine_tune_type": 7, "num_layers": 2, "lora_parameters": {"rank": 4, "scale": 2.0}},
+        {"num_layers": "two", "lora_parameters": {"rank": 4, "scale": 2.0}},
+        ["not", "an", "object"],
+    ],
+)
+async def test_odd_configs_are_listed_as_the_schema_says(make_client, served_backend, adapters_dir, adapter_sources, config, max_batch):
+    """Whatever a config holds, the listing stays valid JSON in the documented shape."""
+    from jsonschema import Draft202012Validator
+
+    from phi2_server import MODEL_SCHEMA
+
+    folder = adapters_dir / "odd"
+    shutil.copytree(adapter_sources["exp-a"], folder)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    try:
+        client = await make_client(lambda: served_backend, served_model_name="phi-2")
+        response = await client.get("/v1/models")
+        def refuse(constant):
+            raise AssertionError(f"{constant} is not JSON")
+
+        cards = {m["id"]: m for m in json.loads(await response.text(), parse_constant=refuse)["data"]}
+        card = cards["phi-2:odd"]
+        Draft202012Validator(MODEL_SCHEMA).validate(card)
+        usable = card["adapter"]["problem"] is None
+        answer = await client.post("/generate", json=generate_body("odd", max_tokens=2))
+        assert answer.status == (200 if usable else 422)
+    finally:
+        shutil.rmtree(folder)
