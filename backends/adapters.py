@@ -303,13 +303,16 @@ class AdapterRegistry:
                 if cached is not None and cached.key == key:
                     self._loaded.move_to_end(name)
                     return cached
-                adapter = self._read(name, path, key)
+            # Read without the lock: the event loop takes it to list the loaded adapters. Two
+            # requests may read the same new adapter at once; the second insert wins, harmlessly.
+            adapter = self._read(name, path, key)
+            with self._lock:
                 self._loaded[name] = adapter
                 self._loaded.move_to_end(name)
                 while len(self._loaded) > self.max_loaded:
                     evicted, _ = self._loaded.popitem(last=False)
                     log.info("adapter %s unloaded (MAX_ADAPTERS=%d)", evicted, self.max_loaded)
-                return adapter
+            return adapter
         except BrokenAdapter as exc:
             raise BrokenAdapter(f"adapter {name!r} ({path}) cannot be used: {exc}") from None
         except OSError as exc:

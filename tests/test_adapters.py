@@ -15,6 +15,7 @@ import pytest
 from backends import LoadOptions, load_backend
 from backends.adapters import merge_lora_into_torch
 from conftest import engine_of, wait_until, write_mlx_adapter
+from fakes import Gate, GatedBackend
 
 ADAPTERS = {  # name -> how write_mlx_adapter makes it: different ranks, scales and depths
     "exp-a": dict(num_layers=2, rank=4, scale=2.0),
@@ -129,34 +130,35 @@ async def test_openai_routes_choose_the_adapter_by_model_name(make_client, serve
 
 
 async def test_base_and_adapters_decode_together(make_client, served_backend, reference, max_batch):
-    """Concurrent requests for the base model and two adapters: each gets its own text, in
-    one batch where the decoder batches (the prompt cache on: nothing leaks between them)."""
-    client = await make_client(lambda: served_backend)
-    engine = engine_of(client)
+    """Concurrent requests for the base model and two adapters: each gets its own text, decoded
+    in one batch where the decoder batches (held after their first token until all are in; the
+    prompt cache on: nothing leaks between them)."""
+    gate = Gate(after=1)
+    client = await make_client(lambda: GatedBackend(served_backend, gate))
     choices = [None, "exp-a", "exp-b", None, "exp-a", "exp-b"]
-    peak = 0
-
-    async def watch():
-        nonlocal peak
-        while True:
-            peak = max(peak, engine.active)
-            await asyncio.sleep(0.001)
-
-    watcher = asyncio.ensure_future(watch())
-    answers = await asyncio.gather(*(generate(client, name, max_tokens=3 * N) for name in choices))
-    watcher.cancel()
+    requests = [asyncio.ensure_future(generate(client, name, max_tokens=3 * N)) for name in choices]
+    await wait_until(lambda: gate.live == min(max_batch, len(choices)))
+    gate.release()
+    answers = await asyncio.gather(*requests)
     for name, answer in zip(choices, answers):
         assert answer["text"] == reference(name, n=3 * N), name
+    assert gate.peak == min(max_batch, len(choices))  # base and both adapters in one batch
     assert sum(a["cached_tokens"] > 0 for a in answers) <= 3  # a prefix is reused only by its own adapter
-    if max_batch > 1:
-        assert peak > 1
 
 
 async def test_more_adapters_than_slots_wait_their_turn(make_client, served_backend, reference, max_batch):
-    """Two slots, three adapters at once: the third waits for a slot, and all three are right."""
-    client = await make_client(lambda: served_backend)
-    answers = await asyncio.gather(*(generate(client, name) for name in ADAPTERS))
+    """Two slots, three adapters at once: the third waits in the queue until a slot is free
+    (the first two are held meanwhile), and all three are right."""
+    gate = Gate(after=1)
+    client = await make_client(lambda: GatedBackend(served_backend, gate))
+    engine = engine_of(client)
+    requests = [asyncio.ensure_future(generate(client, name)) for name in ADAPTERS]
+    running = min(max_batch, 2)  # two adapter slots
+    await wait_until(lambda: gate.live == running and engine.waiting == len(ADAPTERS) - running)
+    gate.release()
+    answers = await asyncio.gather(*requests)
     assert [a["text"] for a in answers] == [reference(name) for name in ADAPTERS]
+    assert gate.peak == running
 
 
 async def test_loaded_adapters_are_bounded_least_recently_used_first(make_client, served_backend):
