@@ -1994,10 +1994,12 @@ async def serve(app: web.Application) -> int:
             stop.set()
         else:
             info = engine.backend.info
+            registry = engine.backend.adapters
+            available = await asyncio.get_running_loop().run_in_executor(None, registry.available)
             log.info(
-                "model ready in %.1f s: %s on %s (%s, %s), adapter %s",
+                "model ready in %.1f s: %s on %s (%s, %s); default adapter: %s; adapters in %s: %d",
                 engine.load_time_s, info.model, info.backend, info.device, info.dtype,
-                "applied" if info.adapter_applied else "not applied",
+                registry.default_name or "none", registry.directory or "(no ADAPTERS_DIR)", len(available),
             )
 
     watcher = asyncio.create_task(watch_load())
