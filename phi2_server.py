@@ -83,6 +83,7 @@ class Settings:
     max_tokens_limit: int = setting(0, "largest max_tokens a request may ask for (0: only the context window bounds it)")
     request_timeout: float = setting(600.0, "seconds a request may take, queue wait included (0: no limit)")
     shutdown_grace: float = setting(10.0, "seconds in-flight generations get to finish on SIGTERM/SIGINT")
+    drain_delay: float = setting(0.0, "seconds after SIGTERM/SIGINT during which /ready answers 503 and requests are still served, before the grace period (behind a load balancer: more than its health checks take to mark the server down)")
     log_prompts: bool = setting(True, "write the first 100 characters of each prompt to the request log (0: never)")
     log_max_bytes: int = setting(10 * 1024 * 1024, "request log size in bytes before it rotates")
     log_backups: int = setting(5, "rotated request logs kept")
@@ -165,6 +166,7 @@ SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 ENGINE: web.AppKey[Engine] = web.AppKey("engine")
 REQUEST_LOG: web.AppKey[RequestLog] = web.AppKey("request_log")
 LOAD_DONE: web.AppKey[asyncio.Event] = web.AppKey("load_done")
+DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining")  # set on SIGTERM while DRAIN_DELAY runs
 LOADER: web.AppKey[Callable[[], Backend]] = web.AppKey("loader")
 TOKENIZER_POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("tokenizer_pool")
 API_KEYS: web.AppKey[tuple[bytes, ...]] = web.AppKey("api_keys")
@@ -614,7 +616,8 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     """200 only while new requests would be served: loaded, and not shutting down."""
     engine = request.app[ENGINE]
-    body = {"ready": engine.status == "ok" and engine.accepting, "status": engine.status}
+    draining = request.app[DRAINING].is_set()
+    body = {"ready": engine.status == "ok" and engine.accepting and not draining, "status": engine.status, "draining": draining}
     if not body["ready"]:
         return web.json_response(body, status=503, headers={"Retry-After": "5"})
     return web.json_response(body)
@@ -1601,7 +1604,14 @@ HEALTH_SCHEMA = {
     "required": ["status", "model_loaded", "queue"],
     "properties": {"status": {"enum": ["loading", "ok", "error"]}, "model_loaded": {"type": "boolean"}, "queue": QUEUE_SCHEMA},
 }
-READY_SCHEMA = {"type": "object", "required": ["ready", "status"], "properties": {"ready": {"type": "boolean"}, "status": {"enum": ["loading", "ok", "error"]}}}
+READY_SCHEMA = {
+    "type": "object",
+    "required": ["ready", "status", "draining"],
+    "properties": {
+        "ready": {"type": "boolean"}, "status": {"enum": ["loading", "ok", "error"]},
+        "draining": {"type": "boolean", "description": "shutting down: requests are still served for DRAIN_DELAY seconds, but a load balancer should send no more"},
+    },
+}
 ADAPTER_FACTS_SCHEMA = {
     "type": "object",
     "required": ["name", "path", "problem"],
@@ -1876,6 +1886,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app[OPENAPI] = openapi_document()
     app.on_response_prepare.append(add_headers)
     app[LOAD_DONE] = asyncio.Event()
+    app[DRAINING] = asyncio.Event()
     app[LOADER] = load or model_loader(settings)
     app.on_startup.append(start_worker)
     app.on_shutdown.append(drain_worker)
@@ -2010,6 +2021,12 @@ async def serve(app: web.Application) -> int:
         print(f"error: {describe_load_error(engine.load_error, settings)}", file=sys.stderr)
         code = 1
     else:
+        if settings.drain_delay > 0:
+            # Behind a load balancer: first tell its health checks (/ready 503) and keep serving
+            # what still arrives, then stop taking connections. A second signal exits at once.
+            app[DRAINING].set()
+            log.info("draining: /ready answers 503; requests are served for %.1f s more", settings.drain_delay)
+            await asyncio.sleep(settings.drain_delay)
         log.info("shutting down: %.0f s grace for in-flight requests", settings.shutdown_grace)
     await runner.cleanup()
     return code

@@ -3,8 +3,8 @@ signal a real server process.
 
 Every sequence is held after its first token, so a test knows its streams are still in flight
 when it sends the signal, however fast this machine decodes. With GATE_RELEASE=shutdown they are
-released as the server begins to shut down (the grace-period test); otherwise they stay held,
-and the shutdown itself must end them.
+released as the server begins to shut down (the grace-period test); with GATE_RELEASE=open
+nothing is held; otherwise they stay held, and the shutdown itself must end them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def main() -> int:
     gate = Gate(after=1)
     load = model_loader(settings)
     app = create_app(settings, load=lambda: GatedBackend(load(), gate))
+    if os.environ.get("GATE_RELEASE") == "open":  # nothing held: requests run to their end
+        gate.release()
     if os.environ.get("GATE_RELEASE") == "shutdown":
 
         async def release(app) -> None:

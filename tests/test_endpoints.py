@@ -14,6 +14,7 @@ async def test_health_ready_and_info_when_loaded(client, backend):
     assert await health.json() == {"status": "ok", "model_loaded": True, "queue": {"waiting": 0, "active": 0}}
     ready = await client.get("/ready")
     assert ready.status == 200
+    assert await ready.json() == {"ready": True, "status": "ok", "draining": False}
     info = await (await client.get("/model/info")).json()
     assert info["model"] == backend.info.model
     assert info["backend"] == backend.info.backend

@@ -26,7 +26,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(model: Path, log_dir: Path, backend: str, grace: float, max_batch: int = 1, release_on_shutdown: bool = False):
+def server_process(
+    model: Path, log_dir: Path, backend: str, grace: float, max_batch: int = 1, release_on_shutdown: bool = False,
+    drain_delay: float = 0.0, gate: str | None = None,
+):
     """The server as a real process, its streams held after their first token (gated_server.py)."""
     port = free_port()
     env = {
@@ -38,7 +41,8 @@ def server_process(model: Path, log_dir: Path, backend: str, grace: float, max_b
         "SHUTDOWN_GRACE": str(grace),
         "MAX_BATCH": str(max_batch),
         "ADAPTER_PATH": "",
-        "GATE_RELEASE": "shutdown" if release_on_shutdown else "never",
+        "GATE_RELEASE": gate or ("shutdown" if release_on_shutdown else "never"),
+        "DRAIN_DELAY": str(drain_delay),
     }
     command = [sys.executable, str(ROOT / "tests" / "gated_server.py")]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -112,3 +116,43 @@ def test_sigint_lets_in_flight_generations_finish_within_the_grace_period(tiny_p
         assert lines[-1]["finish_reason"] == "length"
         assert lines[-1]["tokens_used"] == 200
         assert process.wait(timeout=60) == 0
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.request("GET", path)
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def test_with_a_drain_delay_sigterm_turns_ready_503_first_and_keeps_serving(tiny_path, tmp_path):
+    """Behind a load balancer: on SIGTERM /ready fails at once, so its health checks take the
+    server out, while requests that still arrive are served. (The delay is an hour: the test ends
+    it with a second signal, which exits at once.)"""
+    with server_process(tiny_path, tmp_path / "logs", "torch", grace=5, drain_delay=3600, gate="open") as (process, port):
+        assert get(port, "/ready") == (200, {"ready": True, "status": "ok", "draining": False})
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while get(port, "/ready")[0] != 503:
+            assert time.monotonic() < deadline, "/ready never turned 503"
+            time.sleep(0.05)
+        assert get(port, "/ready") == (503, {"ready": False, "status": "ok", "draining": True})
+        assert get(port, "/health")[0] == 200  # alive: a liveness probe must not restart it
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", "/generate", body=json.dumps({"prompt": "Once upon", "max_tokens": 5, "ignore_eos": True}))
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["tokens_used"] == 5
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 130
+
+
+def test_after_the_drain_delay_the_server_drains_and_exits_0(tiny_path, tmp_path):
+    with server_process(tiny_path, tmp_path / "logs", "torch", grace=0.2, drain_delay=0.2) as (process, port):
+        response = start_stream(port, LONG)
+        assert "token" in json.loads(response.readline())  # held after its first token
+        process.send_signal(signal.SIGTERM)
+        lines = [json.loads(line) for line in response.read().splitlines()]
+        assert lines[-1]["done"] is True and lines[-1]["finish_reason"] == "shutdown"
+        assert process.wait(timeout=60) == 0
+        output = process.stdout.read().decode()
+    assert "draining: /ready answers 503" in output and "Traceback" not in output
