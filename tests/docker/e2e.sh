@@ -74,7 +74,7 @@ def expect(what, actual, expected):
 
 health, ready, info = read("health"), read("ready"), read("info")
 expect("/health", (health["status"], health["model_loaded"]), ("ok", True))
-expect("/ready", ready, {"ready": True, "status": "ok"})
+expect("/ready", ready, {"ready": True, "status": "ok", "draining": False})
 expect("/model/info", (info["model"], info["backend"], info["device"]), ("/model", "torch", "cpu"))
 gen = read("generate")
 expect("/generate text", gen["text"], " fox jumps over the lazy dog.")
