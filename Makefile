@@ -14,8 +14,13 @@ HF_CACHE ?= $(or $(HF_HOME),$(HOME)/.cache/huggingface)
 MODEL_DIR ?=
 DOCKER_BUILD_ARGS ?=
 DOCKER_RUN_ARGS ?=
+# Replicas behind HAProxy (docker-compose.replicas.yml): `make docker-replicas N=3`.
+N ?= 2
+HAPROXY_STATS_PORT ?= 8404
+REPLICAS_PROJECT ?= phi2-replicas
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
-.PHONY: help install run demo test bench bench-overhead clean docker-build docker-run docker-stop docker-logs
+.PHONY: help install run demo test bench bench-overhead clean docker-build docker-run docker-stop docker-logs docker-replicas docker-replicas-stop
 
 help:
 	@echo "make demo     serve the tiny offline demo model on http://127.0.0.1:8000"
@@ -29,6 +34,8 @@ help:
 	@echo "make docker-stop   stop and remove the container"
 	@echo "make docker-logs   follow the container's output"
 	@echo "make docker-build  build the image $(DOCKER_IMAGE)"
+	@echo "make docker-replicas N=2  N replicas behind HAProxy on http://127.0.0.1:$(DOCKER_PORT) (stats: :$(HAPROXY_STATS_PORT)/stats)"
+	@echo "make docker-replicas-stop stop them"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -94,3 +101,20 @@ docker-stop:
 
 docker-logs:
 	docker logs -f $(DOCKER_CONTAINER)
+
+# Ready once HAProxy's health checks see all N replicas up (its stats, as CSV).
+docker-replicas: docker-build
+	docker build -t phi2-haproxy -f deploy/haproxy.Dockerfile .
+	mkdir -p $(HF_CACHE)
+	HF_HOME=$(HF_CACHE) DOCKER_PORT=$(DOCKER_PORT) HAPROXY_STATS_PORT=$(HAPROXY_STATS_PORT) \
+		$(COMPOSE) -p $(REPLICAS_PROJECT) -f docker-compose.replicas.yml up -d --no-build --scale phi2=$(N)
+	@echo "waiting for $(N) replicas to load (docker logs of each show progress)"
+	@for _ in $$(seq 900); do \
+		up=$$(curl -fs "http://127.0.0.1:$(HAPROXY_STATS_PORT)/stats;csv" | grep -c '^phi2,replica[0-9]*,.*,UP,' || true); \
+		[ "$$up" -ge $(N) ] && break; sleep 1; \
+	done; \
+	[ "$$up" -ge $(N) ] || { echo "only $$up of $(N) replicas up after 900 s"; exit 1; }
+	@echo "$(N) replicas behind HAProxy: http://127.0.0.1:$(DOCKER_PORT) (stats: http://127.0.0.1:$(HAPROXY_STATS_PORT)/stats)"
+
+docker-replicas-stop:
+	DOCKER_PORT=$(DOCKER_PORT) HAPROXY_STATS_PORT=$(HAPROXY_STATS_PORT) $(COMPOSE) -p $(REPLICAS_PROJECT) -f docker-compose.replicas.yml down

@@ -36,7 +36,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 echo "== hadolint"
 make -s install  # the host's venv writes the tiny checkpoint below
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r tests/docker/requirements.txt
-"$VENV/bin/hadolint" Dockerfile  # exits non-zero on any finding
+"$VENV/bin/hadolint" Dockerfile deploy/haproxy.Dockerfile  # exits non-zero on any finding
 echo "hadolint: no findings"
 
 echo "== make docker-build"
