@@ -645,10 +645,15 @@ async def model_info(request: web.Request) -> web.Response:
     )
 
 
+async def available_adapters(backend: Backend) -> list[AdapterFacts]:
+    """The adapters requests may choose now: ADAPTERS_DIR is read again, off the loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, backend.adapters.available)
+
+
 async def adapters_info(backend: Backend) -> dict:
-    """The adapters requests may choose (ADAPTERS_DIR read again now), the default, and the loaded ones."""
+    """The adapters requests may choose, the default, and the loaded ones."""
     registry = backend.adapters
-    available = await asyncio.get_running_loop().run_in_executor(None, registry.available)
+    available = await available_adapters(backend)
     return {
         "dir": str(registry.directory) if registry.directory else None,
         "default": registry.default_name,
@@ -1307,7 +1312,7 @@ async def v1_models(request: web.Request) -> web.Response:
     engine = engine_ready(request)
     names = served_names(request)
     cards = [model_card(engine, name) for name in names]
-    facts = await asyncio.get_running_loop().run_in_executor(None, engine.backend.adapters.available)
+    facts = await available_adapters(engine.backend)
     cards += [adapter_card(engine, names[0], adapter) for adapter in facts]
     return web.json_response({"object": "list", "data": cards})
 
@@ -1317,7 +1322,7 @@ async def v1_model(request: web.Request) -> web.Response:
     name, adapter = model_named(request, request.match_info["model"])
     if not adapter:
         return web.json_response(model_card(engine, name))
-    facts = await asyncio.get_running_loop().run_in_executor(None, engine.backend.adapters.available)
+    facts = await available_adapters(engine.backend)
     found = next((f for f in facts if f.name == adapter), None)
     if found is None:
         raise ApiError(404, f"The model {name!r} does not exist: no adapter {adapter!r}", field="model", code="model_not_found")
@@ -2006,7 +2011,7 @@ async def serve(app: web.Application) -> int:
         else:
             info = engine.backend.info
             registry = engine.backend.adapters
-            available = await asyncio.get_running_loop().run_in_executor(None, registry.available)
+            available = await available_adapters(engine.backend)
             log.info(
                 "model ready in %.1f s: %s on %s (%s, %s); default adapter: %s; adapters in %s: %d",
                 engine.load_time_s, info.model, info.backend, info.device, info.dtype,

@@ -386,7 +386,7 @@ def merge_lora_into_torch(model, path: Path) -> int:
 
     config = read_config(path)
     scale, _, _, _ = lora_settings(config)
-    modules = check_modules(config, load_file(str(path / WEIGHTS_FILE)), torch_linears(model), len(_blocks(model)))
+    modules = check_modules(config, load_file(str(path / WEIGHTS_FILE)), torch_linears(model), block_count(model))
     with torch.no_grad():
         for name, (a, b) in modules.items():
             target = model.get_submodule(name)
@@ -402,6 +402,7 @@ def torch_linears(model) -> dict[str, tuple[int, int]]:
     return {name: (m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and block_index(name) is not None}
 
 
-def _blocks(model):
+def block_count(model) -> int:
+    """How many blocks a transformers causal LM has (what `num_layers` counts from the end of)."""
     inner = getattr(model, "model", model)
-    return getattr(inner, "layers", [])
+    return len(getattr(inner, "layers", []))

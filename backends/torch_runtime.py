@@ -20,7 +20,7 @@ from backends import (
     LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs,
     default_prompt_cache_bytes, physical_memory,
 )
-from backends.adapters import AdapterError, AdapterRegistry, find_adapter, torch_linears
+from backends.adapters import AdapterError, AdapterRegistry, block_count, find_adapter, torch_linears
 from backends.grammar import Grammars
 from backends.model_files import is_random
 from backends.prompt_cache import PrefixCache, namespace
@@ -149,8 +149,7 @@ class TorchBackend(TokenizerMethods):
         adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
         registry = AdapterRegistry(
             options.adapters_dir, adapter, load_tensors=_load_safetensors, linears=torch_linears(model),
-            blocks=len(model.model.layers) if hasattr(model, "model") and hasattr(model.model, "layers") else 0,
-            max_loaded=options.max_adapters,
+            blocks=block_count(model), max_loaded=options.max_adapters,
         )
         if adapter is not None:  # the default adapter: checked now, so a broken one stops the start
             try:

@@ -44,27 +44,27 @@ class TokenChooser:
         # (the Phi fast path takes it on the device, for all such rows at once).
         self.constrained_greedy = self.matcher is not None and sampling.greedy and not sampling.processed_besides_constraint
 
-    def scores(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, masked: bool = False) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, masked: bool = False) -> torch.Tensor:
         """What the next choice is made from, given this sequence's history (see `process`);
-        `allowed`: its constraint's mask, when the caller unpacked it with other rows'; `masked`:
-        the caller applied it to `logits` already."""
-        if self.matcher is not None and allowed is None and not masked:
+        `masked`: the caller applied its constraint's mask to `logits` already."""
+        allowed = None
+        if self.matcher is not None and not masked:
             allowed = unpack(self.matcher.allowed_words()[None], self.decodable, logits.device)[0]
         return process(logits, self.sampling, self.decodable, self.prompt_seen, self.counts, allowed)
 
-    def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, advance: bool = True) -> int:
+    def choose(self, logits: torch.Tensor) -> int:
         """The next token from a 1-D row over the whole model vocabulary; recorded as generated
-        (its matcher advanced too, unless the caller advances the rows together)."""
-        token = int(self.pick(logits, allowed))
-        self.record(token, advance)
+        (its matcher advanced too)."""
+        token = int(self.pick(logits))
+        self.record(token)
         return token
 
-    def pick(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, masked: bool = False) -> torch.Tensor:
+    def pick(self, logits: torch.Tensor, masked: bool = False) -> torch.Tensor:
         """The next token as a 0-d tensor on the logits' device, not recorded: a batch reads all
         its rows' picks back at once (`choose_rows`), not with a wait each."""
         if self.plain:
             return torch.argmax(logits[: self.decodable])
-        scores = self.scores(logits, allowed, masked)
+        scores = self.scores(logits, masked)
         if self.sampling.greedy:
             return torch.argmax(scores)
         # One draw per token from the sequence's own generator: a seed gives the same tokens in any batch.
