@@ -94,8 +94,8 @@ def find_adapter(adapter_path: str | None, is_default: bool = False) -> Path | N
 
     An absent directory means requests that name no adapter get the base model. For the default
     path that is the usual case on most machines, said once at info level; a path the user
-    chose and that is missing is a warning. A directory that exists but is not a valid adapter
-    is an error: serving the base model silently would hide a broken fine-tune.
+    chose and that is missing is a warning. Whether it is a valid adapter is checked when the
+    registry loads it at start-up (`AdapterRegistry.load_default`).
     """
     if not adapter_path:
         return None
@@ -108,13 +108,6 @@ def find_adapter(adapter_path: str | None, is_default: bool = False) -> Path | N
         return None
     if not path.is_dir():
         raise ModelLoadError(f"ADAPTER_PATH={path} is not a directory")
-    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (path / name).is_file()]
-    if missing:
-        raise ModelLoadError(f"ADAPTER_PATH={path} is not an mlx-lm LoRA adapter: {', '.join(missing)} missing")
-    try:
-        read_config(path)
-    except BrokenAdapter as exc:
-        raise ModelLoadError(f"ADAPTER_PATH={path}: {exc}") from exc
     return path
 
 
@@ -329,6 +322,16 @@ class AdapterRegistry:
         ranks = {a.shape[1] for a, _ in modules.values()}
         log.info("adapter %s loaded from %s (%d layers, rank %s)", name, path, len(modules), "/".join(map(str, sorted(ranks))))
         return Adapter(name, str(path), key, scale, max(ranks), modules)
+
+    def load_default(self) -> None:
+        """Load the ADAPTER_PATH adapter, if there is one, at start-up: one that is not a valid
+        adapter stops the start (serving the base model silently would hide a broken fine-tune)."""
+        if self.default_name is None:
+            return
+        try:
+            self.get(self.default_name)
+        except AdapterError as exc:
+            raise ModelLoadError(f"ADAPTER_PATH={self.default_path}: {exc}") from exc
 
     def loaded(self) -> list[str]:
         with self._lock:

@@ -25,7 +25,7 @@ from backends import (
     LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs, TokenLogprob,
     default_prompt_cache_bytes, physical_memory,
 )
-from backends.adapters import AdapterError, AdapterRegistry, find_adapter
+from backends.adapters import AdapterRegistry, find_adapter
 from backends.grammar import Grammars
 from backends.mlx_logprobs import token_logprobs
 from backends.mlx_lora import (
@@ -116,11 +116,7 @@ class MlxBackend(TokenizerMethods):
             options.adapters_dir, default_adapter, load_tensors=load_adapter_tensors, linears=block_linears(model),
             blocks=len(model.layers), max_loaded=options.max_adapters,
         )
-        if default_adapter is not None:  # loaded now: a broken one fails the start, not a request
-            try:
-                adapters.get(adapters.default_name)
-            except AdapterError as exc:
-                raise ModelLoadError(f"ADAPTER_PATH={default_adapter}: {exc}") from exc
+        adapters.load_default()  # a broken one fails the start, not a request
         router = install_router(model)
         info = ModelInfo(
             model=options.model,

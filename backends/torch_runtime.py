@@ -20,7 +20,7 @@ from backends import (
     LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs,
     default_prompt_cache_bytes, physical_memory,
 )
-from backends.adapters import AdapterError, AdapterRegistry, block_count, find_adapter, torch_linears
+from backends.adapters import AdapterRegistry, block_count, find_adapter, torch_linears
 from backends.grammar import Grammars
 from backends.model_files import is_random
 from backends.prompt_cache import PrefixCache, namespace
@@ -151,11 +151,7 @@ class TorchBackend(TokenizerMethods):
             options.adapters_dir, adapter, load_tensors=_load_safetensors, linears=torch_linears(model),
             blocks=block_count(model), max_loaded=options.max_adapters,
         )
-        if adapter is not None:  # the default adapter: checked now, so a broken one stops the start
-            try:
-                registry.get(registry.default_name)
-            except AdapterError as exc:
-                raise ModelLoadError(f"ADAPTER_PATH={adapter}: {exc}") from exc
+        registry.load_default()
         parameters = sum(p.numel() for p in model.parameters())
         info = ModelInfo(
             model=options.model,
