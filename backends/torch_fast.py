@@ -147,6 +147,18 @@ class PhiWeights:
         return table.cos().to(dtype), (table.sin() * sign).to(dtype)
 
 
+def _fused_available(weights: PhiWeights, on_cuda_graphs: bool) -> bool:
+    """The Triton step serves unquantized weights on CUDA, where Triton is installed."""
+    if not on_cuda_graphs or any(isinstance(part, QuantizedWeight) for part in weights.layers[0]):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        log.warning("Triton is not installed: the CUDA decode step runs without its fused kernels")
+        return False
+    return True
+
+
 def _param(tensor: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(tensor, requires_grad=False)
 
@@ -230,7 +242,7 @@ class BatchedPhiDecoder:
     @torch.inference_mode()  # the cache and buffers are inference tensors, as everything that writes them
     def __init__(
         self, weights: PhiWeights, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
-        compile: bool = False, prompt_cache_bytes: int = 0, adapter_slots: int = 8,
+        compile: bool = False, prompt_cache_bytes: int = 0, adapter_slots: int = 8, fused: bool | None = None,
     ):
         self.weights = weights
         self.prompts = PrefixCache(prompt_cache_bytes)
@@ -256,6 +268,9 @@ class BatchedPhiDecoder:
         # torch.compile fuses each block's small kernels (LayerNorm, rotary, GELU, residual);
         # dynamic shapes: one compilation serves every batch and length bucket.
         self._layer = torch.compile(decode_layer, dynamic=True, fullgraph=True) if compile else decode_layer
+        # On CUDA a block's decode step is three Triton kernels (backends/triton_decode), except
+        # with adapters or quantized weights, which take the step above.
+        self.fused = _fused_available(weights, self.use_graphs) if fused is None else fused
         # Per row: input token, position, 1 if the row decodes (its position advances when
         # chained), and its adapter's slot (-1: none).
         self.inputs = torch.zeros(4, self.rows, dtype=torch.long, device=self.device)
@@ -472,6 +487,8 @@ class BatchedPhiDecoder:
         """Process up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
         length together in one padded pass (64 clients arriving at once: a few passes, not 64)."""
         budget = self.prefill_chunk
+        if self.use_graphs and not any(slot.next_token is not None for slot in self.slots):
+            budget = max(budget, self.context)  # no stream waits on this step: whole prompts, one pass each
         parts = []  # (slot, the prompt ids to process now, their first position)
         for i, slot in enumerate(self.slots):
             if budget <= 0:
@@ -525,31 +542,68 @@ class BatchedPhiDecoder:
         step writes a column before any query reads it, and the mask hides the rest."""
         w = self.weights
         n, length = len(parts), max(len(ids) for _, ids, _ in parts)
-        # Keys padded to a multiple of 8: the memory-efficient attention kernel wants its mask
-        # rows aligned (the padded columns hold zeros and are masked out).
-        span = -(-(max(start for _, _, start in parts) + length) // 8) * 8
-        self._grow(span)
-        span = min(span, self.cache_length)
-        tokens = torch.zeros(n, length, dtype=torch.long)
-        for r, (_, ids, _) in enumerate(parts):
-            tokens[r, : len(ids)] = torch.tensor(ids)
-        starts = torch.tensor([start for _, _, start in parts])
-        positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.cache_length - 1).to(self.device)
-        tokens = tokens.to(self.device)
-        slots = torch.tensor([slot for slot, _, _ in parts], device=self.device)
-        x = w.embed[tokens]  # [n, length, hidden]
-        cos, sin = self.cos[positions][:, :, None, None, :], self.sin[positions][:, :, None, None, :]
-        visible = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, length, span]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        if self.use_graphs and n == 1:
+            # One piece (a long prompt, or a prompt alone): no padding, no mask to build, its
+            # keys and values written as slices, and causal flash attention.
+            slot, ids, start = parts[0]
+            end = start + len(ids)
+            x = w.embed[torch.tensor([ids], device=self.device)]
+            cos, sin = self.cos[start:end][None, :, None, None, :], self.sin[start:end][None, :, None, None, :]
+            attend = self._attend_one(slot, start, end)
+        else:
+            # Keys padded to a multiple of 8: the memory-efficient attention kernel wants its mask
+            # rows aligned (the padded columns hold zeros and are masked out).
+            span = -(-(max(start for _, _, start in parts) + length) // 8) * 8
+            self._grow(span)
+            span = min(span, self.cache_length)
+            tokens = torch.zeros(n, length, dtype=torch.long)
+            for r, (_, ids, _) in enumerate(parts):
+                tokens[r, : len(ids)] = torch.tensor(ids)
+            starts = torch.tensor([start for _, _, start in parts])
+            positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.cache_length - 1).to(self.device)
+            tokens = tokens.to(self.device)
+            slots = torch.tensor([slot for slot, _, _ in parts], device=self.device)
+            x = w.embed[tokens]  # [n, length, hidden]
+            cos, sin = self.cos[positions][:, :, None, None, :], self.sin[positions][:, :, None, None, :]
+            visible = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, length, span]
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            attend = self._attend_padded(slots, positions, span, mask)
         lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
         adapted = self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
         with prefill_attention():
-            x = self._prefill_layers(x, cos, sin, mask, slots, positions, span, adapted)
+            x = self._prefill_layers(x, cos, sin, attend, adapted)
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
 
-    def _prefill_layers(self, x, cos, sin, mask, slots, positions, span, adapted: dict) -> torch.Tensor:
+    def _attend_padded(self, slots, positions, span, mask):
+        """Prefill attention for padded pieces: keys and values scattered to their slots, then
+        gathered back with what was cached before, under the mask."""
+
+        def attend(l, q, k, v):  # q, k, v: [n, length, heads, head_dim]
+            self.k[l][slots[:, None], :, positions] = k
+            self.v[l][slots[:, None], :, positions] = v
+            keys, values = self.k[l][slots, :, :span], self.v[l][slots, :, :span]
+            return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+
+        return attend
+
+    def _attend_one(self, slot: int, start: int, end: int):
+        """Prefill attention for one piece at positions start..end-1 of its slot: causal over
+        itself (from position 0), or over the slot's cached columns too (bottom-right causal)."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        def attend(l, q, k, v):  # q, k, v: [1, length, heads, head_dim]
+            self.k[l, slot, :, start:end] = k[0].transpose(0, 1)
+            self.v[l, slot, :, start:end] = v[0].transpose(0, 1)
+            if start == 0:
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            keys, values = self.k[l, slot : slot + 1, :, :end], self.v[l, slot : slot + 1, :, :end]
+            return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=causal_lower_right(end - start, end))
+
+        return attend
+
+    def _prefill_layers(self, x, cos, sin, attend, adapted: dict) -> torch.Tensor:
         w = self.weights
         n, length = x.shape[:2]
         for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
@@ -561,10 +615,7 @@ class BatchedPhiDecoder:
             qkv = y[..., : 3 * w.hidden].view(n, length, 3, w.heads, w.head_dim)
             rope_(qkv[:, :, :2], cos, sin, w.rotary_dim)
             q, k, v = qkv.unbind(2)  # [n, length, heads, head_dim]
-            self.k[l][slots[:, None], :, positions] = k
-            self.v[l][slots[:, None], :, positions] = v
-            keys, values = self.k[l][slots, :, :span], self.v[l][slots, :, :span]
-            attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+            attention = attend(l, q, k, v)
             mixed = torch.cat((attention.transpose(1, 2).reshape(n, length, w.hidden), w.activation(y[..., 3 * w.hidden :])), dim=-1)
             out = linear(mixed, w_out, b_out)
             if lora is not None:
@@ -590,7 +641,12 @@ class BatchedPhiDecoder:
         longest = max(self.slots[i].cached for i in rows) + 1 + ahead
         self._grow(longest)
         batch = bucket(len(self.slots), BATCH_BUCKETS) if self.use_graphs else len(self.slots)
-        span = min(bucket(longest, self._length_buckets()), self.cache_length) if self.use_graphs else longest
+        # The adapters' product only while a sequence uses one (its graphs are captured apart).
+        lora = self.lora.version if any(self.slots[i].lora_index >= 0 for i in rows) else 0
+        if self.fused and not lora:
+            span = 0  # the fused step reads each row's live columns, whatever their number: one graph per batch
+        else:
+            span = min(bucket(longest, self._length_buckets()), self.cache_length) if self.use_graphs else longest
         if not chained:
             host = self._host_inputs.numpy()  # a view: plain writes, no tensor per row
             host[:, :batch] = 0
@@ -599,8 +655,6 @@ class BatchedPhiDecoder:
             for i in rows:
                 host[:, i] = (self.slots[i].next_token, self.slots[i].cached, 1, self.slots[i].lora_index)
             self.inputs[:, :batch].copy_(self._host_inputs[:, :batch], non_blocking=True)  # tokens, positions, advance, adapter
-        # The adapters' product only while a sequence uses one (its graphs are captured apart).
-        lora = self.lora.version if any(self.slots[i].lora_index >= 0 for i in rows) else 0
         logits, greedy = self._replay(batch, span, lora) if self.use_graphs else self._decode_step(batch, span, lora)
         launched = _Launch(rows, logits, greedy, None, batch, [i for i in rows if self.slots[i].masked])
         if finish:
@@ -660,6 +714,8 @@ class BatchedPhiDecoder:
         with each row's adapter if `lora` (the adapter buffers' version) is not 0."""
         w = self.weights
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
+        if self.fused and not lora:
+            return self._fused_step(batch)
         rows = torch.arange(batch, device=self.device)
         x = w.embed[tokens]  # [b, hidden]
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
@@ -670,6 +726,25 @@ class BatchedPhiDecoder:
         for l, layer in enumerate(w.layers):
             x = self._layer(x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *layer, shape=self._shape, lora=adapted.get(l))
         logits = self._logits(x)
+        return logits, logits[:, : w.decodable].argmax(dim=-1)
+
+    def _fused_step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step: cuBLAS for the two GEMMs a block, Triton for what lies between them
+        (backends/triton_decode)."""
+        from backends import triton_decode as fused
+
+        w = self.weights
+        tokens, positions, active = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
+        x = w.embed[tokens]
+        own_gemv = batch <= fused.GEMV_MAX_ROWS
+        for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
+            if own_gemv:
+                y = fused.ln_linear(x, ln_w, ln_b, w.eps, w_in, b_in)
+            else:
+                y = F.linear(F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps), w_in, b_in)
+            mixed, xb = fused.attention_block(y, x, self.cos, self.sin, positions, active, self.k[l], self.v[l], b_out, w.hidden, w.head_dim, w.rotary_dim)
+            x = fused.linear_residual(mixed, mixed.shape[1], 0, w_out, b_out, x) if own_gemv else torch.addmm(xb, mixed, w_out.t())
+        logits = fused.ln_linear(x, *w.final_norm, w.eps, *w.lm_head) if own_gemv else self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
     def _lora_layers(self, row_slots: torch.Tensor, prefill: bool = False) -> dict[int, tuple]:
@@ -719,7 +794,7 @@ class BatchedPhiDecoder:
         for batch in BATCH_BUCKETS:
             if batch > self.rows:
                 break
-            for span in spans:
+            for span in (0,) if self.fused else spans:
                 self._replay(batch, min(span, self.cache_length))
 
     def _grow(self, length: int) -> None:

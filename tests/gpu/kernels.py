@@ -1,0 +1,412 @@
+"""The Triton decode kernels (backends/triton_decode.py) on a CUDA machine: correctness against
+torch, GEMV launch shapes against cuBLAS on Phi-2's matrices, and the whole decode step fused
+against the cuBLAS + torch.compile step, in the same run as the copy bandwidth.
+
+    python3 tests/gpu/kernels.py --out results/     # a few minutes on one H200
+
+Not part of `make test` (CI has no GPU). tests/gpu/check.py measures the server end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends import triton_decode as td  # noqa: E402
+from backends.torch_fast import BatchedPhiDecoder  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Seconds per call of `fn`, replayed from a CUDA graph (as the server's step is)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / reps)
+    return sorted(times)[2]
+
+
+def bandwidths() -> dict:
+    src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy = graph_time(lambda: dst.copy_(src), reps=5)
+    total = torch.empty((), device="cuda", dtype=torch.float32)
+    read = graph_time(lambda: torch.sum(src, dim=0, dtype=torch.float32, out=total), reps=5)
+    nbytes = src.numel() * 2
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"copy_bytes_s": 2 * nbytes / copy, "read_bytes_s": nbytes / read}
+
+
+SHAPES = {"in": (17920, 2560), "out": (2560, 12800), "head": (51200, 2560)}
+
+
+def gemv_sweep(dtype=torch.bfloat16) -> list[dict]:
+    """Each launch shape over 8 weight copies (no reuse from L2, as 32 layers in turn)."""
+    rows_out = []
+    copies = 6
+    for name, (n, k) in SHAPES.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * k**-0.5 for _ in range(copies)]
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        wide = 17920 if name == "out" else k  # the out GEMV reads [attention, gelu(fc1)] out of y
+        for m in (1,):
+            x = torch.randn(m, wide, device="cuda", dtype=dtype)
+            ln_w, ln_b = torch.rand(k, device="cuda", dtype=dtype) + 0.5, torch.randn(k, device="cuda", dtype=dtype)
+            residual = torch.randn(m, n, device="cuda", dtype=dtype)
+            if name == "out":
+                x = torch.cat((x[:, :2560], x[:, 7680:]), dim=1)  # mixed, as the fused step lays it out
+                inputs = x
+                reference = residual.float() + F.linear(inputs, weights[0], bias).float()
+                cublas = lambda: [F.linear(inputs, w, bias) + residual for w in weights]  # noqa: E731
+            else:
+                h = F.layer_norm(x, (k,), ln_w, ln_b, 1e-5)
+                reference = F.linear(h, weights[0], bias).float()
+                cublas = lambda: [F.linear(F.layer_norm(x, (k,), ln_w, ln_b, 1e-5), w, bias) for w in weights]  # noqa: E731
+            base = graph_time(cublas) / copies
+            nbytes = n * k * 2
+            rows_out.append({"shape": name, "m": m, "kernel": "cublas (+ layer_norm / residual)", "us": base * 1e6, "weight_TB_s": nbytes / base / 1e12})
+            if m == 1:
+                configs = [dict(DOT=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
+                           for bn, bk, wp, st in [(16, 512, 4, 3), (8, 512, 4, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3),
+                                                  (4, 2048, 4, 3), (16, 1024, 8, 3), (2, 2048, 4, 3), (8, 1024, 8, 3), (4, 1024, 2, 3)]]
+            else:
+                bm = min(max(16, triton_pow2(m)), 64 if m <= 128 else 128)
+                configs = [dict(DOT=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
+                           for bn, bk, wp, st in [(32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3)]]
+            for config in configs:
+                td.CONFIG_OVERRIDE[(m, n, k)] = config
+                try:
+                    if name == "out":
+                        run = lambda w: td.linear_residual(x, k, 0, w, bias, residual)  # noqa: E731
+                    else:
+                        run = lambda w: td.ln_linear(x, ln_w, ln_b, 1e-5, w, bias)  # noqa: E731
+                    got = run(weights[0]).float()
+                    error = float((got - reference).norm() / reference.norm())
+                    seconds = graph_time(lambda: [run(w) for w in weights]) / copies
+                    label = "triton " + ",".join(f"{key}={value}" for key, value in config.items() if key != "DOT")
+                    rows_out.append({"shape": name, "m": m, "kernel": label, "us": seconds * 1e6, "weight_TB_s": nbytes / seconds / 1e12,
+                                     "vs_cublas": base / seconds, "rel_error": error})
+                except Exception as exc:  # a launch shape that does not compile is reported, not fatal
+                    rows_out.append({"shape": name, "m": m, "kernel": str(config), "error": f"{type(exc).__name__}: {exc}"[:200]})
+                td.CONFIG_OVERRIDE.clear()
+        del weights
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def attention_sweep() -> list[dict]:
+    """attention_block (split, combine) per launch shape, against the unfused step's attention
+    (rotary, cache writes, baddbmm, softmax, bmm over the power-of-two span), 8 layers in turn."""
+    from backends.torch_fast import MIN_LENGTH_BUCKET, rope_
+
+    hidden, heads, head_dim, rot, inner = 2560, 32, 80, 32, 10240
+    rows_out = []
+    configs = [dict(BLOCK_N=bn, num_warps=wp, work=2048) for bn in (16, 32, 64) for wp in (1, 2, 4)]
+    configs += [dict(BLOCK_N=32, num_warps=2, work=1024), dict(BLOCK_N=32, num_warps=2, work=4096)]
+    for rows, context in ((1, 128), (1, 1044), (64, 128), (64, 1044), (128, 160)):
+        layers = 8
+        length = context + 2
+        caches = [(torch.randn(rows, heads, length, head_dim, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(rows, heads, length, head_dim, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
+        y = torch.randn(rows, 3 * hidden + inner, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        b_out = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        cos, sin = torch.randn(length, rot, device="cuda", dtype=torch.bfloat16), torch.randn(length, rot, device="cuda", dtype=torch.bfloat16)
+        positions = torch.full((rows,), context, device="cuda", dtype=torch.long)
+        active = torch.ones(rows, device="cuda", dtype=torch.long)
+        nbytes = rows * context * heads * head_dim * 2 * 2
+        span = max(MIN_LENGTH_BUCKET, triton_pow2(context + 1))
+
+        def reference():
+            for k_cache, v_cache in caches:
+                qkv = y[:, : 3 * hidden].view(rows, 3, heads, head_dim)
+                rope_(qkv[:, :2], cos[positions][:, None, None, :], sin[positions][:, None, None, :], rot)
+                q, k, v = qkv.unbind(1)
+                k_cache[torch.arange(rows, device="cuda"), :, positions] = k
+                v_cache[torch.arange(rows, device="cuda"), :, positions] = v
+                keys = k_cache[:, :, :span].reshape(rows * heads, -1, head_dim)
+                values = v_cache[:, :, :span].reshape(rows * heads, -1, head_dim)
+                bias = torch.zeros(rows * heads, 1, keys.shape[1], device="cuda", dtype=torch.bfloat16)
+                scores = torch.baddbmm(bias, q.reshape(rows * heads, 1, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5)
+                attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(rows, hidden)
+                torch.cat((attention, F.gelu(y[:, 3 * hidden:], approximate="tanh")), dim=-1)
+
+        seconds = graph_time(reference) / layers
+        rows_out.append({"rows": rows, "context": context, "kernel": f"unfused (span {span})", "us": seconds * 1e6, "TB_s": nbytes / seconds / 1e12})
+        for config in configs:
+            td.ATTENTION.update(config)
+            try:
+                seconds = graph_time(lambda: [td.attention_block(y, x, cos, sin, positions, active, k, v, b_out, hidden, head_dim, rot) for k, v in caches]) / layers
+                rows_out.append({"rows": rows, "context": context, "kernel": json.dumps(config), "us": seconds * 1e6, "TB_s": nbytes / seconds / 1e12,
+                                 "splits": td.splits_for(rows, heads)})
+            except Exception as exc:
+                rows_out.append({"rows": rows, "context": context, "kernel": json.dumps(config), "error": f"{type(exc).__name__}: {exc}"[:200]})
+        del caches
+        torch.cuda.empty_cache()
+    td.ATTENTION.update(BLOCK_N=32, num_warps=2, work=2048)
+    return rows_out
+
+
+def best_attention(rows: list[dict]) -> dict:
+    """The launch shape with the least time summed over the scenarios."""
+    totals = {}
+    for row in rows:
+        if "us" in row and row["kernel"].startswith("{"):
+            totals[row["kernel"]] = totals.get(row["kernel"], 0) + row["us"]
+    return json.loads(min(totals, key=totals.get))
+
+
+def triton_pow2(m: int) -> int:
+    p = 1
+    while p < m:
+        p *= 2
+    return p
+
+
+def best_rows(rows: list[dict]) -> list[dict]:
+    best = {}
+    for row in rows:
+        if "us" not in row:
+            continue
+        key = (row["shape"], row["m"], row["kernel"].startswith("cublas"))
+        if key not in best or row["us"] < best[key]["us"]:
+            best[key] = row
+    return [best[key] for key in sorted(best)]
+
+
+PROMPT = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is two plus two?"
+
+
+def step_speed(backend, batches=(1, 8, 64, 128), prompt_tokens: int = 16) -> list[dict]:
+    ids = (backend.encode(PROMPT) * 100)[:prompt_tokens]
+    out = []
+    for batch in batches:
+        variants = [(False, False, 0), (False, True, 0), (True, False, 0)] + ([(True, False, 1)] if batch == 1 else [])
+        for fused, compiled, own_gemv in variants:
+            td.GEMV_MAX_ROWS = own_gemv
+            decoder = BatchedPhiDecoder(backend.fast_weights, batch, compile=compiled, fused=fused, prefill_chunk=4096)
+            for i in range(batch):
+                decoder.add(Sequence(i, list(ids), Sampling(), 400))
+            while any(s.next_token is None for s in decoder.slots):
+                decoder.step()
+            for _ in range(5):
+                decoder.step()
+            steps = 100
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(steps):
+                decoder.step()
+            decoder._drain()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            td.GEMV_MAX_ROWS = 0
+            row = {"batch": batch, "prompt_tokens": prompt_tokens, "fused": fused, "compiled": compiled, "own_gemv": own_gemv,
+                   "step_ms": seconds / steps * 1000, "tok_s": batch * steps / seconds}
+            say(row)
+            out.append(row)
+            del decoder
+            torch.cuda.empty_cache()
+    return out
+
+
+def profile(backend, batch: int, fused: bool) -> dict:
+    decoder = BatchedPhiDecoder(backend.fast_weights, batch, cuda_graphs=True, fused=fused, compile=False)
+    decoder.use_graphs = False  # eager, to see each kernel (the fused step's are the graph's)
+    ids = backend.encode(PROMPT)[:16]
+    for i in range(batch):
+        decoder.add(Sequence(i, ids, Sampling(), 64))
+    for _ in range(4):
+        decoder.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        decoder.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = {}
+    for e in kernels:
+        top[e.name[:50]] = top.get(e.name[:50], 0) + e.device_time
+    return {"batch": batch, "fused": fused, "kernels": len(kernels), "gpu_ms": sum(e.device_time for e in kernels) / 1000,
+            "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:8]}
+
+
+def prefill_profile(backend, tokens: int = 1044) -> dict:
+    ids = (backend.encode(PROMPT) * 100)[:tokens]
+    result = {}
+    for chunk in (512, 2048):
+        decoder = BatchedPhiDecoder(backend.fast_weights, 1, prefill_chunk=chunk)
+        times = []
+        for round_ in range(4):
+            decoder.clear()
+            decoder.add(Sequence(round_, list(ids), Sampling(), 4))
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            while not decoder.step():
+                pass
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        result[f"chunk_{chunk}_first_token_ms"] = [round(t * 1000, 2) for t in times]
+    pieces = []  # the prompt in 512-token pieces, as when streams are decoding
+    with torch.inference_mode():
+        for round_ in range(3):
+            row = []
+            for at in range(0, tokens, 512):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                decoder._prefill([(0, ids[at : at + 512], at)], lora_rows=[-1])
+                torch.cuda.synchronize()
+                row.append(round((time.perf_counter() - started) * 1000, 2))
+            pieces.append(row)
+    result["pieces_512_ms"] = pieces
+    decoder.clear()
+    decoder.add(Sequence(9, list(ids), Sampling(), 4))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        while not decoder.step():
+            pass
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = {}
+    for e in kernels:
+        top[e.name[:50]] = top.get(e.name[:50], 0) + e.device_time
+    result["profile_chunk_2048"] = {"kernels": len(kernels), "gpu_ms": sum(e.device_time for e in kernels) / 1000,
+                                   "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:12]}
+    return result
+
+
+def parity(dtype: str) -> dict:
+    """Greedy ids fused against unfused (8 prompts, 48 tokens), batched against alone, fused."""
+    backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype=dtype, warmup=False))
+    prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
+
+    def decode(decoder, chosen):
+        decoder.clear()
+        ids = __import__("backends.drive", fromlist=["drive"]).drive(
+            decoder, [Sequence(i, backend.encode(prompts[i]), Sampling(), 48) for i in chosen]).ids
+        return [ids[i] for i in chosen]
+
+    fused8 = BatchedPhiDecoder(backend.fast_weights, 8, fused=True)
+    plain8 = BatchedPhiDecoder(backend.fast_weights, 8, fused=False)
+    fused1 = BatchedPhiDecoder(backend.fast_weights, 1, fused=True)
+    together = decode(fused8, range(8))
+    alone = [decode(fused1, [i])[0] for i in range(8)]
+    unfused = decode(plain8, range(8))
+    # One step's logits, fused against unfused, same inputs.
+    ids = backend.encode(PROMPT)
+    logits = {}
+    for name, decoder in (("fused", fused1), ("unfused", BatchedPhiDecoder(backend.fast_weights, 1, fused=False))):
+        decoder.clear()
+        decoder.add(Sequence(0, ids, Sampling(), 8))
+        decoder.step()
+        with torch.inference_mode():
+            launched = decoder._launch([0])
+        logits[name] = launched.logits[0].float().clone()
+    diff = float((logits["fused"] - logits["unfused"]).abs().max())
+    td.GEMV_MAX_ROWS = 1
+    own = [decode(BatchedPhiDecoder(backend.fast_weights, 1, fused=True), [i])[0] for i in range(8)]
+    td.GEMV_MAX_ROWS = 0
+    result = {"batched_vs_alone_identical": sum(a == b for a, b in zip(together, alone)),
+              "own_gemv_alone_vs_cublas_alone_identical": sum(a == b for a, b in zip(own, alone)),
+              "fused_vs_unfused_identical": sum(a == b for a, b in zip(together, unfused)),
+              "step_logits_max_abs_diff": diff, "logit_scale": float(logits["unfused"].abs().max())}
+    del backend
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu-results")
+    parser.add_argument("--only", default="")
+    args = parser.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    RESULTS["device"] = torch.cuda.get_device_name()
+    RESULTS["bandwidth"] = bandwidths()
+    say(RESULTS)
+
+    def wanted(name):
+        return not only or name in only
+
+    import traceback
+
+    def section(name, fn):
+        try:
+            return fn()
+        except Exception:  # one section failing does not lose the others' numbers
+            RESULTS[f"{name}_error"] = traceback.format_exc()[-3000:]
+            say(RESULTS[f"{name}_error"])
+
+    if wanted("parity"):
+        for dtype in ("float32", "bfloat16"):
+            RESULTS[f"parity_{dtype}"] = section(f"parity_{dtype}", lambda: parity(dtype))
+            say(dtype, RESULTS[f"parity_{dtype}"])
+    if wanted("gemv"):
+        rows = section("gemv", gemv_sweep) or []
+        RESULTS["gemv_all"] = rows
+        RESULTS["gemv_best"] = best_rows(rows)
+        for row in RESULTS["gemv_best"]:
+            say(f'{row["shape"]:5} m={row["m"]:4} {row["us"]:8.1f} us {row["weight_TB_s"]:.2f} TB/s  {row["kernel"]}  err={row.get("rel_error", 0):.1e}')
+        (out / "kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    if wanted("step") or wanted("profile") or wanted("prefill") or wanted("attention"):
+        backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False))
+        weight_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+        RESULTS["limit_tok_s"] = RESULTS["bandwidth"]["copy_bytes_s"] / weight_bytes
+        if wanted("attention"):
+            RESULTS["attention"] = section("attention", attention_sweep) or []
+            for row in RESULTS["attention"]:
+                say(row)
+            if RESULTS["attention"]:
+                RESULTS["attention_best"] = best_attention(RESULTS["attention"])
+                td.ATTENTION.update(RESULTS["attention_best"])
+                say("attention launch shape for the steps:", RESULTS["attention_best"])
+        if wanted("profile"):
+            RESULTS["profiles"] = [section("profile", lambda: profile(backend, b, True)) for b in (1, 64)]
+            for p in RESULTS["profiles"]:
+                say(p)
+        if wanted("step"):
+            RESULTS["steps"] = section("steps", lambda: step_speed(backend)) or []
+            RESULTS["steps_long"] = section("steps_long", lambda: step_speed(backend, batches=(1, 32), prompt_tokens=1044)) or []
+        if wanted("prefill"):
+            RESULTS["prefill"] = section("prefill", lambda: prefill_profile(backend))
+            say(RESULTS["prefill"])
+    (out / "kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    say("limit tok/s", RESULTS.get("limit_tok_s"), "bandwidth", RESULTS["bandwidth"])
+    for row in RESULTS.get("steps", []) + RESULTS.get("steps_long", []):
+        say(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
