@@ -20,6 +20,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob
 from backends.prompt_cache import PrefixCache, namespace
@@ -204,6 +205,14 @@ def decode_layer(x, cos, sin, bias, positions, rows, k_cache, v_cache, ln_w, ln_
 def lora_product(x, a, b, mask):
     """Each row's own adapter's x @ A @ B: the mask keeps its slot's columns (torch_lora)."""
     return ((x @ a) * mask) @ b
+
+
+class _Placement:
+    """Where prefill pieces go: their slots [n], positions [n, length], the key span to attend
+    over, and the mask; `one` = (slot, start, end) when a single unpadded piece."""
+
+    def __init__(self, slots, positions, span: int, one, mask):
+        self.slots, self.positions, self.span, self.one, self.mask = slots, positions, span, one, mask
 
 
 class _Launch:
@@ -542,14 +551,16 @@ class BatchedPhiDecoder:
         step writes a column before any query reads it, and the mask hides the rest."""
         w = self.weights
         n, length = len(parts), max(len(ids) for _, ids, _ in parts)
+        slots = torch.tensor([slot for slot, _, _ in parts], device=self.device)
         if self.use_graphs and n == 1:
-            # One piece (a long prompt, or a prompt alone): no padding, no mask to build, its
-            # keys and values written as slices, and causal flash attention.
+            # One piece (a long prompt, or a prompt alone): no padding, no mask to build, and
+            # causal flash attention over its slot's columns.
             slot, ids, start = parts[0]
-            end = start + len(ids)
-            x = w.embed[torch.tensor([ids], device=self.device)]
-            cos, sin = self.cos[start:end][None, :, None, None, :], self.sin[start:end][None, :, None, None, :]
-            attend = self._attend_one(slot, start, end)
+            span = start + length
+            tokens = torch.tensor([ids], device=self.device)
+            positions = torch.arange(start, span, device=self.device)[None, :]
+            one = (slot, start, span)
+            mask = None if start == 0 else causal_lower_right(length, span)
         else:
             # Keys padded to a multiple of 8: the memory-efficient attention kernel wants its mask
             # rows aligned (the padded columns hold zeros and are masked out).
@@ -562,60 +573,56 @@ class BatchedPhiDecoder:
             starts = torch.tensor([start for _, _, start in parts])
             positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.cache_length - 1).to(self.device)
             tokens = tokens.to(self.device)
-            slots = torch.tensor([slot for slot, _, _ in parts], device=self.device)
-            x = w.embed[tokens]  # [n, length, hidden]
-            cos, sin = self.cos[positions][:, :, None, None, :], self.sin[positions][:, :, None, None, :]
+            one = None
             visible = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, length, span]
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-            attend = self._attend_padded(slots, positions, span, mask)
+        x = w.embed[tokens]  # [n, length, hidden]
         lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
         adapted = self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
         with prefill_attention():
-            x = self._prefill_layers(x, cos, sin, attend, adapted)
+            x = self._prefill_layers(x, _Placement(slots, positions, span, one, mask), adapted)
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
 
-    def _attend_padded(self, slots, positions, span, mask):
-        """Prefill attention for padded pieces: keys and values scattered to their slots, then
-        gathered back with what was cached before, under the mask."""
-
-        def attend(l, q, k, v):  # q, k, v: [n, length, heads, head_dim]
-            self.k[l][slots[:, None], :, positions] = k
-            self.v[l][slots[:, None], :, positions] = v
-            keys, values = self.k[l][slots, :, :span], self.v[l][slots, :, :span]
-            return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
-
-        return attend
-
-    def _attend_one(self, slot: int, start: int, end: int):
-        """Prefill attention for one piece at positions start..end-1 of its slot: causal over
-        itself (from position 0), or over the slot's cached columns too (bottom-right causal)."""
-        from torch.nn.attention.bias import causal_lower_right
-
-        def attend(l, q, k, v):  # q, k, v: [1, length, heads, head_dim]
-            self.k[l, slot, :, start:end] = k[0].transpose(0, 1)
-            self.v[l, slot, :, start:end] = v[0].transpose(0, 1)
-            if start == 0:
-                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            keys, values = self.k[l, slot : slot + 1, :, :end], self.v[l, slot : slot + 1, :, :end]
-            return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=causal_lower_right(end - start, end))
-
-        return attend
-
-    def _prefill_layers(self, x, cos, sin, attend, adapted: dict) -> torch.Tensor:
+    def _prefill_layers(self, x, placed: "_Placement", adapted: dict) -> torch.Tensor:
         w = self.weights
         n, length = x.shape[:2]
+        if self.fused:
+            from backends import triton_decode as fused
+
+            token_slots, token_positions = placed.slots.repeat_interleave(length), placed.positions.reshape(-1)
+        else:
+            cos, sin = self.cos[placed.positions][:, :, None, None, :], self.sin[placed.positions][:, :, None, None, :]
         for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
             lora = adapted.get(l)
             h = F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps)
             y = linear(h, w_in, b_in)
             if lora is not None:
                 y = y + lora_product(h, *lora[0])
-            qkv = y[..., : 3 * w.hidden].view(n, length, 3, w.heads, w.head_dim)
-            rope_(qkv[:, :, :2], cos, sin, w.rotary_dim)
-            q, k, v = qkv.unbind(2)  # [n, length, heads, head_dim]
-            attention = attend(l, q, k, v)
+            if self.fused:  # one kernel: rotary on q in place, k and v to the cache
+                fused.prefill_rotary(y.view(n * length, -1), self.cos, self.sin, token_positions, token_slots, self.k[l], self.v[l], w.hidden, w.head_dim, w.rotary_dim)
+                q = y[..., : w.hidden].view(n, length, w.heads, w.head_dim)
+            else:
+                qkv = y[..., : 3 * w.hidden].view(n, length, 3, w.heads, w.head_dim)
+                rope_(qkv[:, :, :2], cos, sin, w.rotary_dim)
+                q, k, v = qkv.unbind(2)  # [n, length, heads, head_dim]
+                if placed.one is not None:
+                    slot, start, end = placed.one
+                    self.k[l, slot, :, start:end] = k[0].transpose(0, 1)
+                    self.v[l, slot, :, start:end] = v[0].transpose(0, 1)
+                else:
+                    self.k[l][placed.slots[:, None], :, placed.positions] = k
+                    self.v[l][placed.slots[:, None], :, placed.positions] = v
+            if placed.one is not None:
+                slot = placed.one[0]
+                keys, values = self.k[l, slot : slot + 1, :, : placed.span], self.v[l, slot : slot + 1, :, : placed.span]
+            else:
+                keys, values = self.k[l][placed.slots, :, : placed.span], self.v[l][placed.slots, :, : placed.span]
+            if placed.one is not None and placed.mask is None:  # a piece from position 0: plain causal
+                attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True)
+            else:
+                attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=placed.mask)
             mixed = torch.cat((attention.transpose(1, 2).reshape(n, length, w.hidden), w.activation(y[..., 3 * w.hidden :])), dim=-1)
             out = linear(mixed, w_out, b_out)
             if lora is not None:
@@ -736,15 +743,11 @@ class BatchedPhiDecoder:
         w = self.weights
         tokens, positions, active = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
         x = w.embed[tokens]
-        own_gemv = batch <= fused.GEMV_MAX_ROWS
         for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
-            if own_gemv:
-                y = fused.ln_linear(x, ln_w, ln_b, w.eps, w_in, b_in)
-            else:
-                y = F.linear(F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps), w_in, b_in)
+            y = F.linear(F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps), w_in, b_in)
             mixed, xb = fused.attention_block(y, x, self.cos, self.sin, positions, active, self.k[l], self.v[l], b_out, w.hidden, w.head_dim, w.rotary_dim)
-            x = fused.linear_residual(mixed, mixed.shape[1], 0, w_out, b_out, x) if own_gemv else torch.addmm(xb, mixed, w_out.t())
-        logits = fused.ln_linear(x, *w.final_norm, w.eps, *w.lm_head) if own_gemv else self._logits(x)
+            x = torch.addmm(xb, mixed, w_out.t())  # x + b_out + mixed @ w_out.T, in cuBLAS's epilogue
+        logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
     def _lora_layers(self, row_slots: torch.Tensor, prefill: bool = False) -> dict[int, tuple]:

@@ -1,20 +1,22 @@
-"""A Phi block's decode step in three Triton kernels, for CUDA (torch_fast uses it when Triton is
-there; the CPU never imports this module).
+"""Triton kernels for the CUDA fast path (torch_fast imports this module only on CUDA).
 
-The step is memory-bound: at batch 1 the whole cost should be reading the weights once. cuBLAS
-plus ~18 small kernels a block reached 52% of the copy bandwidth (BENCHMARKS.md, "Where a
-batch-1 step's time goes"): the GEMVs stream at ~78% and the small kernels leave the memory idle
-between them. Here a block is three launches, each doing its small work beside a weight stream:
+A decode step is memory-bound. Per block, cuBLAS reads the two fused weight matrices at ~3.4 TB/s
+(F.linear with its bias; addmm adding onto x + bias); what lies between the two GEMMs was ~15
+small torch kernels, and attention read every row's cache up to a power-of-two span under a
+mask. Here it is two kernels (`attention_block`):
 
-1. `ln_linear`: LayerNorm of the residual (its statistics computed by every program: the row is
-   10 KB, read from L2), times [q; k; v; fc1], plus bias, GELU on the fc1 columns.
-2. `decode_attention`: per (row, head), rotary on q and k, k and v written to the cache at the
-   row's position, attention over the row's cached columns 0..position-1 and itself (an online
-   softmax over only the live columns: no mask, no attention-length bucket), written over q.
-3. `linear_residual`: [attention, gelu(fc1)] (the k/v columns between them skipped) times
-   [dense | fc2], plus bias, plus the residual.
+1. `_attention_split`: per (row, head, split), rotary on q and k, the new k and v written to the
+   cache at the row's position (split 0), and an online softmax over the split's share of the
+   row's live columns 0..position-1 (flash-decoding: at batch 1 the 32 heads alone would leave
+   most of the GPU idle, so each row's columns are split up to 16 ways).
+2. `_attention_combine`: the splits and the new token itself -> the attention output, GELU of
+   fc1, and x + the out bias, laid out for the out GEMM.
 
-Arithmetic is in float32 with each GEMV's output rounded to the model's dtype, as F.linear's is.
+Prefill uses `_prefill_rotary`: rotary on q in place and k, v to the cache, one kernel a block.
+
+A Triton GEMV with LayerNorm in its prologue was measured too (commit deda8ee): inside the step it
+did not beat cuBLAS (BENCHMARKS.md), so the GEMMs stay cuBLAS. Arithmetic is float32, rounded to
+the model's dtype where the unfused step rounds.
 """
 
 from __future__ import annotations
@@ -27,64 +29,6 @@ import triton.language as tl
 @triton.jit
 def _tanh(u):
     return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
-
-
-@triton.jit
-def _gemv(
-    x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, res_ptr, y_ptr,
-    M, N, K, stride_x, stride_w, stride_res, stride_y, eps, split, gap, gelu_from,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GELU: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """y[m, n] = sum_k in(x)[m, k] * w[n, k] + b[n] (then GELU from column `gelu_from`, then + res).
-    in(x) is LayerNorm(x) if NORM; input column k is read at k, or at k + gap from k >= split."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    dtype = y_ptr.dtype.element_ty
-    if NORM:  # two passes over the (L2-resident) row: the mean, then the variance around it
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ok = m_ok[:, None] & ((k0 + rk) < K)[None, :]
-            total += tl.sum(tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=ok, other=0.0).to(tl.float32), axis=1)
-        mean = total / K
-        spread = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ok = m_ok[:, None] & ((k0 + rk) < K)[None, :]
-            xk = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=ok, other=0.0).to(tl.float32)
-            centred = tl.where(ok, xk - mean[:, None], 0.0)
-            spread += tl.sum(centred * centred, axis=1)
-        rstd = 1.0 / tl.sqrt(spread / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        column = kk + tl.where(kk >= split, gap, 0)
-        xk = tl.load(x_ptr + rm[:, None] * stride_x + column[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            ln_w = tl.load(ln_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            ln_b = tl.load(ln_b_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            xk = ((xk.to(tl.float32) - mean[:, None]) * rstd[:, None] * ln_w[None, :] + ln_b[None, :]).to(dtype)
-        w = tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT:
-            acc += tl.dot(xk, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.sum(xk.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    out = (acc + bias[None, :]).to(dtype)
-    if GELU:  # the tanh approximation (Phi's gelu_new), on the rounded product as F.gelu sees it
-        u = out.to(tl.float32)
-        gelu = 0.5 * u * (1.0 + _tanh(0.7978845608028654 * (u + 0.044715 * u * u * u)))
-        out = tl.where((rn >= gelu_from)[None, :], gelu.to(dtype), out)
-    ok = m_ok[:, None] & n_ok[None, :]
-    if RESIDUAL:
-        residual = tl.load(res_ptr + rm[:, None] * stride_res + rn[None, :], mask=ok, other=0.0)
-        out = (residual.to(tl.float32) + out.to(tl.float32)).to(dtype)
-    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], out, mask=ok)
 
 
 @triton.jit
@@ -146,6 +90,35 @@ def _attention_split(
 
 
 @triton.jit
+def _prefill_rotary(
+    y_ptr, stride_y, cos_ptr, sin_ptr, stride_rot, pos_ptr, slot_ptr, k_ptr, v_ptr, stride_row, stride_head,
+    HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """Per (prompt token, head): rotary on q in place in y, and k (rotated) and v written to the
+    token's slot of the cache at its position."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    position = tl.load(pos_ptr + token)
+    slot = tl.load(slot_ptr + token)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    rotated = d < ROT
+    partner = tl.where(rotated, (d + ROT // 2) % ROT, d)
+    dtype = y_ptr.dtype.element_ty
+    base = y_ptr + token * stride_y + head * HEAD_DIM
+    cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
+    q = _rotated(base, d, d_ok, partner, cos, sin)
+    k = _rotated(base + HIDDEN, d, d_ok, partner, cos, sin)
+    v = tl.load(base + 2 * HIDDEN + d, mask=d_ok, other=0.0)
+    tl.debug_barrier()  # every lane has read q before any overwrites it
+    tl.store(base + d, q.to(dtype), mask=d_ok)
+    cache = slot * stride_row + head * stride_head + position * HEAD_DIM
+    tl.store(k_ptr + cache + d, k.to(dtype), mask=d_ok)
+    tl.store(v_ptr + cache + d, v, mask=d_ok)
+
+
+@triton.jit
 def _attention_combine(
     y_ptr, stride_y, cos_ptr, sin_ptr, stride_rot, pos_ptr, part_ptr, scale, mixed_ptr, stride_mixed,
     x_ptr, stride_x, bias_ptr, xb_ptr, inner,
@@ -202,51 +175,29 @@ def _attention_combine(
                 tl.store(xb_ptr + row * HIDDEN + cols, (x + b).to(dtype), mask=ok)
 
 
-# Launch shapes, by the rows the GEMV multiplies. One row: a plain reduction; more: tensor cores
-# over 16 (or more) rows. Chosen by measurement on an H200 (BENCHMARKS.md).
-def gemv_config(m: int, n: int, k: int) -> dict:
-    if m == 1:
-        return dict(DOT=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return dict(DOT=True, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-
-
-CONFIG_OVERRIDE: dict = {}  # (m, n, k) -> config: for tuning runs (tests/gpu/kernels.py)
-
-
-def _launch_gemv(x, w, b, y, *, norm=None, eps=0.0, residual=None, gelu_from=None, split=None, gap=0):
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    config = dict(CONFIG_OVERRIDE.get((m, n, k)) or gemv_config(m, n, k))
-    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]))
-    ln_w, ln_b = norm if norm is not None else (b, b)
-    _gemv[grid](
-        x, ln_w, ln_b, w, b, residual if residual is not None else y, y,
-        m, n, k, x.stride(0), w.stride(0), (residual if residual is not None else y).stride(0), y.stride(0), eps,
-        split if split is not None else k, gap, gelu_from if gelu_from is not None else n,
-        NORM=norm is not None, RESIDUAL=residual is not None, GELU=gelu_from is not None, **config,
+def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, hidden, head_dim, rotary_dim):
+    """Prompt tokens y [tokens, 3*hidden + ...] at `positions` of cache rows `slots` (both
+    [tokens]): q rotated in place, k and v to the cache [rows, heads, length, head_dim]."""
+    assert k_cache.stride(2) == head_dim and k_cache.stride() == v_cache.stride() and y.stride(1) == 1
+    _prefill_rotary[(y.shape[0], hidden // head_dim)](
+        y, y.stride(0), cos, sin, cos.stride(0), positions, slots, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        HIDDEN=hidden, HEAD_DIM=head_dim, ROT=rotary_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=1,
     )
-    return y
 
 
-def ln_linear(x, ln_w, ln_b, eps, w, b, gelu_from=None):
-    """LayerNorm(x) @ w.T + b, GELU (tanh) on the output columns from `gelu_from`."""
-    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    return _launch_gemv(x, w, b, y, norm=(ln_w, ln_b), eps=eps, gelu_from=gelu_from)
-
-
-def linear_residual(y, split, gap, w, b, residual):
-    """residual + y' @ w.T + b, where y' is y without its columns split..split+gap-1."""
-    out = torch.empty_like(residual)
-    return _launch_gemv(y, w, b, out, residual=residual, split=split, gap=gap)
-
-
-ATTENTION = {"BLOCK_N": 32, "num_warps": 2, "max_splits": 16, "work": 2048}  # tuning runs change these (tests/gpu/kernels.py)
+# Launch shapes of `_attention_split`, measured on an H200 (tests/gpu/kernels.py, BENCHMARKS.md):
+# 16 columns a loop step; 2 warps a program up to 16 rows, 1 beyond (more programs resident).
+ATTENTION = {"BLOCK_N": 16, "num_warps": None, "max_splits": 16, "work": 2048}
 
 
 def splits_for(rows: int, heads: int) -> int:
     """Splits of each row's columns: enough (row, head, split) programs to fill the GPU at small
     batch, one split where rows x heads already do."""
     return max(1, min(ATTENTION["max_splits"], ATTENTION["work"] // (rows * heads)))
+
+
+def _attention_warps(rows: int) -> int:
+    return ATTENTION["num_warps"] or (2 if rows <= 16 else 1)
 
 
 def attention_block(y, x, cos, sin, positions, active, k_cache, v_cache, b_out, hidden, head_dim, rotary_dim):
@@ -265,7 +216,7 @@ def attention_block(y, x, cos, sin, positions, active, k_cache, v_cache, b_out, 
     _attention_split[(rows, heads, splits)](
         y, y.stride(0), cos, sin, cos.stride(0), positions, active, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), parts, scale,
         HIDDEN=hidden, HEAD_DIM=head_dim, ROT=rotary_dim, D_PAD=d_pad, BLOCK_N=ATTENTION["BLOCK_N"], SPLITS=splits,
-        num_warps=ATTENTION["num_warps"],
+        num_warps=_attention_warps(rows),
     )
     mixed = torch.empty(rows, hidden + inner, dtype=y.dtype, device=y.device)
     xb = torch.empty(rows, hidden, dtype=y.dtype, device=y.device)
@@ -275,9 +226,6 @@ def attention_block(y, x, cos, sin, positions, active, k_cache, v_cache, b_out, 
         HIDDEN=hidden, HEAD_DIM=head_dim, ROT=rotary_dim, D_PAD=d_pad, SPLITS=splits, HEADS=heads, BLOCK=block, num_warps=4,
     )
     return mixed, xb
-
-
-GEMV_MAX_ROWS = 0  # batches up to this size take `_gemv` instead of cuBLAS (0: none; see BENCHMARKS.md)
 
 
 def available() -> bool:

@@ -1,6 +1,7 @@
-"""The Triton decode kernels (backends/triton_decode.py) on a CUDA machine: correctness against
-torch, GEMV launch shapes against cuBLAS on Phi-2's matrices, and the whole decode step fused
-against the cuBLAS + torch.compile step, in the same run as the copy bandwidth.
+"""The Triton kernels (backends/triton_decode.py) on a CUDA machine: greedy ids against the
+unfused step, the attention kernels' launch shapes against the unfused attention, the whole
+decode step against the eager and compiled unfused steps, and prefill timing, in the same run
+as the memory bandwidth.
 
     python3 tests/gpu/kernels.py --out results/     # a few minutes on one H200
 
@@ -69,71 +70,15 @@ def bandwidths() -> dict:
     return {"copy_bytes_s": 2 * nbytes / copy, "read_bytes_s": nbytes / read}
 
 
-SHAPES = {"in": (17920, 2560), "out": (2560, 12800), "head": (51200, 2560)}
-
-
-def gemv_sweep(dtype=torch.bfloat16) -> list[dict]:
-    """Each launch shape over 8 weight copies (no reuse from L2, as 32 layers in turn)."""
-    rows_out = []
-    copies = 6
-    for name, (n, k) in SHAPES.items():
-        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * k**-0.5 for _ in range(copies)]
-        bias = torch.randn(n, device="cuda", dtype=dtype)
-        wide = 17920 if name == "out" else k  # the out GEMV reads [attention, gelu(fc1)] out of y
-        for m in (1,):
-            x = torch.randn(m, wide, device="cuda", dtype=dtype)
-            ln_w, ln_b = torch.rand(k, device="cuda", dtype=dtype) + 0.5, torch.randn(k, device="cuda", dtype=dtype)
-            residual = torch.randn(m, n, device="cuda", dtype=dtype)
-            if name == "out":
-                x = torch.cat((x[:, :2560], x[:, 7680:]), dim=1)  # mixed, as the fused step lays it out
-                inputs = x
-                reference = residual.float() + F.linear(inputs, weights[0], bias).float()
-                cublas = lambda: [F.linear(inputs, w, bias) + residual for w in weights]  # noqa: E731
-            else:
-                h = F.layer_norm(x, (k,), ln_w, ln_b, 1e-5)
-                reference = F.linear(h, weights[0], bias).float()
-                cublas = lambda: [F.linear(F.layer_norm(x, (k,), ln_w, ln_b, 1e-5), w, bias) for w in weights]  # noqa: E731
-            base = graph_time(cublas) / copies
-            nbytes = n * k * 2
-            rows_out.append({"shape": name, "m": m, "kernel": "cublas (+ layer_norm / residual)", "us": base * 1e6, "weight_TB_s": nbytes / base / 1e12})
-            if m == 1:
-                configs = [dict(DOT=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
-                           for bn, bk, wp, st in [(16, 512, 4, 3), (8, 512, 4, 3), (4, 1024, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3),
-                                                  (4, 2048, 4, 3), (16, 1024, 8, 3), (2, 2048, 4, 3), (8, 1024, 8, 3), (4, 1024, 2, 3)]]
-            else:
-                bm = min(max(16, triton_pow2(m)), 64 if m <= 128 else 128)
-                configs = [dict(DOT=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st)
-                           for bn, bk, wp, st in [(32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3)]]
-            for config in configs:
-                td.CONFIG_OVERRIDE[(m, n, k)] = config
-                try:
-                    if name == "out":
-                        run = lambda w: td.linear_residual(x, k, 0, w, bias, residual)  # noqa: E731
-                    else:
-                        run = lambda w: td.ln_linear(x, ln_w, ln_b, 1e-5, w, bias)  # noqa: E731
-                    got = run(weights[0]).float()
-                    error = float((got - reference).norm() / reference.norm())
-                    seconds = graph_time(lambda: [run(w) for w in weights]) / copies
-                    label = "triton " + ",".join(f"{key}={value}" for key, value in config.items() if key != "DOT")
-                    rows_out.append({"shape": name, "m": m, "kernel": label, "us": seconds * 1e6, "weight_TB_s": nbytes / seconds / 1e12,
-                                     "vs_cublas": base / seconds, "rel_error": error})
-                except Exception as exc:  # a launch shape that does not compile is reported, not fatal
-                    rows_out.append({"shape": name, "m": m, "kernel": str(config), "error": f"{type(exc).__name__}: {exc}"[:200]})
-                td.CONFIG_OVERRIDE.clear()
-        del weights
-        torch.cuda.empty_cache()
-    return rows_out
-
-
 def attention_sweep() -> list[dict]:
     """attention_block (split, combine) per launch shape, against the unfused step's attention
     (rotary, cache writes, baddbmm, softmax, bmm over the power-of-two span), 8 layers in turn."""
     from backends.torch_fast import MIN_LENGTH_BUCKET, rope_
 
     hidden, heads, head_dim, rot, inner = 2560, 32, 80, 32, 10240
+    defaults = dict(td.ATTENTION)
     rows_out = []
-    configs = [dict(BLOCK_N=bn, num_warps=wp, work=2048) for bn in (16, 32, 64) for wp in (1, 2, 4)]
-    configs += [dict(BLOCK_N=32, num_warps=2, work=1024), dict(BLOCK_N=32, num_warps=2, work=4096)]
+    configs = [dict(BLOCK_N=bn, num_warps=wp, work=2048) for bn in (16, 32) for wp in (1, 2)] + [dict(BLOCK_N=16, num_warps=None, work=2048)]
     for rows, context in ((1, 128), (1, 1044), (64, 128), (64, 1044), (128, 160)):
         layers = 8
         length = context + 2
@@ -174,7 +119,7 @@ def attention_sweep() -> list[dict]:
                 rows_out.append({"rows": rows, "context": context, "kernel": json.dumps(config), "error": f"{type(exc).__name__}: {exc}"[:200]})
         del caches
         torch.cuda.empty_cache()
-    td.ATTENTION.update(BLOCK_N=32, num_warps=2, work=2048)
+    td.ATTENTION.update(defaults)
     return rows_out
 
 
@@ -194,17 +139,6 @@ def triton_pow2(m: int) -> int:
     return p
 
 
-def best_rows(rows: list[dict]) -> list[dict]:
-    best = {}
-    for row in rows:
-        if "us" not in row:
-            continue
-        key = (row["shape"], row["m"], row["kernel"].startswith("cublas"))
-        if key not in best or row["us"] < best[key]["us"]:
-            best[key] = row
-    return [best[key] for key in sorted(best)]
-
-
 PROMPT = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is two plus two?"
 
 
@@ -212,9 +146,7 @@ def step_speed(backend, batches=(1, 8, 64, 128), prompt_tokens: int = 16) -> lis
     ids = (backend.encode(PROMPT) * 100)[:prompt_tokens]
     out = []
     for batch in batches:
-        variants = [(False, False, 0), (False, True, 0), (True, False, 0)] + ([(True, False, 1)] if batch == 1 else [])
-        for fused, compiled, own_gemv in variants:
-            td.GEMV_MAX_ROWS = own_gemv
+        for fused, compiled in ((False, False), (False, True), (True, False)):
             decoder = BatchedPhiDecoder(backend.fast_weights, batch, compile=compiled, fused=fused, prefill_chunk=4096)
             for i in range(batch):
                 decoder.add(Sequence(i, list(ids), Sampling(), 400))
@@ -230,8 +162,7 @@ def step_speed(backend, batches=(1, 8, 64, 128), prompt_tokens: int = 16) -> lis
             decoder._drain()
             torch.cuda.synchronize()
             seconds = time.perf_counter() - started
-            td.GEMV_MAX_ROWS = 0
-            row = {"batch": batch, "prompt_tokens": prompt_tokens, "fused": fused, "compiled": compiled, "own_gemv": own_gemv,
+            row = {"batch": batch, "prompt_tokens": prompt_tokens, "fused": fused, "compiled": compiled,
                    "step_ms": seconds / steps * 1000, "tok_s": batch * steps / seconds}
             say(row)
             out.append(row)
@@ -331,11 +262,7 @@ def parity(dtype: str) -> dict:
             launched = decoder._launch([0])
         logits[name] = launched.logits[0].float().clone()
     diff = float((logits["fused"] - logits["unfused"]).abs().max())
-    td.GEMV_MAX_ROWS = 1
-    own = [decode(BatchedPhiDecoder(backend.fast_weights, 1, fused=True), [i])[0] for i in range(8)]
-    td.GEMV_MAX_ROWS = 0
     result = {"batched_vs_alone_identical": sum(a == b for a, b in zip(together, alone)),
-              "own_gemv_alone_vs_cublas_alone_identical": sum(a == b for a, b in zip(own, alone)),
               "fused_vs_unfused_identical": sum(a == b for a, b in zip(together, unfused)),
               "step_logits_max_abs_diff": diff, "logit_scale": float(logits["unfused"].abs().max())}
     del backend
@@ -372,13 +299,6 @@ def main() -> int:
         for dtype in ("float32", "bfloat16"):
             RESULTS[f"parity_{dtype}"] = section(f"parity_{dtype}", lambda: parity(dtype))
             say(dtype, RESULTS[f"parity_{dtype}"])
-    if wanted("gemv"):
-        rows = section("gemv", gemv_sweep) or []
-        RESULTS["gemv_all"] = rows
-        RESULTS["gemv_best"] = best_rows(rows)
-        for row in RESULTS["gemv_best"]:
-            say(f'{row["shape"]:5} m={row["m"]:4} {row["us"]:8.1f} us {row["weight_TB_s"]:.2f} TB/s  {row["kernel"]}  err={row.get("rel_error", 0):.1e}')
-        (out / "kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     if wanted("step") or wanted("profile") or wanted("prefill") or wanted("attention"):
         backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False))
         weight_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
@@ -389,8 +309,7 @@ def main() -> int:
                 say(row)
             if RESULTS["attention"]:
                 RESULTS["attention_best"] = best_attention(RESULTS["attention"])
-                td.ATTENTION.update(RESULTS["attention_best"])
-                say("attention launch shape for the steps:", RESULTS["attention_best"])
+                say("least total time:", RESULTS["attention_best"], "(the steps use the defaults:", td.ATTENTION, ")")
         if wanted("profile"):
             RESULTS["profiles"] = [section("profile", lambda: profile(backend, b, True)) for b in (1, 64)]
             for p in RESULTS["profiles"]:
