@@ -11,6 +11,7 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --quant-agreement        # 8- and 4-bit greedy text against full precision (tiny)
     python bench.py --chat 4                 # a chat re-sending its history: prompt cache on, then off
     python bench.py --shared-prefix 4        # 4 clients sharing a system prompt: cache on, then off
+    python bench.py --latency --url URL      # a long prompt's TTFT; streams' inter-token latency as long prompts arrive
 
 The model and runtime come from the same environment variables as the server (PHI2_MODEL,
 PHI2_BACKEND, PHI2_DTYPE, ...). Every request forces its token count (`ignore_eos`), so runs
@@ -47,6 +48,7 @@ class Timing:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     text: str = ""
+    arrivals: list[float] = field(default_factory=list)  # each token line's arrival, seconds since sent
 
     @property
     def decode_rate(self) -> float:  # tokens after the first / time after the first
@@ -103,6 +105,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> Ti
     lines = 0
     buffer = b""
     pieces = []
+    arrivals = []
     async with session.post(url + "/generate/stream", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
@@ -116,13 +119,14 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> Ti
                     lines += 1
                     first = first or now
                     pieces.append(line["token"])
+                    arrivals.append(now - sent)
                     continue
                 if "error" in line or line["finish_reason"] != "length":
                     raise RuntimeError(f"stream did not finish normally: {line}")
                 tokens = line["tokens_used"]
                 if tokens != body["max_tokens"] or not 1 <= lines <= tokens:
                     raise RuntimeError(f"{tokens} tokens and {lines} token lines for max_tokens={body['max_tokens']}")
-                return Timing((first or now) - sent, now - sent, tokens, line["prompt_tokens"], line.get("cached_tokens", 0), "".join(pieces))
+                return Timing((first or now) - sent, now - sent, tokens, line["prompt_tokens"], line.get("cached_tokens", 0), "".join(pieces), arrivals)
     raise RuntimeError("stream ended without its summary line")
 
 
@@ -220,6 +224,46 @@ async def system_prompt(session: aiohttp.ClientSession, url: str, tokens: int) -
     probe = await stream_one(session, url, {"prompt": FILLER * 4, "max_tokens": 1, "ignore_eos": True})
     repeats = max(1, round(tokens / (probe.prompt_tokens / 4)))
     return FILLER * repeats
+
+
+async def latency_workload(args) -> list[dict]:
+    """Time to first token of a long prompt alone, then the inter-token latency of `--streams`
+    decoding streams, on their own and while long prompts arrive one after another (each new
+    prompt sent when the previous one's first tokens are back), against a running server."""
+    rows = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)) as session:
+        long_prompt = await system_prompt(session, args.url, args.long_prompt_tokens)
+
+        def long_body(i: int) -> dict:  # a distinct first line: no stored prefix to reuse
+            return {"prompt": f"Request {i}.\n" + long_prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+
+        alone = [await stream_one(session, args.url, long_body(i)) for i in range(args.rounds + 1)][1:]  # the first pays new shapes
+        ttfts = sorted(t.ttft * 1000 for t in alone)
+        rows.append({"workload": f"{alone[0].prompt_tokens}-token prompt alone, {len(alone)} rounds", "TTFT ms median / min / max":
+                     f"{statistics.median(ttfts):.1f} / {ttfts[0]:.1f} / {ttfts[-1]:.1f}"})
+        for arriving in (False, True):
+            body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
+            streams = [asyncio.create_task(stream_one(session, args.url, body)) for _ in range(args.streams)]
+            long_timings = []
+            if arriving:
+                await asyncio.sleep(0.2)  # the streams are decoding (give them --max-tokens enough to outlast the arrivals)
+                i = 1000
+                while not all(task.done() for task in streams):
+                    long_timings.append(await stream_one(session, args.url, long_body(i)))
+                    i += 1
+            timings = await asyncio.gather(*streams)
+            # Gaps between a stream's successive deliveries after its first token (tokens read in one
+            # chunk count once: the client saw them at once).
+            gaps = sorted(1000 * (b - a) for t in timings for a, b in zip(sorted(set(t.arrivals))[:-1], sorted(set(t.arrivals))[1:]))
+            row = {"workload": f"{args.streams} streams decoding" + (f", {len(long_timings)} long prompts arriving" if arriving else ""),
+                   "inter-token ms p50 / p99 / max": f"{percentile(gaps, 50):.1f} / {percentile(gaps, 99):.1f} / {gaps[-1]:.1f}"}
+            if long_timings:
+                arriving_ttft = sorted(t.ttft * 1000 for t in long_timings)
+                row["TTFT ms median / min / max"] = f"{statistics.median(arriving_ttft):.1f} / {arriving_ttft[0]:.1f} / {arriving_ttft[-1]:.1f}"
+            rows.append(row)
+    for row in rows:
+        print(f"| {row['workload']} | {row.get('TTFT ms median / min / max', '')} | {row.get('inter-token ms p50 / p99 / max', '')} |", flush=True)
+    return rows
 
 
 async def chat_workload(args, urls: dict[str, str]) -> dict[str, list[Timing]]:
@@ -847,11 +891,21 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quant-agreement", action="store_true", help="greedy ids of 8- and 4-bit weights against full precision, tiny model, both runtimes")
     mode.add_argument("--constrained", action="store_true", help="decode tok/s with and without a typical JSON Schema, in process, per --concurrency batch size (PHI2_MODEL default random:phi-2)")
     mode.add_argument("--adapters", action="store_true", help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged against merged, in process (PHI2_MODEL default random:phi-2)")
+    parser.add_argument("--latency", action="store_true", help="TTFT of a long prompt alone, then --streams streams' inter-token latency without and with long prompts arriving (a running server, --url)")
+    parser.add_argument("--long-prompt-tokens", type=int, default=1044, help="the long prompt of --latency (default: %(default)s)")
+    parser.add_argument("--streams", type=int, default=63, help="decoding streams of --latency (default: %(default)s)")
     parser.add_argument("--chat", type=int, metavar="TURNS", help="one conversation of TURNS turns, prompt cache on then off (spawns; with --in-process: two decoders here)")
     parser.add_argument("--shared-prefix", type=int, metavar="N", help="N clients sharing a system prompt, prompt cache on then off (spawns)")
     parser.add_argument("--prefix-tokens", type=int, default=900, help="system prompt length for --chat and --shared-prefix (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --shared-prefix clients (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.latency:
+        print("| workload | TTFT ms median / min / max | inter-token ms p50 / p99 / max |\n| --- | --- | --- |")
+        rows = asyncio.run(latency_workload(args))
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"latency": rows}, out, indent=2)
+        return 0
     if args.chat or args.shared_prefix:
         os.environ.setdefault("PHI2_MODEL", default_model())
         if args.chat and args.in_process:

@@ -19,6 +19,8 @@ adapters: per-request LoRA adapters, float32: a batch mixing the base model and 
 constrained: structured output, float32: greedy rows under a JSON Schema beside plain ones, with
    CUDA graphs (their steps chain, the masks applied after each forward pass) against the same
    without graphs; then bench.py --constrained at 1 and 64 (bfloat16).
+scale: issue 18's workloads over HTTP (MAX_BATCH=128, or $SCALE_MAX_BATCH): 1, 64 and 256 clients,
+   a 1,044-token prompt's TTFT, 63 streams' inter-token latency while such prompts arrive.
 `--only quant,prompt_cache` runs just those sections. Not part of `make test` (CI has no GPU).
 """
 
@@ -96,6 +98,9 @@ def parity(dtype: str) -> dict:
         fast = decoder.logits_after(ids[0].tolist())
         decodable = backend.fast_weights.decodable  # the fast path masks the ids the tokenizer cannot decode
         result["max_abs_logit_diff_vs_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
+        # The CUDA-graph decoder's prefill: one unpadded piece, the Triton rotary/cache kernel, flash attention.
+        fast = BatchedPhiDecoder(backend.fast_weights, 1).logits_after(ids[0].tolist())
+        result["max_abs_logit_diff_vs_transformers_fused_prefill"] = float((fast[:decodable] - reference[:decodable]).abs().max())
         result["logit_scale"] = float(reference.abs().max())
     single = BatchedPhiDecoder(backend.fast_weights, 1)
     alone = decode_alone(backend, prompts, n, single)
@@ -192,9 +197,12 @@ def speed() -> dict:
         say(name, result[name])
     result["profile_batch_1"] = profile_step(backend)
     say("profile batch 1", result["profile_batch_1"])
-    variants = [(b, False) for b in (1, 8, 32, 64)] + ([(1, True), (64, True)] if "compile" not in SKIP else [])
-    for batch, compiled in variants:
-        decoder = BatchedPhiDecoder(backend.fast_weights, batch, compile=compiled)
+    # The default CUDA step (Triton between cuBLAS GEMMs), then the step it replaced: eager, and
+    # compiled (the default before), in the same run.
+    variants = [(b, False, None) for b in (1, 8, 32, 64, 128)] + [(1, False, False), (64, False, False)]
+    variants += [(1, True, False), (64, True, False)] if "compile" not in SKIP else []
+    for batch, compiled, fused in variants:
+        decoder = BatchedPhiDecoder(backend.fast_weights, batch, compile=compiled, fused=fused)
         started = time.perf_counter()
         decoder.capture(spans=(128, 256))
         capture = time.perf_counter() - started
@@ -206,7 +214,7 @@ def speed() -> dict:
             decoder.step()
         steps = 100
         seconds = timed_cuda(lambda: [decoder.step() for _ in range(steps)])
-        name = f"fast_batch_{batch}" + ("_compiled" if compiled else "")
+        name = f"fast_batch_{batch}" + ("" if fused is None else "_compiled_unfused" if compiled else "_eager_unfused")
         result[name] = {"step_ms": seconds / steps * 1000, "tok_s": batch * steps / seconds, "capture_s": capture}
         say(name, result[name])
         del decoder
@@ -218,7 +226,8 @@ def speed() -> dict:
 
 def profile_step(backend) -> dict:
     """Where a batch-1 decode step's GPU time goes (eager kernels; a graph replays the same ones)."""
-    decoder = BatchedPhiDecoder(backend.fast_weights, 1, cuda_graphs=False)
+    decoder = BatchedPhiDecoder(backend.fast_weights, 1)
+    decoder.use_graphs = False  # launched one by one, to see each kernel
     decoder.add(Sequence(0, backend.encode(PROMPT)[:16], Sampling(), 64))
     for _ in range(4):
         decoder.step()
@@ -266,11 +275,11 @@ def run_bench(*arguments: str, env: dict | None = None, timeout: int = 500) -> s
     return done.stdout
 
 
-def serve_and_bench(out: Path, compile: bool, quantize: str = "", concurrency: str = "1,8,32,64") -> dict:
-    out = out / f"serve-compile{int(compile)}{'-' + quantize if quantize else ''}"
+def serve_and_bench(out: Path, compile: bool, quantize: str = "", concurrency: str = "1,8,32,64", max_batch: int = 64, latency: bool = False) -> dict:
+    out = out / f"serve-compile{int(compile)}{'-' + quantize if quantize else ''}-batch{max_batch}"
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PHI2_COMPILE": str(int(compile)), "PHI2_MODEL": "random:phi-2", "MAX_BATCH": "64", "MAX_QUEUE": "256",
-           "LOG_DIR": str(out / "logs"), "ADAPTER_PATH": "", "PHI2_QUANTIZE": quantize}
+    env = {**os.environ, "PHI2_COMPILE": str(int(compile)), "PHI2_MODEL": "random:phi-2", "MAX_BATCH": str(max_batch), "MAX_QUEUE": "1024",
+           "LOG_DIR": str(out.parent / f"logs-{out.name}"), "ADAPTER_PATH": "", "PHI2_QUANTIZE": quantize}
     port = 8321
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, str(ROOT / "phi2_server.py"), "--port", str(port)], env=env, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
@@ -292,17 +301,35 @@ def serve_and_bench(out: Path, compile: bool, quantize: str = "", concurrency: s
     say("server ready after", ready)
     if ready is not None:
         label = f"H200 compile={int(compile)}" + (f" {quantize}" if quantize else "")
-        command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", concurrency,
-                   "--max-tokens", "128", "--runs", "3", "--prompt", PROMPT, "--label", label, "--json", str(out / "bench.json")]
-        bench = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        say(bench.stdout)
-        say(bench.stderr[-3000:])
-        result["bench_table"] = bench.stdout
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/model/info", timeout=5) as response:
-            stats = json.loads(response.read())["stats"]
-        steps = max(stats["decode_steps"], 1)
-        result["worker"] = {**stats, "decode_ms_per_step": 1000 * stats["decode_seconds"] / steps, "busy_ms_per_step": 1000 * stats["busy_seconds"] / steps}
-        say("worker", result["worker"])
+
+        def worker_stats() -> dict:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/model/info", timeout=5) as response:
+                return json.loads(response.read())["stats"]
+
+        result["bench_table"], result["worker"] = "", {}
+        for level in concurrency.split(","):  # one level at a time: the worker's stats per level
+            before = worker_stats()
+            command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", level,
+                       "--max-tokens", "128", "--runs", "3", "--prompt", PROMPT, "--label", label, "--json", str(out / f"bench-{level}.json")]
+            bench = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            say(bench.stdout)
+            say(bench.stderr[-3000:])
+            result["bench_table"] += bench.stdout
+            after = worker_stats()
+            steps = max(after["decode_steps"] - before["decode_steps"], 1)
+            result["worker"][level] = {
+                "decode_steps": steps, "tokens_per_step": (after["tokens_generated"] - before["tokens_generated"]) / steps,
+                "decode_ms_per_step": 1000 * (after["decode_seconds"] - before["decode_seconds"]) / steps,
+                "busy_ms_per_step": 1000 * (after["busy_seconds"] - before["busy_seconds"]) / steps,
+            }
+            say("worker", level, result["worker"][level])
+        if latency:  # a 1,044-token prompt's TTFT, then 63 streams' inter-token latency as such prompts arrive
+            command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--latency", "--streams", "63",
+                       "--max-tokens", "512", "--long-prompt-tokens", "1044", "--rounds", "5", "--prompt", PROMPT, "--json", str(out / "latency.json")]
+            bench = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            say(bench.stdout)
+            say(bench.stderr[-3000:])
+            result["latency_table"] = bench.stdout
     server.terminate()
     server.wait(60)
     return result
@@ -312,14 +339,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
     parser.add_argument("--skip", default="", help="comma list to skip: parity,speed,serve0,serve1,compile,generate_dynamic,generate_static")
-    parser.add_argument("--only", default="", help="comma list of sections to run instead: parity,speed,serve0,serve1,quant,serve_quant,prompt_cache,adapters,constrained")
+    parser.add_argument("--only", default="", help="comma list of sections to run instead: parity,speed,serve0,serve1,scale,quant,serve_quant,prompt_cache,adapters,constrained")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     only = set(filter(None, args.only.split(",")))
     if only:  # every section not named is skipped
-        skip |= {"parity", "speed", "serve0", "serve1", "quant", "serve_quant", "prompt_cache", "adapters", "constrained"} - only
+        skip |= {"parity", "speed", "serve0", "serve1", "scale", "quant", "serve_quant", "prompt_cache", "adapters", "constrained"} - only
     SKIP.update(skip)
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
@@ -335,6 +362,10 @@ def main() -> int:
     for compile in (False, True):
         if f"serve{int(compile)}" not in skip:
             RESULTS[f"serve_compile{int(compile)}"] = serve_and_bench(out, compile)
+    if "scale" not in skip:
+        # Issue 18's workloads through HTTP: 1, 64 and 256 clients against MAX_BATCH=128, then the
+        # long-prompt TTFT and the inter-token latency of 63 streams while long prompts arrive.
+        RESULTS["serve_scale"] = serve_and_bench(out, True, concurrency="1,64,256", max_batch=int(os.environ.get("SCALE_MAX_BATCH", "128")), latency=True)
     if "quant" not in skip:
         # Weight-only int8/int4 (PHI2_QUANTIZE): kernels, logits against bfloat16, greedy ids;
         # then (serve_quant) a served model at 1 and 64 clients beside bfloat16 in the same run.
