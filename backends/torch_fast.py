@@ -17,6 +17,7 @@ Measurements: BENCHMARKS.md.
 from __future__ import annotations
 
 import logging
+import secrets
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +29,18 @@ from backends.torch_logprobs import token_logprobs
 from backends.torch_quant import QuantizedWeight, linear, quantize_weight
 from backends.torch_lora import FusedLoraSlots
 from backends.grammar import advance_together
-from backends.torch_sampling import TokenChooser, choose_rows, unpack_on_device
+from backends.torch_sampling import TokenChooser, choose_rows, sample_on_device, sampled_on_device, unpack_on_device
 
 log = logging.getLogger("phi2_server.torch_fast")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+# Prefill of one piece after cached columns (a prompt continuing a stored prefix, or a chunk of a
+# long one), on CUDA: from this many tokens, bottom-right causal attention (flash); shorter
+# pieces, an explicit mask (memory-efficient kernel). On an H200 (tests/gpu/kernels.py --only
+# continued): 1,050 tokens after 2 cached, 13.7 ms against 17.6 with the mask; 512 after 512,
+# 13.9 against 10.8; 15-100 after 1,000, 12.2-15.0 against 9.9-10.2. Between 512 and 1,050 it
+# was not measured: 768 splits the difference.
+LOWER_RIGHT_FROM = 768
 MIN_LENGTH_BUCKET = 128
 
 
@@ -153,11 +161,12 @@ def _fused_available(weights: PhiWeights, on_cuda_graphs: bool) -> bool:
     if not on_cuda_graphs or any(isinstance(part, QuantizedWeight) for part in weights.layers[0]):
         return False
     try:
-        import triton  # noqa: F401
+        from backends import triton_decode
     except ImportError:
         log.warning("Triton is not installed: the CUDA decode step runs without its fused kernels")
         return False
-    return True
+    w = weights
+    return triton_decode.works(w.device, w.embed.dtype, w.hidden, w.head_dim, w.rotary_dim, w.inner)
 
 
 def _param(tensor: torch.Tensor) -> torch.nn.Parameter:
@@ -218,14 +227,15 @@ class _Placement:
 class _Launch:
     """A decode step started on the device and not yet read."""
 
-    def __init__(self, rows, logits, greedy, done, batch: int = 0, masked: list[int] = ()):
+    def __init__(self, rows, logits, greedy, done, batch: int = 0, masked: list[int] = (), sampled: list[int] = ()):
         self.rows, self.logits, self.greedy, self.done = rows, logits, greedy, done
         self.batch = batch
         self.masked = masked  # rows whose token the device chooses under their grammar's mask (`_finish`)
+        self.sampled = sampled  # rows whose token the device samples (`_finish`)
 
 
 class _Slot:
-    def __init__(self, sequence: Sequence, chooser: TokenChooser, lora_index: int):
+    def __init__(self, sequence: Sequence, chooser: TokenChooser, lora_index: int, device_sampling: bool = False):
         self.sequence = sequence
         self.chooser = chooser
         self.lora_index = lora_index  # its adapter's slot in the decoder's FusedLoraSlots; -1: the base model
@@ -237,8 +247,14 @@ class _Slot:
         self.plain = chooser.plain and sequence.logprobs is None
         # Greedy under a grammar and nothing else: the device takes the argmax under its mask,
         # which may arrive after the step's forward pass was launched (`_finish`).
-        self.masked = chooser.constrained_greedy
-        self.chains = self.plain or (self.masked and sequence.logprobs is None)  # may be fed its next input on the device
+        # Sampled with temperature/top_k/top_p/min_p only (under a grammar or not): drawn on the
+        # device (`_finish`), from a seed of its own (the request's, or a random one) and the
+        # token's position.
+        self.sampled = device_sampling and sampled_on_device(sequence.sampling) and sequence.logprobs is None
+        self.masked = chooser.constrained_greedy or (self.sampled and chooser.matcher is not None)
+        seed = sequence.sampling.seed
+        self.seed = (seed if seed is not None else secrets.randbits(31)) & 0x7FFFFFFF
+        self.chains = self.plain or self.sampled or (self.masked and sequence.logprobs is None)  # may be fed its next input on the device
 
     def cached_ids(self) -> list[int]:
         """The ids whose keys and values are in the cache."""
@@ -277,8 +293,8 @@ class BatchedPhiDecoder:
         # torch.compile fuses each block's small kernels (LayerNorm, rotary, GELU, residual);
         # dynamic shapes: one compilation serves every batch and length bucket.
         self._layer = torch.compile(decode_layer, dynamic=True, fullgraph=True) if compile else decode_layer
-        # On CUDA a block's decode step is three Triton kernels (backends/triton_decode), except
-        # with adapters or quantized weights, which take the step above.
+        # On CUDA the decode step puts Triton kernels between cuBLAS's GEMMs (backends/triton_decode),
+        # adapters too; quantized weights take the step above.
         self.fused = _fused_available(weights, self.use_graphs) if fused is None else fused
         # Per row: input token, position, 1 if the row decodes (its position advances when
         # chained), and its adapter's slot (-1: none).
@@ -289,6 +305,8 @@ class BatchedPhiDecoder:
         self._flip = 0
         self._mask_host: list[torch.Tensor] | None = None  # pinned: constrained rows' index and packed masks (`_masks_to_device`)
         self._mask_flip = 0
+        self._sampling_host: list | None = None  # pinned: sampled rows' index and settings (`_sampling_to_device`)
+        self._sampling_flip = 0
         self._inflight: _Launch | None = None
         self._stash: dict[int, int] | None = None
         self.logprobs: dict[int, StepLogprobs] = {}
@@ -342,9 +360,11 @@ class BatchedPhiDecoder:
         if len(self.slots) >= self.capacity:
             raise RuntimeError("decoder is full")
         self._store_prompts()
+        if self._stash:  # a token drawn for an earlier sequence of the same id is not this one's
+            self._stash.pop(sequence.id, None)
         row = len(self.slots)
         chooser = TokenChooser(sequence.sampling, sequence.prompt_ids, self.weights.decodable, self.device)
-        slot = _Slot(sequence, chooser, self._place(sequence.adapter))
+        slot = _Slot(sequence, chooser, self._place(sequence.adapter), device_sampling=self.fused and self.use_graphs)
         # A stored prefix goes straight into the slot's rows (at least the last prompt token is
         # left to prefill: the first sampled token needs fresh logits). Prompt logprobs need
         # the logits of every prompt position: that prompt is prefilled whole.
@@ -461,7 +481,7 @@ class BatchedPhiDecoder:
             advance_together([self.slots[i].chooser.matcher for i in launched.masked], tokens)
         # The others (sampled, or with penalties or logit_bias) choose from their logits here,
         # read back together.
-        chosen = [i for i in launched.rows if not (self.slots[i].chooser.plain or self.slots[i].masked)]
+        chosen = [i for i in launched.rows if not (self.slots[i].chooser.plain or self.slots[i].masked or self.slots[i].sampled)]
         if chosen:
             index = torch.tensor(chosen, device=launched.logits.device)
             for i, token in zip(chosen, choose_rows(launched.logits[index], [self.slots[i].chooser for i in chosen])):
@@ -556,11 +576,18 @@ class BatchedPhiDecoder:
             # One piece (a long prompt, or a prompt alone): no padding, no mask to build, and
             # causal flash attention over its slot's columns.
             slot, ids, start = parts[0]
-            span = start + length
             tokens = torch.tensor([ids], device=self.device)
-            positions = torch.arange(start, span, device=self.device)[None, :]
-            one = (slot, start, span)
-            mask = None if start == 0 else causal_lower_right(length, span)
+            positions = torch.arange(start, start + length, device=self.device)[None, :]
+            one = (slot, start, start + length)
+            span, mask = start + length, None  # from position 0: causal flash attention, no mask
+            if start and length >= LOWER_RIGHT_FROM:  # after cached columns, a long piece: bottom-right causal
+                mask = causal_lower_right(length, span)
+            elif start:
+                # A short piece after cached columns: an explicit mask and the memory-efficient
+                # kernel (keys padded to a multiple of 8), as padded pieces have.
+                span = min(-(-span // 8) * 8, self.cache_length)
+                visible = torch.arange(span, device=self.device)[None, :] <= positions[0, :, None]
+                mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))[None, None]
         else:
             # Keys padded to a multiple of 8: the memory-efficient attention kernel wants its mask
             # rows aligned (the padded columns hold zeros and are masked out).
@@ -650,7 +677,7 @@ class BatchedPhiDecoder:
         batch = bucket(len(self.slots), BATCH_BUCKETS) if self.use_graphs else len(self.slots)
         # The adapters' product only while a sequence uses one (its graphs are captured apart).
         lora = self.lora.version if any(self.slots[i].lora_index >= 0 for i in rows) else 0
-        if self.fused and not lora:
+        if self.fused:
             span = 0  # the fused step reads each row's live columns, whatever their number: one graph per batch
         else:
             span = min(bucket(longest, self._length_buckets()), self.cache_length) if self.use_graphs else longest
@@ -663,7 +690,8 @@ class BatchedPhiDecoder:
                 host[:, i] = (self.slots[i].next_token, self.slots[i].cached, 1, self.slots[i].lora_index)
             self.inputs[:, :batch].copy_(self._host_inputs[:, :batch], non_blocking=True)  # tokens, positions, advance, adapter
         logits, greedy = self._replay(batch, span, lora) if self.use_graphs else self._decode_step(batch, span, lora)
-        launched = _Launch(rows, logits, greedy, None, batch, [i for i in rows if self.slots[i].masked])
+        masked = [i for i in rows if self.slots[i].masked]
+        launched = _Launch(rows, logits, greedy, None, batch, masked, [i for i in rows if self.slots[i].sampled and not self.slots[i].masked])
         if finish:
             self._finish(launched)
         return launched
@@ -672,11 +700,15 @@ class BatchedPhiDecoder:
         """After a step's forward pass: the argmax of its constrained greedy rows under their
         masks (on the device, written into its greedy tokens), then, with graphs, feed the next
         step on the device and start copying the tokens to the host."""
-        if launched.masked:
-            index, packed = self._masks_to_device(launched.masked)
-            allowed = unpack_on_device(packed, self.weights.decodable)
-            chosen = launched.logits[index, : self.weights.decodable].masked_fill(~allowed, float("-inf")).argmax(dim=-1)
-            launched.greedy.index_copy_(0, index, chosen)
+        for draw in (False, True):  # constrained rows: greedy ones, then sampled ones
+            rows = [i for i in launched.masked if self.slots[i].sampled == draw]
+            if rows:
+                index, packed = self._masks_to_device(rows)
+                allowed = unpack_on_device(packed, self.weights.decodable)
+                scores = launched.logits[index, : self.weights.decodable].masked_fill(~allowed, float("-inf"))
+                launched.greedy.index_copy_(0, index, self._draw(rows, scores) if draw else scores.argmax(dim=-1))
+        if launched.sampled:
+            launched.greedy.index_copy_(0, *self._draw(launched.sampled, launched.logits, with_index=True))
         if not self.use_graphs:
             return
         batch, greedy = launched.batch, launched.greedy
@@ -708,6 +740,34 @@ class BatchedPhiDecoder:
         on_device = host.to(self.device, non_blocking=True)
         return on_device[:, 0].long(), on_device[:, 1:]
 
+    def _draw(self, rows: list[int], scores: torch.Tensor, with_index: bool = False):
+        """Tokens sampled on the device for `rows`, from their scores (masked logits), or, `with_index`,
+        from the step's whole logits: then (the rows' index, their tokens)."""
+        index, *settings, flags = self._sampling_to_device(rows)
+        if with_index:
+            scores = scores[index, : self.weights.decodable]
+        tokens = sample_on_device(scores, *settings, self.inputs[1].index_select(0, index), *flags)
+        return (index, tokens) if with_index else tokens
+
+    def _sampling_to_device(self, rows: list[int]):
+        """The sampled rows' index and settings (scale, top_k, top_p, min_p, seed) on the device,
+        through pinned buffers (two in turn, as the masks), and which filters any row uses."""
+        if self._sampling_host is None:
+            pinned = self.device.type == "cuda"
+            self._sampling_host = [(torch.zeros(3, self.rows, dtype=torch.long, pin_memory=pinned),
+                                    torch.zeros(3, self.rows, dtype=torch.float32, pin_memory=pinned)) for _ in range(2)]
+        whole, real = self._sampling_host[self._sampling_flip]
+        self._sampling_flip ^= 1
+        n, decodable = len(rows), self.weights.decodable
+        ints, floats = whole.numpy()[:, :n], real.numpy()[:, :n]
+        for r, i in enumerate(rows):
+            sampling = self.slots[i].chooser.sampling
+            ints[:, r] = (i, sampling.top_k if 0 < sampling.top_k < decodable else 0, self.slots[i].seed)
+            floats[:, r] = (sampling.scale, sampling.top_p if sampling.top_p < 1.0 else 2.0, sampling.min_p)
+        flags = (int(ints[1].max()), bool((floats[1] <= 1.0).any()), bool((floats[2] > 0).any()))
+        ints, floats = whole.to(self.device, non_blocking=True)[:, :n], real.to(self.device, non_blocking=True)[:, :n]  # whole: contiguous copies
+        return ints[0], floats[0], ints[1], floats[1], floats[2], ints[2], flags
+
     def _length_buckets(self):
         n, buckets = MIN_LENGTH_BUCKET, []
         while n < self.context + 1:
@@ -721,8 +781,8 @@ class BatchedPhiDecoder:
         with each row's adapter if `lora` (the adapter buffers' version) is not 0."""
         w = self.weights
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
-        if self.fused and not lora:
-            return self._fused_step(batch)
+        if self.fused:
+            return self._fused_step(batch, lora)
         rows = torch.arange(batch, device=self.device)
         x = w.embed[tokens]  # [b, hidden]
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
@@ -735,18 +795,24 @@ class BatchedPhiDecoder:
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
-    def _fused_step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused_step(self, batch: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step: cuBLAS for the two GEMMs a block, Triton for what lies between them
-        (backends/triton_decode)."""
+        (backends/triton_decode), and each row's adapter product if `lora`."""
         from backends import triton_decode as fused
 
         w = self.weights
         tokens, positions, active = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
+        adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
         x = w.embed[tokens]
         for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
-            y = F.linear(F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps), w_in, b_in)
+            h = F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps)
+            y = F.linear(h, w_in, b_in)
+            if l in adapted:
+                y = y + lora_product(h, *adapted[l][0])
             mixed, xb = fused.attention_block(y, x, self.cos, self.sin, positions, active, self.k[l], self.v[l], b_out, w.hidden, w.head_dim, w.rotary_dim)
             x = torch.addmm(xb, mixed, w_out.t())  # x + b_out + mixed @ w_out.T, in cuBLAS's epilogue
+            if l in adapted:
+                x = x + lora_product(mixed, *adapted[l][1])
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 

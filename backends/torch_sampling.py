@@ -111,6 +111,35 @@ def choose_rows(logits: torch.Tensor, choosers: list[TokenChooser]) -> list[int]
     return tokens
 
 
+def sampled_on_device(sampling: Sampling) -> bool:
+    """Sampling with temperature, top_k, top_p and min_p only (a grammar's mask allowed): the CUDA
+    fast path draws these rows' tokens on the device, all in one batch, and chains their steps
+    as it does greedy ones."""
+    return not sampling.greedy and not sampling.processed_besides_constraint
+
+
+def sample_on_device(logits, scale, top_k, top_p, min_p, seeds, offsets, kmax: int, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
+    """One token per row of `logits` [n, decodable], in `process`'s order: temperature (`scale`),
+    top_k (0: off), top_p (> 1: off), min_p (0: off), then a draw from the row's seed and offset
+    (triton_decode.gumbel_argmax: the same seed and position give the same token in any batch).
+    No host wait: every step is a batched device op; `kmax` and the flags say which to run."""
+    from backends.triton_decode import gumbel_argmax
+
+    scores = logits.float() * scale[:, None]
+    if kmax:
+        kth = torch.topk(scores, kmax, dim=-1).values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])
+        scores = scores.masked_fill((top_k[:, None] > 0) & (scores < kth), float("-inf"))  # ties with the k-th stay
+    if use_top_p:
+        sorted_probs, order = torch.sort(torch.softmax(scores, dim=-1), dim=-1, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p[:, None]
+        outside[:, 0] = False  # the most likely token always stays
+        scores = scores.masked_fill(torch.zeros_like(outside).scatter(1, order, outside), float("-inf"))
+    if use_min_p:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < (min_p * probs.max(dim=-1).values)[:, None], float("-inf"))
+    return gumbel_argmax(scores.contiguous(), seeds, offsets)
+
+
 def process(
     logits: torch.Tensor,
     sampling: Sampling,

@@ -21,9 +21,13 @@ the model's dtype where the unfused step rounds.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger("phi2_server.triton_decode")
 
 
 @triton.jit
@@ -175,6 +179,37 @@ def _attention_combine(
                 tl.store(xb_ptr + row * HIDDEN + cols, (x + b).to(dtype), mask=ok)
 
 
+@triton.jit
+def _gumbel_argmax(scores_ptr, stride, seeds_ptr, offsets_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    """Per row: argmax over v of scores[v] + Gumbel noise drawn from (the row's seed, its offset
+    * V + v): a sample from softmax(scores), the same for the same seed and position in any batch."""
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row)
+    base = tl.load(offsets_ptr + row).to(tl.int32) * V
+    best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    chosen = tl.max(tl.zeros([BLOCK], tl.int32), axis=0)
+    for start in range(0, V, BLOCK):
+        v = start + tl.arange(0, BLOCK)
+        ok = v < V
+        score = tl.load(scores_ptr + row * stride + v, mask=ok, other=float("-inf"))
+        u = tl.rand(seed, base + v)
+        noisy = tl.where(score > float("-inf"), score - tl.log(-tl.log(tl.maximum(u, 1e-20))), float("-inf"))
+        block_best = tl.max(noisy, axis=0)
+        block_arg = tl.argmax(noisy, axis=0).to(tl.int32) + start
+        better = block_best > best
+        chosen = tl.where(better, block_arg, chosen)
+        best = tl.where(better, block_best, best)
+    tl.store(out_ptr + row, chosen.to(tl.int64))
+
+
+def gumbel_argmax(scores, seeds, offsets):
+    """Rows of float32 scores [n, V] -> one sampled id each (int64 [n]), from per-row seeds
+    (int64, below 2**31) and offsets (the token's position: a new draw every token)."""
+    out = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+    _gumbel_argmax[(scores.shape[0],)](scores, scores.stride(0), seeds, offsets, out, scores.shape[1], BLOCK=2048, num_warps=8)
+    return out
+
+
 def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, hidden, head_dim, rotary_dim):
     """Prompt tokens y [tokens, 3*hidden + ...] at `positions` of cache rows `slots` (both
     [tokens]): q rotated in place, k and v to the cache [rows, heads, length, head_dim]."""
@@ -228,6 +263,21 @@ def attention_block(y, x, cos, sin, positions, active, k_cache, v_cache, b_out, 
     return mixed, xb
 
 
-def available() -> bool:
-    """Triton can compile for the current CUDA device (imported only on CUDA)."""
-    return torch.cuda.is_available()
+def works(device, dtype, hidden: int, head_dim: int, rotary_dim: int, inner: int) -> bool:
+    """Whether these kernels compile and run on `device` for the model's shapes (the compiled
+    kernels are cached for the real calls): a GPU Triton cannot build for gets the torch step."""
+    try:
+        rows, length = 1, 4
+        y = torch.randn(rows, 3 * hidden + inner, device=device, dtype=dtype)
+        x = torch.randn(rows, hidden, device=device, dtype=dtype)
+        cache = [torch.zeros(rows, hidden // head_dim, length, head_dim, device=device, dtype=dtype) for _ in range(2)]
+        table = torch.ones(length, rotary_dim, device=device, dtype=dtype)
+        one = torch.ones(rows, dtype=torch.long, device=device)
+        attention_block(y, x, table, table, one, one, *cache, x[0], hidden, head_dim, rotary_dim)
+        prefill_rotary(y, table, table, one, one - 1, *cache, hidden, head_dim, rotary_dim)
+        gumbel_argmax(y[:, :64].float(), one, one)
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:
+        log.exception("the Triton decode kernels do not run here: the torch-ops step serves instead")
+        return False

@@ -1,0 +1,123 @@
+"""The CUDA path's Triton kernels on a CPU, under Triton's interpreter: each against the torch
+code it replaces, on the tiny model in float32. For working on backends/triton_decode.py
+without a GPU; tests/gpu/check.py and kernels.py are the measurements on one.
+
+    python3 -m pip install --target /tmp/triton-interp triton==3.6.0 "numpy<2.3"
+    PYTHONPATH=/tmp/triton-interp .venv/bin/python tests/gpu/interpret.py     # a minute or two
+
+(Triton 3.6's interpreter needs numpy < 2.3.) Not part of `make test`: the CPU never runs these
+kernels, and Triton is no dependency of the CPU install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends import torch_fast  # noqa: E402
+from backends.drive import drive  # noqa: E402
+from backends.torch_fast import BatchedPhiDecoder  # noqa: E402
+
+PROMPTS = ["Alice: describe yourself as JSON. Bob:", "Bob: I am fine", "Alice: What is two plus two? Bob:", "Hello"]
+FAILURES: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}", flush=True)
+    if not ok:
+        FAILURES.append(name)
+
+
+def cuda_like(decoder: BatchedPhiDecoder) -> BatchedPhiDecoder:
+    """The decoder as CUDA runs it (fused step, chained steps, device draws), graphs replaced by
+    plain calls: the CPU has none."""
+    decoder.use_graphs = True
+    decoder._replay = lambda batch, span, lora=0: decoder._decode_step(batch, span, lora)
+    return decoder
+
+
+def decode(decoder, backend, samplings, adapters=(None,) * 4, tokens: int = 16) -> list[list[int]]:
+    decoder.clear()
+    sequences = [Sequence(i, backend.encode(p), s, tokens, adapter=a) for i, (p, s, a) in enumerate(zip(PROMPTS, samplings, adapters))]
+    ids = drive(decoder, sequences).ids
+    return [ids[i] for i in range(len(PROMPTS))]
+
+
+def main() -> int:
+    torch.cuda.synchronize = lambda *args: None  # triton_decode.works() waits for the device
+    folder = tempfile.mkdtemp(prefix="adapters-")
+    backend = load_backend("torch", LoadOptions(model="tiny", device="cpu", dtype="float32", adapters_dir=folder, warmup=False))
+    from bench import write_random_adapters
+
+    w = backend.fast_weights
+    from backends import triton_decode
+
+    check("the kernels run for the model's shapes", triton_decode.works(w.device, w.embed.dtype, w.hidden, w.head_dim, w.rotary_dim, w.inner))
+
+    # Prefill: one piece from position 0, one after cached columns (both attention choices), padded pieces.
+    ids = backend.encode(" ".join(PROMPTS) * 3)
+    with torch.inference_mode():
+        plain = BatchedPhiDecoder(w, 4, cuda_graphs=False)
+        plain._grow(len(ids) + 8)
+        reference, _ = plain._prefill([(0, ids, 0), (1, ids[:50], 0)], lora_rows=[-1, -1])
+        fused = BatchedPhiDecoder(w, 4, cuda_graphs=False, fused=True)
+        fused._grow(len(ids) + 8)
+        fused.use_graphs = True
+        one, _ = fused._prefill([(0, ids, 0)], lora_rows=[-1])
+        check("prefill, one piece", torch.allclose(one[0], reference[0], atol=1e-5), f"{(one[0] - reference[0]).abs().max():.1e}")
+        for threshold in (0, 10**9):
+            torch_fast.LOWER_RIGHT_FROM = threshold
+            fused._prefill([(1, ids[:10], 0)], lora_rows=[-1])
+            rest, _ = fused._prefill([(1, ids[10:], 10)], lora_rows=[-1])
+            check(f"prefill after cached columns ({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
+                  torch.allclose(rest[0], reference[0], atol=1e-5), f"{(rest[0] - reference[0]).abs().max():.1e}")
+        torch_fast.LOWER_RIGHT_FROM = 768
+        fused.use_graphs = False
+        padded, _ = fused._prefill([(2, ids, 0), (3, ids[:50], 0)], lora_rows=[-1, -1])
+        check("prefill, padded pieces", torch.allclose(padded, reference, atol=1e-5), f"{(padded - reference).abs().max():.1e}")
+
+    # Decode: greedy with adapters, fused against the torch-ops step.
+    adapters = [backend.adapters.get(name) for name in write_random_adapters(backend, folder, 2)]
+    chosen = [None, adapters[0], adapters[1], None]
+    greedy = [Sampling()] * 4
+    unfused = decode(BatchedPhiDecoder(w, 4, cuda_graphs=False), backend, greedy, chosen)
+    got = decode(cuda_like(BatchedPhiDecoder(w, 4, cuda_graphs=False, fused=True)), backend, greedy, chosen)
+    check("greedy decode with adapters, fused = torch ops", got == unfused, f"{sum(a == b for a, b in zip(got, unfused))}/4")
+
+    # Sampled rows, under a grammar or not: drawn on the device, the same in a batch as alone.
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    constraint = backend.constraint("json_schema", json.dumps(schema))
+    samplings = [Sampling(temperature=0.9, seed=1, constraint=constraint), Sampling(temperature=1.0, top_k=20, seed=2),
+                 Sampling(constraint=constraint), Sampling(temperature=1.0, top_p=0.8, min_p=0.01, seed=5, constraint=constraint)]
+    draws = []
+    original = torch_fast.sample_on_device
+    torch_fast.sample_on_device = lambda *args: draws.append(len(args[0])) or original(*args)
+    decoder = cuda_like(BatchedPhiDecoder(w, 4, cuda_graphs=False, fused=True))
+    together = decode(decoder, backend, samplings, tokens=24)
+    torch_fast.sample_on_device = original
+    check("sampled rows drawn on the device", bool(draws), f"{len(draws)} draws")
+    alone = []
+    for i in range(4):
+        decoder.clear()
+        alone.append(drive(decoder, [Sequence(i, backend.encode(PROMPTS[i]), samplings[i], 24)]).ids[i])
+    check("sampled rows: batched = alone", together == alone, f"{sum(a == b for a, b in zip(together, alone))}/4")
+    for i in (0, 2, 3):
+        text = backend.decode(together[i])
+        check(f"constrained row {i} follows the schema so far", text.startswith('{"name": "'), repr(text[:40]))
+    print("FAILED: " + ", ".join(FAILURES) if FAILURES else "all passed")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
