@@ -7,11 +7,13 @@ sequence at once, each at its own position, with its own sampling. New prompts a
 together, padded to the longest of like length, at most `prefill_chunk` tokens a step, so a
 long prompt does not stall the sequences already decoding for more than a chunk's time.
 
-On CUDA the decode step is captured once per (batch bucket, attention-length bucket) and
-replayed, so its ~600 small kernels cost no launch overhead; `torch.compile` (optional) fuses
-most of them; and greedy steps are chained on the device, so the GPU does not wait for Python
-between them. On the CPU the same code runs eagerly and the cache grows as sequences do.
-Measurements: BENCHMARKS.md.
+On CUDA a block's decode step is cuBLAS's two GEMMs with Triton kernels between them
+(backends/triton_decode: attention over each row's live columns, rotary, GELU, the residual),
+captured once per batch bucket and replayed from a CUDA graph; greedy and sampled steps are
+chained on the device (sampled rows drawn there too), so the GPU does not wait for Python
+between them. Without Triton, or with quantized weights, the step is torch ops (`decode_layer`,
+optionally compiled), one graph per (batch, attention-length) bucket. On the CPU that step runs
+eagerly and the cache grows as sequences do. Measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations
