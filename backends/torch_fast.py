@@ -247,12 +247,12 @@ class _Slot:
         self.prompt_scores: list[TokenLogprob] = []  # prompt logprobs so far, if asked for
         # The device's greedy argmax is its token: no logits to read back, and steps may chain.
         self.plain = chooser.plain and sequence.logprobs is None
-        # Greedy under a grammar and nothing else: the device takes the argmax under its mask,
-        # which may arrive after the step's forward pass was launched (`_finish`).
         # Sampled with temperature/top_k/top_p/min_p only (under a grammar or not): drawn on the
         # device (`_finish`), from a seed of its own (the request's, or a random one) and the
         # token's position.
         self.sampled = device_sampling and sampled_on_device(sequence.sampling) and sequence.logprobs is None
+        # Under a grammar, greedy or drawn on the device: its mask is applied there, after the
+        # step's forward pass was launched (`_finish`).
         self.masked = chooser.constrained_greedy or (self.sampled and chooser.matcher is not None)
         seed = sequence.sampling.seed
         self.seed = (seed if seed is not None else secrets.randbits(31)) & 0x7FFFFFFF
@@ -588,8 +588,7 @@ class BatchedPhiDecoder:
                 # A short piece after cached columns: an explicit mask and the memory-efficient
                 # kernel (keys padded to a multiple of 8), as padded pieces have.
                 span = min(-(-span // 8) * 8, self.cache_length)
-                visible = torch.arange(span, device=self.device)[None, :] <= positions[0, :, None]
-                mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))[None, None]
+                mask = self._prefill_mask(positions, span)
         else:
             # Keys padded to a multiple of 8: the memory-efficient attention kernel wants its mask
             # rows aligned (the padded columns hold zeros and are masked out).
@@ -603,8 +602,7 @@ class BatchedPhiDecoder:
             positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.cache_length - 1).to(self.device)
             tokens = tokens.to(self.device)
             one = None
-            visible = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, length, span]
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            mask = self._prefill_mask(positions, span)
         x = w.embed[tokens]  # [n, length, hidden]
         lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
         adapted = self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
@@ -613,6 +611,12 @@ class BatchedPhiDecoder:
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
+
+    def _prefill_mask(self, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """The additive attention mask [n, 1, length, span] of pieces at `positions` [n, length]:
+        each sees the columns up to its own position."""
+        visible = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+        return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
 
     def _prefill_layers(self, x, placed: "_Placement", adapted: dict) -> torch.Tensor:
         w = self.weights
@@ -699,18 +703,21 @@ class BatchedPhiDecoder:
         return launched
 
     def _finish(self, launched: "_Launch") -> None:
-        """After a step's forward pass: the argmax of its constrained greedy rows under their
-        masks (on the device, written into its greedy tokens), then, with graphs, feed the next
-        step on the device and start copying the tokens to the host."""
+        """After a step's forward pass, on the device, written over its greedy tokens: the tokens
+        of its constrained rows under their masks (argmax, or drawn) and of its sampled rows;
+        then, with graphs, feed the next step on the device and start copying the tokens to the host."""
         for draw in (False, True):  # constrained rows: greedy ones, then sampled ones
             rows = [i for i in launched.masked if self.slots[i].sampled == draw]
             if rows:
                 index, packed = self._masks_to_device(rows)
                 allowed = unpack_on_device(packed, self.weights.decodable)
-                scores = launched.logits[index, : self.weights.decodable].masked_fill(~allowed, float("-inf"))
-                launched.greedy.index_copy_(0, index, self._draw(rows, scores) if draw else scores.argmax(dim=-1))
+                if draw:
+                    launched.greedy.index_copy_(0, *self._draw(rows, launched.logits, allowed))
+                else:
+                    scores = launched.logits[index, : self.weights.decodable].masked_fill(~allowed, float("-inf"))
+                    launched.greedy.index_copy_(0, index, scores.argmax(dim=-1))
         if launched.sampled:
-            launched.greedy.index_copy_(0, *self._draw(launched.sampled, launched.logits, with_index=True))
+            launched.greedy.index_copy_(0, *self._draw(launched.sampled, launched.logits))
         if not self.use_graphs:
             return
         batch, greedy = launched.batch, launched.greedy
@@ -742,14 +749,14 @@ class BatchedPhiDecoder:
         on_device = host.to(self.device, non_blocking=True)
         return on_device[:, 0].long(), on_device[:, 1:]
 
-    def _draw(self, rows: list[int], scores: torch.Tensor, with_index: bool = False):
-        """Tokens sampled on the device for `rows`, from their scores (masked logits), or, `with_index`,
-        from the step's whole logits: then (the rows' index, their tokens)."""
+    def _draw(self, rows: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None):
+        """(the rows' index, their tokens), drawn on the device from the step's logits, under
+        `allowed` (the rows' grammar masks, in `rows`' order) if given."""
         index, *settings, flags = self._sampling_to_device(rows)
-        if with_index:
-            scores = scores[index, : self.weights.decodable]
-        tokens = sample_on_device(scores, *settings, self.inputs[1].index_select(0, index), *flags)
-        return (index, tokens) if with_index else tokens
+        scores = logits[index, : self.weights.decodable]
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return index, sample_on_device(scores, *settings, self.inputs[1].index_select(0, index), *flags)
 
     def _sampling_to_device(self, rows: list[int]):
         """The sampled rows' index and settings (scale, top_k, top_p, min_p, seed) on the device,
@@ -781,10 +788,10 @@ class BatchedPhiDecoder:
     def _decode_step(self, batch: int, span: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and greedy tokens for rows 0..batch-1, attending to cache columns 0..span-1,
         with each row's adapter if `lora` (the adapter buffers' version) is not 0."""
-        w = self.weights
-        tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         if self.fused:
             return self._fused_step(batch, lora)
+        w = self.weights
+        tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         rows = torch.arange(batch, device=self.device)
         x = w.embed[tokens]  # [b, hidden]
         cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]

@@ -119,24 +119,17 @@ def sampled_on_device(sampling: Sampling) -> bool:
 
 
 def sample_on_device(logits, scale, top_k, top_p, min_p, seeds, offsets, kmax: int, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
-    """One token per row of `logits` [n, decodable], in `process`'s order: temperature (`scale`),
-    top_k (0: off), top_p (> 1: off), min_p (0: off), then a draw from the row's seed and offset
-    (triton_decode.gumbel_argmax: the same seed and position give the same token in any batch).
-    No host wait: every step is a batched device op; `kmax` and the flags say which to run."""
+    """One token per row of `logits` [n, decodable]: filtered as `process` filters one row
+    (`filtered`; a row's top_k 0, top_p above 1 or min_p 0 is off), then drawn from the row's seed
+    and offset (triton_decode.gumbel_argmax: the same seed and position give the same token in
+    any batch). No host wait: every step is a batched device op; `kmax` and the flags say which
+    filters any row uses."""
     from backends.triton_decode import gumbel_argmax
 
-    scores = logits.float() * scale[:, None]
-    if kmax:
-        kth = torch.topk(scores, kmax, dim=-1).values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])
-        scores = scores.masked_fill((top_k[:, None] > 0) & (scores < kth), float("-inf"))  # ties with the k-th stay
-    if use_top_p:
-        sorted_probs, order = torch.sort(torch.softmax(scores, dim=-1), dim=-1, descending=True)
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p[:, None]
-        outside[:, 0] = False  # the most likely token always stays
-        scores = scores.masked_fill(torch.zeros_like(outside).scatter(1, order, outside), float("-inf"))
-    if use_min_p:
-        probs = torch.softmax(scores, dim=-1)
-        scores = scores.masked_fill(probs < (min_p * probs.max(dim=-1).values)[:, None], float("-inf"))
+    scores = filtered(
+        logits.float(), scale[:, None], top_k=top_k[:, None] if kmax else None, top_p=top_p[:, None] if use_top_p else None,
+        min_p=min_p[:, None] if use_min_p else None, kmax=kmax,
+    )
     return gumbel_argmax(scores.contiguous(), seeds, offsets)
 
 
@@ -173,19 +166,36 @@ def process(
         scores = scores - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0)
     if sampling.greedy:
         return scores
-    scores = scores * sampling.scale
-    if 0 < sampling.top_k < decodable:
-        kth = torch.topk(scores, sampling.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th stay, as in transformers
-    if sampling.top_p < 1.0:
+    return filtered(
+        scores, sampling.scale,
+        top_k=sampling.top_k if 0 < sampling.top_k < decodable else None,
+        top_p=sampling.top_p if sampling.top_p < 1.0 else None,
+        min_p=sampling.min_p if sampling.min_p > 0.0 else None,
+    )
+
+
+def filtered(scores: torch.Tensor, scale, top_k=None, top_p=None, min_p=None, kmax: int = 0) -> torch.Tensor:
+    """Scores [..., vocab] times the temperature's `scale`, then -inf for the ids that top_k,
+    top_p and min_p remove (None: that filter is off). One row's settings are numbers; a batch's
+    are tensors [n, 1], one value a row (a row's top_k 0: off; `kmax` the largest)."""
+    scores = scores * scale
+    if top_k is not None:
+        if isinstance(top_k, int):
+            kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+            drop = scores < kth
+        else:
+            kth = torch.topk(scores, kmax, dim=-1).values.gather(-1, top_k.clamp(1, kmax) - 1)
+            drop = (top_k > 0) & (scores < kth)
+        scores = scores.masked_fill(drop, float("-inf"))  # ties with the k-th stay, as in transformers
+    if top_p is not None:
         # Dropped: a token once the tokens strictly more likely than it hold top_p of the mass.
-        sorted_probs, order = torch.sort(torch.softmax(scores, dim=-1), descending=True)
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= sampling.top_p
-        outside[0] = False  # the most likely token always stays
-        scores = scores.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
-    if sampling.min_p > 0.0:
+        sorted_probs, order = torch.sort(torch.softmax(scores, dim=-1), dim=-1, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+        outside[..., 0] = False  # the most likely token always stays
+        scores = scores.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+    if min_p is not None:
         probs = torch.softmax(scores, dim=-1)
-        scores = scores.masked_fill(probs < sampling.min_p * probs.max(), float("-inf"))
+        scores = scores.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return scores
 
 

@@ -21,6 +21,7 @@ the model's dtype where the unfused step rounds.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -263,6 +264,7 @@ def attention_block(y, x, cos, sin, positions, active, k_cache, v_cache, b_out, 
     return mixed, xb
 
 
+@functools.cache  # once a process for a device and model shape, however many decoders are built
 def works(device, dtype, hidden: int, head_dim: int, rotary_dim: int, inner: int) -> bool:
     """Whether these kernels compile and run on `device` for the model's shapes (the compiled
     kernels are cached for the real calls): a GPU Triton cannot build for gets the torch step."""
