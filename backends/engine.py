@@ -403,13 +403,16 @@ class Engine:
             if self._stopped and not self._running:
                 return None
             admitted = []
-            adapters = {r.ticket.request.adapter.key for r in self._running.values() if r.ticket.request.adapter is not None}
+            adapters = None  # the distinct adapters decoding, counted only when a waiting request has one
             while self._waiting and len(self._running) + len(admitted) < capacity:
                 adapter = self._waiting[0].request.adapter
-                if adapter is not None and adapter.key not in adapters:
-                    if len(adapters) >= adapter_slots:
-                        break
-                    adapters.add(adapter.key)
+                if adapter is not None:
+                    if adapters is None:
+                        adapters = {r.ticket.request.adapter.key for r in self._running.values() if r.ticket.request.adapter is not None}
+                    if adapter.key not in adapters:
+                        if len(adapters) >= adapter_slots:
+                            break
+                        adapters.add(adapter.key)
                 admitted.append(self._waiting.popleft())
             return admitted, abort_reason
 
