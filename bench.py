@@ -723,7 +723,7 @@ def constrained_decoding(args) -> list[dict]:
             rates: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
             for run in range(args.runs):
                 for variant in rates:  # alternating, so drift on a noisy machine hits both
-                    sampling = Sampling(temperature=temperature, seed=run, constraint=constraint if variant == "constrained" else None)
+                    sampling = Sampling(temperature=temperature, seed=run, constraint=constraint.matcher() if variant == "constrained" else None)
                     sequences = [Sequence(i, prompt_ids, sampling, args.max_tokens) for i in range(batch)]
                     first: list[float] = []
                     drive(decoder, sequences, on_tokens=lambda step, tokens: first or first.append(time.perf_counter()))
@@ -748,7 +748,7 @@ def constrained_outputs_check(backend, prompt_ids: list[int], n: int = 16) -> st
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
               "required": ["name", "age"], "additionalProperties": False}
     constraint = backend.constraint("json_schema", json.dumps(schema))
-    sequences = [Sequence(i, prompt_ids, Sampling(temperature=1.0, seed=i, constraint=constraint if i % 2 == 0 else None), 96) for i in range(n)]
+    sequences = [Sequence(i, prompt_ids, Sampling(temperature=1.0, seed=i, constraint=constraint.matcher() if i % 2 == 0 else None), 96) for i in range(n)]
     out = drive(backend.decoder(n), sequences)
     complete = valid = 0
     for i in range(0, n, 2):

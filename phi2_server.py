@@ -21,6 +21,7 @@ import re
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from backends import MAX_LOGPROBS, Backend, Constraint, GrammarError, LoadOptions, ModelLoadError, Sampling, StepLogprobs, load_backend, select_backend
+from backends import MAX_LOGPROBS, Backend, Grammar, GrammarError, LoadOptions, ModelLoadError, Sampling, StepLogprobs, load_backend, select_backend
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
 from backends.text import TextOffsets, token_string
@@ -168,7 +169,10 @@ REQUEST_LOG: web.AppKey[RequestLog] = web.AppKey("request_log")
 LOAD_DONE: web.AppKey[asyncio.Event] = web.AppKey("load_done")
 DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining")  # set on SIGTERM while DRAIN_DELAY runs
 LOADER: web.AppKey[Callable[[], Backend]] = web.AppKey("loader")
+# Short CPU work off the loop (tokenizing, large bodies and answers, a grammar's per-sequence
+# copies), apart from grammar compiles, which may take seconds each (GRAMMAR_COMPILER).
 TOKENIZER_POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("tokenizer_pool")
+GRAMMAR_COMPILER: web.AppKey[BoundedPool] = web.AppKey("grammar_compiler")
 API_KEYS: web.AppKey[tuple[bytes, ...]] = web.AppKey("api_keys")
 RATE_LIMITER: web.AppKey[TokenBuckets | None] = web.AppKey("rate_limiter")
 CORS_ORIGINS: web.AppKey[frozenset[str]] = web.AppKey("cors_origins")
@@ -677,13 +681,15 @@ class Generation:
     logprobs: int | None = None  # each generated token's logprob and this many alternatives
     prompt_logprobs: int | None = None  # the same for the prompt (OpenAI's echo)
     prompt_field: str = "prompt"  # the field a prompt too long for the context names
+    grammar: Grammar | None = None  # compiled; `submit` gives the sequence a matcher of its own
+    grammar_field: str | None = None  # the field that gave it (what a failing grammar's error names)
 
 
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
-def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None, constraint: Constraint | None = None) -> Sampling:
+def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None) -> Sampling:
     return Sampling(
         temperature=temperature,
         top_p=top_p,
@@ -694,39 +700,78 @@ def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None
         presence_penalty=params["presence_penalty"],
         frequency_penalty=params["frequency_penalty"],
         logit_bias=tuple(sorted((int(token), float(bias)) for token, bias in params["logit_bias"].items())),
-        constraint=constraint,
     )
 
 
-GRAMMAR_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is refused (the library bounds its own work too)
+GRAMMAR_TIMEOUT_S = 10.0  # a grammar that takes longer to compile (queue wait included) is refused
+GRAMMAR_WORKERS = 2  # compiles at once
+GRAMMAR_BACKLOG = 8  # compiles in flight (running or queued); more get 503 at once
 
 
-async def compile_constraint(request: web.Request, kind: str, spec: str, field: str, params: dict) -> Constraint:
+class BoundedPool:
+    """A thread pool that takes at most `backlog` jobs in flight. A job whose caller stopped
+    waiting (a compile past its time limit) cannot be interrupted: it keeps its place until it
+    really ends, so a client sending slow grammars fills this pool, and only this one."""
+
+    def __init__(self, workers: int, backlog: int, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._backlog = backlog
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args) -> asyncio.Future | None:
+        """An awaitable of fn(*args) run on the pool, or None when the backlog is full."""
+        with self._lock:
+            if self._in_flight >= self._backlog:
+                return None
+            self._in_flight += 1
+
+        def job():
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+
+        return asyncio.get_running_loop().run_in_executor(self._pool, job)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def compile_constraint(request: web.Request, kind: str, spec: str, field: str, params: dict) -> tuple[Grammar, str]:
     """A JSON Schema, JSON mode or a regex compiled for the model's tokenizer (off the loop,
-    cached by the backend); what cannot be compiled is a 422 (400 on /v1) naming the field."""
+    cached by the backend), and the field it came from; what cannot be compiled is a 422 (400 on
+    /v1) naming the field. A grammar compiled before is taken from the cache at once, however
+    busy the compiler is."""
     if params.get("ignore_eos"):
         raise ApiError(422, "ignore_eos cannot be combined with a constraint: generation ends where the grammar does", field="ignore_eos")
     if params.get("stop"):
         raise ApiError(422, f"stop cannot be combined with {field}: the output ends where the grammar is complete, and a stop sequence could cut it short", field="stop")
     backend = engine_ready(request).backend
-    loop = asyncio.get_running_loop()
-    work = loop.run_in_executor(request.app[TOKENIZER_POOL], backend.constraint, kind, spec)
+    request[LOG_FACTS]["grammar"] = field
+    grammar = backend.cached_constraint(kind, spec)
+    if grammar is not None:
+        return grammar, field
+    work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec)
+    if work is None:
+        raise ApiError(503, f"the grammar compiler is busy ({GRAMMAR_BACKLOG} compiles in flight); retry later", field=field, retry_after=5)
     try:
-        return await asyncio.wait_for(work, GRAMMAR_TIMEOUT_S)
+        return await asyncio.wait_for(work, GRAMMAR_TIMEOUT_S), field
     except GrammarError as exc:
         raise ApiError(422, f"{field} cannot be used: {exc}", field=field) from None
     except asyncio.TimeoutError:
         raise ApiError(422, f"{field} did not compile within {GRAMMAR_TIMEOUT_S:.0f} s", field=field) from None
 
 
-async def native_constraint(request: web.Request, params: dict) -> Constraint | None:
+async def native_constraint(request: web.Request, params: dict) -> tuple[Grammar | None, str | None]:
     if params["json_schema"] is not None and params["regex"] is not None:
         raise ApiError(422, "give json_schema or regex, not both", field="regex")
     if params["json_schema"] is not None:
         return await compile_constraint(request, "json_schema", json.dumps(params["json_schema"]), "json_schema", params)
     if params["regex"] is not None:
         return await compile_constraint(request, "regex", params["regex"], "regex", params)
-    return None
+    return None, None
 
 
 async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation) -> list[int]:
@@ -828,6 +873,12 @@ async def submit(request: web.Request, gens: list[Generation], adapter: str | No
                 adapter=loaded,
             )
         )
+    if any(gen.grammar is not None for gen in gens):
+        # Each constrained sequence walks a copy of its grammar of its own, made here: a large
+        # grammar's copy is work the generation thread must never do.
+        loop = asyncio.get_running_loop()
+        matchers = await loop.run_in_executor(request.app[TOKENIZER_POOL], lambda: [gen.grammar and gen.grammar.matcher() for gen in gens])
+        jobs = [dataclasses.replace(job, sampling=dataclasses.replace(job.sampling, constraint=m)) if m else job for job, m in zip(jobs, matchers)]
     try:
         return engine.submit_all(jobs)
     except QueueFull as exc:
@@ -853,9 +904,17 @@ def note_summary(request: web.Request, summary: Summary) -> None:
     request[LOG_FACTS].update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason, summary=summary)
 
 
-def raise_unfinished(summary: Summary) -> None:
+def grammar_failed(summary: Summary) -> bool:
+    """The request's own grammar failed while generating: the client's input, not the server."""
+    return summary.finish_reason == "error" and summary.error_kind == "grammar"
+
+
+def raise_unfinished(request: web.Request, summary: Summary) -> None:
     """An error answer for a generation that did not finish (whole responses only)."""
     reason = summary.finish_reason
+    if grammar_failed(summary):
+        field = request[LOG_FACTS].get("grammar")
+        raise ApiError(422, f"{field} cannot be used: {summary.error}", field=field)
     if reason == "error":
         raise ApiError(500, summary.error or "generation failed")
     if reason == "timeout":
@@ -888,7 +947,7 @@ async def collect(request: web.Request, tickets: list[Ticket]) -> list[Answer]:
                     answer.summary = event
         note_summary(request, combined([a.summary for a in answers]))
         for answer in answers:
-            raise_unfinished(answer.summary)
+            raise_unfinished(request, answer.summary)
         return answers
     finally:
         for ticket in tickets:
@@ -943,15 +1002,17 @@ async def stream(
 # -- native API ---------------------------------------------------------------------------------
 
 
-def native_generation(params: dict, body: dict, constraint: Constraint | None) -> Generation:
+def native_generation(params: dict, body: dict, grammar: tuple[Grammar | None, str | None]) -> Generation:
     return Generation(
         prompt=params["prompt"],
         max_tokens=params["max_tokens"],
         max_tokens_given="max_tokens" in body,
-        sampling=sampling_of(params, params["temperature"], params["top_p"], params["seed"], constraint),
+        sampling=sampling_of(params, params["temperature"], params["top_p"], params["seed"]),
         stop=stop_tuple(params["stop"]),
         ignore_eos=params["ignore_eos"],
         logprobs=params["logprobs"],
+        grammar=grammar[0],
+        grammar_field=grammar[1],
     )
 
 
@@ -968,7 +1029,7 @@ def summary_fields(request: web.Request, summary: Summary, backend: Backend) -> 
         "timings": summary.timings(),
     }
     if summary.error:
-        fields_["error"] = {"message": summary.error, "type": "server_error"}
+        fields_["error"] = {"message": summary.error, "type": "invalid_request" if grammar_failed(summary) else "server_error"}
     return fields_
 
 
@@ -1189,20 +1250,23 @@ def openai_params(body: Any, schema: dict) -> dict:
     return params
 
 
-async def response_constraint(request: web.Request, params: dict) -> Constraint | None:
-    """`response_format` compiled: json_object (any JSON object) or json_schema."""
+async def response_constraint(request: web.Request, params: dict) -> dict:
+    """`response_format` compiled (json_object: any JSON object, or json_schema), as Generation's
+    grammar and grammar_field."""
     response_format = params["response_format"]
     if response_format is None or response_format["type"] == "text":
-        return None
+        return {}
     if response_format["type"] == "json_object":
-        return await compile_constraint(request, "json_object", "", "response_format", params)
+        grammar, field = await compile_constraint(request, "json_object", "", "response_format", params)
+        return {"grammar": grammar, "grammar_field": field}
     if "json_schema" not in response_format:
         raise ApiError(400, "response_format.json_schema is required with type json_schema", field="response_format.json_schema")
     schema = response_format["json_schema"].get("schema", {"type": "object"})
-    return await compile_constraint(request, "json_schema", json.dumps(schema), "response_format.json_schema.schema", params)
+    grammar, field = await compile_constraint(request, "json_schema", json.dumps(schema), "response_format.json_schema.schema", params)
+    return {"grammar": grammar, "grammar_field": field}
 
 
-def openai_generations(params: dict, prompt: str | list[int], copies: int, max_tokens: int | None, default_max: int, constraint: Constraint | None = None, **options) -> list[Generation]:
+def openai_generations(params: dict, prompt: str | list[int], copies: int, max_tokens: int | None, default_max: int, **options) -> list[Generation]:
     """`copies` generations of one prompt (the choices n or best_of); a seed gives each its own
     (seed, seed + 1, ...): reproducible, yet not n copies of one text."""
     seed = params["seed"]
@@ -1211,7 +1275,7 @@ def openai_generations(params: dict, prompt: str | list[int], copies: int, max_t
             prompt=prompt,
             max_tokens=default_max if max_tokens is None else max_tokens,
             max_tokens_given=max_tokens is not None,
-            sampling=sampling_of(params, params["temperature"], params["top_p"], None if seed is None else (seed + i) % 2**63, constraint),
+            sampling=sampling_of(params, params["temperature"], params["top_p"], None if seed is None else (seed + i) % 2**63),
             ignore_eos=params["ignore_eos"],
             **options,
         )
@@ -1244,7 +1308,9 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def sse_error(summary: Summary) -> str:
+def sse_error(request: web.Request, summary: Summary) -> str:
+    if grammar_failed(summary):  # the request's own grammar: its field, as a 400 would name it
+        return sse({"error": {"message": summary.error, "type": "invalid_request_error", "param": request[LOG_FACTS].get("grammar"), "code": None}})
     return sse({"error": {"message": summary.error, "type": "server_error", "param": None, "code": None}})
 
 
@@ -1353,7 +1419,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     if params["max_tokens"] == 0 and not echo:
         raise ApiError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", field="max_tokens")
     scored = k if k is not None else (0 if best_of > n else None)  # best_of ranks by logprob
-    options = dict(stop=stop_tuple(params["stop"]), logprobs=scored, prompt_logprobs=k if echo else None, constraint=await response_constraint(request, params))
+    options = dict(stop=stop_tuple(params["stop"]), logprobs=scored, prompt_logprobs=k if echo else None, **await response_constraint(request, params))
     gens = [g for p in prompts for g in openai_generations(params, p, best_of, params["max_tokens"], 16, **options)]
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter)
@@ -1408,7 +1474,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
         if isinstance(event, str):
             return out + chunk(index, event, entries)
         if event.finish_reason == "error":  # the SDKs raise on an error event
-            return out + sse_error(event)
+            return out + sse_error(request, event)
         return out + chunk(index, "", entries, finish=event.finish_reason)
 
     def last(summaries: list[Summary]) -> str:
@@ -1451,7 +1517,7 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     n = params["n"]
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
     max_tokens = params["max_completion_tokens"] or params["max_tokens"]
-    options = dict(stop=stop_tuple(params["stop"]) + prompt.stop, logprobs=k, prompt_field="messages", constraint=await response_constraint(request, params))
+    options = dict(stop=stop_tuple(params["stop"]) + prompt.stop, logprobs=k, prompt_field="messages", **await response_constraint(request, params))
     gens = openai_generations(params, prompt.text, n, max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter)
@@ -1491,7 +1557,7 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
             text = trims[index].strip(event)
             return chunk(index, {"content": text}) if text else ""  # its logprobs wait for text
         if event.finish_reason == "error":  # the SDKs raise on an error event
-            return sse_error(event)
+            return sse_error(request, event)
         return chunk(index, {}, finish=event.finish_reason)
 
     def last(summaries: list[Summary]) -> str:
@@ -1849,6 +1915,7 @@ async def start_worker(app: web.Application) -> None:
     settings = app[SETTINGS]
     app[REQUEST_LOG] = RequestLog(settings.log_dir, settings.log_max_bytes, settings.log_backups)
     app[TOKENIZER_POOL] = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenizer")
+    app[GRAMMAR_COMPILER] = BoundedPool(GRAMMAR_WORKERS, GRAMMAR_BACKLOG, "grammar")
     loop = asyncio.get_running_loop()
     load_done = app[LOAD_DONE]
     engine = Engine(
@@ -1875,6 +1942,7 @@ async def drain_worker(app: web.Application) -> None:
 async def stop_worker(app: web.Application) -> None:
     await asyncio.to_thread(app[ENGINE].stop, 30)
     app[TOKENIZER_POOL].shutdown(wait=False, cancel_futures=True)
+    app[GRAMMAR_COMPILER].shutdown()
     app[REQUEST_LOG].close()
 
 

@@ -33,10 +33,21 @@ class GrammarError(ValueError):
 
 
 class Constraint(Protocol):
-    """A compiled grammar (backends.grammar): each constrained sequence walks it with a matcher
-    of its own, which masks the tokens the grammar does not allow next."""
+    """One sequence's walk through a compiled grammar (backends.grammar.Matcher): it masks the
+    tokens the grammar does not allow next. A sequence has its own; `Grammar.matcher()` makes
+    one, off the generation thread (a large grammar's copy takes a while)."""
 
-    def matcher(self): ...
+    error: str | None  # set once the grammar failed (its own reason): the engine ends that sequence alone
+
+    def allowed_words(self): ...
+
+    def consume(self, token: int) -> None: ...
+
+
+class Grammar(Protocol):
+    """A compiled grammar (backends.grammar): what every sequence constrained by it copies."""
+
+    def matcher(self) -> Constraint: ...
 
 
 @dataclass(frozen=True)
@@ -55,8 +66,9 @@ class Sampling:
     presence_penalty: float = 0.0  # subtracted once from the logit of every id generated so far
     frequency_penalty: float = 0.0  # subtracted once per time an id was generated so far
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    # A grammar the text must follow (JSON Schema, JSON mode, regex): the tokens it does not
-    # allow next are masked out before every other step, so only allowed tokens are chosen.
+    # A grammar the text must follow (JSON Schema, JSON mode, regex), as this sequence's own
+    # matcher: the tokens it does not allow next are masked out before every other step, so
+    # only allowed tokens are chosen.
     constraint: Constraint | None = None
 
     @property
@@ -210,9 +222,14 @@ class Backend(Protocol):
         """Chat messages ({role, content: str}) as a prompt, with the stops its format needs."""
         ...
 
-    def constraint(self, kind: str, spec: str) -> Constraint:
+    def constraint(self, kind: str, spec: str) -> Grammar:
         """A grammar for this model's tokenizer: kind `json_schema` (spec: the schema as JSON),
-        `json_object` (any JSON object) or `regex`. Compiled once (cached); GrammarError if not."""
+        `json_object` (any JSON object) or `regex`. Compiled once (cached); GrammarError if not.
+        Slow for a large grammar (seconds): call it on a pool, never on the event loop."""
+        ...
+
+    def cached_constraint(self, kind: str, spec: str) -> Grammar | None:
+        """The grammar if `constraint` compiled it before and still holds it, else None; cheap."""
         ...
 
     def detokenizer(self) -> Detokenizer: ...

@@ -46,6 +46,9 @@ class Summary:
     tokens_per_second: float  # decode rate after the first token (or tokens / total time)
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache (not prefilled)
+    # With finish_reason "error": "grammar" when the request's own grammar failed (the client's
+    # input: the HTTP layer answers 4xx), else None (the server's fault: 5xx).
+    error_kind: str | None = None
 
     def timings(self) -> dict:
         return {
@@ -367,8 +370,10 @@ class Engine:
                 self.stats["decode_steps"] += 1
             except Exception as exc:
                 log.exception("decode step failed")
+                # The message names no request's data: a batch's neighbours read it too.
+                message = f"generation failed: the decode step raised {type(exc).__name__} (the server log has the details)"
                 for seq_id in list(self._running):
-                    self._finish(seq_id, "error", decoder, f"generation failed: {exc}")
+                    self._finish(seq_id, "error", decoder, message)
                 self._remove_finished(decoder)
                 decoder = self._decoder = self._new_decoder(backend)  # nothing of the old one is reused
                 continue
@@ -454,6 +459,10 @@ class Engine:
         if running is None:
             return
         request = running.ticket.request
+        constraint = request.sampling.constraint
+        if constraint is not None and constraint.error is not None:  # its grammar failed: it alone ends
+            self._finish(seq_id, "error", decoder, f"the grammar failed: {constraint.error}", error_kind="grammar")
+            return
         if request.max_tokens == 0:  # only the prompt's logprobs were asked for
             if scores is not None:
                 running.ticket._emit(StepLogprobs(None, scores.prompt))
@@ -483,13 +492,14 @@ class Engine:
         decoder: Decoder | None,
         error: str | None = None,
         flush: bool = True,
+        error_kind: str | None = None,
     ) -> None:
         running = self._running.pop(seq_id)
         if flush and reason in ("stop", "length"):
             rest = running.text.flush()
             if rest:
                 running.ticket._emit(rest)
-        self._complete(running.ticket, reason, running.count, running.first_at, running.last_at, error, running.cached)
+        self._complete(running.ticket, reason, running.count, running.first_at, running.last_at, error, running.cached, error_kind)
         if decoder is not None:
             self._finished.append(seq_id)  # removed from the decoder once the step's ends are out
 
@@ -510,7 +520,7 @@ class Engine:
     def _finish_unstarted(self, ticket: Ticket, reason: str, error: str | None = None) -> None:
         self._complete(ticket, reason, 0, None, None, error)
 
-    def _complete(self, ticket, reason, count, first_at, last_at, error, cached: int = 0) -> None:
+    def _complete(self, ticket, reason, count, first_at, last_at, error, cached: int = 0, error_kind: str | None = None) -> None:
         now = time.perf_counter()
         request = ticket.request
         total = now - request.received_at
@@ -527,6 +537,7 @@ class Engine:
             tokens_per_second=rate,
             error=error,
             cached_tokens=cached,
+            error_kind=error_kind,
         )
         key = {"cancelled": "cancelled", "timeout": "timeouts", "error": "errors"}.get(reason, "completed")
         with self._stats_lock:

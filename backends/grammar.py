@@ -7,19 +7,33 @@ vocabulary (BENCHMARKS.md, "Structured output"): it compiles a schema in about a
 pathological schemas with its own limits (a 20,000-value enum: 75 ms; xgrammar 19 s), and
 names what is wrong with an invalid schema.
 
-Each compiled grammar is cached (a bounded LRU) per tokenizer. A constrained sequence walks it
-with a `Matcher` of its own, which the runtime's sampling asks for the allowed ids before a
-choice and tells the chosen one after; the next mask is computed on a worker thread as soon as
-a token is consumed (llguidance drops the GIL), so it is ready by the time the next step's
-logits are, and unconstrained sequences never wait for it.
+What a grammar costs is paid when it is compiled, never on the generation thread (issue 25):
+- `Grammars.compile` builds llguidance's matcher (the parser and lexer: seconds for a schema
+  of thousands of properties), computes its first mask, and takes one allowed token and the mask
+  after it. A grammar that allows nothing (`[a&&b]`, a `$ref` to itself) or that runs past
+  llguidance's limits on its first token (`a{1000000}`, 500 optional properties: "Current row
+  has 2007 items") is refused there, as a GrammarError, before any sequence uses it.
+- Each constrained sequence walks a `deep_copy` of that matcher (a `Matcher`), made by the
+  caller off the generation thread too (`Grammar.matcher`), starting from the first mask
+  computed at compile time.
+- After that, a step's mask is bounded by llguidance's per-step fuel (`step_lexer_fuel`,
+  `step_max_items`: milliseconds at most), computed on a worker thread as soon as a token is
+  consumed (llguidance drops the GIL), so it is ready by the time the next step's logits are.
+- A grammar that fails later anyway fails only its own sequence: the matcher keeps the error
+  (`Matcher.error`, llguidance's reason without its state dump), allows every token from then on
+  so the batch's step goes on as usual, and the engine ends that sequence with the error.
+
+Each compiled grammar is cached per tokenizer (least recently used out first), within
+GRAMMAR_CACHE entries and GRAMMAR_CACHE_TEXT characters of grammar text: a grammar's memory
+(its lexer above all) grows with its text.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -29,10 +43,16 @@ import numpy as np
 from backends import GrammarError
 
 GRAMMAR_CACHE = 256  # compiled grammars kept per tokenizer
+GRAMMAR_CACHE_TEXT = 8_000_000  # characters of grammar text they may hold together (a 3,000-property schema: ~90k)
 # Compact JSON (", " and ": ", no other whitespace): a model cannot pad the output with
 # whitespace until max_tokens, and the text reads as usual.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = '{"type": "object"}'  # JSON mode: any JSON object (OpenAI's json_object)
+ERROR_CHARS = 300  # of llguidance's reason, in an error message
+
+# llguidance's default limits, except that its errors carry no parser state (which names the
+# grammar and the tokens generated so far: nothing a log line or a neighbour should see).
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 _masks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
 # Rows advanced together (a batch of constrained rows) fill their masks on llguidance's own
@@ -40,31 +60,48 @@ _masks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
 _rows = llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
 
 
-class Grammar:
-    """A compiled grammar for one tokenizer: the `Constraint` the contract passes around."""
+def reason(text: str) -> str:
+    """llguidance's error, its first line only (no state dump), at most ERROR_CHARS long."""
+    first = text.strip().splitlines()[0] if text.strip() else "grammar error"
+    return first if len(first) <= ERROR_CHARS else first[: ERROR_CHARS - 3] + "..."
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, text: str, vocab: int):
-        self._tokenizer = tokenizer
-        self._text = text
+
+class Grammar:
+    """A compiled grammar for one tokenizer: the matcher every sequence copies, and its first mask."""
+
+    def __init__(self, prototype: llguidance.LLMatcher, first_mask: np.ndarray, vocab: int, size: int):
+        self._prototype = prototype
+        self._first_mask = first_mask
+        self._lock = threading.Lock()  # copies are taken from any thread; the prototype never moves
         self.vocab = vocab
+        self.size = size  # characters of grammar text: what the cache counts
 
     def matcher(self) -> "Matcher":
-        return Matcher(llguidance.LLMatcher(self._tokenizer, self._text, log_level=0), self.vocab)
+        """A sequence's own walk through the grammar. Made off the generation thread (the HTTP
+        layer makes one per sequence with the compile): a copy of a large grammar takes a while."""
+        with self._lock:
+            copy = self._prototype.deep_copy()
+        return Matcher(copy, self.vocab, self._first_mask)
 
 
 class Matcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar: the `Constraint` the contract passes around."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab: int):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, first_mask: np.ndarray):
         self._matcher = matcher
         self.words = (vocab + 31) // 32  # int32 words of a mask
-        self._next: tuple[Future, int] = (_masks.submit(lambda: self._fill()[None]), 0)
+        self.error: str | None = None  # why the grammar failed; then every token is allowed
+        done: Future = Future()
+        done.set_result(first_mask[None])
+        self._next: tuple[Future, int] = (done, 0)
 
     def allowed_words(self) -> np.ndarray:
         """The ids the grammar allows next, a bit per id of the model's vocabulary (int32
-        words, bit i of word w: id 32 w + i); end-of-text only where the grammar is complete."""
+        words, bit i of word w: id 32 w + i); end-of-text only where the grammar is complete.
+        Every id once the grammar has failed: the step goes on, and the engine ends the sequence."""
         future, row = self._next
-        return future.result()[row]
+        words = future.result()[row]
+        return words if self.error is None else np.full(self.words, -1, dtype=np.int32)
 
     def allowed(self) -> np.ndarray:
         """The same as a bool per id."""
@@ -76,29 +113,36 @@ class Matcher:
         self._next = (_masks.submit(lambda: self._fill()[None]), 0)
 
     def _consume(self, token: int) -> None:
-        if not self._matcher.consume_token(token):
-            raise GrammarError(f"token {token} is not allowed here: {self._matcher.get_error()}")
+        if self.error is None and not self._matcher.consume_token(token):
+            self._fail(f"token {token} is not allowed here: {self._matcher.get_error()}")
 
     def _fill(self) -> np.ndarray:
         words = np.zeros(self.words, dtype=np.int32)
-        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        self._check()
+        if self.error is None:
+            self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            self._check()
         return words
 
     def _check(self) -> None:
-        if self._matcher.is_error():
-            raise GrammarError(self._matcher.get_error())
+        if self.error is None and self._matcher.is_error():
+            self._fail(self._matcher.get_error())
+
+    def _fail(self, text: str) -> None:
+        self.error = reason(text)
 
 
 def advance_together(matchers: list[Matcher], tokens: list[int]) -> None:
     """Consume a token in each matcher, and compute all their next masks, in one task on a
-    worker thread (the rows of a batch: one hand-over a step, not one per row)."""
+    worker thread (the rows of a batch: one hand-over a step, not one per row). A matcher whose
+    grammar fails records it (`Matcher.error`); the others go on."""
 
     def work() -> np.ndarray:
         for matcher, token in zip(matchers, tokens):
             matcher._consume(token)
         words = np.zeros((len(matchers), matchers[0].words), dtype=np.int32)
-        _rows.unsafe_compute_mask_ptr([(m._matcher, i) for i, m in enumerate(matchers)], words.ctypes.data, words.shape[1] * 4, len(matchers))
+        live = [(m._matcher, i) for i, m in enumerate(matchers) if m.error is None]
+        if live:
+            _rows.unsafe_compute_mask_ptr(live, words.ctypes.data, words.shape[1] * 4, len(matchers))
         for matcher in matchers:
             matcher._check()
         return words
@@ -109,14 +153,17 @@ def advance_together(matchers: list[Matcher], tokens: list[int]) -> None:
 
 
 class Grammars:
-    """The grammars of one tokenizer, compiled on demand and cached."""
+    """The grammars of one tokenizer, compiled on demand and cached. `compile` is slow for a
+    large grammar (seconds) and thread-safe: callers run it on a pool of their own, never on the
+    event loop or the generation thread."""
 
     def __init__(self, hf_tokenizer, vocab: int):
         self._hf_tokenizer = hf_tokenizer
         self.vocab = vocab  # the model's: masks cover every logit
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self.compile = functools.lru_cache(maxsize=GRAMMAR_CACHE)(self._compile)
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._cached_size = 0
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -125,6 +172,28 @@ class Grammars:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab)
             return self._tokenizer
+
+    def cached(self, kind: str, spec: str) -> Grammar | None:
+        """The grammar if it is compiled already (cheap: callers ask before queueing a compile)."""
+        with self._lock:
+            grammar = self._cache.get((kind, spec))
+            if grammar is not None:
+                self._cache.move_to_end((kind, spec))
+            return grammar
+
+    def compile(self, kind: str, spec: str) -> Grammar:
+        grammar = self.cached(kind, spec)
+        if grammar is not None:
+            return grammar
+        grammar = self._compile(kind, spec)
+        with self._lock:
+            if (kind, spec) not in self._cache:
+                self._cache[(kind, spec)] = grammar
+                self._cached_size += grammar.size
+            while len(self._cache) > GRAMMAR_CACHE or (self._cached_size > GRAMMAR_CACHE_TEXT and len(self._cache) > 1):
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_size -= evicted.size
+        return grammar
 
     def _compile(self, kind: str, spec: str) -> Grammar:
         try:
@@ -139,7 +208,28 @@ class Grammars:
                 raise GrammarError(f"unknown grammar kind {kind!r}")
         except (ValueError, TypeError) as exc:
             raise GrammarError(str(exc)) from None
-        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
-        if error:
-            raise GrammarError(error)
-        return Grammar(self.tokenizer, text, self.vocab)
+        prototype = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=LIMITS)
+        first_mask = self._probe(prototype)
+        return Grammar(prototype, first_mask, self.vocab, len(text))
+
+    def _probe(self, prototype: llguidance.LLMatcher) -> np.ndarray:
+        """The grammar's first mask, once it is known to allow some token and to survive taking
+        one (on a copy): most grammars that break do so there, and are refused at compile time."""
+        words = np.zeros((self.vocab + 31) // 32, dtype=np.int32)
+        prototype.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if prototype.is_error():
+            raise GrammarError(reason(prototype.get_error()))
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        eos = self.tokenizer.eos_token
+        first = next((int(t) for t in allowed if t != eos), None)
+        if first is None:
+            if prototype.is_accepting():
+                return words  # only the empty text matches: end-of-text at once
+            raise GrammarError("the grammar allows no text at all")
+        probe = prototype.deep_copy()
+        after = np.zeros_like(words)
+        if probe.consume_token(first):
+            probe.unsafe_compute_mask_ptr(after.ctypes.data, after.nbytes)
+        if probe.is_error():
+            raise GrammarError(reason(probe.get_error()))
+        return words

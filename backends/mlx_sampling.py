@@ -69,7 +69,7 @@ class SequenceSampler:
         # A constraint's matcher must see each chosen token before it can mask the next step:
         # the one exception to never reading a choice back (that sequence's step then waits
         # for its previous token, which mlx-lm's pipelining would otherwise overlap).
-        self.matcher = sampling.constraint.matcher() if sampling.constraint is not None else None
+        self.matcher = sampling.constraint
         self._unconsumed: mx.array | None = None
 
     def see_logits(self, tokens: mx.array, logits: mx.array) -> mx.array:

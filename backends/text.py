@@ -82,6 +82,9 @@ class TokenizerMethods:
     def constraint(self, kind: str, spec: str):
         return self.grammars.compile(kind, spec)
 
+    def cached_constraint(self, kind: str, spec: str):
+        return self.grammars.cached(kind, spec)
+
     @property
     def vocab_size(self) -> int:
         return self.text.vocab_size

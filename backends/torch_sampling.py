@@ -39,7 +39,7 @@ class TokenChooser:
             ids = [i for i in set(prompt_ids) if 0 <= i < decodable]
             if ids:
                 self.prompt_seen[torch.tensor(ids, device=device)] = True
-        self.matcher = sampling.constraint.matcher() if sampling.constraint is not None else None
+        self.matcher = sampling.constraint
         # Greedy under a constraint and nothing else: its token is the masked argmax
         # (the Phi fast path takes it on the device, for all such rows at once).
         self.constrained_greedy = self.matcher is not None and sampling.greedy and not sampling.processed_besides_constraint

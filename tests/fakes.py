@@ -38,6 +38,9 @@ class WrappedBackend:
     def constraint(self, kind, spec):
         return self.inner.constraint(kind, spec)
 
+    def cached_constraint(self, kind, spec):
+        return self.inner.cached_constraint(kind, spec)
+
     @property
     def vocab_size(self):
         return self.inner.vocab_size

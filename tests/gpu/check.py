@@ -164,7 +164,7 @@ def constrained_parity() -> dict:
     prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
 
     def decode(decoder):
-        sequences = [Sequence(i, backend.encode(p), Sampling(constraint=constraint if i % 2 == 0 else None), 64) for i, p in enumerate(prompts)]
+        sequences = [Sequence(i, backend.encode(p), Sampling(constraint=constraint.matcher() if i % 2 == 0 else None), 64) for i, p in enumerate(prompts)]
         ids = drive(decoder, sequences).ids
         return [ids[i] for i in range(len(prompts))]
 

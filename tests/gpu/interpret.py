@@ -98,8 +98,12 @@ def main() -> int:
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     constraint = backend.constraint("json_schema", json.dumps(schema))
-    samplings = [Sampling(temperature=0.9, seed=1, constraint=constraint), Sampling(temperature=1.0, top_k=20, seed=2),
-                 Sampling(constraint=constraint), Sampling(temperature=1.0, top_p=0.8, min_p=0.01, seed=5, constraint=constraint)]
+
+    def samplings_of() -> list[Sampling]:  # a sequence walks its grammar with a matcher of its own
+        return [Sampling(temperature=0.9, seed=1, constraint=constraint.matcher()), Sampling(temperature=1.0, top_k=20, seed=2),
+                Sampling(constraint=constraint.matcher()), Sampling(temperature=1.0, top_p=0.8, min_p=0.01, seed=5, constraint=constraint.matcher())]
+
+    samplings = samplings_of()
     draws = []
     original = torch_fast.sample_on_device
     torch_fast.sample_on_device = lambda *args: draws.append(len(args[0])) or original(*args)
@@ -107,7 +111,7 @@ def main() -> int:
     together = decode(decoder, backend, samplings, tokens=24)
     torch_fast.sample_on_device = original
     check("sampled rows drawn on the device", bool(draws), f"{len(draws)} draws")
-    alone = []
+    alone, samplings = [], samplings_of()
     for i in range(4):
         decoder.clear()
         alone.append(drive(decoder, [Sequence(i, backend.encode(PROMPTS[i]), samplings[i], 24)]).ids[i])
