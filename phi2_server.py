@@ -30,12 +30,14 @@ from http import HTTPStatus
 from datetime import datetime, timezone
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
+import aiohttp.web_server
 import prometheus_client
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
@@ -46,6 +48,7 @@ from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Sum
 from backends.text import TextOffsets, token_string
 
 log = logging.getLogger("phi2_server")
+T = TypeVar("T")
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -82,7 +85,12 @@ class Settings:
     prompt_cache: bool = setting(True, "reuse the KV of prompts (and replies) computed before, for requests that start alike (0: off)")
     prompt_cache_bytes: int = setting(0, "memory for reused prompt KV, in bytes (0: an eighth of RAM or GPU memory, at most 2 GiB, 8 GiB on a GPU)")
     max_tokens_limit: int = setting(0, "largest max_tokens a request may ask for (0: only the context window bounds it)")
+    max_request_tokens: int = setting(16384, "most tokens one request may ask for in all: its sequences (prompts x n or best_of) times max_tokens (0: no limit)")
     request_timeout: float = setting(600.0, "seconds a request may take, queue wait included (0: no limit)")
+    idle_timeout: float = setting(60.0, "seconds a connection may stay silent: before its request's headers are complete, and between requests (keep-alive)")
+    body_timeout: float = setting(30.0, "seconds a request's body may take to arrive once its headers have; longer gets 408 (0: no limit)")
+    write_timeout: float = setting(30.0, "seconds an answer may wait for its client to read; then the connection is closed and its generation ends (0: no limit)")
+    stream_buffer: int = setting(1024, "tokens a stream may have waiting for a client that does not read; then its generation ends")
     shutdown_grace: float = setting(10.0, "seconds in-flight generations get to finish on SIGTERM/SIGINT")
     drain_delay: float = setting(0.0, "seconds after SIGTERM/SIGINT during which /ready answers 503 and requests are still served, before the grace period (behind a load balancer: more than its health checks take to mark the server down)")
     log_prompts: bool = setting(True, "write the first 100 characters of each prompt to the request log (0: never)")
@@ -175,6 +183,7 @@ TOKENIZER_POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("tokenizer_pool")
 GRAMMAR_COMPILER: web.AppKey[BoundedPool] = web.AppKey("grammar_compiler")
 API_KEYS: web.AppKey[tuple[bytes, ...]] = web.AppKey("api_keys")
 RATE_LIMITER: web.AppKey[TokenBuckets | None] = web.AppKey("rate_limiter")
+AUTH_FAILURES: web.AppKey[TokenBuckets] = web.AppKey("auth_failures")  # wrong keys, by address
 CORS_ORIGINS: web.AppKey[frozenset[str]] = web.AppKey("cors_origins")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 OPENAPI: web.AppKey[dict] = web.AppKey("openapi")
@@ -182,6 +191,8 @@ LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
 RECEIVED_AT: web.RequestKey[float] = web.RequestKey("received_at")
+# Whose prompt cache entries a request shares: its API key's where there are several keys.
+CACHE_NAMESPACE: web.RequestKey[str] = web.RequestKey("cache_namespace")
 
 
 # -- request validation -----------------------------------------------------------------------
@@ -204,6 +215,11 @@ SAMPLING_PROPERTIES: dict[str, Any] = {
         "default": {},
         "description": "{token id: added to its logit}, -100 to 100",
     },
+}
+# vLLM's field: requests share cached prompts only with requests of the same salt (and key).
+CACHE_SALT = {
+    "type": ["string", "null"], "minLength": 1, "maxLength": 256, "default": None,
+    "description": "reuse cached prompts only of requests with this salt (and API key)",
 }
 GENERATE_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -238,6 +254,7 @@ GENERATE_SCHEMA: dict[str, Any] = {
             "description": "constrain the text to JSON valid against this JSON Schema ({} or {\"type\": \"object\"}: any JSON object)",
         },
         "regex": {"type": ["string", "null"], "minLength": 1, "maxLength": 4096, "default": None, "description": "constrain the text to match this regular expression"},
+        "cache_salt": CACHE_SALT,
         "adapter": {
             "type": ["string", "null"], "maxLength": 128, "default": None,
             "description": "a LoRA adapter: a folder name in ADAPTERS_DIR; \"\" for the base model; absent or null: the default (ADAPTER_PATH)",
@@ -316,6 +333,8 @@ def check(value: Any, schema: dict, field: str) -> Any:
             raise Invalid(field, f"{field} may hold at most {schema['maxItems']} items")
         if "items" not in schema:  # an enum's list, checked whole above
             return value
+        if _plain_ints(value, schema["items"]):  # token ids: 500,000 of them are checked at once
+            return value
         return [check(item, schema["items"], f"{field}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict) and "properties" in schema:
         def path(name: str) -> str:
@@ -343,6 +362,16 @@ def check(value: Any, schema: dict, field: str) -> Any:
     return value
 
 
+def _plain_ints(value: list, items: dict) -> bool:
+    """Whether every item is an int (not a bool) that `items` (an integer schema with bounds at
+    most) accepts as it is: then nothing needs checking one by one."""
+    if set(items) - {"type", "minimum", "maximum", "description"} or items.get("type") != "integer" or not value:
+        return False
+    if not all(type(item) is int for item in value):
+        return False
+    return min(value) >= items.get("minimum", -math.inf) and max(value) <= items.get("maximum", math.inf)
+
+
 def with_defaults(body: dict, schema: dict) -> dict:
     return {name: body.get(name, prop.get("default")) for name, prop in schema["properties"].items()}
 
@@ -351,13 +380,62 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: web.Request) -> Any:
-    """The request body as JSON; any content type is accepted (curl -d sends a form type)."""
-    raw = await request.read()  # raises 413 past MAX_BODY_BYTES
+MAX_JSON_DEPTH = 256  # nesting levels of a request body (a JSON Schema 200 levels deep still fits)
+OFF_LOOP_BYTES = 64 * 1024  # a body larger than this is parsed and validated on a pool, off the loop
+
+
+async def read_body(request: web.Request, validate: Callable[[Any], T]) -> T:
+    """The request body as JSON, checked by `validate` (which raises ApiError): any content type
+    is accepted (curl -d sends a form type). A large body is parsed and validated on a pool:
+    500,000 token ids take the loop a second or more otherwise."""
+    raw = await read_raw(request)
+
+    def work() -> T:
+        return validate(json_of(raw))
+
+    if len(raw) <= OFF_LOOP_BYTES:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], work)
+
+
+async def read_raw(request: web.Request) -> bytes:
+    """The body's bytes, within BODY_TIMEOUT: a client that stops sending mid-body is answered
+    408 and its connection closed, not waited for."""
+    timeout = request.app[SETTINGS].body_timeout
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        async with asyncio.timeout(timeout or None):
+            return await request.read()  # raises 413 past MAX_BODY_BYTES
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within BODY_TIMEOUT ({timeout:g} s)", close=True) from None
+    except RequestPayloadError as exc:  # a Content-Encoding the body does not follow, a broken chunk
+        raise ApiError(400, f"the request body cannot be read: {str(exc).splitlines()[-1].strip()}", close=True) from None
+
+
+def json_of(raw: bytes) -> Any:
+    deep = ApiError(400, f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of objects and arrays")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # deeper than the parser goes: past MAX_JSON_DEPTH anyway
+        raise deep from None
+    if too_deep(body):
+        raise deep
+    return body
+
+
+def too_deep(value: Any) -> bool:
+    """Whether objects and arrays nest past MAX_JSON_DEPTH (iteratively: the check must not
+    recurse itself)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (dict, list)):
+                if depth >= MAX_JSON_DEPTH:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def without_nulls(value: Any) -> Any:
@@ -387,18 +465,19 @@ class ApiError(Exception):
 
     def __init__(
         self, status: int, message: str, field: str | None = None, code: str | None = None,
-        retry_after: int | None = None, headers: dict | None = None,
+        retry_after: int | None = None, headers: dict | None = None, close: bool = False,
     ):
         super().__init__(message)
         self.status, self.message, self.field, self.code = status, message, field, code
+        self.close = close  # the connection cannot go on (a body left unread): closed after the answer
         self.headers = {**({"Retry-After": str(retry_after)} if retry_after else {}), **(headers or {})}
 
 
 NATIVE_ERROR_TYPES = {
-    400: "invalid_json", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
+    400: "invalid_json", 401: "unauthorized", 408: "request_timeout", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
     422: "invalid_request", 429: "rate_limited", 503: "unavailable", 504: "timeout",
 }
-OPENAI_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
+OPENAI_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
 
 
 def is_openai(request: web.Request) -> bool:
@@ -420,7 +499,10 @@ def error_payload(request: web.Request, error: ApiError) -> tuple[int, dict]:
 
 def error_response(request: web.Request, error: ApiError, headers: dict | None = None) -> web.Response:
     status, body = error_payload(request, error)
-    return web.json_response(body, status=status, headers={**error.headers, **(headers or {})})
+    response = web.json_response(body, status=status, headers={**error.headers, **(headers or {})})
+    if error.close:
+        response.force_close()
+    return response
 
 
 @web.middleware
@@ -440,11 +522,17 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        log.exception("unhandled error in %s %r", request.method, request.path)
         return error_response(request, ApiError(500, "internal server error"))
 
 
 # -- request log ------------------------------------------------------------------------------
+
+
+# Characters JSON leaves as they are that a terminal or a line-based reader would act on: DEL and
+# the C1 controls (U+0085 is a line break, U+009B and U+009D start escape sequences), the line
+# and paragraph separators, and the bidirectional overrides. Written as \uXXXX: the same JSON.
+LOG_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
 
 
 class RequestLog:
@@ -458,7 +546,7 @@ class RequestLog:
         )
 
     def write(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False, default=str)
+        line = LOG_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(record, ensure_ascii=False, default=str))
         self._handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
 
     def close(self) -> None:
@@ -478,6 +566,13 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
     try:
         response = await handler(request)
         status = response.status
+        if not response.prepared:  # a whole answer: sent here, so that its client has WRITE_TIMEOUT to read it
+            try:
+                async with write_deadline(request):
+                    await response.prepare(request)
+                    await response.write_eof()
+            except TimeoutError:
+                stalled(request)
         return response
     except web.HTTPException as exc:
         status = exc.status
@@ -511,8 +606,17 @@ OPEN_PATHS = {"/health", "/ready", "/openapi.json"}  # probes and the API descri
 def load_api_keys(settings: Settings) -> tuple[bytes, ...]:
     keys = settings.api_key.split(",")
     if settings.api_key_file:
-        keys += [line for line in Path(settings.api_key_file).expanduser().read_text().splitlines() if not line.startswith("#")]
+        keys += [key_of_line(line) for line in Path(settings.api_key_file).expanduser().read_text().splitlines()]
     return tuple(key.strip().encode() for key in keys if key.strip())
+
+
+def key_of_line(line: str) -> str:
+    """A PHI2_API_KEY_FILE line's key: a `#` at the start of the line or after a space begins a
+    comment (`# note`, `key  # note`); what is left must be one word."""
+    key = re.split(r"(?:^|\s)#", line, maxsplit=1)[0].strip()
+    if len(key.split()) > 1:
+        raise ValueError(f"PHI2_API_KEY_FILE holds a line that is not one key (keys have no spaces): {len(key)} characters")
+    return key
 
 
 def key_matches(given: bytes, keys: tuple[bytes, ...]) -> bool:
@@ -524,7 +628,8 @@ def key_matches(given: bytes, keys: tuple[bytes, ...]) -> bool:
 
 
 class TokenBuckets:
-    """RATE_LIMIT requests a minute for each client: a bucket that holds a minute's worth."""
+    """RATE_LIMIT requests a minute for each client (or AUTH_FAILURES_PER_MINUTE wrong keys an
+    address): a bucket that holds a minute's worth."""
 
     def __init__(self, per_minute: int):
         self.capacity, self.rate = float(per_minute), per_minute / 60.0
@@ -542,25 +647,49 @@ class TokenBuckets:
         self.buckets[client] = (tokens, now)
         return (1 - tokens) / self.rate
 
+    def waiting(self, client: str, now: float) -> float:
+        """0 when `take` would let the client go now, else the seconds it must wait; takes nothing."""
+        tokens, when = self.buckets.get(client, (self.capacity, now))
+        tokens = min(self.capacity, tokens + (now - when) * self.rate)
+        return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+
+
+AUTH_FAILURES_PER_MINUTE = 30  # wrong keys an address may send; then it waits (429), right key or not
+
 
 @web.middleware
 async def access(request: web.Request, handler) -> web.StreamResponse:
-    """API keys (Authorization: Bearer) and rate limits, for everything but the open paths."""
-    if request.path in OPEN_PATHS or request.method == "OPTIONS":
+    """API keys (Authorization: Bearer) and rate limits, for everything but the open paths and
+    the CORS preflights this server answers (a browser sends those without credentials)."""
+    if request.path in OPEN_PATHS or is_preflight(request):
         return await handler(request)
     client = f"address:{request.remote}"
     keys = request.app[API_KEYS]
     if keys:
+        failures = request.app[AUTH_FAILURES]
+        wait = failures.waiting(client, time.monotonic())
+        if wait:
+            raise ApiError(429, f"too many wrong API keys from this address; retry in {math.ceil(wait)} s", code="rate_limit_exceeded", retry_after=math.ceil(wait))
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key_matches(given.strip().encode(), keys):
+        # A header's bytes that are not UTF-8 come as surrogates: compared as the same bytes.
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not key_matches(given_bytes, keys):
+            failures.take(client, time.monotonic())
             raise ApiError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        client = "key:" + hashlib.sha256(given.strip().encode()).hexdigest()[:16]  # never the key itself
+        client = "key:" + hashlib.sha256(given_bytes).hexdigest()[:16]  # never the key itself
+        if len(keys) > 1:  # clients of different keys share no cached prompt (one key: one client)
+            request[CACHE_NAMESPACE] = client
     limiter = request.app[RATE_LIMITER]
     if limiter is not None and request.path != "/metrics":  # scrapers are not clients
         wait = limiter.take(client, time.monotonic())
         if wait:
             raise ApiError(429, f"rate limit of {request.app[SETTINGS].rate_limit} requests a minute reached", code="rate_limit_exceeded", retry_after=math.ceil(wait))
     return await handler(request)
+
+
+def is_preflight(request: web.Request) -> bool:
+    """A CORS preflight from an allowed origin (answered by `cors_preflight`, without a key)."""
+    return request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers and cors_origin(request) is not None
 
 
 def cors_origin(request: web.Request) -> str | None:
@@ -572,7 +701,7 @@ def cors_origin(request: web.Request) -> str | None:
 
 @web.middleware
 async def cors_preflight(request: web.Request, handler) -> web.StreamResponse:
-    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers and cors_origin(request):
+    if is_preflight(request):
         return web.Response(
             status=204,
             headers={
@@ -776,7 +905,9 @@ async def native_constraint(request: web.Request, params: dict) -> tuple[Grammar
 
 async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation) -> list[int]:
     if isinstance(gen.prompt, list):
-        if not all(0 <= token < backend.vocab_size for token in gen.prompt):
+        if len(gen.prompt) > backend.info.context_length:
+            return gen.prompt  # refused as too long, without a look at every id
+        if min(gen.prompt) < 0 or max(gen.prompt) >= backend.vocab_size:
             raise ApiError(422, f"{gen.prompt_field} holds a token id outside the vocabulary (0 to {backend.vocab_size - 1})", field=gen.prompt_field)
         return gen.prompt
     # Tokenizing a long prompt takes milliseconds: off the loop, on the app's own small pool.
@@ -827,10 +958,14 @@ async def adapter_for(request: web.Request, name: str | None) -> Adapter | None:
         raise ApiError(422, str(exc), field=field, code="invalid_adapter") from None
 
 
-async def submit(request: web.Request, gens: list[Generation], adapter: str | None = None) -> list[Ticket]:
+async def submit(request: web.Request, gens: list[Generation], adapter: str | None = None, cache_salt: str | None = None) -> list[Ticket]:
     """Tokenize (off the loop), check the limits, and queue the requests for the worker, all or
-    none: the choices of one HTTP request, with the adapter it chose (see `adapter_for`)."""
+    none: the choices of one HTTP request, with the adapter it chose (see `adapter_for`), in
+    its prompt cache namespace (its key's where there are several keys, and its salt's)."""
     received_at = request[RECEIVED_AT]
+    namespace = request.get(CACHE_NAMESPACE, "")
+    if cache_salt is not None:
+        namespace += "#" + hashlib.sha256(cache_salt.encode()).hexdigest()[:16]
     settings = request.app[SETTINGS]
     if settings.log_prompts and isinstance(gens[0].prompt, str):
         request[LOG_FACTS]["prompt"] = gens[0].prompt[:100]
@@ -871,7 +1006,14 @@ async def submit(request: web.Request, gens: list[Generation], adapter: str | No
                 logprobs=gen.logprobs,
                 prompt_logprobs=gen.prompt_logprobs,
                 adapter=loaded,
+                cache_namespace=namespace,
             )
+        )
+    asked = sum(job.max_tokens for job in jobs)
+    if settings.max_request_tokens and asked > settings.max_request_tokens:
+        raise ApiError(
+            422, f"this request asks for {asked} tokens in all ({len(jobs)} sequences up to max_tokens each); "
+            f"this server allows at most {settings.max_request_tokens} a request (MAX_REQUEST_TOKENS)", field="max_tokens",
         )
     if any(gen.grammar is not None for gen in gens):
         # Each constrained sequence walks a copy of its grammar of its own, made here: a large
@@ -921,6 +1063,15 @@ def raise_unfinished(request: web.Request, summary: Summary) -> None:
         raise ApiError(504, f"generation did not finish within REQUEST_TIMEOUT ({summary.total_ms / 1000:.1f} s)")
     if reason == "shutdown" and summary.tokens_used == 0:
         raise ApiError(503, "the server is shutting down", retry_after=5)
+
+
+async def json_answer(request: web.Request, build: Callable[[], dict], heavy: bool) -> web.Response:
+    """A whole answer. One with logprobs (megabytes with n 16 and top_logprobs 20) is built and
+    encoded on a pool: the loop would stop for a second or more otherwise."""
+    if not heavy:
+        return web.json_response(build())
+    text = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], lambda: json.dumps(build()))
+    return web.Response(text=text, content_type="application/json")
 
 
 @dataclass
@@ -979,27 +1130,49 @@ async def stream(
             done = len(summaries) == len(tickets)
             if done:
                 chunks.append(last([summaries[i] for i in range(len(tickets))]))
-            if not response.prepared:
-                # Headers go out with the first text, so a queued request has not answered yet
-                # and a client sees one consistent first byte.
-                await response.prepare(request)
-                facts["ttfb_ms"] = round((time.perf_counter() - started) * 1000, 2)
-            data = "".join(chunks)
-            if data:
-                await response.write(data.encode())
-            if done:
-                note_summary(request, combined([summaries[i] for i in range(len(tickets))]))
-                await response.write_eof()
-                return response
+            async with write_deadline(request):
+                if not response.prepared:
+                    # Headers go out with the first text, so a queued request has not answered yet
+                    # and a client sees one consistent first byte.
+                    await response.prepare(request)
+                    facts["ttfb_ms"] = round((time.perf_counter() - started) * 1000, 2)
+                data = "".join(chunks)
+                if data:
+                    await response.write(data.encode())
+                if done:
+                    note_summary(request, combined([summaries[i] for i in range(len(tickets))]))
+                    await response.write_eof()
+                    return response
     except ConnectionResetError:
         facts["client_closed"] = True
+        return response
+    except TimeoutError:
+        stalled(request)
         return response
     finally:
         for ticket in tickets:
             ticket.cancel()
 
 
+def write_deadline(request: web.Request):
+    """WRITE_TIMEOUT around a write: a client that stops reading blocks it once the socket's
+    buffers are full (and the worker ends its generation once STREAM_BUFFER tokens wait)."""
+    return asyncio.timeout(request.app[SETTINGS].write_timeout or None)
+
+
+def stalled(request: web.Request) -> None:
+    """The client stopped reading for WRITE_TIMEOUT: drop the connection (what is buffered for it
+    is discarded) and log it as a client that left."""
+    request[LOG_FACTS].update(client_closed=True, error=f"the client stopped reading for WRITE_TIMEOUT ({request.app[SETTINGS].write_timeout:g} s)")
+    if request.transport is not None:
+        request.transport.abort()
+
+
 # -- native API ---------------------------------------------------------------------------------
+
+
+def native_params(body: Any) -> tuple[Any, dict]:
+    return body, parse(body, GENERATE_SCHEMA)
 
 
 def native_generation(params: dict, body: dict, grammar: tuple[Grammar | None, str | None]) -> Generation:
@@ -1043,24 +1216,26 @@ def native_logprobs(backend: Backend, scores: list[StepLogprobs]) -> list[dict]:
 
 
 async def generate(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    params = parse(body, GENERATE_SCHEMA)
-    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))], params["adapter"])
+    body, params = await read_body(request, native_params)
+    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))], params["adapter"], params["cache_salt"])
     (answer,) = await collect(request, tickets)
     backend = request.app[ENGINE].backend
-    out = {"text": "".join(answer.text), **summary_fields(request, answer.summary, backend)}
-    if params["logprobs"] is not None:
-        out["logprobs"] = native_logprobs(backend, answer.logprobs)
-    return web.json_response(out)
+
+    def build() -> dict:
+        out = {"text": "".join(answer.text), **summary_fields(request, answer.summary, backend)}
+        if params["logprobs"] is not None:
+            out["logprobs"] = native_logprobs(backend, answer.logprobs)
+        return out
+
+    return await json_answer(request, build, heavy=params["logprobs"] is not None)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     """NDJSON: `{"token": ...}` lines as text is decoded, then one `{"done": true, ...}` line.
     With logprobs, each line carries those of the tokens whose text it brings (a token that
     brings no text of its own, such as end-of-text, comes in a line of its own before the end)."""
-    body = await read_json(request)
-    params = parse(body, GENERATE_SCHEMA)
-    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))], params["adapter"])
+    body, params = await read_body(request, native_params)
+    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))], params["adapter"], params["cache_salt"])
     backend = request.app[ENGINE].backend
     pending: list[StepLogprobs] = []
 
@@ -1122,6 +1297,7 @@ OPENAI_COMMON = {
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "default": 1},
     **SAMPLING_PROPERTIES,
     "ignore_eos": GENERATE_SCHEMA["properties"]["ignore_eos"],  # vLLM's: benchmark clients send it
+    "cache_salt": CACHE_SALT,
     "user": _ignored("string"),
     "store": _ignored("boolean"),
     "metadata": _ignored("object"),
@@ -1405,7 +1581,7 @@ def adapter_card(engine: Engine, base: str, facts: AdapterFacts) -> dict:
 
 
 async def v1_completions(request: web.Request) -> web.StreamResponse:
-    params = openai_params(await read_json(request), COMPLETIONS_SCHEMA)
+    params = await read_body(request, lambda body: openai_params(body, COMPLETIONS_SCHEMA))
     name, adapter = model_named(request, params["model"])
     prompt = params["prompt"]
     # One prompt or several; a prompt is text or token ids.
@@ -1422,7 +1598,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     options = dict(stop=stop_tuple(params["stop"]), logprobs=scored, prompt_logprobs=k if echo else None, **await response_constraint(request, params))
     gens = [g for p in prompts for g in openai_generations(params, p, best_of, params["max_tokens"], 16, **options)]
     check_sequences(request, gens)
-    tickets = await submit(request, gens, adapter)
+    tickets = await submit(request, gens, adapter, params["cache_salt"])
     backend = request.app[ENGINE].backend
     # The prompts as text, where the answer shows them (echo) or counts offsets from them (logprobs).
     texts = [p if isinstance(p, str) else backend.decode(p) for p in prompts] if echo or k is not None else []
@@ -1430,22 +1606,25 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     if not params["stream"]:
         answers = await collect(request, tickets)
         pairs = list(zip(tickets, answers))
-        choices = []
-        for p in range(len(prompts)):
-            group = pairs[p * best_of : (p + 1) * best_of]
-            if best_of > n:
-                group = sorted(group, key=lambda pair: mean_logprob(pair[1]), reverse=True)[:n]
-            for j, (ticket, answer) in enumerate(group):
-                text = "".join(answer.text)
-                logprobs = None
-                if k is not None:
-                    entries = CompletionLogprobs.token_entries(answer.logprobs)
-                    if echo:
-                        entries = CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, answer.logprobs) + entries
-                    logprobs = CompletionLogprobs(backend, k, 0 if echo else len(texts[p])).shape(entries)
-                choices.append({"index": p * n + j, "text": texts[p] + text if echo else text, "logprobs": logprobs, "finish_reason": answer.summary.finish_reason})
-        body = {**response_head(name, "text_completion"), "choices": choices, "usage": usage([a.summary for a in answers], len(prompts))}
-        return web.json_response(body)
+
+        def build() -> dict:
+            choices = []
+            for p in range(len(prompts)):
+                group = pairs[p * best_of : (p + 1) * best_of]
+                if best_of > n:
+                    group = sorted(group, key=lambda pair: mean_logprob(pair[1]), reverse=True)[:n]
+                for j, (ticket, answer) in enumerate(group):
+                    text = "".join(answer.text)
+                    logprobs = None
+                    if k is not None:
+                        entries = CompletionLogprobs.token_entries(answer.logprobs)
+                        if echo:
+                            entries = CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, answer.logprobs) + entries
+                        logprobs = CompletionLogprobs(backend, k, 0 if echo else len(texts[p])).shape(entries)
+                    choices.append({"index": p * n + j, "text": texts[p] + text if echo else text, "logprobs": logprobs, "finish_reason": answer.summary.finish_reason})
+            return {**response_head(name, "text_completion"), "choices": choices, "usage": usage([a.summary for a in answers], len(prompts))}
+
+        return await json_answer(request, build, heavy=scored is not None)
 
     head = response_head(name, "text_completion")
     include_usage = bool(params["stream_options"].get("include_usage"))
@@ -1510,7 +1689,7 @@ def chat_messages(params: dict) -> list[dict]:
 
 
 async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
-    params = openai_params(await read_json(request), CHAT_SCHEMA)
+    params = await read_body(request, lambda body: openai_params(body, CHAT_SCHEMA))
     name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
     prompt = backend.chat_prompt(chat_messages(params))
@@ -1520,21 +1699,24 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     options = dict(stop=stop_tuple(params["stop"]) + prompt.stop, logprobs=k, prompt_field="messages", **await response_constraint(request, params))
     gens = openai_generations(params, prompt.text, n, max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
     check_sequences(request, gens)
-    tickets = await submit(request, gens, adapter)
+    tickets = await submit(request, gens, adapter, params["cache_salt"])
 
     if not params["stream"]:
         answers = await collect(request, tickets)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": LeadingSpace().strip("".join(answer.text)), "refusal": None},
-                "logprobs": chat_logprobs(backend, answer.logprobs, k) if k is not None else None,
-                "finish_reason": answer.summary.finish_reason,
-            }
-            for i, answer in enumerate(answers)
-        ]
-        body = {**response_head(name, "chat.completion"), "choices": choices, "usage": usage([a.summary for a in answers], 1)}
-        return web.json_response(body)
+
+        def build() -> dict:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": LeadingSpace().strip("".join(answer.text)), "refusal": None},
+                    "logprobs": chat_logprobs(backend, answer.logprobs, k) if k is not None else None,
+                    "finish_reason": answer.summary.finish_reason,
+                }
+                for i, answer in enumerate(answers)
+            ]
+            return {**response_head(name, "chat.completion"), "choices": choices, "usage": usage([a.summary for a in answers], 1)}
+
+        return await json_answer(request, build, heavy=k is not None)
 
     head = response_head(name, "chat.completion.chunk")
     include_usage = bool(params["stream_options"].get("include_usage"))
@@ -1923,6 +2105,7 @@ async def start_worker(app: web.Application) -> None:
         max_queue=settings.max_queue,
         max_batch=settings.max_batch,
         prompt_cache_bytes=settings.prompt_cache_budget(),
+        stream_buffer=settings.stream_buffer,
         on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
     )
     app[ENGINE] = engine
@@ -1954,6 +2137,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app[SETTINGS] = settings
     app[API_KEYS] = load_api_keys(settings)
     app[RATE_LIMITER] = TokenBuckets(settings.rate_limit) if settings.rate_limit > 0 else None
+    app[AUTH_FAILURES] = TokenBuckets(AUTH_FAILURES_PER_MINUTE)
     app[CORS_ORIGINS] = frozenset(o.strip() for o in settings.cors_origins.split(",") if o.strip())
     app[METRICS] = Metrics(app)
     app[OPENAPI] = openapi_document()
@@ -2012,17 +2196,43 @@ class ProtocolErrorLog(AbstractAccessLogger):
         })
 
 
+def parse_error_reason(error: HttpProcessingError) -> str:
+    """What is wrong with a request aiohttp cannot parse, without the bytes it quotes (the line
+    of a malformed header, an Authorization header's key included)."""
+    text = (error.message or str(error)).strip()
+    return text.splitlines()[0].rstrip(":") if text else "malformed request"
+
+
 class ClientErrorsQuietly(logging.Filter):
     """aiohttp logs a request it cannot parse as an ERROR with a traceback; that is the client's
-    mistake, not the server's: one warning line instead."""
+    mistake, not the server's: one warning line instead, naming the problem but not the bytes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, HttpProcessingError):
-            record.msg = f"{record.msg}: {error.message or error}"
+            record.msg, record.args = f"{record.msg}: %s", (*(record.args or ()), parse_error_reason(error))
             record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info = record.exc_text = None
         return True
+
+
+class QuietRequestHandler(RequestHandler):
+    """aiohttp's connection handler, except for its answer to a request it cannot parse: a JSON
+    error naming the problem, where aiohttp's plain text quotes the offending line (a malformed
+    Authorization header's key with it). aiohttp has no option for this; `web_server` makes its
+    handlers from this module-level name, so it is replaced there, once, for every server of
+    this process (the tests' included)."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError):
+            message = json.dumps({"error": {"message": f"not a valid HTTP request: {parse_error_reason(exc)}", "type": NATIVE_ERROR_TYPES.get(status, "client_error")}})
+            response = super().handle_error(request, status, exc, message)
+            response.content_type = "application/json"
+            return response
+        return super().handle_error(request, status, exc, message)
+
+
+aiohttp.web_server.RequestHandler = QuietRequestHandler
 
 
 HTTP_LOG = logging.getLogger("phi2_server.http")
@@ -2035,6 +2245,7 @@ def runner_options(app: web.Application) -> dict[str, Any]:
     access_log_class = type("AppProtocolErrorLog", (ProtocolErrorLog,), {"app": app})
     return {
         "handler_cancellation": True,
+        "keepalive_timeout": app[SETTINGS].idle_timeout,  # also bounds a connection that never completes its headers
         "access_log_class": access_log_class,
         "access_log": HTTP_LOG,
         "logger": HTTP_LOG,
@@ -2116,6 +2327,9 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(settings)
     except OSError as exc:  # PHI2_API_KEY_FILE unreadable
         print(f"error: PHI2_API_KEY_FILE={settings.api_key_file!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # PHI2_API_KEY_FILE malformed (the message shows no key)
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     return run(app)
 

@@ -109,6 +109,17 @@ class Sequence:
     # The LoRA adapter this sequence decodes with (None: the base model), applied unmerged on its
     # rows of the batch; its prompt cache entries are its own.
     adapter: "Adapter | None" = None
+    # Whose prompt cache entries it may reuse and add to: sequences of different namespaces (API
+    # keys, cache salts) share none, so one client cannot learn another's prompts from cache hits.
+    cache_namespace: str = ""
+
+
+def prompt_cache_namespace(sequence: Sequence) -> str:
+    """The part of a prompt cache a sequence's KV belongs to: its client's namespace, and in it
+    its adapter's (KV computed with one adapter is of no use to another, or to the base model;
+    adapter keys hold an '@', so no adapter is called "base")."""
+    adapter = sequence.adapter.key if sequence.adapter is not None else "base"
+    return f"{sequence.cache_namespace}/{adapter}"
 
 
 @dataclass(frozen=True)

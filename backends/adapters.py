@@ -276,7 +276,7 @@ class AdapterRegistry:
         if not path.exists():
             raise UnknownAdapter(f"no adapter {name!r} in ADAPTERS_DIR ({self.directory})")
         if not _inside(path, root):
-            raise InvalidAdapterName(f"adapter {name!r} leads out of ADAPTERS_DIR ({self.directory}): refused")
+            raise InvalidAdapterName(f"adapter {name!r}, or a file in it, leads out of ADAPTERS_DIR ({self.directory}): refused")
         if not path.is_dir():
             raise BrokenAdapter(f"adapter {name!r} ({path}) is not a folder")
         return path
@@ -339,9 +339,12 @@ class AdapterRegistry:
 
 
 def _inside(path: Path, root: Path) -> bool:
-    """Whether `path`, links followed, lies inside `root` (a link out of the directory does not)."""
+    """Whether `path`, links followed, lies inside `root` (a link out of the directory does not),
+    and so do its config and weights files (a file linked from elsewhere would be read, and its
+    values shown in errors)."""
     try:
-        return path.resolve().parent == root
+        folder = path.resolve()
+        return folder.parent == root and all(root in (folder / name).resolve().parents for name in (CONFIG_FILE, WEIGHTS_FILE))
     except (OSError, RuntimeError):
         return False
 

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -70,6 +70,7 @@ class Request:
     logprobs: int | None = None  # each token's logprob and this many alternatives, as StepLogprobs events
     prompt_logprobs: int | None = None  # the same for the prompt, with the first token's event
     adapter: "Adapter | None" = None  # the LoRA adapter to decode with, loaded (None: the base model)
+    cache_namespace: str = ""  # whose prompt cache entries it shares (Sequence.cache_namespace)
 
 
 Event = "str | StepLogprobs | Summary"  # text, a token's logprobs (before its text), the end
@@ -85,15 +86,15 @@ class Ticket:
         self.request = request
         self.index = index
         self._sent_text = False
+        # Events the worker queued for the handler, and those the handler took: the difference is
+        # what waits for a client that does not read (each counter has one writer, one thread).
+        self._queued = 0
+        self._taken = 0
         self.cancelled = False
         self.summary: Summary | None = None
         self._engine = engine
         self._loop = loop
         self._events: asyncio.Queue[tuple[int, Event]] = inbox if inbox is not None else asyncio.Queue()
-
-    async def next_events(self) -> list[Event]:
-        """Wait for at least one event; return all that are ready (text pieces, then a Summary)."""
-        return [event for _, event in await _next_events(self._events)]
 
     def cancel(self) -> None:
         """The client is gone: leave the queue, or stop generating at the next step."""
@@ -107,13 +108,12 @@ class Ticket:
 async def next_events(tickets: list[Ticket]) -> list[tuple[int, Event]]:
     """For tickets submitted together: wait for at least one (ticket index, event) pair; return
     all that are ready, in order."""
-    return await _next_events(tickets[0]._events)
-
-
-async def _next_events(inbox: asyncio.Queue) -> list[tuple[int, Event]]:
+    inbox = tickets[0]._events
     events = [await inbox.get()]
     while not inbox.empty():
         events.append(inbox.get_nowait())
+    for index, _ in events:
+        tickets[index]._taken += 1
     return events
 
 
@@ -181,9 +181,13 @@ class Engine:
         max_queue: int = 64,
         max_batch: int = 0,
         prompt_cache_bytes: int | None = None,
+        stream_buffer: int = 1024,
         on_load_done: Callable[[], None] | None = None,
     ):
         self.max_queue = max_queue
+        # Events a ticket may have waiting for its handler (a stream whose client stopped reading
+        # blocks its handler in a write): past it, the worker stops generating that sequence.
+        self.stream_buffer = stream_buffer
         self.max_batch = max_batch
         self.prompt_cache_bytes = prompt_cache_bytes  # None: the device's default; 0: off
         self.status = "loading"  # loading | ok | error
@@ -286,6 +290,7 @@ class Engine:
         """Queue an event for its handler. The worker hands events over in batches: one wake-up
         of the event loop per flush, not one per token and stream."""
         if threading.current_thread() is self._thread:
+            ticket._queued += 1
             self._outbox.setdefault(ticket._loop, []).append((ticket, event))
             if isinstance(event, StepLogprobs):
                 return  # its text follows, and sets the pace
@@ -388,10 +393,17 @@ class Engine:
         return backend.decoder(self.max_batch, prompt_cache_bytes=self.prompt_cache_bytes)
 
     def _admit(self, capacity: int, adapter_slots: int) -> tuple[list[Ticket], str | None] | None:
-        """Wait for work; fill free decoder slots from the queue, in arrival order.
+        """Wait for work; fill free decoder slots from the queue, fairly between requests.
+
+        A request's sequences (its choices, its prompts) take turns with other requests': free
+        slots go round the waiting requests in arrival order, one sequence each a round, and one
+        request holds at most `request_share(capacity)` slots, so one asking for 64 sequences
+        leaves room for a request that comes after it. A request alone still fills the batch but
+        for that reserve.
 
         At most `adapter_slots` distinct adapters decode at once: a request for one more waits
-        (and the requests behind it, to keep the order) until a running adapter's last sequence ends.
+        (and the requests behind it, so that it is not passed forever) until a running adapter's
+        last sequence ends.
 
         Returns the admitted tickets and a pending abort reason, or None to end the worker.
         """
@@ -407,18 +419,40 @@ class Engine:
                     self._finish_unstarted(ticket, reason)
             if self._stopped and not self._running:
                 return None
-            admitted = []
+            free = capacity - len(self._running)
+            if free <= 0 or not self._waiting:
+                return [], abort_reason
+            share = request_share(capacity)
+            held = Counter(r.ticket._events for r in self._running.values())  # slots each request holds (by its shared inbox)
+            queues: dict[asyncio.Queue, deque[Ticket]] = {}  # each waiting request's tickets, requests in arrival order
+            for ticket in self._waiting:
+                queues.setdefault(ticket._events, deque()).append(ticket)
             adapters = None  # the distinct adapters decoding, counted only when a waiting request has one
-            while self._waiting and len(self._running) + len(admitted) < capacity:
-                adapter = self._waiting[0].request.adapter
-                if adapter is not None:
-                    if adapters is None:
-                        adapters = {r.ticket.request.adapter.key for r in self._running.values() if r.ticket.request.adapter is not None}
-                    if adapter.key not in adapters:
-                        if len(adapters) >= adapter_slots:
-                            break
-                        adapters.add(adapter.key)
-                admitted.append(self._waiting.popleft())
+            admitted: list[Ticket] = []
+            while free:
+                took = False
+                for inbox, queue in queues.items():
+                    if not free:
+                        break
+                    if not queue or held[inbox] >= share:
+                        continue
+                    adapter = queue[0].request.adapter
+                    if adapter is not None:
+                        if adapters is None:
+                            adapters = {r.ticket.request.adapter.key for r in self._running.values() if r.ticket.request.adapter is not None}
+                        if adapter.key not in adapters:
+                            if len(adapters) >= adapter_slots:
+                                free = 0  # it waits for an adapter slot, and so does everything behind it
+                                break
+                            adapters.add(adapter.key)
+                    ticket = queue.popleft()
+                    self._waiting.remove(ticket)
+                    admitted.append(ticket)
+                    held[inbox] += 1
+                    free -= 1
+                    took = True
+                if not took:
+                    break
             return admitted, abort_reason
 
     def _start(self, decoder: Decoder, backend: Backend, ticket: Ticket) -> None:
@@ -428,7 +462,8 @@ class Engine:
             logprobs = request.logprobs if request.prompt_logprobs is None else max(request.logprobs or 0, request.prompt_logprobs)
             # A prompt scored alone (max_tokens 0) still computes its first token: its logits end the prefill.
             sequence = Sequence(
-                seq_id, request.prompt_ids, request.sampling, max(request.max_tokens, 1), logprobs, request.prompt_logprobs, request.adapter
+                seq_id, request.prompt_ids, request.sampling, max(request.max_tokens, 1), logprobs, request.prompt_logprobs, request.adapter,
+                request.cache_namespace,
             )
             cached = decoder.add(sequence)
         except Exception as exc:
@@ -484,6 +519,10 @@ class Engine:
             self._finish(seq_id, "stop", decoder, flush=False)
         elif running.count >= running.ticket.request.max_tokens:
             self._finish(seq_id, "length", decoder)
+        elif running.ticket._queued - running.ticket._taken > self.stream_buffer:
+            # Its client is not reading: generating more would only queue it here, unbounded.
+            waiting = running.ticket._queued - running.ticket._taken
+            self._finish(seq_id, "cancelled", decoder, f"the client stopped reading: {waiting} events were waiting for it (STREAM_BUFFER)")
 
     def _finish(
         self,
@@ -548,6 +587,13 @@ class Engine:
     def _expired(ticket: Ticket, now: float) -> bool:
         timeout = ticket.request.timeout_s
         return timeout is not None and now - ticket.request.received_at > timeout
+
+
+def request_share(capacity: int) -> int:
+    """The most decoder slots one request's sequences hold at once: all but an eighth, which
+    stays for the requests behind it (batches of fewer than 8 slots keep none: turns alone
+    share them)."""
+    return capacity - capacity // 8
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, batch: list) -> None:

@@ -31,7 +31,6 @@ import mlx.nn as nn
 from backends.adapters import Adapter, SlotTable, block_index
 from backends.mlx_sampling import SequenceSampler
 
-BASE_KEY = "base"  # the prompt cache's key for sequences without an adapter (adapter keys hold an '@')
 
 
 class Router:
@@ -218,11 +217,6 @@ def load_adapter_tensors(path: Path) -> dict[str, mx.array]:
     tensors = mx.load(str(path))
     mx.eval(tensors)
     return tensors
-
-
-def prompt_cache_key(adapter: Adapter | None) -> str:
-    """Sequences of different adapters (or versions of one) never share cached KV."""
-    return adapter.key if adapter is not None else BASE_KEY
 
 
 class OffsetSampler:

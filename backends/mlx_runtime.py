@@ -23,13 +23,13 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from backends import (
     LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs, TokenLogprob,
-    default_prompt_cache_bytes, physical_memory,
+    default_prompt_cache_bytes, physical_memory, prompt_cache_namespace,
 )
 from backends.adapters import AdapterRegistry, find_adapter
 from backends.grammar import Grammars
 from backends.mlx_logprobs import token_logprobs
 from backends.mlx_lora import (
-    Router, SlotBank, block_linears, install_router, load_adapter_tensors, prompt_cache_key, routed_sampler,
+    Router, SlotBank, block_linears, install_router, load_adapter_tensors, routed_sampler,
 )
 from backends.mlx_sampling import logits_processors, make_sampler
 from backends.model_files import is_random
@@ -195,7 +195,7 @@ class MlxBackend(TokenizerMethods):
         sequence's slot bank in use."""
         prompt = sequence.prompt_ids
         if sequence.prompt_logprobs is None:
-            return *prompts.fetch(prompt, prompt_cache_key(sequence.adapter)), None
+            return *prompts.fetch(prompt, prompt_cache_namespace(sequence)), None
         if len(prompt) < 2:
             return None, prompt, ()
         cache = make_prompt_cache(self.model)
@@ -266,7 +266,8 @@ class PromptReuse:
     """mlx-lm's own prompt cache (`LRUPromptCache`: a trie of token ids, least recently used
     out first, within a byte budget), as both MLX decoders use it.
 
-    Its "model" key is the adapter's (`prompt_cache_key`), so no adapter reuses another's KV;
+    Its "model" key is the sequence's namespace (`prompt_cache_namespace`: its client's, and its
+    adapter's), so no adapter or client reuses another's KV;
     its ids are plain (not offset by a slot), so an adapter's entries serve it in any slot."""
 
     def __init__(self, budget_bytes: int):
@@ -357,7 +358,7 @@ class SingleSequenceDecoder:
             self._tokens.close()
             if len(self._ids) > len(self._sequence.prompt_ids):  # its prefill completed; generate_step fed every token it gave
                 held = self._cache[0].offset
-                self._prompts.store(self._ids[:held], self._cache, prompt_cache_key(self._sequence.adapter))
+                self._prompts.store(self._ids[:held], self._cache, prompt_cache_namespace(self._sequence))
             self._bank.release(self._slot)
             self._sequence = None
             self._slot = None
@@ -502,4 +503,4 @@ class BatchDecoder:
 
     def _store(self, sequence: Sequence, tokens: list[int], cache: list) -> None:
         """Keep the cache of a sequence's `tokens` (as BatchGenerator holds them: offset)."""
-        self._prompts.store(self._router.plain(tokens), cache, prompt_cache_key(sequence.adapter))
+        self._prompts.store(self._router.plain(tokens), cache, prompt_cache_namespace(sequence))

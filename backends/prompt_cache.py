@@ -22,12 +22,6 @@ from typing import Any, Callable
 from backends import PromptCacheUsage
 
 
-def namespace(sequence) -> str:
-    """The part of a prompt cache a sequence's KV belongs to: its adapter's (KV computed with one
-    adapter is of no use to another, or to the base model)."""
-    return sequence.adapter.key if sequence.adapter is not None else ""
-
-
 @dataclass(eq=False)
 class Node:
     ids: tuple[int, ...]

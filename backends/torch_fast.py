@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob
-from backends.prompt_cache import PrefixCache, namespace
+from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob, prompt_cache_namespace
+from backends.prompt_cache import PrefixCache
 from backends.torch_logprobs import token_logprobs
 from backends.torch_quant import QuantizedWeight, linear, quantize_weight
 from backends.torch_lora import FusedLoraSlots
@@ -371,7 +371,7 @@ class BatchedPhiDecoder:
         # left to prefill: the first sampled token needs fresh logits). Prompt logprobs need
         # the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
-        reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=namespace(sequence))
+        reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=prompt_cache_namespace(sequence))
         if reused:
             self._grow(reused)
             at = 0
@@ -407,7 +407,7 @@ class BatchedPhiDecoder:
         per_id = 2 * self.k[:, row, :, :1].numel() * self.k.element_size()
         self.prompts.store(
             slot.cached_ids(), per_id, lambda start, end: (self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()),
-            namespace=namespace(slot.sequence),
+            namespace=prompt_cache_namespace(slot.sequence),
         )
 
     @torch.inference_mode()

@@ -18,12 +18,12 @@ from transformers.utils import logging as transformers_logging
 
 from backends import (
     LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs,
-    default_prompt_cache_bytes, physical_memory,
+    default_prompt_cache_bytes, physical_memory, prompt_cache_namespace,
 )
 from backends.adapters import AdapterRegistry, block_count, find_adapter, torch_linears
 from backends.grammar import Grammars
 from backends.model_files import is_random
-from backends.prompt_cache import PrefixCache, namespace
+from backends.prompt_cache import PrefixCache
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.torch_quant import QuantizedWeight, describe, parse_method, quantize_linears
 from backends.torch_logprobs import token_logprobs
@@ -319,7 +319,7 @@ class SingleSequenceDecoder:
         self._ids = list(sequence.prompt_ids)  # then the generated ones
         # Prompt logprobs need the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
-        reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=namespace(sequence))
+        reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=prompt_cache_namespace(sequence))
         if reused:
             k = torch.cat([node.k[:, :, :n] for node, n in nodes], dim=2)
             v = torch.cat([node.v[:, :, :n] for node, n in nodes], dim=2)
@@ -365,4 +365,4 @@ class SingleSequenceDecoder:
         def kv(start: int, end: int):
             return tuple(torch.stack([getattr(layer, which)[0, :, start:end] for layer in layers]) for which in ("keys", "values"))
 
-        self.prompts.store(self._ids[:n], per_id, kv, namespace=namespace(self._sequence))
+        self.prompts.store(self._ids[:n], per_id, kv, namespace=prompt_cache_namespace(self._sequence))

@@ -253,6 +253,30 @@ async def test_a_link_out_of_the_directory_is_refused(make_client, served_backen
         link.unlink()
 
 
+@pytest.mark.parametrize("linked", ["adapter_config.json", "adapters.safetensors"])
+async def test_a_file_linked_from_outside_the_directory_is_refused(make_client, served_backend, adapters_dir, adapter_sources, tmp_path, linked):
+    """A folder inside ADAPTERS_DIR whose config or weights are links to files elsewhere: not
+    read (so nothing of the outside file shows in an error), not listed."""
+    outside = tmp_path / linked
+    if linked == "adapter_config.json":
+        outside.write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": "SECRET-VALUE", "scale": 1.0}}))
+    else:
+        shutil.copy(adapter_sources["exp-a"] / linked, outside)
+    folder = adapters_dir / "file-linked"
+    shutil.copytree(adapter_sources["exp-a"], folder)
+    (folder / linked).unlink()
+    (folder / linked).symlink_to(outside)
+    try:
+        client = await make_client(lambda: served_backend, served_model_name="phi-2")
+        response = await client.post("/generate", json=generate_body("file-linked"))
+        message = (await response.json())["error"]["message"]
+        assert response.status == 422 and "out of ADAPTERS_DIR" in message and "SECRET" not in message, message
+        ids = [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]]
+        assert "phi-2:file-linked" not in ids
+    finally:
+        shutil.rmtree(folder)
+
+
 def broken_folders(tiny_path: Path, root: Path) -> dict[str, tuple[Path, str]]:
     """name -> (a folder in ADAPTERS_DIR that is not a usable adapter, what the error says)."""
     import mlx.core as mx

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import pytest
@@ -172,3 +173,321 @@ async def test_slow_compiles_hold_neither_requests_nor_tokenizing(make_client, b
     finally:
         release.set()
     assert [r.status for r in await asyncio.gather(*compiles)] == [200, 200, 200]
+
+
+# -- slow and stalled clients ----------------------------------------------------------------------
+
+
+def raw_connection(client, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((client.server.host, client.server.port))
+    return sock
+
+
+async def closed_by_server(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a hang fails the test)."""
+
+    def read() -> bytes:
+        sock.settimeout(60)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+    try:
+        return await asyncio.to_thread(read)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le"], ids=["nothing", "half-headers"])
+async def test_a_connection_that_never_finishes_its_headers_is_closed(make_client, backend, sent):
+    client = await make_client(lambda: backend, idle_timeout=0.2)
+    sock = raw_connection(client)
+    sock.sendall(sent)
+    assert await closed_by_server(sock) == b""
+
+
+async def test_a_body_that_stops_arriving_is_answered_408(make_client, backend, log_dir):
+    client = await make_client(lambda: backend, body_timeout=0.2)
+    sock = raw_connection(client)
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    answer = await closed_by_server(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert "BODY_TIMEOUT" in json.loads(body)["error"]["message"]
+    assert [line["status"] for line in read_log(log_dir) if line["path"] == "/generate"] == [408]
+
+
+STALLED = json.dumps({
+    "messages": [{"role": "user", "content": "Hi"}], "n": 16, "max_tokens": 480, "ignore_eos": True,
+    "logprobs": True, "top_logprobs": 20, "stream": True,
+}).encode()
+
+
+def send_stalled(client) -> socket.socket:
+    """~9 MB of answer for a client that reads none of it: more than any socket buffers (a 4 KiB
+    receive buffer here; the server's send buffer grows to 4 MiB at most), so the handler's
+    write blocks once they are full."""
+    sock = raw_connection(client, rcvbuf=4096)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(STALLED), STALLED))
+    return sock
+
+
+# Filling a socket's buffers takes thousands of tokens: these run batched, once a runtime.
+RUNTIMES = pytest.mark.parametrize("runtime", ["torch", "mlx"])
+
+
+@RUNTIMES
+async def test_a_stream_whose_client_stops_reading_stops_being_generated(make_client, request, runtime, log_dir):
+    backend = request.getfixturevalue(f"{runtime}_backend")
+    client = await make_client(lambda: backend, write_timeout=0, stream_buffer=32, max_batch=4)
+    engine = engine_of(client)
+    sock = send_stalled(client)
+    # No write timeout here: only the buffer can end the choices that the socket cannot take.
+    await wait_until(lambda: engine.stats["completed"] + engine.stats["cancelled"] == 16)
+    assert engine.stats["cancelled"] >= 1 and engine.stats["tokens_generated"] < 16 * 480
+    response = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 4})
+    assert response.status == 200  # its neighbours are served meanwhile
+    sock.close()
+    await wait_until(lambda: any(line["path"] == "/v1/chat/completions" for line in read_log(log_dir)))
+    (line,) = [line for line in read_log(log_dir) if line["path"] == "/v1/chat/completions"]
+    assert line["status"] == 499, line
+
+
+@RUNTIMES
+async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(make_client, request, runtime, log_dir):
+    backend = request.getfixturevalue(f"{runtime}_backend")
+    client = await make_client(lambda: backend, write_timeout=0.3, max_batch=4)
+    engine = engine_of(client)
+
+    async def stalled_line(path: str) -> dict:
+        await wait_until(lambda: any(line["path"] == path for line in read_log(log_dir)))
+        (line,) = [line for line in read_log(log_dir) if line["path"] == path]
+        return line
+
+    sock = send_stalled(client)
+    line = await stalled_line("/v1/chat/completions")  # while the client still reads nothing
+    assert line["status"] == 499 and "WRITE_TIMEOUT" in line["error"], line
+    await wait_idle(engine)
+    assert engine.stats["tokens_generated"] < 16 * 480
+    await dropped(sock)
+    # A whole answer waits for its reader just as long.
+    sock = raw_connection(client, rcvbuf=4096)
+    body = json.dumps({**json.loads(STALLED), "stream": False}).encode()
+    sock.sendall(b"POST /v1/chat/completions?whole HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await wait_until(lambda: len([line for line in read_log(log_dir) if line["path"] == "/v1/chat/completions"]) == 2)
+    line = read_log(log_dir)[-1]
+    assert line["status"] == 499 and "WRITE_TIMEOUT" in line["error"], line
+    await dropped(sock)
+
+
+async def dropped(sock: socket.socket) -> None:
+    """The server has aborted the connection: what it had sent is readable, then the end."""
+    try:
+        await closed_by_server(sock)
+    except ConnectionResetError:
+        pass
+
+
+# -- one request cannot hold the worker ------------------------------------------------------------
+
+
+def big(sequence) -> bool:
+    return sequence.max_new_tokens == 60
+
+
+async def test_a_request_of_many_sequences_leaves_a_slot_for_the_next(make_client, backend):
+    gate = Gate(after=1, held=big)
+    client = await make_client(lambda: GatedBackend(backend, gate), max_batch=8)
+    engine = engine_of(client)
+    many = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Once upon", "n": 16, "max_tokens": 60, "ignore_eos": True}))
+    # 7 of its 16 sequences run (the eighth slot stays for whoever comes next), all held.
+    await wait_until(lambda: gate.holding == 7 and engine.waiting == 9)
+    small = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 4})
+    assert small.status == 200 and not many.done()
+    gate.release()
+    assert (await many).status == 200
+
+
+async def test_requests_take_turns_for_free_slots(make_client, backend):
+    """With 4 slots (no reserve), a request queued behind a 16-sequence one gets the next free
+    slot, not the one after its 16 sequences."""
+    gate = Gate(after=1, held=big)
+    client = await make_client(lambda: GatedBackend(backend, gate), max_batch=4)
+    engine = engine_of(client)
+    many = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Once upon", "n": 16, "max_tokens": 60, "ignore_eos": True}))
+    await wait_until(lambda: gate.holding == 4 and engine.waiting == 12)
+    small = asyncio.create_task(client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 4}))
+    await wait_until(lambda: engine.waiting == 13)
+    gate.release()
+    done, _ = await asyncio.wait([many, small], return_when=asyncio.FIRST_COMPLETED)
+    assert done == {small}  # it had its turn after the first 4 of 16, while 12 more were to come
+    assert (await small).status == 200 and (await many).status == 200
+
+
+async def test_sequences_times_tokens_are_bounded_per_request(make_client, backend):
+    client = await make_client(lambda: backend)
+    body = {"prompt": ["Once upon"] * 4, "best_of": 16, "max_tokens": 510, "ignore_eos": True}
+    response = await client.post("/v1/completions", json=body)
+    error = (await response.json())["error"]
+    assert (response.status, error["param"]) == (400, "max_tokens") and "MAX_REQUEST_TOKENS" in error["message"], error
+    client = await make_client(lambda: backend, max_request_tokens=40)
+    body = {"prompt": ["Once upon"] * 4, "n": 2, "max_tokens": 5, "ignore_eos": True}  # 8 sequences x 5 tokens
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    response = await client.post("/v1/completions", json={**body, "max_tokens": 6})
+    assert response.status == 400
+
+
+# -- the prompt cache is no side channel between keys ---------------------------------------------
+
+SECRET = "System: the vault code is 7391. Never tell anyone.\nUser: hello"
+
+
+async def cached_tokens(client, key: str | None, prompt: str, **body) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = await client.post("/generate", json={"prompt": prompt, "max_tokens": 1, **body}, headers=headers)
+    assert response.status == 200, await response.text()
+    return (await response.json())["cached_tokens"]
+
+
+async def test_keys_share_no_cached_prompt(make_client, backend):
+    guessers = [f"guesser-{i}" for i in range(3)]
+    client = await make_client(lambda: backend, api_key=",".join(["alice-key", *guessers]))
+    assert await cached_tokens(client, "alice-key", SECRET) == 0
+    # Other keys' guesses at Alice's secret all miss, the right one too: none is told apart.
+    for key, guess in zip(guessers, ("7391", "7390", "1234")):
+        assert await cached_tokens(client, key, SECRET.replace("7391", guess)) == 0
+    assert await cached_tokens(client, guessers[2], SECRET.replace("7391", "1234")) > 0  # its own prompt, again
+    assert await cached_tokens(client, "alice-key", SECRET) > 0
+
+
+async def test_one_key_or_none_shares_the_cache_and_a_salt_parts_it(make_client, backend):
+    client = await make_client(lambda: backend, api_key="only-key")
+    assert await cached_tokens(client, "only-key", SECRET) == 0
+    assert await cached_tokens(client, "only-key", SECRET) > 0
+    client = await make_client(lambda: backend)
+    assert await cached_tokens(client, None, SECRET) == 0
+    assert await cached_tokens(client, None, SECRET, cache_salt="tenant-a") == 0
+    assert await cached_tokens(client, None, SECRET, cache_salt="tenant-a") > 0
+    assert await cached_tokens(client, None, SECRET, cache_salt="tenant-b") == 0
+    chat = {"messages": [{"role": "user", "content": SECRET}], "max_tokens": 1, "cache_salt": "tenant-c"}
+    for expected_hit in (False, True):
+        usage = (await (await client.post("/v1/chat/completions", json=chat)).json())["usage"]
+        assert (usage["prompt_tokens_details"]["cached_tokens"] > 0) == expected_hit
+
+
+# -- the event loop stays free ----------------------------------------------------------------------
+
+
+async def test_large_bodies_and_answers_are_handled_off_the_event_loop(make_client, backend, monkeypatch):
+    """500,000 token ids took the loop 1.3-2.6 s to validate, and a 7 MB logprobs answer 1.6 s:
+    both now run on a pool (shown by where they run, not by how long a machine takes)."""
+    import phi2_server
+
+    threads: dict[str, list[str]] = {"check": [], "chat_logprobs": []}
+    for name, seen in threads.items():
+        monkeypatch.setattr(phi2_server, name, recording(getattr(phi2_server, name), seen))
+    client = await make_client(lambda: backend)
+    loop_thread = threading.current_thread().name
+    body = json.dumps({"prompt": [7] * 500_000, "max_tokens": 1}, separators=(",", ":"))  # 1 MB
+    response = await client.post("/v1/completions", data=body)
+    assert response.status == 400 and (await response.json())["error"]["code"] == "context_length_exceeded"
+    assert threads["check"] and loop_thread not in threads["check"], threads
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "n": 4, "max_tokens": 8, "logprobs": True, "top_logprobs": 20}
+    assert (await client.post("/v1/chat/completions", json=chat)).status == 200
+    assert threads["chat_logprobs"] and loop_thread not in threads["chat_logprobs"], threads
+    small = await client.post("/generate", json={"prompt": "Hi", "max_tokens": 1})  # a small body stays on the loop, cheaply
+    assert small.status == 200
+
+
+@pytest.mark.parametrize("path, depth", [("/v1/chat/completions", 490), ("/generate", 990), ("/generate", 5000)])
+async def test_deep_nesting_is_a_400_naming_it(make_client, backend, log_dir, path, depth):
+    client = await make_client(lambda: backend)
+    nested = "[" * depth + "]" * depth
+    field = "metadata" if path.startswith("/v1") else "json_schema"
+    raw = '{"messages": [{"role": "user", "content": "Hi"}], "prompt": "Hi", "%s": %s}' % (field, nested)
+    response = await client.post(path, data=raw)
+    body = await response.json()
+    assert response.status == 400 and "nested too deeply" in body["error"]["message"], body
+    assert [line["status"] for line in read_log(log_dir)] == [400]
+
+
+# -- headers, keys and the log -----------------------------------------------------------------------
+
+KEY = "sekrit-key-4711"
+
+
+async def raw_exchange(client, data: bytes) -> tuple[bytes, dict | None]:
+    sock = raw_connection(client)
+    sock.sendall(data)
+    answer = await closed_by_server(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, json.loads(body) if body else None
+
+
+@pytest.mark.parametrize("ending", [b"\x01\r\n", b"\r\r\n", b"\n"], ids=["control", "cr", "bare-lf"])
+async def test_a_malformed_authorization_header_shows_its_key_nowhere(make_client, backend, caplog, log_dir, ending):
+    client = await make_client(lambda: backend, api_key=KEY)
+    head, body = await raw_exchange(client, b"GET /model/info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + ending + b"\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0], head
+    assert body["error"]["message"].startswith("not a valid HTTP request"), body
+    assert KEY not in json.dumps(body) and KEY not in caplog.text and KEY.encode() not in head
+    assert KEY not in (log_dir / "requests.log").read_text()
+
+
+async def test_headers_that_are_not_text_get_4xx_not_500(make_client, backend, log_dir):
+    client = await make_client(lambda: backend, api_key=KEY)
+    head, body = await raw_exchange(client, b"GET /model/info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekr\xe9t\r\nConnection: close\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401"), head
+    gzip_lie = b"not gzip at all"
+    head, body = await raw_exchange(client, b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (KEY.encode(), len(gzip_lie), gzip_lie))
+    assert head.startswith(b"HTTP/1.1 400") and "cannot be read" in body["error"]["message"], (head, body)
+    assert [line["status"] for line in read_log(log_dir)] == [401, 400]
+
+
+async def test_the_request_log_escapes_what_terminals_act_on(make_client, backend, log_dir):
+    client = await make_client(lambda: backend)
+    prompt = "line\u0085break \u2028sep\u2029 csi\u009b2J osc\u009d0;x\u0007 rtl\u202egnp.exe del\x7f"
+    assert (await client.post("/generate", json={"prompt": prompt, "max_tokens": 1})).status == 200
+    assert (await client.get("/nope%C2%85%E2%80%A8%C2%9B")).status == 404
+    raw = (log_dir / "requests.log").read_text(encoding="utf-8")
+    assert not any(c in raw for c in "\u0085\u2028\u2029\u009b\u009d\u202e\x7f"), raw
+    assert len(raw.splitlines()) == 2
+    lines = read_log(log_dir)
+    assert lines[0]["prompt"] == prompt[:100] and lines[1]["path"] == "/nope\u0085\u2028\u009b"
+
+
+async def test_wrong_keys_are_rate_limited_per_address(make_client, backend, monkeypatch):
+    import phi2_server
+
+    monkeypatch.setattr(phi2_server, "AUTH_FAILURES_PER_MINUTE", 3)
+    client = await make_client(lambda: backend, api_key=KEY)
+    for _ in range(3):
+        assert (await client.get("/model/info", headers={"Authorization": "Bearer guess"})).status == 401
+    for headers in ({"Authorization": "Bearer guess"}, {"Authorization": f"Bearer {KEY}"}):  # the right key must wait too
+        response = await client.get("/model/info", headers=headers)
+        assert response.status == 429 and int(response.headers["Retry-After"]) >= 1
+    assert (await client.get("/health")).status == 200
+
+
+async def test_a_key_file_takes_comments_anywhere(make_client, backend, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("   # indented comment\nfile-key-aaaa   # Alice, since May\n\t#tabbed\nfile-key-bbbb\n")
+    client = await make_client(lambda: backend, api_key_file=str(keys))
+    for key, status in [("file-key-aaaa", 200), ("file-key-bbbb", 200), ("# indented comment", 401), ("file-key-aaaa   # Alice, since May", 401), ("#tabbed", 401)]:
+        assert (await client.get("/model/info", headers={"Authorization": f"Bearer {key}"})).status == status, key
+    keys.write_text("two words\n")
+    with pytest.raises(ValueError, match="not one key") as error:
+        await make_client(lambda: backend, api_key_file=str(keys))
+    assert "two" not in str(error.value)
+
+
+async def test_options_needs_a_key_but_a_cors_preflight_does_not(make_client, backend):
+    client = await make_client(lambda: backend, api_key=KEY, cors_origins="https://app.example")
+    assert (await client.options("/model/info")).status == 401
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    assert (await client.options("/generate", headers=preflight)).status == 204
+    assert (await client.options("/generate", headers={**preflight, "Origin": "https://evil.example"})).status == 401
