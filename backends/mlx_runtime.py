@@ -289,8 +289,13 @@ class PromptReuse:
 
     def store(self, tokens: list[int], cache: list, key: str) -> None:
         """Keep a cache holding exactly `tokens`; one larger than the whole budget is not kept
-        (mlx-lm would evict every other entry before dropping it)."""
+        (mlx-lm would evict every other entry before dropping it).
+
+        The cache is evaluated first: one that BatchGenerator extracted from its batch is lazy
+        (a copy of one row, not made yet), and would keep the whole batch's buffers alive while
+        it waits here, eight times or more the bytes the budget counts (measured, issue 25's soak)."""
         if self._lru is not None and tokens and sum(c.nbytes for c in cache) <= self.budget_bytes:
+            mx.eval([c.state for c in cache])
             self._lru.insert_cache(key, list(tokens), cache)
 
     def usage(self) -> PromptCacheUsage:

@@ -304,3 +304,24 @@ def test_each_decoder_gets_the_budget_it_is_given(backend, max_batch):
     assert backend.decoder(max_batch, prompt_cache_bytes=12345).prompt_cache_usage().budget_bytes == 12345
     default = backend.decoder(max_batch).prompt_cache_usage().budget_bytes
     assert 0 < default <= 2 << 30  # an eighth of this machine's RAM, at most 2 GiB
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_mlx_entries_hold_no_more_memory_than_they_count(mlx_backend, max_batch):
+    """What MLX's cache holds is what its budget counts: a sequence's cache taken out of a batch
+    is lazy, and kept unevaluated it pinned the whole batch's buffers (8x the bytes counted)."""
+    import gc
+
+    import mlx.core as mx
+
+    from backends.drive import drive
+
+    gc.collect()
+    baseline = mx.get_active_memory()
+    decoder = mlx_backend.decoder(max_batch, prompt_cache_bytes=64 << 20)
+    prompts = [mlx_backend.encode(STORY * (1 + i % 5)) for i in range(24)]
+    drive(decoder, [Sequence(i, prompt, Sampling(temperature=0.8, seed=i), 8 + 3 * i) for i, prompt in enumerate(prompts)])
+    gc.collect()
+    held = mx.get_active_memory() - baseline
+    counted = decoder.prompt_cache_usage().bytes
+    assert counted > 0 and held <= counted * 1.25 + (1 << 20), (held, counted)
