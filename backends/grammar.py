@@ -43,7 +43,7 @@ import numpy as np
 from backends import GrammarError
 
 GRAMMAR_CACHE = 256  # compiled grammars kept per tokenizer
-GRAMMAR_CACHE_TEXT = 8_000_000  # characters of grammar text they may hold together (a 3,000-property schema: ~90k)
+GRAMMAR_CACHE_TEXT = 1_000_000  # characters of grammar text they may hold together (a 3,000-property schema: ~90k)
 # Compact JSON (", " and ": ", no other whitespace): a model cannot pad the output with
 # whitespace until max_tokens, and the text reads as usual.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
