@@ -318,9 +318,9 @@ def chat_in_process(args) -> list[dict]:
     backend = load_in_process()
     with_cache = backend.decoder(backend.max_batch)
     try:  # a second fast-path decoder of its own (backend.decoder hands one thread the same one)
-        from backends.torch_fast import BatchedPhiDecoder
+        from backends.torch_decoder import BatchedDecoder
 
-        without = BatchedPhiDecoder(backend.fast_weights, backend.max_batch) if isinstance(with_cache, BatchedPhiDecoder) else None
+        without = BatchedDecoder(backend.decoder_weights, backend.max_batch) if isinstance(with_cache, BatchedDecoder) else None
     except ImportError:
         without = None
     without = without or backend.decoder(backend.max_batch, prompt_cache_bytes=0)
@@ -526,7 +526,7 @@ def dtype_sweep(args) -> list[dict]:
     from backends import Sampling, Sequence
     from backends.drive import drive
     from backends.model_files import RANDOM_ARCHITECTURES
-    from backends.torch_fast import BatchedPhiDecoder, PhiWeights
+    from backends.torch_decoder import BatchedDecoder, DecoderWeights
     from backends.torch_runtime import CPU_BF16_MIN_PARAMETERS, random_model
 
     rows = []
@@ -540,7 +540,7 @@ def dtype_sweep(args) -> list[dict]:
         for dtype in (torch.float32, torch.bfloat16):
             model = random_model(directory, dtype, "cpu")
             parameters = sum(p.numel() for p in model.parameters())
-            decoders[dtype] = BatchedPhiDecoder(PhiWeights(model, vocab, config["max_position_embeddings"]), 8)
+            decoders[dtype] = BatchedDecoder(DecoderWeights(model, vocab, config["max_position_embeddings"]), 8)
         rates: dict = {dtype: [] for dtype in decoders}
         for run in range(args.runs + 1):  # the first round warms up
             for dtype, decoder in decoders.items():
@@ -628,7 +628,7 @@ def quant_quality(args) -> list[dict]:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from backends import LoadOptions, load_backend, select_backend
-    from backends.torch_fast import BatchedPhiDecoder
+    from backends.torch_decoder import BatchedDecoder
 
     model = os.environ.get("PHI2_MODEL", "random:phi-2")
     prompts = [FILLER[: 40 * (i + 1)] + q for i, q in enumerate(QUESTIONS)]
@@ -636,12 +636,12 @@ def quant_quality(args) -> list[dict]:
     for method in ("int8", "int4"):
         backend = load_backend(select_backend("torch"), LoadOptions(model=model, dtype="bfloat16", warmup=False))
         ids = [backend.encode(p) for p in prompts]
-        decodable = backend.fast_weights.decodable  # the ids past the tokenizer's are never generated: left out
-        reference = [BatchedPhiDecoder(backend.fast_weights, 1).logits_after(i)[:decodable] for i in ids]
+        decodable = backend.decoder_weights.decodable  # the ids past the tokenizer's are never generated: left out
+        reference = [BatchedDecoder(backend.decoder_weights, 1).logits_after(i)[:decodable] for i in ids]
         started = time.perf_counter()
         backend.quantize(method)
         seconds = time.perf_counter() - started
-        decoder = BatchedPhiDecoder(backend.fast_weights, 1)
+        decoder = BatchedDecoder(backend.decoder_weights, 1)
         errors, same = [], 0
         for i, ref in zip(ids, reference):
             logits = decoder.logits_after(i)[:decodable]

@@ -148,6 +148,53 @@ def write_tiny_checkpoint(path: str | Path) -> Path:
     return path
 
 
+# Tiny checkpoints of the other families the batched Torch decoder serves, for the tests: random
+# weights (nothing to memorize: they are checked against transformers' own forward), each shape
+# picked to reach that family's own code: grouped key-value heads, a llama3-scaled rotary, tied
+# embeddings, q/k/v biases (Qwen2), a sliding window on some layers or all, q/k norms and a head
+# wider than hidden/heads (Qwen3), fused qkv and gate_up Linears, a partial rotary and longrope
+# factors whose long half starts inside the context (Phi-3). Windows and longrope's switch are
+# short, so short prompts cross them.
+FAMILY_COMMON = dict(
+    vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=CONTEXT_LENGTH, initializer_range=0.2,  # peaked logits: few near-ties
+)
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    })),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=16)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, sliding_window=32, original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
+    })),
+}
+
+
+def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path) -> Path:
+    """A tiny checkpoint of `family` (TINY_FAMILIES) with random weights and the tiny
+    checkpoint's tokenizer (from `tokenizer_from`), written to `path`."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config_class, options = TINY_FAMILIES[family]
+    settings = {**FAMILY_COMMON, **options}
+    config = getattr(transformers, config_class)(**settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32")
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="where to write the checkpoint")

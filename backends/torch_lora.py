@@ -1,16 +1,20 @@
 """LoRA adapters applied per sequence, unmerged, on PyTorch (backends.adapters loads them).
 
-The batched Phi step (torch_fast) reads two fused matrices a block: [q; k; v; fc1] over LN(x),
-and [dense | fc2] over [attention, gelu(fc1)]. `FusedLoraSlots` lays each adapter in a decoder
-slot out the same way, and every row of a step adds only its own slot's product:
+The batched step (torch_decoder) reads a few fused matrices a block (its `Block`): for Phi
+[q; k; v; fc1] over LN(x) and [dense | fc2] over [attention, gelu(fc1)]; for the sequential
+families [q; k; v], o, [gate; up] and down. Each adaptable module is a part of one of them
+(`FusedMatrix`: the rows of the matrix's input it reads, the columns of its output it writes).
+`FusedLoraSlots` lays each adapter in a decoder slot out the same way, and every row of a step
+adds only its own slot's product:
 
-    y += ((h @ A) * mask) @ B
+    y += ((x @ A) * mask) @ B
 
-with A = the slots' lora_a side by side ([in, slots * parts * rank]), B = their lora_b (scale
-folded in) placed at the output columns of their module, and mask[row, column] = 1 where the
-column belongs to the row's slot. Fixed shapes, no per-row gathering: a CUDA graph captures it
-like the rest of the step, and rows for different adapters and for the base model share it.
-Only the blocks some slot adapts carry buffers; a step with no adapter rows skips it all.
+with A = the slots' lora_a side by side ([in, slots * parts * rank], each at its input rows),
+B = their lora_b (scale folded in) placed at the output columns of their module, and
+mask[row, column] = 1 where the column belongs to the row's slot. Fixed shapes, no per-row
+gathering: a CUDA graph captures it like the rest of the step, and rows for different adapters
+and for the base model share it. Only the blocks some slot adapts carry buffers; a step with no
+adapter rows skips it all.
 
 `LoraHooks` serves the one-sequence decoder (any causal LM through transformers' forward):
 forward hooks add the same product to the outputs of the adapted Linear layers.
@@ -18,30 +22,38 @@ forward hooks add the same product to the outputs of the adapted Linear layers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from backends.adapters import Adapter, SlotTable, block_index
 
-# Each adapted module's part of the fused block matrices (Phi's blocks have no other Linears,
-# and adapters.check_modules lets through only modules the model has).
-FUSED_IN = {"self_attn.q_proj": 0, "self_attn.k_proj": 1, "self_attn.v_proj": 2, "mlp.fc1": 3}
-FUSED_OUT = {"self_attn.dense": 0, "mlp.fc2": 1}
+
+@dataclass(frozen=True)
+class FusedMatrix:
+    """One fused matrix of a block: its input and output widths, and its parts by module name
+    (the name inside a layer, as mlx-lm's adapters call it) -> (in_start, in_end, out_start, out_end)."""
+
+    in_features: int
+    out_features: int
+    parts: dict[str, tuple[int, int, int, int]]
 
 
 class FusedLoraSlots:
-    """The adapters a BatchedPhiDecoder's sequences use, one per slot, as per-block buffers:
-    (a_in [hidden, S*4*r], b_in [S*4*r, 3*hidden + inner], a_out [hidden + inner, S*2*r],
-    b_out [S*2*r, hidden]) for S slots of rank capacity r."""
+    """The adapters a BatchedDecoder's sequences use, one per slot, as per-block buffers: for
+    each fused matrix, A [in, S * parts * r] and B [S * parts * r, out] for S slots of rank
+    capacity r."""
 
-    def __init__(self, hidden: int, inner: int, size: int, device: torch.device, dtype: torch.dtype):
-        self.hidden, self.inner = hidden, inner
+    def __init__(self, matrices: list[FusedMatrix], size: int, device: torch.device, dtype: torch.dtype):
+        self.matrices = matrices
         self.table = SlotTable(size)
         self.device, self.dtype = device, dtype
         self.rank = 0
-        self.blocks: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.blocks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.held: list[Adapter | None] = [None] * size
         self.version = 0  # changes when the buffers are reallocated (CUDA graphs hold their addresses)
-        self.cols_in = self.cols_out = torch.zeros(0, dtype=torch.long, device=device)
+        self.columns = [torch.zeros(0, dtype=torch.long, device=device) for _ in matrices]
+        self.where = {name: (m, p) for m, matrix in enumerate(matrices) for p, name in enumerate(matrix.parts)}  # module -> (matrix, part)
 
     @property
     def size(self) -> int:
@@ -64,21 +76,21 @@ class FusedLoraSlots:
     def release(self, slot: int) -> None:
         self.table.release(slot)
 
-    def masks(self, row_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, 1 on the columns of its own slot (rows of the base model: -1, none)."""
-        mask_in = (self.cols_in[None, :] == row_slots[:, None]).to(self.dtype)
-        mask_out = (self.cols_out[None, :] == row_slots[:, None]).to(self.dtype)
-        return mask_in, mask_out
+    def masks(self, row_slots: torch.Tensor) -> list[torch.Tensor]:
+        """Per matrix, per row: 1 on the columns of its own slot (rows of the base model: -1, none)."""
+        return [(columns[None, :] == row_slots[:, None]).to(self.dtype) for columns in self.columns]
 
     def _allocate(self) -> None:
         held = [a for a in self.held if a is not None]
         self.rank = max(a.rank for a in held)
-        r, s, h, i = self.rank, self.size, self.hidden, self.inner
+        r, s = self.rank, self.size
         blocks = set().union(*(a.blocks() for a in held))
         zeros = lambda *shape: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        self.blocks = {b: (zeros(h, s * 4 * r), zeros(s * 4 * r, 3 * h + i), zeros(h + i, s * 2 * r), zeros(s * 2 * r, h)) for b in sorted(blocks)}
-        self.cols_in = torch.arange(s, device=self.device).repeat_interleave(4 * r)
-        self.cols_out = torch.arange(s, device=self.device).repeat_interleave(2 * r)
+        self.blocks = {
+            b: [(zeros(m.in_features, s * len(m.parts) * r), zeros(s * len(m.parts) * r, m.out_features)) for m in self.matrices]
+            for b in sorted(blocks)
+        }
+        self.columns = [torch.arange(s, device=self.device).repeat_interleave(len(m.parts) * r) for m in self.matrices]
         self.version += 1
         for slot in range(s):
             if self.held[slot] is not None:
@@ -86,34 +98,22 @@ class FusedLoraSlots:
 
     @torch.no_grad()
     def _write(self, slot: int) -> None:
-        r, h, i = self.rank, self.hidden, self.inner
-        cols_in, cols_out = slice(slot * 4 * r, (slot + 1) * 4 * r), slice(slot * 2 * r, (slot + 1) * 2 * r)
-        for a_in, b_in, a_out, b_out in self.blocks.values():  # the slot's old contents go
-            a_in[:, cols_in] = 0
-            b_in[cols_in] = 0
-            a_out[:, cols_out] = 0
-            b_out[cols_out] = 0
+        r = self.rank
+        for pairs in self.blocks.values():  # the slot's old contents go
+            for (a, b), matrix in zip(pairs, self.matrices):
+                width = len(matrix.parts) * r
+                a[:, slot * width : (slot + 1) * width] = 0
+                b[slot * width : (slot + 1) * width] = 0
         adapter = self.held[slot]
-        in_spans = [(0, h), (h, 2 * h), (2 * h, 3 * h), (3 * h, 3 * h + i)]  # q, k, v, fc1 columns of [q; k; v; fc1]
-        out_spans = [(0, h), (h, h + i)]  # dense, fc2 rows of [dense | fc2] (their inputs)
         for name, (lora_a, lora_b) in adapter.modules.items():
-            a_in, b_in, a_out, b_out = self.blocks[block_index(name)]
-            module = name.split(".", 3)[3]  # model.layers.{i}.<module>
-            a = lora_a.to(self.device, torch.float32)
-            b = (adapter.scale * lora_b.to(self.device, torch.float32)).to(self.dtype)
-            rank = a.shape[1]
-            if module in FUSED_IN:
-                part = FUSED_IN[module]
-                first = slot * 4 * r + part * r
-                start, end = in_spans[part]
-                a_in[:, first : first + rank] = a.to(self.dtype)
-                b_in[first : first + rank, start:end] = b
-            else:
-                part = FUSED_OUT[module]
-                first = slot * 2 * r + part * r
-                start, end = out_spans[part]
-                a_out[start:end, first : first + rank] = a.to(self.dtype)
-                b_out[first : first + rank] = b
+            pairs = self.blocks[block_index(name)]
+            m, part = self.where[name.split(".", 3)[3]]  # model.layers.{i}.<module>
+            a, b = pairs[m]
+            in_start, in_end, out_start, out_end = self.matrices[m].parts[name.split(".", 3)[3]]
+            first = slot * len(self.matrices[m].parts) * r + part * r
+            rank = lora_a.shape[1]
+            a[in_start:in_end, first : first + rank] = lora_a.to(self.device, torch.float32).to(self.dtype)
+            b[first : first + rank, out_start:out_end] = (adapter.scale * lora_b.to(self.device, torch.float32)).to(self.dtype)
 
 
 class LoraHooks:

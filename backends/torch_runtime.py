@@ -113,8 +113,7 @@ class TorchBackend(TokenizerMethods):
         self.text = TokenizerText(tokenizer)
         self.info = info
         self.device = torch.device(info.device)
-        eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
-        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.eos_token_ids = end_of_text_ids(model, tokenizer)
         # Phi-2's model vocabulary (51200) is larger than its tokenizer's: those ids decode to
         # nothing, so they are never sampled (the same rule as the MLX runtime).
         self.undecodable_from = self.text.vocab_size
@@ -184,12 +183,12 @@ class TorchBackend(TokenizerMethods):
         return backend
 
     def quantize(self, method: str) -> list[QuantizedWeight]:
-        """Quantize the weights in place: the Phi fast path's fused matrices (it then serves at
+        """Quantize the weights in place: the general decoder's fused matrices (it then serves at
         any batch size), else every Linear but the output head (torch_quant)."""
-        from backends import torch_fast
+        from backends import torch_decoder
 
-        if torch_fast.supports(self.model):
-            quantized = self.fast_weights.quantize(self.model, method)
+        if torch_decoder.supports(self.model):
+            quantized = self.decoder_weights.quantize(self.model, method)
         else:
             quantized = quantize_linears(self.model, method)
         self.quantized = True
@@ -203,34 +202,37 @@ class TorchBackend(TokenizerMethods):
         return StreamDetokenizer(self.text)
 
     def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None):
-        """The batched fast path for the Phi family (always on CUDA: graphs), else one sequence
-        at a time through transformers' forward (any causal LM)."""
-        from backends import torch_fast
+        """The batched general decoder for the families it knows (backends/architecture.py;
+        always on CUDA: graphs), else one sequence at a time through transformers' forward (any
+        causal LM)."""
+        from backends import torch_decoder
 
         budget = prompt_cache_budget(prompt_cache_bytes, self.device)
-        if torch_fast.supports(self.model) and (max_batch > 1 or self.device.type == "cuda" or self.quantized):
+        if torch_decoder.supports(self.model) and (max_batch > 1 or self.device.type == "cuda" or self.quantized):
             # Reuse the decoder (and its CUDA graphs) that warm-up built, unless another thread
             # that is still alive holds it (tests run several workers over one backend).
             decoder, owner = self._fast_decoder, self._fast_decoder_owner
             mine = owner is None or owner is threading.current_thread() or not owner.is_alive()
             if decoder is None or decoder.capacity != max_batch or decoder.adapter_slots != self.max_adapters or not mine:
-                decoder = torch_fast.BatchedPhiDecoder(self.fast_weights, max_batch, compile=self.compile, adapter_slots=self.max_adapters)
+                decoder = torch_decoder.BatchedDecoder(self.decoder_weights, max_batch, compile=self.compile, adapter_slots=self.max_adapters)
                 self._fast_decoder = decoder
             decoder.clear(prompt_cache_bytes=budget)
             self._fast_decoder_owner = threading.current_thread()
             return decoder
         if max_batch > 1:
-            log.warning("batching needs the Phi fast path; %s is served one sequence at a time", self.model.config.model_type)
+            from backends.architecture import unsupported
+
+            log.warning("%s: served one sequence at a time (the batched decoder does not know it: %s)", self.model.config.model_type, unsupported(self.model.config))
         return SingleSequenceDecoder(self, budget)
 
     @functools.cached_property
-    def fast_weights(self):
-        from backends.torch_fast import PhiWeights
+    def decoder_weights(self):
+        from backends.torch_decoder import DecoderWeights
 
-        return PhiWeights(self.model, self.undecodable_from, self.info.context_length)
+        return DecoderWeights(self.model, self.undecodable_from, self.info.context_length)
 
     def warm_up(self, max_batch: int = 1) -> None:
-        from backends.torch_fast import BatchedPhiDecoder
+        from backends.torch_decoder import BatchedDecoder
 
         decoder = self.decoder(max_batch)
         prompt = self.encode("Hello, how are you today? I am fine, thank you.") or [0]
@@ -241,7 +243,7 @@ class TorchBackend(TokenizerMethods):
             decoder.step()
             decoder.step()
             decoder.remove(sequence_id)
-        if isinstance(decoder, BatchedPhiDecoder):
+        if isinstance(decoder, BatchedDecoder):
             decoder.capture()  # CUDA graphs for the short lengths (nothing on the CPU)
 
     def forward(self, input_ids: list[int], cache, every_position: bool = False) -> torch.Tensor:
@@ -257,6 +259,16 @@ class TorchBackend(TokenizerMethods):
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers
             return DynamicCache()
+
+
+def end_of_text_ids(model, tokenizer) -> frozenset[int]:
+    """Every id that ends a generation: the generation config's (Llama-3 lists <|end_of_text|>,
+    <|eom_id|> and <|eot_id|>; Qwen2.5 <|im_end|>; Phi-3 <|end|>), the model config's and the
+    tokenizer's end-of-text."""
+    ids = set()
+    for eos in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return frozenset(ids)
 
 
 def _load_safetensors(path: Path) -> dict:

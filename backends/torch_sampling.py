@@ -1,7 +1,7 @@
 """Choosing one sequence's next token on PyTorch, shared by both Torch decoders.
 
 A leaf module (torch only): the generic decoder (`torch_runtime`) and the Phi fast path
-(`torch_fast`) both choose through it, so neither has to import the other for it. The steps
+(`torch_decoder`) both choose through it, so neither has to import the other for it. The steps
 and their order are `Sampling`'s (transformers' `generate`); `backends.mlx_sampling` does the
 same on MLX, and tests/test_sampling.py holds both to transformers' own processors.
 """

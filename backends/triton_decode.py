@@ -1,4 +1,4 @@
-"""Triton kernels for the CUDA fast path (torch_fast imports this module only on CUDA).
+"""Triton kernels for the CUDA decode step (torch_decoder imports this module only on CUDA).
 
 A decode step is memory-bound. Per block, cuBLAS reads the two fused weight matrices at ~3.4 TB/s
 (F.linear with its bias; addmm adding onto x + bias); what lies between the two GEMMs was ~15

@@ -261,9 +261,9 @@ async def test_adapters_never_share_entries_with_the_base_model(make_client, bac
 def chunked_decoder(backend, name: str):
     """A batching decoder that prefills at most 4 prompt tokens a step."""
     if name == "torch":
-        from backends.torch_fast import BatchedPhiDecoder
+        from backends.torch_decoder import BatchedDecoder
 
-        decoder = BatchedPhiDecoder(backend.fast_weights, 2, prefill_chunk=4)
+        decoder = BatchedDecoder(backend.decoder_weights, 2, prefill_chunk=4)
         decoder.clear(prompt_cache_bytes=1 << 30)
         return decoder
     from backends.mlx_runtime import BatchDecoder

@@ -106,12 +106,12 @@ async def test_a_quantized_model_serves_batched_and_streamed(runtime, quantized,
 
 
 def test_torch_quantizes_the_fast_path_and_serves_it_at_any_batch_size(quantized):
-    from backends.torch_fast import BatchedPhiDecoder
+    from backends.torch_decoder import BatchedDecoder
     from backends.torch_quant import QuantizedWeight
 
     backend = quantized("torch", 8)
-    assert isinstance(backend.decoder(1), BatchedPhiDecoder)  # transformers' forward has no weights left
-    assert all(isinstance(layer[2], QuantizedWeight) and isinstance(layer[4], QuantizedWeight) for layer in backend.fast_weights.layers)
+    assert isinstance(backend.decoder(1), BatchedDecoder)  # transformers' forward has no weights left
+    assert all(isinstance(layer[2], QuantizedWeight) and isinstance(layer[4], QuantizedWeight) for layer in backend.decoder_weights.layers)
 
 
 # -- adapters -------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_torch_quantizes_the_fast_path_and_serves_it_at_any_batch_size(quantized
 
 
 def test_torch_applies_adapters_over_quantized_weights(tiny_path, adapter_path, adapted_backends, quantized):
-    from backends.torch_fast import BatchedPhiDecoder
+    from backends.torch_decoder import BatchedDecoder
 
     adapted = load_backend("torch", LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path), dtype="float32", quantize="int8"))
     assert adapted.info.adapter_applied and adapted.info.quantization["bits"] == 8
@@ -132,7 +132,7 @@ def test_torch_applies_adapters_over_quantized_weights(tiny_path, adapter_path, 
     prompt = adapted.encode("The quick brown")
 
     def logits(backend, adapter):
-        return BatchedPhiDecoder(backend.fast_weights, 1).logits_after(prompt, adapter)[: len(reference.text.tokenizer)]
+        return BatchedDecoder(backend.decoder_weights, 1).logits_after(prompt, adapter)[: len(reference.text.tokenizer)]
 
     expected = logits(reference, reference.adapters.get(adapter_path.name))
     to_adapted = (logits(adapted, adapted.adapters.get(adapter_path.name)) - expected).norm() / expected.norm()

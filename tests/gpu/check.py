@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
 from backends.drive import drive  # noqa: E402
-from backends.torch_fast import BatchedPhiDecoder  # noqa: E402
+from backends.torch_decoder import BatchedDecoder  # noqa: E402
 
 PROMPT = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is two plus two?"
 RESULTS: dict = {}
@@ -94,22 +94,22 @@ def parity(dtype: str) -> dict:
         ids = torch.tensor([backend.encode(PROMPT)], device="cuda")
         with torch.inference_mode():
             reference = backend.model(ids).logits[0, -1].float()
-        decoder = BatchedPhiDecoder(backend.fast_weights, 1, cuda_graphs=False)
+        decoder = BatchedDecoder(backend.decoder_weights, 1, cuda_graphs=False)
         fast = decoder.logits_after(ids[0].tolist())
-        decodable = backend.fast_weights.decodable  # the fast path masks the ids the tokenizer cannot decode
+        decodable = backend.decoder_weights.decodable  # the fast path masks the ids the tokenizer cannot decode
         result["max_abs_logit_diff_vs_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
         # The CUDA-graph decoder's prefill: one unpadded piece, the Triton rotary/cache kernel, flash attention.
-        fast = BatchedPhiDecoder(backend.fast_weights, 1).logits_after(ids[0].tolist())
+        fast = BatchedDecoder(backend.decoder_weights, 1).logits_after(ids[0].tolist())
         result["max_abs_logit_diff_vs_transformers_fused_prefill"] = float((fast[:decodable] - reference[:decodable]).abs().max())
         result["logit_scale"] = float(reference.abs().max())
-    single = BatchedPhiDecoder(backend.fast_weights, 1)
+    single = BatchedDecoder(backend.decoder_weights, 1)
     alone = decode_alone(backend, prompts, n, single)
-    batched = decode_together(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 8))
+    batched = decode_together(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 8))
     same = sum(a == b for a, b in zip(alone, batched))
     first = [next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(alone, batched)]
     result.update(sequences=len(prompts), tokens=n, identical=same, first_divergence=first)
     if dtype == "bfloat16" and "compile" not in SKIP:
-        compiled = decode_alone(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 1, compile=True))
+        compiled = decode_alone(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 1, compile=True))
         result["compiled_identical_to_eager"] = sum(a == b for a, b in zip(alone, compiled))
     del backend, single
     torch.cuda.empty_cache()
@@ -135,20 +135,20 @@ def adapter_parity() -> dict:
         ids = drive(decoder, [Sequence(i, backend.encode(p), Sampling(), n, adapter=a) for i, (p, a) in enumerate(pairs)]).ids
         return [ids[i] for i in range(len(pairs))]
 
-    single = BatchedPhiDecoder(backend.fast_weights, 1)
+    single = BatchedDecoder(backend.decoder_weights, 1)
     alone = [sequences(single, [pair])[0] for pair in zip(prompts, chosen)]
-    together = sequences(BatchedPhiDecoder(backend.fast_weights, 8), list(zip(prompts, chosen)))
-    base = sequences(BatchedPhiDecoder(backend.fast_weights, 8), [(p, None) for p in prompts])
+    together = sequences(BatchedDecoder(backend.decoder_weights, 8), list(zip(prompts, chosen)))
+    base = sequences(BatchedDecoder(backend.decoder_weights, 8), [(p, None) for p in prompts])
     result = {"sequences": 8, "tokens": n, "identical_batched_vs_alone": sum(a == b for a, b in zip(alone, together)),
               "adapter_changes_ids": sum(a != b for a, b, c in zip(together, base, chosen) if c is not None)}
     ids = backend.encode(PROMPT)
-    fast = BatchedPhiDecoder(backend.fast_weights, 1, cuda_graphs=False).logits_after(ids, adapters[0])
+    fast = BatchedDecoder(backend.decoder_weights, 1, cuda_graphs=False).logits_after(ids, adapters[0])
     with torch.no_grad():
         for name, (a, b) in adapters[0].modules.items():
             weight = backend.model.get_submodule(name).weight
             weight += (adapters[0].scale * (a.double() @ b.double()).T).to(device=weight.device, dtype=weight.dtype)
         reference = backend.model(torch.tensor([ids], device="cuda")).logits[0, -1].float()
-    decodable = backend.fast_weights.decodable
+    decodable = backend.decoder_weights.decodable
     result["max_abs_logit_diff_vs_merged_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
     result["logit_scale"] = float(reference.abs().max())
     return result  # its model is freed on return (main empties the cache)
@@ -168,8 +168,8 @@ def constrained_parity() -> dict:
         ids = drive(decoder, sequences).ids
         return [ids[i] for i in range(len(prompts))]
 
-    chained = decode(BatchedPhiDecoder(backend.fast_weights, 8))
-    unchained = decode(BatchedPhiDecoder(backend.fast_weights, 8, cuda_graphs=False))
+    chained = decode(BatchedDecoder(backend.decoder_weights, 8))
+    unchained = decode(BatchedDecoder(backend.decoder_weights, 8, cuda_graphs=False))
     result = {"sequences": 8, "constrained": 4, "tokens": 64, "identical_chained_vs_unchained": sum(a == b for a, b in zip(chained, unchained))}
     result["sampled_outputs"] = constrained_outputs_check(backend, backend.encode("Alice: Describe yourself as a JSON record.\nBob:"))
     return result  # its model is freed on return (main empties the cache)
@@ -202,7 +202,7 @@ def speed() -> dict:
     variants = [(b, False, None) for b in (1, 8, 32, 64, 128)] + [(1, False, False), (64, False, False)]
     variants += [(1, True, False), (64, True, False)] if "compile" not in SKIP else []
     for batch, compiled, fused in variants:
-        decoder = BatchedPhiDecoder(backend.fast_weights, batch, compile=compiled, fused=fused)
+        decoder = BatchedDecoder(backend.decoder_weights, batch, compile=compiled, fused=fused)
         started = time.perf_counter()
         decoder.capture(spans=(128, 256))
         capture = time.perf_counter() - started
@@ -226,7 +226,7 @@ def speed() -> dict:
 
 def profile_step(backend) -> dict:
     """Where a batch-1 decode step's GPU time goes (eager kernels; a graph replays the same ones)."""
-    decoder = BatchedPhiDecoder(backend.fast_weights, 1)
+    decoder = BatchedDecoder(backend.decoder_weights, 1)
     decoder.use_graphs = False  # launched one by one, to see each kernel
     decoder.add(Sequence(0, backend.encode(PROMPT)[:16], Sampling(), 64))
     for _ in range(4):
@@ -249,12 +249,12 @@ def quant_parity(method: str) -> dict:
     backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False))
     prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
     n = 32
-    reference = decode_together(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 8))
+    reference = decode_together(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 8))
     started = time.perf_counter()
     quantized = backend.quantize(method)
     seconds = time.perf_counter() - started
-    batched = decode_together(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 8))
-    alone = decode_alone(backend, prompts, n, BatchedPhiDecoder(backend.fast_weights, 1))
+    batched = decode_together(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 8))
+    alone = decode_alone(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 1))
     result = {
         "quantize_s": seconds,
         "weight_bytes": sum(q.nbytes for q in quantized),

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends import torch_fast  # noqa: E402
+from backends import torch_decoder  # noqa: E402
 from backends.drive import drive  # noqa: E402
-from backends.torch_fast import BatchedPhiDecoder  # noqa: E402
+from backends.torch_decoder import BatchedDecoder  # noqa: E402
 
 PROMPTS = ["Alice: describe yourself as JSON. Bob:", "Bob: I am fine", "Alice: What is two plus two? Bob:", "Hello"]
 FAILURES: list[str] = []
@@ -38,7 +38,7 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILURES.append(name)
 
 
-def cuda_like(decoder: BatchedPhiDecoder) -> BatchedPhiDecoder:
+def cuda_like(decoder: BatchedDecoder) -> BatchedDecoder:
     """The decoder as CUDA runs it (fused step, chained steps, device draws), graphs replaced by
     plain calls: the CPU has none."""
     decoder.use_graphs = True
@@ -59,7 +59,7 @@ def main() -> int:
     backend = load_backend("torch", LoadOptions(model="tiny", device="cpu", dtype="float32", adapters_dir=folder, warmup=False))
     from bench import write_random_adapters
 
-    w = backend.fast_weights
+    w = backend.decoder_weights
     from backends import triton_decode
 
     check("the kernels run for the model's shapes", triton_decode.works(w.device, w.embed.dtype, w.hidden, w.head_dim, w.rotary_dim, w.inner))
@@ -67,21 +67,21 @@ def main() -> int:
     # Prefill: one piece from position 0, one after cached columns (both attention choices), padded pieces.
     ids = backend.encode(" ".join(PROMPTS) * 3)
     with torch.inference_mode():
-        plain = BatchedPhiDecoder(w, 4, cuda_graphs=False)
+        plain = BatchedDecoder(w, 4, cuda_graphs=False)
         plain._grow(len(ids) + 8)
         reference, _ = plain._prefill([(0, ids, 0), (1, ids[:50], 0)], lora_rows=[-1, -1])
-        fused = BatchedPhiDecoder(w, 4, cuda_graphs=False, fused=True)
+        fused = BatchedDecoder(w, 4, cuda_graphs=False, fused=True)
         fused._grow(len(ids) + 8)
         fused.use_graphs = True
         one, _ = fused._prefill([(0, ids, 0)], lora_rows=[-1])
         check("prefill, one piece", torch.allclose(one[0], reference[0], atol=1e-5), f"{(one[0] - reference[0]).abs().max():.1e}")
         for threshold in (0, 10**9):
-            torch_fast.LOWER_RIGHT_FROM = threshold
+            torch_decoder.LOWER_RIGHT_FROM = threshold
             fused._prefill([(1, ids[:10], 0)], lora_rows=[-1])
             rest, _ = fused._prefill([(1, ids[10:], 10)], lora_rows=[-1])
             check(f"prefill after cached columns ({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
                   torch.allclose(rest[0], reference[0], atol=1e-5), f"{(rest[0] - reference[0]).abs().max():.1e}")
-        torch_fast.LOWER_RIGHT_FROM = 768
+        torch_decoder.LOWER_RIGHT_FROM = 768
         fused.use_graphs = False
         padded, _ = fused._prefill([(2, ids, 0), (3, ids[:50], 0)], lora_rows=[-1, -1])
         check("prefill, padded pieces", torch.allclose(padded, reference, atol=1e-5), f"{(padded - reference).abs().max():.1e}")
@@ -90,8 +90,8 @@ def main() -> int:
     adapters = [backend.adapters.get(name) for name in write_random_adapters(backend, folder, 2)]
     chosen = [None, adapters[0], adapters[1], None]
     greedy = [Sampling()] * 4
-    unfused = decode(BatchedPhiDecoder(w, 4, cuda_graphs=False), backend, greedy, chosen)
-    got = decode(cuda_like(BatchedPhiDecoder(w, 4, cuda_graphs=False, fused=True)), backend, greedy, chosen)
+    unfused = decode(BatchedDecoder(w, 4, cuda_graphs=False), backend, greedy, chosen)
+    got = decode(cuda_like(BatchedDecoder(w, 4, cuda_graphs=False, fused=True)), backend, greedy, chosen)
     check("greedy decode with adapters, fused = torch ops", got == unfused, f"{sum(a == b for a, b in zip(got, unfused))}/4")
 
     # Sampled rows, under a grammar or not: drawn on the device, the same in a batch as alone.
@@ -105,11 +105,11 @@ def main() -> int:
 
     samplings = samplings_of()
     draws = []
-    original = torch_fast.sample_on_device
-    torch_fast.sample_on_device = lambda *args: draws.append(len(args[0])) or original(*args)
-    decoder = cuda_like(BatchedPhiDecoder(w, 4, cuda_graphs=False, fused=True))
+    original = torch_decoder.sample_on_device
+    torch_decoder.sample_on_device = lambda *args: draws.append(len(args[0])) or original(*args)
+    decoder = cuda_like(BatchedDecoder(w, 4, cuda_graphs=False, fused=True))
     together = decode(decoder, backend, samplings, tokens=24)
-    torch_fast.sample_on_device = original
+    torch_decoder.sample_on_device = original
     check("sampled rows drawn on the device", bool(draws), f"{len(draws)} draws")
     alone, samplings = [], samplings_of()
     for i in range(4):

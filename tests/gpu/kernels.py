@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
 from backends import triton_decode as td  # noqa: E402
-from backends.torch_fast import BatchedPhiDecoder  # noqa: E402
+from backends.torch_decoder import BatchedDecoder  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -73,7 +73,7 @@ def bandwidths() -> dict:
 def attention_sweep() -> list[dict]:
     """attention_block (split, combine) per launch shape, against the unfused step's attention
     (rotary, cache writes, baddbmm, softmax, bmm over the power-of-two span), 8 layers in turn."""
-    from backends.torch_fast import MIN_LENGTH_BUCKET, rope_
+    from backends.torch_decoder import MIN_LENGTH_BUCKET, rope_
 
     hidden, heads, head_dim, rot, inner = 2560, 32, 80, 32, 10240
     defaults = dict(td.ATTENTION)
@@ -147,7 +147,7 @@ def step_speed(backend, batches=(1, 8, 64, 128), prompt_tokens: int = 16) -> lis
     out = []
     for batch in batches:
         for fused, compiled in ((False, False), (False, True), (True, False)):
-            decoder = BatchedPhiDecoder(backend.fast_weights, batch, compile=compiled, fused=fused, prefill_chunk=4096)
+            decoder = BatchedDecoder(backend.decoder_weights, batch, compile=compiled, fused=fused, prefill_chunk=4096)
             for i in range(batch):
                 decoder.add(Sequence(i, list(ids), Sampling(), 400))
             while any(s.next_token is None for s in decoder.slots):
@@ -172,7 +172,7 @@ def step_speed(backend, batches=(1, 8, 64, 128), prompt_tokens: int = 16) -> lis
 
 
 def profile(backend, batch: int, fused: bool) -> dict:
-    decoder = BatchedPhiDecoder(backend.fast_weights, batch, cuda_graphs=True, fused=fused, compile=False)
+    decoder = BatchedDecoder(backend.decoder_weights, batch, cuda_graphs=True, fused=fused, compile=False)
     decoder.use_graphs = False  # eager, to see each kernel (the fused step's are the graph's)
     ids = backend.encode(PROMPT)[:16]
     for i in range(batch):
@@ -195,7 +195,7 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
     ids = (backend.encode(PROMPT) * 100)[:tokens]
     result = {}
     for chunk in (512, 2048):
-        decoder = BatchedPhiDecoder(backend.fast_weights, 1, prefill_chunk=chunk)
+        decoder = BatchedDecoder(backend.decoder_weights, 1, prefill_chunk=chunk)
         times = []
         for round_ in range(4):
             decoder.clear()
@@ -237,15 +237,15 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
 def continued(backend) -> list[dict]:
     """One piece prefilled after cached columns, by attention: bottom-right causal (flash) against
     an explicit mask (memory-efficient kernel), in-process, median of 5."""
-    import backends.torch_fast as torch_fast
+    import backends.torch_decoder as torch_decoder
 
     ids = (backend.encode(PROMPT) * 100)[:1100]
-    decoder = BatchedPhiDecoder(backend.fast_weights, 1)
-    default = torch_fast.LOWER_RIGHT_FROM
+    decoder = BatchedDecoder(backend.decoder_weights, 1)
+    default = torch_decoder.LOWER_RIGHT_FROM
     rows = []
     for cached, new in ((2, 1050), (1000, 15), (1000, 64), (512, 512), (1000, 100)):
         for name, threshold in (("bottom-right causal", 0), ("explicit mask", 10**9)):
-            torch_fast.LOWER_RIGHT_FROM = threshold
+            torch_decoder.LOWER_RIGHT_FROM = threshold
             times = []
             with torch.inference_mode():
                 for _ in range(6):
@@ -257,7 +257,7 @@ def continued(backend) -> list[dict]:
                     times.append(time.perf_counter() - started)
             rows.append({"cached": cached, "new": new, "attention": name, "ms": sorted(times[1:])[2] * 1000})
             say(rows[-1])
-    torch_fast.LOWER_RIGHT_FROM = default
+    torch_decoder.LOWER_RIGHT_FROM = default
     return rows
 
 
@@ -272,16 +272,16 @@ def parity(dtype: str) -> dict:
             decoder, [Sequence(i, backend.encode(prompts[i]), Sampling(), 48) for i in chosen]).ids
         return [ids[i] for i in chosen]
 
-    fused8 = BatchedPhiDecoder(backend.fast_weights, 8, fused=True)
-    plain8 = BatchedPhiDecoder(backend.fast_weights, 8, fused=False)
-    fused1 = BatchedPhiDecoder(backend.fast_weights, 1, fused=True)
+    fused8 = BatchedDecoder(backend.decoder_weights, 8, fused=True)
+    plain8 = BatchedDecoder(backend.decoder_weights, 8, fused=False)
+    fused1 = BatchedDecoder(backend.decoder_weights, 1, fused=True)
     together = decode(fused8, range(8))
     alone = [decode(fused1, [i])[0] for i in range(8)]
     unfused = decode(plain8, range(8))
     # One step's logits, fused against unfused, same inputs.
     ids = backend.encode(PROMPT)
     logits = {}
-    for name, decoder in (("fused", fused1), ("unfused", BatchedPhiDecoder(backend.fast_weights, 1, fused=False))):
+    for name, decoder in (("fused", fused1), ("unfused", BatchedDecoder(backend.decoder_weights, 1, fused=False))):
         decoder.clear()
         decoder.add(Sequence(0, ids, Sampling(), 8))
         decoder.step()

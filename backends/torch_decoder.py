@@ -1,5 +1,11 @@
-"""Batched decoding for the Phi family on PyTorch: a static KV cache in slots, two fused GEMMs
-per block, and on CUDA every decode step replayed from a CUDA graph.
+"""Batched decoding on PyTorch for the decoder-only families (backends/architecture.py: Phi,
+Llama and Mistral, Qwen2/3, Phi-3): a static KV cache in slots, each block's Linears fused into
+as few matrices as its shape allows, and on CUDA every decode step replayed from a CUDA graph.
+
+One decoder for every family: what differs between them (the norm, a parallel or a sequential
+block, a gated MLP or not, grouped key-value heads, biases, q/k norms, sliding windows, the rotary
+embedding's part of a head and its scaling) is read from the model's config into an
+`Architecture`, and each step branches on those facts, never on a family's name.
 
 Sequences join and leave between steps. Each active sequence owns one slot of the cache
 (slots stay packed: 0..n-1), so a decode step is one pass over rows 0..b-1 for every live
@@ -7,33 +13,36 @@ sequence at once, each at its own position, with its own sampling. New prompts a
 together, padded to the longest of like length, at most `prefill_chunk` tokens a step, so a
 long prompt does not stall the sequences already decoding for more than a chunk's time.
 
-On CUDA a block's decode step is cuBLAS's two GEMMs with Triton kernels between them
+On CUDA a Phi block's decode step is cuBLAS's two GEMMs with Triton kernels between them
 (backends/triton_decode: attention over each row's live columns, rotary, GELU, the residual),
 captured once per batch bucket and replayed from a CUDA graph; greedy and sampled steps are
 chained on the device (sampled rows drawn there too), so the GPU does not wait for Python
-between them. Without Triton, or with quantized weights, the step is torch ops (`decode_layer`,
-optionally compiled), one graph per (batch, attention-length) bucket. On the CPU that step runs
-eagerly and the cache grows as sequences do. Measurements: BENCHMARKS.md.
+between them. The other families, quantized weights, and CUDA without Triton take the step in
+torch ops (`decode_block`, compiled on CUDA by default), one graph per (batch, attention-length)
+bucket. On the CPU that step runs eagerly and the cache grows as sequences do. Measurements:
+BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob, prompt_cache_namespace
+from backends.architecture import GELU_TANH, Architecture
 from backends.prompt_cache import PrefixCache
 from backends.torch_logprobs import token_logprobs
 from backends.torch_quant import QuantizedWeight, linear, quantize_weight
-from backends.torch_lora import FusedLoraSlots
+from backends.torch_lora import FusedLoraSlots, FusedMatrix
 from backends.grammar import advance_together
 from backends.torch_sampling import TokenChooser, choose_rows, sample_on_device, sampled_on_device, unpack_on_device
 
-log = logging.getLogger("phi2_server.torch_fast")
+log = logging.getLogger("phi2_server.torch_decoder")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 # Prefill of one piece after cached columns (a prompt continuing a stored prefix, or a chunk of a
@@ -47,20 +56,17 @@ MIN_LENGTH_BUCKET = 128
 
 
 def supports(model) -> bool:
-    """The fast path covers transformers' PhiForCausalLM (Phi-1, Phi-1.5, Phi-2)."""
-    config = model.config
-    return (
-        config.model_type == "phi"
-        and not getattr(config, "qk_layernorm", False)
-        and config.num_key_value_heads == config.num_attention_heads
-    )
+    """Whether the general decoder serves this model (backends/architecture.py says which)."""
+    return Architecture.of(model.config) is not None
 
 
-def activation(name: str, module):
-    """One fused kernel for Phi's tanh-approximated GELU (transformers' NewGELU is six)."""
-    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+def activation(name: str):
+    """The MLP's activation as one kernel (transformers' NewGELU is six)."""
+    if name in GELU_TANH:
         return lambda x: F.gelu(x, approximate="tanh")
-    return module
+    if name == "gelu":
+        return F.gelu
+    return F.silu
 
 
 def prefill_attention():
@@ -77,53 +83,104 @@ def bucket(n: int, buckets) -> int:
     return next((b for b in buckets if b >= n), n)
 
 
-class PhiWeights:
-    """The model's weights as the fast step reads them, fused into two matrices per block.
+class Block(NamedTuple):
+    """One block's weights as the step reads them (None where the family has none).
 
-    Phi's block is parallel: x + attention(LN(x)) + mlp(LN(x)). So q, k, v and fc1 all read
-    LN(x): one matrix [q; k; v; fc1]. dense and fc2 both add to the residual: one matrix
-    [dense | fc2] over the concatenated [attention output, gelu(fc1)]. Two large GEMMs a block
-    instead of six. The model's own Linears are re-pointed at views of the fused matrices, so
-    nothing is stored twice and transformers' forward still works.
-    """
+    Parallel blocks (Phi: x + attention(LN x) + mlp(LN x)) read LN(x) once for q, k, v and fc1:
+    `w_in` is [q; k; v; fc1], and the output Linears add to the same residual: `w_out` is
+    [o | fc2] over [attention, act(fc1)], `b_out` their biases summed. Sequential blocks: `w_in`
+    is [q; k; v], `w_out` the output projection; then `norm2`, `w_up` ([gate; up] in a gated
+    MLP, else fc1) and `w_down`. Two GEMMs a block for Phi, four for the others, where
+    transformers runs six or seven."""
+
+    norm1_w: torch.Tensor
+    norm1_b: torch.Tensor | None
+    w_in: torch.Tensor
+    b_in: torch.Tensor | None
+    w_out: torch.Tensor
+    b_out: torch.Tensor | None
+    norm2_w: torch.Tensor | None = None
+    norm2_b: torch.Tensor | None = None
+    w_up: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    w_down: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm weights over a head of q, and of k
+    k_norm: torch.Tensor | None = None
+
+    def matrices(self) -> list[str]:
+        return [name for name in ("w_in", "w_out", "w_up", "w_down") if getattr(self, name) is not None]
+
+
+class Shape(NamedTuple):
+    """What a step needs of the architecture besides the weights (static for torch.compile)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    inner: int
+    eps: float
+    rms_norm: bool
+    parallel: bool
+    gated: bool
+    activation: object
+
+
+class DecoderWeights:
+    """The model's weights as the step reads them, fused (see `Block`), and its rotary tables.
+
+    The model's own Linears are re-pointed at views of the fused matrices, so nothing is stored
+    twice and transformers' forward still works on the same weights."""
 
     def __init__(self, model, decodable: int, context: int):
-        config = model.config
+        arch = Architecture.of(model.config)
+        if arch is None:
+            raise ValueError(f"{model.config.model_type} is not served by the general decoder")
+        self.arch = arch
+        self.model = model
         inner = model.model
         self.decodable = decodable  # ids from here on decode to nothing: they are never sampled
         self.context = context
-        self.hidden = config.hidden_size
-        self.inner = config.intermediate_size
-        self.heads = config.num_attention_heads
-        self.head_dim = self.hidden // self.heads
-        rope_parameters = getattr(config, "rope_parameters", None) or {}
-        factor = rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        self.rotary_dim = int(self.head_dim * factor)
-        self.eps = config.layer_norm_eps
+        self.hidden, self.heads, self.head_dim, self.inner = arch.hidden, arch.heads, arch.head_dim, arch.inner
         self.embed = inner.embed_tokens.weight
-        self.final_norm = (inner.final_layernorm.weight, inner.final_layernorm.bias)
-        self.lm_head = (model.lm_head.weight, model.lm_head.bias)
-        self.activation = activation(config.hidden_act, inner.layers[0].mlp.activation_fn)
-        self.layers = []
+        final = inner.final_layernorm if arch.family == "phi" else inner.norm
+        self.final_norm = (final.weight, getattr(final, "bias", None))
+        self.lm_head = (model.lm_head.weight, getattr(model.lm_head, "bias", None))
+        self.activation = activation(arch.activation)
+        self.shape = Shape(arch.hidden, arch.heads, arch.kv_heads, arch.head_dim, arch.rotary_dim, arch.inner, arch.eps,
+                           arch.rms_norm, arch.parallel, arch.gated, self.activation)
         with torch.no_grad():
-            for layer in inner.layers:
-                attention, mlp = layer.self_attn, layer.mlp
-                into_residual = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.fc1]
-                w_in = torch.cat([m.weight for m in into_residual])
-                b_in = torch.cat([m.bias for m in into_residual])
-                row = 0
-                for m in into_residual:
-                    rows = slice(row, row + m.out_features)
-                    m.weight, m.bias = _param(w_in[rows]), _param(b_in[rows])
-                    row += m.out_features
-                w_out = torch.cat([attention.dense.weight, mlp.fc2.weight], dim=1)
-                b_out = attention.dense.bias + mlp.fc2.bias
-                attention.dense.weight = _param(w_out[:, : self.hidden])
-                mlp.fc2.weight = _param(w_out[:, self.hidden :])
-                self.layers.append((layer.input_layernorm.weight, layer.input_layernorm.bias, w_in, b_in, w_out, b_out))
-        theta = rope_parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
-        self.inv_freq = inv_freq.to(self.embed.device)
+            self.layers = [self._block(layer) for layer in inner.layers]
+        self.lora_matrices = lora_matrices(arch, self.layers[0])
+
+    def _block(self, layer) -> Block:
+        arch, find = self.arch, layer.get_submodule
+        names = arch.layout
+        if "qkv" in names:
+            attention_in = [find(names["qkv"])]
+        else:
+            attention_in = [find(names["q"]), find(names["k"]), find(names["v"])]
+        norm1 = layer.input_layernorm
+        if arch.parallel:  # [q; k; v; fc1] over LN(x), [o | fc2] into the residual
+            w_in, b_in = fuse_rows([*attention_in, find(names["fc1"])])
+            o, fc2 = find(names["o"]), find(names["fc2"])
+            w_out = torch.cat([o.weight, fc2.weight], dim=1)
+            o.weight, fc2.weight = _param(w_out[:, : o.in_features]), _param(w_out[:, o.in_features :])
+            b_out = _sum_bias(o.bias, fc2.bias)
+            return Block(norm1.weight, getattr(norm1, "bias", None), w_in, b_in, w_out, b_out)
+        w_in, b_in = fuse_rows(attention_in)
+        o = find(names["o"])
+        up = [find(names["gate_up"])] if "gate_up" in names else [find(names["gate"]), find(names["up"])]
+        w_up, b_up = fuse_rows(up)
+        down = find(names["down"])
+        norm2 = layer.post_attention_layernorm
+        attention = layer.self_attn
+        q_norm = attention.q_norm.weight if arch.qk_norm else None
+        k_norm = attention.k_norm.weight if arch.qk_norm else None
+        return Block(norm1.weight, getattr(norm1, "bias", None), w_in, b_in, o.weight, o.bias,
+                     norm2.weight, getattr(norm2, "bias", None), w_up, b_up, down.weight, down.bias, q_norm, k_norm)
 
     @property
     def device(self) -> torch.device:
@@ -133,34 +190,131 @@ class PhiWeights:
     def quantize(self, model, method: str) -> list[QuantizedWeight]:
         """Quantize the fused block matrices (torch_quant) and free their full-precision copies.
 
-        The model's own q/k/v/fc1/dense/fc2 weights are views of those copies: they are emptied
-        too, so a quantized model serves through this fast path only (transformers' forward
-        would find no weights). Layer by layer, so the peak memory stays one layer above the
-        full-precision model."""
+        The model's own Linears in the blocks are views of those copies (or the copies
+        themselves): they are emptied too, so a quantized model serves through this decoder
+        only (transformers' forward would find no weights). Layer by layer, so the peak memory
+        stays one layer above the full-precision model."""
         quantized = []
-        for index, (layer, (ln_w, ln_b, w_in, b_in, w_out, b_out)) in enumerate(zip(model.model.layers, self.layers)):
-            q_in, q_out = quantize_weight(w_in, method), quantize_weight(w_out, method)
-            self.layers[index] = (ln_w, ln_b, q_in, b_in, q_out, b_out)
-            attention, mlp = layer.self_attn, layer.mlp
-            for module in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.fc1, attention.dense, mlp.fc2):
-                module.weight = _param(torch.empty(0, dtype=w_in.dtype, device=w_in.device))
-            quantized += [q_in, q_out]
+        for index, (layer, block) in enumerate(zip(model.model.layers, self.layers)):
+            replaced = {}
+            for name in block.matrices():
+                replaced[name] = quantize_weight(getattr(block, name), method)
+                quantized.append(replaced[name])
+            self.layers[index] = block._replace(**replaced)
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight = _param(torch.empty(0, dtype=block.w_in.dtype, device=block.w_in.device))
         return quantized
 
     def rotary_tables(self, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin for positions 0..length-1 (see `rope`), computed in float32
-        then cast, as transformers does."""
-        positions = torch.arange(length, device=self.embed.device, dtype=torch.float)
-        freqs = positions[:, None] * self.inv_freq[None, :]
-        table = torch.cat((freqs, freqs), dim=-1)
-        half = self.rotary_dim // 2
-        sign = torch.cat((-torch.ones(half), torch.ones(half))).to(table.device)
-        return table.cos().to(dtype), (table.sin() * sign).to(dtype)
+        """cos and sign-folded sin for positions 0..length-1 (see `rope_`), from the model's own
+        rotary module (so every scaling transformers knows is applied as it applies it), in
+        float32 then cast, as transformers does.
+
+        A rotary scaling that depends on the sequence's length is taken per position here:
+        longrope (Phi-3's 128k models) turns position p with its long factors when p is past
+        `original_max_position_embeddings` (transformers uses them for every position of a
+        sequence once it is longer than that); dynamic NTK scaling only starts past the context
+        window, which the server does not go beyond. Positions the table does not cover (the
+        cache's scratch column) repeat the last one."""
+        rotary = self.model.model.rotary_emb
+        device = self.embed.device
+        x = torch.zeros(1, dtype=torch.float32, device=device)
+        covered = min(length, self.context)
+        cuts = [0, covered]
+        original = (getattr(self.model.config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
+        if getattr(rotary, "rope_type", "default") == "longrope" and original and original < covered:
+            cuts = [0, original, covered]
+        cos_parts, sin_parts = [], []
+        with torch.no_grad():
+            for start, end in zip(cuts, cuts[1:]):
+                cos, sin = rotary(x, torch.arange(start, end, device=device)[None])
+                cos_parts.append(cos[0].float())
+                sin_parts.append(sin[0].float())
+        return self._table(torch.cat(cos_parts), torch.cat(sin_parts), length, dtype)
+
+    @property
+    def long_prompts_from(self) -> int | None:
+        """longrope: a prompt longer than this is prefilled with the long factors at every
+        position, as transformers does (`long_rotary_tables`); None for other rotaries."""
+        rotary = self.model.model.rotary_emb
+        if getattr(rotary, "rope_type", "default") != "longrope":
+            return None
+        return (getattr(self.model.config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
+
+    def long_rotary_tables(self, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """longrope's long factors at every position 0..length-1 (see `rotary_tables`)."""
+        rotary = self.model.model.rotary_emb
+        device = self.embed.device
+        covered = min(length, self.context)
+        with torch.no_grad():  # positions past the original length: transformers takes the long factors
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=device), torch.arange(covered, device=device)[None])
+        return self._table(cos[0].float(), sin[0].float(), length, dtype)
+
+    def _table(self, cos: torch.Tensor, sin: torch.Tensor, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, as long as `length` (the last position repeated), in `dtype`."""
+        if len(cos) < length:
+            cos = torch.cat([cos, cos[-1:].expand(length - len(cos), -1)])
+            sin = torch.cat([sin, sin[-1:].expand(length - len(sin), -1)])
+        half = cos.shape[-1] // 2
+        sign = torch.cat((-torch.ones(half), torch.ones(half))).to(cos.device)
+        return cos.to(dtype), (sin * sign).to(dtype)
 
 
-def _fused_available(weights: PhiWeights, on_cuda_graphs: bool) -> bool:
-    """The Triton step serves unquantized weights on CUDA, where Triton is installed."""
-    if not on_cuda_graphs or any(isinstance(part, QuantizedWeight) for part in weights.layers[0]):
+def fuse_rows(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Linears' weights stacked ([out_1 + out_2 + ..., in]: one GEMM over the same input), and
+    their biases (zeros for a module without one, if another has one); each module's weight and
+    bias become views of them."""
+    if len(modules) == 1:
+        return modules[0].weight, modules[0].bias
+    weight = torch.cat([m.weight for m in modules])
+    with_bias = any(m.bias is not None for m in modules)
+    bias = torch.cat([m.bias if m.bias is not None else weight.new_zeros(m.out_features) for m in modules]) if with_bias else None
+    row = 0
+    for m in modules:
+        rows = slice(row, row + m.out_features)
+        m.weight = _param(weight[rows])
+        if m.bias is not None:
+            m.bias = _param(bias[rows])
+        row += m.out_features
+    return weight, bias
+
+
+def _sum_bias(a, b):
+    if a is None or b is None:
+        return a if b is None else b
+    return a + b
+
+
+def lora_matrices(arch: Architecture, block: Block) -> list[FusedMatrix]:
+    """Where each adaptable module (by the name mlx-lm gives it) sits in a block's fused matrices,
+    in `Block.matrices()` order: the rows of the matrix's input it reads, and the columns of its
+    output it writes."""
+    names, h, q, kv, inner = arch.layout, arch.hidden, arch.q_size, arch.kv_size, arch.inner
+    qkv = q + 2 * kv
+    if "qkv" in names:
+        attention = {names["qkv"]: (0, h, 0, qkv)}
+    else:
+        attention = {names["q"]: (0, h, 0, q), names["k"]: (0, h, q, q + kv), names["v"]: (0, h, q + kv, qkv)}
+    if arch.parallel:
+        return [
+            FusedMatrix(h, qkv + inner, {**attention, names["fc1"]: (0, h, qkv, qkv + inner)}),
+            FusedMatrix(q + inner, h, {names["o"]: (0, q, 0, h), names["fc2"]: (q, q + inner, 0, h)}),
+        ]
+    up = {names["gate_up"]: (0, h, 0, 2 * inner)} if "gate_up" in names else {names["gate"]: (0, h, 0, inner), names["up"]: (0, h, inner, 2 * inner)}
+    return [
+        FusedMatrix(h, qkv, attention),
+        FusedMatrix(q, h, {names["o"]: (0, q, 0, h)}),
+        FusedMatrix(h, 2 * inner, up),
+        FusedMatrix(inner, h, {names["down"]: (0, inner, 0, h)}),
+    ]
+
+
+def _fused_available(weights: DecoderWeights, on_cuda_graphs: bool) -> bool:
+    """The Triton step serves unquantized Phi-shaped blocks (parallel, one key-value head a query
+    head, no window) on CUDA, where Triton is installed."""
+    arch = weights.arch
+    if not on_cuda_graphs or not arch.parallel or arch.group != 1 or any(arch.windows) or isinstance(weights.layers[0].w_in, QuantizedWeight):
         return False
     try:
         from backends import triton_decode
@@ -168,49 +322,94 @@ def _fused_available(weights: PhiWeights, on_cuda_graphs: bool) -> bool:
         log.warning("Triton is not installed: the CUDA decode step runs without its fused kernels")
         return False
     w = weights
-    return triton_decode.works(w.device, w.embed.dtype, w.hidden, w.head_dim, w.rotary_dim, w.inner)
+    return triton_decode.works(w.device, w.embed.dtype, w.hidden, w.head_dim, arch.rotary_dim, w.inner)
 
 
 def _param(tensor: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def rope_(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int) -> None:
-    """Rotary embedding, in place, on the first `rotary_dim` dims of q and k ([..., 2, heads, head_dim]).
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int) -> None:
+    """Rotary embedding, in place, on the first `rotary_dim` dims of each head of x ([..., heads, head_dim]).
 
     transformers computes x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; that is
     roll(x, half) * [-1.., 1..], so the sign is folded into the sin table: three kernels."""
-    rot = qk[..., :rotary_dim]
+    rot = x[..., :rotary_dim]
     rolled = rot.roll(rotary_dim // 2, dims=-1)
     rot.copy_(torch.addcmul(rot * cos, rolled, signed_sin))
 
 
-def decode_layer(x, cos, sin, bias, positions, rows, k_cache, v_cache, ln_w, ln_b, w_in, b_in, w_out, b_out, *, shape, lora=None):
-    """One Phi block for one new token per row: x [b, hidden] at `positions`, the cache of
-    each row in k_cache/v_cache [rows, heads, length, head_dim]; `bias` masks the columns a
-    row must not see ([b * heads, 1, span]); `lora`, if the block is adapted, is each row's
-    adapter product (torch_lora). Compilable: shapes come from the tensors."""
-    hidden, heads, head_dim, rotary_dim, eps, activation = shape
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool) -> torch.Tensor:
+    """LayerNorm, or RMSNorm as transformers computes it (in float32, cast back, then the weight)."""
+    if not rms:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def split_heads(y: torch.Tensor, shape: Shape, q_norm=None, k_norm=None):
+    """q [..., heads, head_dim], k and v [..., kv_heads, head_dim] from y = [q; k; v; ...]:
+    views of y (copies only where Qwen3 normalizes q and k)."""
+    q_size, kv_size = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    lead = y.shape[:-1]
+    q = y[..., :q_size].view(*lead, shape.heads, shape.head_dim)
+    k = y[..., q_size : q_size + kv_size].view(*lead, shape.kv_heads, shape.head_dim)
+    v = y[..., q_size + kv_size : q_size + 2 * kv_size].view(*lead, shape.kv_heads, shape.head_dim)
+    if q_norm is not None:
+        q, k = norm(q, q_norm, None, shape.eps, True), norm(k, k_norm, None, shape.eps, True)
+    return q, k, v
+
+
+def mlp_and_residual(x, attention, y, block: Block, shape: Shape, lora):
+    """After attention: the block's output added to the residual x. Parallel: one GEMM over
+    [attention, act(fc1)]; sequential: the output projection, then the second norm and the MLP."""
+    if shape.parallel:
+        mixed = torch.cat((attention, shape.activation(y[..., shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim :])), dim=-1)
+        out = linear(mixed, block.w_out, block.b_out)
+        if lora is not None:
+            out = out + lora_product(mixed, *lora[1])
+        return x + out
+    out = linear(attention, block.w_out, block.b_out)
+    if lora is not None:
+        out = out + lora_product(attention, *lora[1])
+    x = x + out
+    h = norm(x, block.norm2_w, block.norm2_b, shape.eps, shape.rms_norm)
+    u = linear(h, block.w_up, block.b_up)
+    if lora is not None:
+        u = u + lora_product(h, *lora[2])
+    g = shape.activation(u[..., : shape.inner]) * u[..., shape.inner :] if shape.gated else shape.activation(u)
+    out = linear(g, block.w_down, block.b_down)
+    if lora is not None:
+        out = out + lora_product(g, *lora[3])
+    return x + out
+
+
+def decode_block(x, cos, sin, bias, positions, rows, k_cache, v_cache, *block, shape: Shape, lora=None):
+    """One block for one new token per row: x [b, hidden] at `positions`, the cache of each row
+    in k_cache/v_cache [rows, kv_heads, length, head_dim]; `bias` masks the columns a row must
+    not see ([b * kv_heads, 1, span]: its future, and what is past its sliding window); `lora`, if
+    the block is adapted, is each row's adapter product per fused matrix (torch_lora).
+    Compilable: shapes come from the tensors, the block's weights are plain arguments."""
+    block = Block(*block)
     batch, span = x.shape[0], bias.shape[-1]
-    h = F.layer_norm(x, (hidden,), ln_w, ln_b, eps)
-    y = linear(h, w_in, b_in)
+    h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+    y = linear(h, block.w_in, block.b_in)
     if lora is not None:
         y = y + lora_product(h, *lora[0])
-    qkv = y[:, : 3 * hidden].view(batch, 3, heads, head_dim)
-    rope_(qkv[:, :2], cos, sin, rotary_dim)
-    q, k, v = qkv.unbind(1)
+    q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)
+    rope_(q, cos, sin, shape.rotary_dim)
+    rope_(k, cos, sin, shape.rotary_dim)
     k_cache[rows, :, positions] = k
     v_cache[rows, :, positions] = v
-    # Attention of one query per row over its cache: three batched kernels.
-    keys = k_cache[:batch, :, :span].reshape(batch * heads, span, head_dim)
-    values = v_cache[:batch, :, :span].reshape(batch * heads, span, head_dim)
-    scores = torch.baddbmm(bias, q.reshape(batch * heads, 1, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5)
-    attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(batch, hidden)
-    mixed = torch.cat((attention, activation(y[:, 3 * hidden :])), dim=-1)
-    out = linear(mixed, w_out, b_out)
-    if lora is not None:
-        out = out + lora_product(mixed, *lora[1])
-    return x + out
+    # Attention of one query per row over its cache: the query heads that share a key-value head
+    # attend together, [b * kv_heads, group, head_dim] against [b * kv_heads, span, head_dim].
+    group, head_dim = shape.heads // shape.kv_heads, shape.head_dim
+    keys = k_cache[:batch, :, :span].reshape(batch * shape.kv_heads, span, head_dim)
+    values = v_cache[:batch, :, :span].reshape(batch * shape.kv_heads, span, head_dim)
+    scores = torch.baddbmm(bias, q.reshape(batch * shape.kv_heads, group, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5)
+    attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(batch, shape.heads * head_dim)
+    return mlp_and_residual(x, attention, y, block, shape, lora)
 
 
 def lora_product(x, a, b, mask):
@@ -263,12 +462,12 @@ class _Slot:
         return (self.sequence.prompt_ids + self.generated)[: self.cached]
 
 
-class BatchedPhiDecoder:
-    """The contract's Decoder for up to `max_batch` Phi sequences at once (see the module docstring)."""
+class BatchedDecoder:
+    """The contract's Decoder for up to `max_batch` sequences at once (see the module docstring)."""
 
     @torch.inference_mode()  # the cache and buffers are inference tensors, as everything that writes them
     def __init__(
-        self, weights: PhiWeights, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
+        self, weights: DecoderWeights, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
         compile: bool = False, prompt_cache_bytes: int = 0, adapter_slots: int = 8, fused: bool | None = None,
     ):
         self.weights = weights
@@ -278,23 +477,27 @@ class BatchedPhiDecoder:
         self.dtype = weights.embed.dtype
         self.capacity = max_batch
         self.adapter_slots = adapter_slots
-        self.lora = FusedLoraSlots(weights.hidden, weights.inner, adapter_slots, self.device, self.dtype)
+        self.lora = FusedLoraSlots(weights.lora_matrices, adapter_slots, self.device, self.dtype)
         self.context = weights.context
         on_cuda = self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or (512 if on_cuda else 64)
         self.use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         self.cos, self.sin = self.weights.rotary_tables(self.context + 1, self.dtype)
+        # longrope: a prompt longer than its original length is prefilled with the long factors.
+        self.long_prompts_from = self.weights.long_prompts_from
+        self.cos_long = self.sin_long = None
+        if self.long_prompts_from is not None:
+            self.cos_long, self.sin_long = self.weights.long_rotary_tables(self.context + 1, self.dtype)
         self.slots: list[_Slot] = []
         self.index: dict[int, int] = {}  # sequence id -> slot
         # On CUDA the whole cache is allocated once (graphs hold its address); on the CPU it grows.
         self.cache_length = self.context + 1 if self.use_graphs else min(self.context + 1, MIN_LENGTH_BUCKET)
         self.rows = bucket(max_batch, BATCH_BUCKETS) if self.use_graphs else max_batch
         self.k, self.v = self._new_cache(self.cache_length)
-        w = self.weights
-        self._shape = (w.hidden, w.heads, w.head_dim, w.rotary_dim, w.eps, w.activation)
-        # torch.compile fuses each block's small kernels (LayerNorm, rotary, GELU, residual);
+        self._shape = self.weights.shape
+        # torch.compile fuses each block's small kernels (norms, rotary, activations, residuals);
         # dynamic shapes: one compilation serves every batch and length bucket.
-        self._layer = torch.compile(decode_layer, dynamic=True, fullgraph=True) if compile else decode_layer
+        self._layer = torch.compile(decode_block, dynamic=True, fullgraph=True) if compile else decode_block
         # On CUDA the decode step puts Triton kernels between cuBLAS's GEMMs (backends/triton_decode),
         # adapters too; quantized weights take the step above.
         self.fused = _fused_available(weights, self.use_graphs) if fused is None else fused
@@ -317,7 +520,7 @@ class BatchedPhiDecoder:
 
     def _new_cache(self, length: int):
         w = self.weights
-        shape = (len(w.layers), self.rows, w.heads, length, w.head_dim)
+        shape = (len(w.layers), self.rows, w.arch.kv_heads, length, w.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -- the contract ----------------------------------------------------------------------------
@@ -346,7 +549,7 @@ class BatchedPhiDecoder:
         self._drain()
         index = self._place(adapter)
         try:
-            return self._prefill([(len(self.slots), ids, 0)], lora_rows=[index])[0][0].float()
+            return self._prefill([(len(self.slots), ids, 0)], lora_rows=[index], long_rope=[self._long_prompt(ids)])[0][0].float()
         finally:
             if index >= 0:
                 self.lora.release(index)
@@ -371,7 +574,7 @@ class BatchedPhiDecoder:
         # left to prefill: the first sampled token needs fresh logits). Prompt logprobs need
         # the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
-        reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=prompt_cache_namespace(sequence))
+        reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=self._namespace(sequence))
         if reused:
             self._grow(reused)
             at = 0
@@ -383,6 +586,14 @@ class BatchedPhiDecoder:
         self.index[sequence.id] = row
         self.slots.append(slot)
         return reused
+
+    def _long_prompt(self, prompt: list[int]) -> bool:
+        return self.long_prompts_from is not None and len(prompt) > self.long_prompts_from
+
+    def _namespace(self, sequence: Sequence) -> str:
+        """Its prompt cache namespace; longrope's long prompts have their own (their KV was
+        rotated with other factors at every position)."""
+        return prompt_cache_namespace(sequence) + ("/long-rope" if self._long_prompt(sequence.prompt_ids) else "")
 
     def _place(self, adapter) -> int:
         if adapter is None:
@@ -407,7 +618,7 @@ class BatchedPhiDecoder:
         per_id = 2 * self.k[:, row, :, :1].numel() * self.k.element_size()
         self.prompts.store(
             slot.cached_ids(), per_id, lambda start, end: (self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()),
-            namespace=prompt_cache_namespace(slot.sequence),
+            namespace=self._namespace(slot.sequence),
         )
 
     @torch.inference_mode()
@@ -534,7 +745,7 @@ class BatchedPhiDecoder:
         produced = {}
         for group in groups.values():
             scored = [r for r, (i, _, _) in enumerate(group) if self.slots[i].sequence.prompt_logprobs is not None]
-            logits, every = self._prefill(group, every_position=scored)
+            logits, every = self._prefill(group, every_position=scored, long_rope=[self._long_prompt(self.slots[i].sequence.prompt_ids) for i, _, _ in group])
             greedy = logits[:, : self.weights.decodable].argmax(dim=-1).tolist()
             first = []  # (slot, row, its first token)
             for r, ((i, ids, start), row, token) in enumerate(zip(group, logits, greedy)):
@@ -564,7 +775,10 @@ class BatchedPhiDecoder:
             slot.prompt_scores += token_logprobs(logits[: len(predicted)], predicted, slot.sequence.prompt_logprobs)
 
     @torch.inference_mode()
-    def _prefill(self, parts: list[tuple[int, list[int], int]], every_position: list[int] = (), lora_rows: list[int] | None = None) -> tuple[torch.Tensor, dict]:
+    def _prefill(
+        self, parts: list[tuple[int, list[int], int]], every_position: list[int] = (), lora_rows: list[int] | None = None,
+        long_rope: list[bool] | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """Run prompt pieces (slot, ids, first position) through the model, padded to the longest;
         write their keys and values to their slots; return each piece's last-token logits, and
         {piece: the logits of each of its positions} for the pieces in `every_position`.
@@ -607,39 +821,50 @@ class BatchedPhiDecoder:
         lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
         adapted = self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
         with prefill_attention():
-            x = self._prefill_layers(x, _Placement(slots, positions, span, one, mask), adapted)
+            x = self._prefill_layers(x, _Placement(slots, positions, span, one, mask), adapted, long_rope)
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
 
-    def _prefill_mask(self, positions: torch.Tensor, span: int) -> torch.Tensor:
+    def _prefill_mask(self, positions: torch.Tensor, span: int, window: int | None = None) -> torch.Tensor:
         """The additive attention mask [n, 1, length, span] of pieces at `positions` [n, length]:
-        each sees the columns up to its own position."""
-        visible = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+        each sees the columns up to its own position (and, with a sliding window, only the last
+        `window` of them)."""
+        columns = torch.arange(span, device=self.device)[None, None, :]
+        visible = columns <= positions[:, :, None]
+        if window is not None:
+            visible &= columns > positions[:, :, None] - window
+        visible = visible[:, None]
         return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
 
-    def _prefill_layers(self, x, placed: "_Placement", adapted: dict) -> torch.Tensor:
-        w = self.weights
+    def _prefill_layers(self, x, placed: "_Placement", adapted: dict, long_rope: list[bool] | None = None) -> torch.Tensor:
+        w, shape = self.weights, self.weights.shape
         n, length = x.shape[:2]
         if self.fused:
             from backends import triton_decode as fused
 
             token_slots, token_positions = placed.slots.repeat_interleave(length), placed.positions.reshape(-1)
         else:
-            cos, sin = self.cos[placed.positions][:, :, None, None, :], self.sin[placed.positions][:, :, None, None, :]
-        for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
+            cos, sin = self.cos[placed.positions], self.sin[placed.positions]
+            if long_rope and any(long_rope):
+                long = torch.tensor(long_rope, device=self.device)[:, None, None]
+                cos = torch.where(long, self.cos_long[placed.positions], cos)
+                sin = torch.where(long, self.sin_long[placed.positions], sin)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        masks = {}  # window -> the attention mask of its layers (None: plain causal)
+        for l, block in enumerate(w.layers):
             lora = adapted.get(l)
-            h = F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps)
-            y = linear(h, w_in, b_in)
+            h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+            y = linear(h, block.w_in, block.b_in)
             if lora is not None:
                 y = y + lora_product(h, *lora[0])
             if self.fused:  # one kernel: rotary on q in place, k and v to the cache
-                fused.prefill_rotary(y.view(n * length, -1), self.cos, self.sin, token_positions, token_slots, self.k[l], self.v[l], w.hidden, w.head_dim, w.rotary_dim)
+                fused.prefill_rotary(y.view(n * length, -1), self.cos, self.sin, token_positions, token_slots, self.k[l], self.v[l], w.hidden, w.head_dim, shape.rotary_dim)
                 q = y[..., : w.hidden].view(n, length, w.heads, w.head_dim)
             else:
-                qkv = y[..., : 3 * w.hidden].view(n, length, 3, w.heads, w.head_dim)
-                rope_(qkv[:, :, :2], cos, sin, w.rotary_dim)
-                q, k, v = qkv.unbind(2)  # [n, length, heads, head_dim]
+                q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [n, length, heads, head_dim]
+                rope_(q, cos, sin, shape.rotary_dim)
+                rope_(k, cos, sin, shape.rotary_dim)
                 if placed.one is not None:
                     slot, start, end = placed.one
                     self.k[l, slot, :, start:end] = k[0].transpose(0, 1)
@@ -652,22 +877,22 @@ class BatchedPhiDecoder:
                 keys, values = self.k[l, slot : slot + 1, :, : placed.span], self.v[l, slot : slot + 1, :, : placed.span]
             else:
                 keys, values = self.k[l][placed.slots, :, : placed.span], self.v[l][placed.slots, :, : placed.span]
-            if placed.one is not None and placed.mask is None:  # a piece from position 0: plain causal
-                attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True)
+            window = w.arch.windows[l]
+            if window not in masks:
+                masks[window] = placed.mask if window is None else self._prefill_mask(placed.positions, placed.span, window)
+            mask, grouped = masks[window], w.arch.group > 1
+            if mask is None:  # a piece from position 0: plain causal
+                attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=grouped)
             else:
-                attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=placed.mask)
-            mixed = torch.cat((attention.transpose(1, 2).reshape(n, length, w.hidden), w.activation(y[..., 3 * w.hidden :])), dim=-1)
-            out = linear(mixed, w_out, b_out)
-            if lora is not None:
-                out = out + lora_product(mixed, *lora[1])
-            x = x + out
+                attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=grouped)
+            x = mlp_and_residual(x, attention.transpose(1, 2).reshape(n, length, w.arch.q_size), y, block, shape, lora)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The raw logits over the whole model vocabulary (logprobs are taken over all of it;
         the choice of a token is limited to the ids the tokenizer can decode)."""
         w = self.weights
-        x = F.layer_norm(x, (w.hidden,), *w.final_norm, w.eps)
+        x = norm(x, *w.final_norm, w.shape.eps, w.shape.rms_norm)
         return F.linear(x, *w.lm_head)
 
     # -- decode ----------------------------------------------------------------------------------
@@ -794,13 +1019,20 @@ class BatchedPhiDecoder:
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         rows = torch.arange(batch, device=self.device)
         x = w.embed[tokens]  # [b, hidden]
-        cos, sin = self.cos[positions][:, None, None, :], self.sin[positions][:, None, None, :]
-        visible = torch.arange(span, device=self.device)[None, :] <= positions[:, None]
-        bias = torch.zeros(batch, span, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        bias = bias[:, None, None, :].expand(batch, w.heads, 1, span).reshape(batch * w.heads, 1, span)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        columns = torch.arange(span, device=self.device)[None, :]
+        biases = {}  # window -> the columns each row may not see, per key-value head
+        for window in set(w.arch.windows):
+            visible = columns <= positions[:, None]
+            if window is not None:
+                visible &= columns > positions[:, None] - window
+            bias = torch.zeros(batch, span, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            kv_heads = w.arch.kv_heads
+            biases[window] = bias[:, None, None, :].expand(batch, kv_heads, 1, span).reshape(batch * kv_heads, 1, span)
         adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
-        for l, layer in enumerate(w.layers):
-            x = self._layer(x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *layer, shape=self._shape, lora=adapted.get(l))
+        for l, block in enumerate(w.layers):
+            bias = biases[w.arch.windows[l]]
+            x = self._layer(x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *block, shape=self._shape, lora=adapted.get(l))
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
@@ -813,25 +1045,25 @@ class BatchedPhiDecoder:
         tokens, positions, active = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
         adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
         x = w.embed[tokens]
-        for l, (ln_w, ln_b, w_in, b_in, w_out, b_out) in enumerate(w.layers):
-            h = F.layer_norm(x, (w.hidden,), ln_w, ln_b, w.eps)
-            y = F.linear(h, w_in, b_in)
+        for l, block in enumerate(w.layers):
+            h = F.layer_norm(x, (w.hidden,), block.norm1_w, block.norm1_b, w.shape.eps)
+            y = F.linear(h, block.w_in, block.b_in)
             if l in adapted:
                 y = y + lora_product(h, *adapted[l][0])
-            mixed, xb = fused.attention_block(y, x, self.cos, self.sin, positions, active, self.k[l], self.v[l], b_out, w.hidden, w.head_dim, w.rotary_dim)
-            x = torch.addmm(xb, mixed, w_out.t())  # x + b_out + mixed @ w_out.T, in cuBLAS's epilogue
+            mixed, xb = fused.attention_block(y, x, self.cos, self.sin, positions, active, self.k[l], self.v[l], block.b_out, w.hidden, w.head_dim, w.shape.rotary_dim)
+            x = torch.addmm(xb, mixed, block.w_out.t())  # x + b_out + mixed @ w_out.T, in cuBLAS's epilogue
             if l in adapted:
                 x = x + lora_product(mixed, *adapted[l][1])
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
-    def _lora_layers(self, row_slots: torch.Tensor, prefill: bool = False) -> dict[int, tuple]:
-        """{block: ((a_in, b_in, mask_in), (a_out, b_out, mask_out))} for the adapted blocks,
+    def _lora_layers(self, row_slots: torch.Tensor, prefill: bool = False) -> dict[int, list[tuple]]:
+        """{block: [(a, b, mask) for each fused matrix of the block]} for the adapted blocks,
         masked by each row's adapter slot (prefill rows hold several positions: the mask broadcasts)."""
-        mask_in, mask_out = self.lora.masks(row_slots)
+        masks = self.lora.masks(row_slots)
         if prefill:
-            mask_in, mask_out = mask_in[:, None], mask_out[:, None]
-        return {l: ((a_in, b_in, mask_in), (a_out, b_out, mask_out)) for l, (a_in, b_in, a_out, b_out) in self.lora.blocks.items()}
+            masks = [mask[:, None] for mask in masks]
+        return {l: [(a, b, mask) for (a, b), mask in zip(pairs, masks)] for l, pairs in self.lora.blocks.items()}
 
     def _replay(self, batch: int, span: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         key = (batch, span, lora)
@@ -839,11 +1071,11 @@ class BatchedPhiDecoder:
             try:
                 self.graphs[key] = self._capture(batch, span, lora)
             except Exception:
-                if self._layer is decode_layer:
+                if self._layer is decode_block:
                     raise
                 # torch.compile needs Triton and a C compiler; without them, serve uncompiled.
                 log.exception("torch.compile failed: the decode step runs uncompiled")
-                self._layer, self._pool = decode_layer, None
+                self._layer, self._pool = decode_block, None
                 self.graphs.clear()
                 self.graphs[key] = self._capture(batch, span, lora)
         graph, out = self.graphs[key]

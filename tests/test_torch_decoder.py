@@ -1,4 +1,4 @@
-"""The batched Phi decoder (backends/torch_fast.py) on the CPU: every sequence in a batch
+"""The batched Phi decoder (backends/torch_decoder.py) on the CPU: every sequence in a batch
 decodes exactly as it would alone, whoever joins or leaves, however long its prompt."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from backends import Sampling, Sequence
 from backends.drive import drive
-from backends.torch_fast import BatchedPhiDecoder, supports
+from backends.torch_decoder import BatchedDecoder, supports
 
 PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq", "Alice: How are you today?\nBob:"]
 
@@ -24,13 +24,13 @@ def run_batch(decoder, requests: list[tuple[str, int, Sampling]], backend, cance
 
 def test_the_tiny_model_takes_the_fast_path(torch_backend):
     assert supports(torch_backend.model)
-    assert isinstance(torch_backend.decoder(4), BatchedPhiDecoder)
+    assert isinstance(torch_backend.decoder(4), BatchedDecoder)
 
 
 @pytest.mark.parametrize("chunk", [3, 64])
 def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
     requests = [(p, n, Sampling()) for p, n in zip(PROMPTS, [40, 7, 90, 1, 33, 60, 25])]
-    decoder = BatchedPhiDecoder(torch_backend.fast_weights, 3, prefill_chunk=chunk)
+    decoder = BatchedDecoder(torch_backend.decoder_weights, 3, prefill_chunk=chunk)
     out = run_batch(decoder, requests, torch_backend)
     for i, (prompt, n, _) in enumerate(requests):
         assert out[i] == alone(torch_backend, prompt, n), prompt
@@ -40,7 +40,7 @@ def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
 def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_backend, cut):
     # Removing slot 1 of 4 moves the last sequence into it: its cache must move intact.
     requests = [(p, 200, Sampling()) for p in PROMPTS[:5]]
-    decoder = BatchedPhiDecoder(torch_backend.fast_weights, 4)
+    decoder = BatchedDecoder(torch_backend.decoder_weights, 4)
     out = run_batch(decoder, requests, torch_backend, cancel={1: cut[0], 0: cut[1]})
     for i in (2, 3, 4):
         assert out[i] == alone(torch_backend, requests[i][0], 200)
@@ -50,7 +50,7 @@ def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_back
 
 def test_long_generations_grow_the_cache(torch_backend):
     requests = [("Once upon", 400, Sampling()), ("The quick brown", 150, Sampling())]
-    decoder = BatchedPhiDecoder(torch_backend.fast_weights, 2)
+    decoder = BatchedDecoder(torch_backend.decoder_weights, 2)
     out = run_batch(decoder, requests, torch_backend)
     assert decoder.cache_length > 400
     assert out[0] == alone(torch_backend, "Once upon", 400)
@@ -60,7 +60,7 @@ def test_long_generations_grow_the_cache(torch_backend):
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(torch_backend):
     sampled = Sampling(temperature=1.5, top_p=0.9, seed=42)
     requests = [("Hello world", 30, sampled), ("Once upon", 30, Sampling()), ("zq", 30, Sampling(temperature=2.0, seed=1))]
-    out = run_batch(BatchedPhiDecoder(torch_backend.fast_weights, 3), requests, torch_backend)
+    out = run_batch(BatchedDecoder(torch_backend.decoder_weights, 3), requests, torch_backend)
     assert out[0] == alone(torch_backend, "Hello world", 30, sampled)
     assert out[2] == alone(torch_backend, "zq", 30, Sampling(temperature=2.0, seed=1))
     assert out[1] == alone(torch_backend, "Once upon", 30)
@@ -70,7 +70,7 @@ def test_matches_transformers_generic_path(torch_backend, reference):
     # The fast path's own arithmetic (fused q/k/v, rotary, the tanh GELU) against transformers'
     # generate on the same weights.
     for prompt in PROMPTS:
-        decoder = BatchedPhiDecoder(torch_backend.fast_weights, 1)
+        decoder = BatchedDecoder(torch_backend.decoder_weights, 1)
         (out,) = run_batch(decoder, [(prompt, 30, Sampling())], torch_backend).values()
         ids = reference(prompt, 30)
         eos = reference.tokenizer.eos_token_id

@@ -1,0 +1,173 @@
+"""The batched Torch decoder on every family it serves (issue 26), on tiny checkpoints of each
+(backends/tiny.py TINY_FAMILIES: random weights, shapes that reach each family's own code).
+
+For each family: its logits equal transformers' forward (float32, within 1e-5 of the logits'
+scale) at every step, past its sliding window and longrope's switch; a sequence decodes the same
+batched as alone; the prompt cache changes no output; an adapter equals the same adapter merged
+into transformers' weights; int8 weights stay close; a schema-constrained output validates; and
+the server batches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from backends import LoadOptions, Sampling, Sequence, load_backend
+from backends.adapters import merge_lora_into_torch
+from backends.drive import drive
+from backends.tiny import TINY_FAMILIES, write_tiny_family
+from backends.torch_decoder import BatchedDecoder
+from conftest import engine_of
+
+FAMILIES = sorted(TINY_FAMILIES)
+PROMPT = [5 + (i * 37) % 580 for i in range(24)]
+
+
+@pytest.fixture(scope="session")
+def family_paths(tiny_path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {family: write_tiny_family(root / family, family, tiny_path) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def family_backend(family, family_paths):
+    return load_backend("torch", LoadOptions(model=str(family_paths[family]), dtype="float32", warmup=False))
+
+
+def prompt_of(length: int) -> list[int]:
+    return [5 + (i * 37) % 580 for i in range(length)]
+
+
+def reference_steps(backend, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy ids and each step's logits from transformers' own forward, token by token with its
+    cache (as its generation steps run)."""
+    from transformers import DynamicCache
+
+    model, decodable = backend.model, backend.decoder_weights.decodable
+    cache = DynamicCache(config=model.config)
+    ids, logits = [], []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
+        for _ in range(steps):
+            row = out.logits[0, -1].float()
+            logits.append(row)
+            ids.append(int(row[:decodable].argmax()))
+            position = len(prompt) + len(ids) - 1
+            out = model(torch.tensor([[ids[-1]]]), cache=cache, use_cache=True, position_ids=torch.tensor([[position]]))
+    return ids, logits
+
+
+def test_every_family_takes_the_batched_decoder(family_backend):
+    assert isinstance(family_backend.decoder(4), BatchedDecoder)
+
+
+@pytest.mark.parametrize("length", [10, 40, 70], ids=["short", "past-windows", "past-longrope"])
+def test_logits_equal_transformers_at_every_step(family_backend, length):
+    """Windows of 16 and 32 and longrope's switch at 64 (TINY_FAMILIES) fall inside these."""
+    prompt = prompt_of(length)
+    expected_ids, expected_logits = reference_steps(family_backend, prompt, 30)
+    weights = family_backend.decoder_weights
+    first = BatchedDecoder(weights, 1).logits_after(prompt)
+    scale = max(1.0, float(expected_logits[0].abs().max()))
+    assert float((first - expected_logits[0]).abs().max()) <= 1e-5 * scale
+    # Each decode step's logits, through the logprobs the decoder reports (log-softmax of them).
+    got = drive(BatchedDecoder(weights, 1), [Sequence(1, prompt, Sampling(), 30, logprobs=5)])
+    assert got.ids[1] == expected_ids
+    for scores, logits in zip(got.logprobs[1], expected_logits):
+        reference = torch.log_softmax(logits, dim=-1)
+        for token, logprob in (*scores.token.top, (scores.token.token, scores.token.logprob)):
+            assert abs(logprob - float(reference[token])) <= 1e-5 * scale
+
+
+def test_batched_equals_alone(family_backend):
+    weights = family_backend.decoder_weights
+    lengths = [3, 30, 17, 70, 9, 45]
+    sequences = [Sequence(i, prompt_of(n), Sampling() if i % 2 else Sampling(temperature=0.9, seed=i), 24 + 3 * i) for i, n in enumerate(lengths)]
+    together = drive(BatchedDecoder(weights, 4, prefill_chunk=16), sequences, arrive_at={4: 5, 5: 9}).ids
+    for sequence in sequences:
+        assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
+
+
+def test_the_prompt_cache_changes_no_output(family_backend):
+    weights = family_backend.decoder_weights
+    first, longer = prompt_of(40), prompt_of(40) + prompt_of(50)[-20:]
+    cached = BatchedDecoder(weights, 2, prompt_cache_bytes=1 << 24)
+    drive(cached, [Sequence(1, first, Sampling(), 12)])
+    with_cache = drive(cached, [Sequence(2, longer, Sampling(), 20)])
+    assert with_cache.cached[2] >= 39
+    assert with_cache.ids[2] == drive(BatchedDecoder(weights, 2), [Sequence(2, longer, Sampling(), 20)]).ids[2]
+
+
+def write_adapter(backend, directory: Path, rank: int = 4, scale: float = 2.0) -> Path:
+    """An mlx-lm-format LoRA adapter on every Linear of the last block (mlx-lm's module names)."""
+    from safetensors.torch import save_file
+
+    from backends.adapters import block_count, torch_linears
+
+    last = block_count(backend.model) - 1
+    generator = torch.Generator().manual_seed(7)
+    tensors, keys = {}, set()
+    for name, (n_in, n_out) in torch_linears(backend.model).items():
+        if f".layers.{last}." in name:
+            tensors[f"{name}.lora_a"] = torch.randn(n_in, rank, generator=generator) * 0.1
+            tensors[f"{name}.lora_b"] = torch.randn(rank, n_out, generator=generator) * 0.1
+            keys.add(name.split(f".{last}.", 1)[1])
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapters.safetensors"))
+    config = {"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": sorted(keys)}}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_an_adapter_equals_it_merged(family, family_paths, tmp_path):
+    adapters = tmp_path / "adapters"
+    backend = load_backend("torch", LoadOptions(model=str(family_paths[family]), dtype="float32", adapters_dir=str(adapters), warmup=False))
+    write_adapter(backend, adapters / "every-linear")
+    adapter = backend.adapters.get("every-linear")
+    merged = load_backend("torch", LoadOptions(model=str(family_paths[family]), dtype="float32", warmup=False))
+    assert merge_lora_into_torch(merged.model, adapters / "every-linear") == len(adapter.modules)
+    # Two sequences of the adapter beside two of the base model, in one batch.
+    sequences = [Sequence(i, prompt_of(12 + 5 * i), Sampling(), 20, adapter=adapter if i % 2 else None) for i in range(4)]
+    together = drive(BatchedDecoder(backend.decoder_weights, 4), sequences).ids
+    for sequence in sequences:
+        reference = merged if sequence.adapter else backend
+        assert together[sequence.id] == reference_steps(reference, sequence.prompt_ids, 20)[0], sequence.id
+
+
+def test_int8_weights_stay_close(family, family_paths, family_backend):
+    quantized = load_backend("torch", LoadOptions(model=str(family_paths[family]), dtype="float32", quantize="int8", warmup=False))
+    decodable = family_backend.decoder_weights.decodable
+    expected = BatchedDecoder(family_backend.decoder_weights, 1).logits_after(PROMPT)[:decodable]
+    got = BatchedDecoder(quantized.decoder_weights, 1).logits_after(PROMPT)[:decodable]
+    assert float((got - expected).norm() / expected.norm()) < 0.05
+    assert len(drive(quantized.decoder(4), [Sequence(i, PROMPT, Sampling(), 8) for i in range(4)]).ids) == 4
+
+
+def test_a_schema_constrained_output_validates(family_backend):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
+    grammar = family_backend.constraint("json_schema", json.dumps(schema))
+    eos = family_backend.eos_token_ids
+    sequences = [Sequence(i, prompt_of(10 + i), Sampling(temperature=1.0, seed=i, constraint=grammar.matcher()), 60) for i in range(3)]
+    out = drive(BatchedDecoder(family_backend.decoder_weights, 3), sequences).ids
+    for ids in out.values():
+        if any(token in eos for token in ids):  # complete: everything before end-of-text is the document
+            jsonschema.validate(json.loads(family_backend.decode(ids[: next(i for i, t in enumerate(ids) if t in eos)])), schema)
+
+
+async def test_the_server_batches_a_family(make_client, family_backend):
+    client = await make_client(lambda: family_backend, max_batch=4)
+    bodies = [{"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True, "temperature": 0.8, "seed": i} for i in range(8)]
+    responses = await asyncio.gather(*(client.post("/generate", json=body) for body in bodies))
+    assert [r.status for r in responses] == [200] * 8
+    assert isinstance(engine_of(client)._decoder, BatchedDecoder)
