@@ -78,6 +78,7 @@ class Result:
             "concurrency": self.concurrency,
             "decode_tok_s": statistics.median(t.decode_rate for t in timings),
             "ttft_ms": statistics.median(t.ttft for t in timings) * 1000,
+            "ttft_max_ms": max(t.ttft for t in timings) * 1000,
             "e2e_tok_s": statistics.median(t.e2e_rate for t in timings),
             "p50_s": percentile(latencies, 50),
             "p95_s": percentile(latencies, 95),
@@ -142,6 +143,12 @@ async def probe_health(session: aiohttp.ClientSession, url: str, latencies: list
 async def bench_http(args, concurrency: int) -> Result:
     result = Result(args.label, "http", concurrency)
     body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
+
+    def body_of(i: int) -> dict:  # --distinct: realistic traffic, each client its own prompt, sampled
+        if not args.distinct:
+            return body
+        return {**body, "prompt": f"Client {i} asks: {args.prompt}", "temperature": 0.8, "top_p": 0.95, "seed": i}
+
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, aiohttp.ClientSession() as probe:
@@ -150,7 +157,7 @@ async def bench_http(args, concurrency: int) -> Result:
             latencies: list[float] = []
             prober = asyncio.create_task(probe_health(probe, args.url, latencies, stop))
             started = time.perf_counter()
-            timings = await asyncio.gather(*(stream_one(session, args.url, body) for _ in range(concurrency)))
+            timings = await asyncio.gather(*(stream_one(session, args.url, body_of(run * concurrency + i)) for i in range(concurrency)))
             wall = time.perf_counter() - started
             stop.set()
             await prober
@@ -879,6 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1", help="one level or a list, e.g. 1,4,16 (default: %(default)s)")
     parser.add_argument("--label", default=os.environ.get("PHI2_MODEL", "server"), help="the table's first column")
     parser.add_argument("--json", metavar="FILE", help="also write every number to FILE")
+    parser.add_argument("--distinct", action="store_true", help="over HTTP: each client its own prompt, sampled (temperature 0.8, top_p 0.95), as real traffic is")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--spawn", action="store_true", help="start phi2_server.py on a free port, bench it, stop it")
     mode.add_argument("--in-process", action="store_true", help="load the backend here and bench its decode loop")

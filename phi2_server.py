@@ -82,6 +82,7 @@ class Settings:
     max_body_bytes: int = setting(1024 * 1024, "largest request body in bytes; larger gets 413")
     max_queue: int = setting(64, "requests that may wait for a batch slot; more get 503")
     max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
+    max_model_len: int = setting(0, "the most tokens of context (prompt and completion) a request may use (0: the model's window; on CUDA, at most what MAX_BATCH full-context KV slots fit)")
     prompt_cache: bool = setting(True, "reuse the KV of prompts (and replies) computed before, for requests that start alike (0: off)")
     prompt_cache_bytes: int = setting(0, "memory for reused prompt KV, in bytes (0: an eighth of RAM or GPU memory, at most 2 GiB, 8 GiB on a GPU)")
     max_tokens_limit: int = setting(0, "largest max_tokens a request may ask for (0: only the context window bounds it)")
@@ -157,6 +158,7 @@ class Settings:
             max_batch=self.max_batch,
             compile=None if self.compile == "auto" else _parse_bool(self.compile),
             quantize=self.quantize.strip().lower(),
+            max_context=self.max_model_len,
         )
 
     def prompt_cache_budget(self) -> int | None:

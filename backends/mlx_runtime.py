@@ -124,7 +124,7 @@ class MlxBackend(TokenizerMethods):
             device=mx.default_device().type.name,  # gpu (Metal) or cpu
             dtype=_weights_dtype(model),
             quantization=_quantization(config),
-            context_length=int(config.get("max_position_embeddings") or 2048),
+            context_length=min(int(config.get("max_position_embeddings") or 2048), options.max_context or 1 << 62),
             adapter_path=options.adapter_path,
             adapter_applied=default_adapter is not None,
             extra={

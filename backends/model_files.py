@@ -26,7 +26,8 @@ def tiny_dir() -> Path:
 
 
 RANDOM_PREFIX = "random:"
-# Phi-2's architecture (microsoft/phi-2 config.json): 2,779,683,840 parameters.
+# Real architectures with random weights, for benchmarks: `random:phi-2`, `random:llama-3.2-1b`,
+# ... Phi-2's (microsoft/phi-2 config.json): 2,779,683,840 parameters.
 RANDOM_ARCHITECTURES = {
     "phi-2": {
         "architectures": ["PhiForCausalLM"],
@@ -44,6 +45,63 @@ RANDOM_ARCHITECTURES = {
         "layer_norm_eps": 1e-05,
         "tie_word_embeddings": False,
         "qk_layernorm": False,
+    },
+    # The instruction-tuned families people swap in (their config.json on the hub, as published).
+    "llama-3.2-1b": {  # meta-llama/Llama-3.2-1B-Instruct: 1,235,814,400 parameters
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "qwen2.5-1.5b": {  # Qwen/Qwen2.5-1.5B-Instruct: 1,543,714,304 parameters
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "max_window_layers": 21,
+        "tie_word_embeddings": True,
+    },
+    "phi-3-mini": {  # microsoft/Phi-3-mini-4k-instruct: 3,821,079,552 parameters
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "sliding_window": 2047,
+        "tie_word_embeddings": False,
+        "pad_token_id": None,
     },
 }
 

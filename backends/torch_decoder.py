@@ -311,10 +311,9 @@ def lora_matrices(arch: Architecture, block: Block) -> list[FusedMatrix]:
 
 
 def _fused_available(weights: DecoderWeights, on_cuda_graphs: bool) -> bool:
-    """The Triton step serves unquantized Phi-shaped blocks (parallel, one key-value head a query
-    head, no window) on CUDA, where Triton is installed."""
+    """The Triton step serves unquantized weights on CUDA, where Triton is installed."""
     arch = weights.arch
-    if not on_cuda_graphs or not arch.parallel or arch.group != 1 or any(arch.windows) or isinstance(weights.layers[0].w_in, QuantizedWeight):
+    if not on_cuda_graphs or isinstance(weights.layers[0].w_in, QuantizedWeight) or not (arch.parallel or arch.rms_norm):
         return False
     try:
         from backends import triton_decode
@@ -322,7 +321,14 @@ def _fused_available(weights: DecoderWeights, on_cuda_graphs: bool) -> bool:
         log.warning("Triton is not installed: the CUDA decode step runs without its fused kernels")
         return False
     w = weights
-    return triton_decode.works(w.device, w.embed.dtype, w.hidden, w.head_dim, arch.rotary_dim, w.inner)
+    return triton_decode.works(w.device, w.embed.dtype, heads_of(arch), w.hidden, w.inner, arch.parallel, arch.qk_norm, arch.gated)
+
+
+def heads_of(arch: Architecture):
+    """The attention's facts as the Triton kernels take them."""
+    from backends.triton_decode import Heads
+
+    return Heads(arch.heads, arch.kv_heads, arch.head_dim, arch.rotary_dim, arch.eps)
 
 
 def _param(tensor: torch.Tensor) -> torch.nn.Parameter:
@@ -501,6 +507,7 @@ class BatchedDecoder:
         # On CUDA the decode step puts Triton kernels between cuBLAS's GEMMs (backends/triton_decode),
         # adapters too; quantized weights take the step above.
         self.fused = _fused_available(weights, self.use_graphs) if fused is None else fused
+        self.heads = heads_of(weights.arch) if self.fused else None
         # Per row: input token, position, 1 if the row decodes (its position advances when
         # chained), and its adapter's slot (-1: none).
         self.inputs = torch.zeros(4, self.rows, dtype=torch.long, device=self.device)
@@ -840,13 +847,18 @@ class BatchedDecoder:
     def _prefill_layers(self, x, placed: "_Placement", adapted: dict, long_rope: list[bool] | None = None) -> torch.Tensor:
         w, shape = self.weights, self.weights.shape
         n, length = x.shape[:2]
-        if self.fused:
+        long_rope = long_rope if long_rope and any(long_rope) else None
+        # The rotary kernel takes one table: a group mixing longrope's long prompts with others
+        # rotates in torch ops.
+        kernels = self.fused and (long_rope is None or all(long_rope))
+        if kernels:
             from backends import triton_decode as fused
 
             token_slots, token_positions = placed.slots.repeat_interleave(length), placed.positions.reshape(-1)
+            tables = (self.cos_long, self.sin_long) if long_rope else (self.cos, self.sin)
         else:
             cos, sin = self.cos[placed.positions], self.sin[placed.positions]
-            if long_rope and any(long_rope):
+            if long_rope:
                 long = torch.tensor(long_rope, device=self.device)[:, None, None]
                 cos = torch.where(long, self.cos_long[placed.positions], cos)
                 sin = torch.where(long, self.sin_long[placed.positions], sin)
@@ -858,9 +870,9 @@ class BatchedDecoder:
             y = linear(h, block.w_in, block.b_in)
             if lora is not None:
                 y = y + lora_product(h, *lora[0])
-            if self.fused:  # one kernel: rotary on q in place, k and v to the cache
-                fused.prefill_rotary(y.view(n * length, -1), self.cos, self.sin, token_positions, token_slots, self.k[l], self.v[l], w.hidden, w.head_dim, shape.rotary_dim)
-                q = y[..., : w.hidden].view(n, length, w.heads, w.head_dim)
+            if kernels:  # one kernel: rotary on q in place, k and v to the cache
+                fused.prefill_rotary(y.view(n * length, -1), *tables, token_positions, token_slots, self.k[l], self.v[l], self.heads, block.q_norm, block.k_norm)
+                q = y[..., : w.arch.q_size].view(n, length, w.heads, w.head_dim)
             else:
                 q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [n, length, heads, head_dim]
                 rope_(q, cos, sin, shape.rotary_dim)
@@ -1037,23 +1049,40 @@ class BatchedDecoder:
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
     def _fused_step(self, batch: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode step: cuBLAS for the two GEMMs a block, Triton for what lies between them
-        (backends/triton_decode), and each row's adapter product if `lora`."""
+        """The decode step: cuBLAS for the GEMMs of a block (two for Phi, four for the others),
+        Triton for what lies between them (backends/triton_decode), and each row's adapter
+        product if `lora`."""
         from backends import triton_decode as fused
 
         w = self.weights
         tokens, positions, active = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
         adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
         x = w.embed[tokens]
+        arch, eps = w.arch, w.shape.eps
         for l, block in enumerate(w.layers):
-            h = F.layer_norm(x, (w.hidden,), block.norm1_w, block.norm1_b, w.shape.eps)
+            lora = adapted.get(l)
+            h = fused.rms_norm(x, block.norm1_w, eps) if arch.rms_norm else F.layer_norm(x, (w.hidden,), block.norm1_w, block.norm1_b, eps)
             y = F.linear(h, block.w_in, block.b_in)
-            if l in adapted:
-                y = y + lora_product(h, *adapted[l][0])
-            mixed, xb = fused.attention_block(y, x, self.cos, self.sin, positions, active, self.k[l], self.v[l], block.b_out, w.hidden, w.head_dim, w.shape.rotary_dim)
-            x = torch.addmm(xb, mixed, block.w_out.t())  # x + b_out + mixed @ w_out.T, in cuBLAS's epilogue
-            if l in adapted:
-                x = x + lora_product(mixed, *adapted[l][1])
+            if lora is not None:
+                y = y + lora_product(h, *lora[0])
+            if arch.parallel:
+                mixed, xb = fused.attention(y, self.cos, self.sin, positions, active, self.k[l], self.v[l], self.heads, x=x, b_out=block.b_out, inner=w.inner)
+                x = torch.addmm(xb, mixed, block.w_out.t())  # x + b_out + mixed @ w_out.T, in cuBLAS's epilogue
+                if lora is not None:
+                    x = x + lora_product(mixed, *lora[1])
+                continue
+            attended = fused.attention(y, self.cos, self.sin, positions, active, self.k[l], self.v[l], self.heads, window=arch.windows[l], q_norm=block.q_norm, k_norm=block.k_norm)
+            x = torch.addmm(x if block.b_out is None else x + block.b_out, attended, block.w_out.t())
+            if lora is not None:
+                x = x + lora_product(attended, *lora[1])
+            h = fused.rms_norm(x, block.norm2_w, eps)
+            u = F.linear(h, block.w_up, block.b_up)
+            if lora is not None:
+                u = u + lora_product(h, *lora[2])
+            g = fused.silu_mul(u, w.inner)
+            x = torch.addmm(x if block.b_down is None else x + block.b_down, g, block.w_down.t())
+            if lora is not None:
+                x = x + lora_product(g, *lora[3])
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 

@@ -152,12 +152,15 @@ class TorchBackend(TokenizerMethods):
         )
         registry.load_default()
         parameters = sum(p.numel() for p in model.parameters())
+        on_cuda = device.startswith("cuda")
+        # Measured defaults (BENCHMARKS.md): a GPU serves 64 clients at once at full speed.
+        max_batch = options.max_batch or (64 if on_cuda else 8)
         info = ModelInfo(
             model=options.model,
             backend=cls.name,
             device=device,
             dtype=str(dtype).removeprefix("torch."),
-            context_length=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
+            context_length=context_window(model, options.max_context, max_batch, torch.device(device)),
             adapter_path=options.adapter_path,
             adapter_applied=adapter is not None,
         )
@@ -173,10 +176,8 @@ class TorchBackend(TokenizerMethods):
                 "threads": torch.get_num_threads() if device == "cpu" else None,
             },
         )
-        on_cuda = backend.device.type == "cuda"
-        # Measured defaults (BENCHMARKS.md): a GPU serves 64 clients at once at full speed;
         # torch.compile pays on CUDA (step 3.0 -> 2.4 ms) and costs ~30 s of startup.
-        backend.max_batch = options.max_batch or (64 if on_cuda else 8)
+        backend.max_batch = max_batch
         backend.compile = on_cuda if options.compile is None else options.compile
         if options.warmup:
             backend.warm_up(backend.max_batch)
@@ -259,6 +260,39 @@ class TorchBackend(TokenizerMethods):
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers
             return DynamicCache()
+
+
+# What the batched decoder's KV cache may take of the GPU memory left after the weights (and
+# the prompt cache's budget): the rest is for CUDA graphs, activations and the allocator.
+KV_SHARE_OF_FREE = 0.85
+
+
+def context_window(model, requested: int, max_batch: int, device: torch.device) -> int:
+    """The context window served: the model's (max_position_embeddings), at most MAX_MODEL_LEN
+    when that is set. On CUDA the batched decoder holds a full-context KV slot for each of its
+    rows, so the window is also cut to what `max_batch` rows fit in the GPU's free memory (a
+    128k-context Llama-3.2-1B at 64 rows would need 275 GB: it gets ~50k), said in the log."""
+    from backends.architecture import Architecture
+    from backends.torch_decoder import BATCH_BUCKETS, bucket
+
+    window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    if requested:
+        window = min(window, requested)
+    arch = Architecture.of(model.config)
+    if device.type != "cuda" or arch is None:
+        return window
+    per_position = arch.layers * arch.kv_heads * arch.head_dim * 2 * next(model.parameters()).element_size()  # k and v
+    free, total = torch.cuda.mem_get_info(device)
+    budget = KV_SHARE_OF_FREE * (free - default_prompt_cache_bytes(total, on_gpu=True))
+    fits = int(budget // (bucket(max_batch, BATCH_BUCKETS) * per_position)) - 1  # the cache's scratch column
+    if fits < window:
+        fits = max(256, fits // 256 * 256)
+        log.warning(
+            "context window cut from %d to %d tokens: the KV cache of MAX_BATCH=%d sequences at full context must fit the GPU "
+            "(set MAX_BATCH lower for a longer window, or MAX_MODEL_LEN to choose it)", window, fits, max_batch,
+        )
+        window = fits
+    return window
 
 
 def end_of_text_ids(model, tokenizer) -> frozenset[int]:

@@ -1,16 +1,20 @@
 """Triton kernels for the CUDA decode step (torch_decoder imports this module only on CUDA).
 
-A decode step is memory-bound. Per block, cuBLAS reads the two fused weight matrices at ~3.4 TB/s
-(F.linear with its bias; addmm adding onto x + bias); what lies between the two GEMMs was ~15
-small torch kernels, and attention read every row's cache up to a power-of-two span under a
-mask. Here it is two kernels (`attention_block`):
+A decode step is memory-bound. Per block, cuBLAS reads the fused weight matrices at ~3.4 TB/s
+(F.linear with its bias; addmm adding onto the residual); what lies between the GEMMs was ~15 to
+~30 small torch kernels, and attention read every row's cache up to a power-of-two span under a
+mask. Here each family's block is its GEMMs with these between them:
 
-1. `_attention_split`: per (row, head, split), rotary on q and k, the new k and v written to the
-   cache at the row's position (split 0), and an online softmax over the split's share of the
-   row's live columns 0..position-1 (flash-decoding: at batch 1 the 32 heads alone would leave
-   most of the GPU idle, so each row's columns are split up to 16 ways).
-2. `_attention_combine`: the splits and the new token itself -> the attention output, GELU of
-   fc1, and x + the out bias, laid out for the out GEMM.
+1. `_attention_split`: per (row, query head, split), rotary on q and k (after Qwen3's q/k norms),
+   the new k and v written to the cache at the row's position (split 0 of the first query head
+   of each key-value head), and an online softmax over the split's share of the row's live
+   columns: 0..position-1, or its sliding window's (flash-decoding: at batch 1 the heads alone
+   would leave most of the GPU idle, so each row's columns are split up to 16 ways). A query
+   head reads the key-value head it shares (GQA).
+2. `_attention_combine`: the splits and the new token itself -> the attention output; for a
+   parallel block (Phi) also GELU of fc1 and x + the out bias, laid out for its one out GEMM.
+3. Sequential blocks (Llama, Mistral, Qwen2/3, Phi-3): `_rms_norm` before each of their two
+   GEMMs over the residual, and `_silu_mul` between [gate; up] and down.
 
 Prefill uses `_prefill_rotary`: rotary on q in place and k, v to the cache, one kernel a block.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 import triton
@@ -37,39 +42,59 @@ def _tanh(u):
 
 
 @triton.jit
-def _rotated(base, d, d_ok, partner, cos, sin):
-    return tl.load(base + d, mask=d_ok, other=0.0).to(tl.float32) * cos + tl.load(base + partner, mask=d_ok, other=0.0).to(tl.float32) * sin
+def _head(base, d, d_ok, partner, cos, sin, norm_ptr, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """One head of q or k from y, rotated (float32): RMSNorm'd over the head first where the model
+    has q/k norms (Qwen3), rounded to the model's dtype as transformers' norm rounds it."""
+    x = tl.load(base + d, mask=d_ok, other=0.0)
+    p = tl.load(base + partner, mask=d_ok, other=0.0)
+    if QK_NORM:
+        dtype = x.dtype
+        xf = x.to(tl.float32)
+        scale = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / HEAD_DIM + eps)
+        w = tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        wp = tl.load(norm_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)
+        x = ((xf * scale).to(dtype).to(tl.float32) * w).to(dtype)
+        p = ((p.to(tl.float32) * scale).to(dtype).to(tl.float32) * wp).to(dtype)
+    return x.to(tl.float32) * cos + p.to(tl.float32) * sin
 
 
 @triton.jit
 def _attention_split(
     y_ptr, stride_y, cos_ptr, sin_ptr, stride_rot, pos_ptr, active_ptr, k_ptr, v_ptr, stride_row, stride_head, part_ptr, scale,
-    HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    window, q_norm_ptr, k_norm_ptr, eps,
+    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
 ):
-    """One split of one (row, head)'s cached columns 0..position-1 (flash-decoding): its softmax
-    maximum, sum and weighted values, to part [row, head, split, D_PAD + 2]. Split 0 also writes
-    the new token's k (rotated) and v to the cache at the row's position."""
+    """One split of one (row, query head)'s cached columns (flash-decoding): its softmax maximum,
+    sum and weighted values, to part [row, head, split, D_PAD + 2]. The columns are 0..position-1,
+    or the last `window` - 1 of them with a sliding window (the new token makes `window`). A query
+    head reads the key-value head it shares with GROUP - 1 others; split 0 of the first of them
+    also writes the new token's k (rotated) and v to the cache at the row's position."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
+    kv_head = head // GROUP
     position = tl.load(pos_ptr + row)
     live = position * tl.load(active_ptr + row)  # idle rows attend to no cached column
+    first = tl.where(window > 0, tl.maximum(live - window + 1, 0), 0)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     rotated = d < ROT
     partner = tl.where(rotated, (d + ROT // 2) % ROT, d)  # rotate_half as a roll, its sign in the sin table
     dtype = y_ptr.dtype.element_ty
-    base = y_ptr + row * stride_y + head * HEAD_DIM
+    base = y_ptr + row * stride_y
     cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
-    q = _rotated(base, d, d_ok, partner, cos, sin).to(dtype).to(tl.float32)
-    cache = row * stride_row + head * stride_head
+    q = _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype).to(tl.float32)
+    cache = row * stride_row + kv_head * stride_head
     if split == 0:
-        k = _rotated(base + HIDDEN, d, d_ok, partner, cos, sin).to(dtype)
-        tl.store(k_ptr + cache + position * HEAD_DIM + d, k, mask=d_ok)
-        tl.store(v_ptr + cache + position * HEAD_DIM + d, tl.load(base + 2 * HIDDEN + d, mask=d_ok, other=0.0), mask=d_ok)
-    chunk = tl.cdiv(tl.cdiv(live, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+        if head % GROUP == 0:
+            k = _head(base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype)
+            tl.store(k_ptr + cache + position * HEAD_DIM + d, k, mask=d_ok)
+            v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
+            tl.store(v_ptr + cache + position * HEAD_DIM + d, v, mask=d_ok)
+    chunk = tl.cdiv(tl.cdiv(live - first, SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = tl.minimum(start + chunk, live)
     best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
     total = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
@@ -97,12 +122,16 @@ def _attention_split(
 @triton.jit
 def _prefill_rotary(
     y_ptr, stride_y, cos_ptr, sin_ptr, stride_rot, pos_ptr, slot_ptr, k_ptr, v_ptr, stride_row, stride_head,
-    HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr,
+    q_norm_ptr, k_norm_ptr, eps,
+    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+    D_PAD: tl.constexpr, QK_NORM: tl.constexpr,
 ):
-    """Per (prompt token, head): rotary on q in place in y, and k (rotated) and v written to the
-    token's slot of the cache at its position."""
+    """Per (prompt token, query head): q rotated in place in y (normalized first with q/k norms);
+    the first query head of each key-value head also writes k (rotated) and v to the token's slot
+    of the cache at its position."""
     token = tl.program_id(0)
     head = tl.program_id(1)
+    kv_head = head // GROUP
     position = tl.load(pos_ptr + token)
     slot = tl.load(slot_ptr + token)
     d = tl.arange(0, D_PAD)
@@ -110,47 +139,51 @@ def _prefill_rotary(
     rotated = d < ROT
     partner = tl.where(rotated, (d + ROT // 2) % ROT, d)
     dtype = y_ptr.dtype.element_ty
-    base = y_ptr + token * stride_y + head * HEAD_DIM
+    base = y_ptr + token * stride_y
     cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
-    q = _rotated(base, d, d_ok, partner, cos, sin)
-    k = _rotated(base + HIDDEN, d, d_ok, partner, cos, sin)
-    v = tl.load(base + 2 * HIDDEN + d, mask=d_ok, other=0.0)
+    q = _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+    if head % GROUP == 0:
+        k = _head(base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)
+        v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
+        cache = slot * stride_row + kv_head * stride_head + position * HEAD_DIM
+        tl.store(k_ptr + cache + d, k.to(dtype), mask=d_ok)
+        tl.store(v_ptr + cache + d, v, mask=d_ok)
     tl.debug_barrier()  # every lane has read q before any overwrites it
-    tl.store(base + d, q.to(dtype), mask=d_ok)
-    cache = slot * stride_row + head * stride_head + position * HEAD_DIM
-    tl.store(k_ptr + cache + d, k.to(dtype), mask=d_ok)
-    tl.store(v_ptr + cache + d, v, mask=d_ok)
+    tl.store(base + head * HEAD_DIM + d, q.to(dtype), mask=d_ok)
 
 
 @triton.jit
 def _attention_combine(
     y_ptr, stride_y, cos_ptr, sin_ptr, stride_rot, pos_ptr, part_ptr, scale, mixed_ptr, stride_mixed,
-    x_ptr, stride_x, bias_ptr, xb_ptr, inner,
-    HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, stride_x, bias_ptr, xb_ptr, inner, q_norm_ptr, k_norm_ptr, eps,
+    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, GROUP: tl.constexpr, HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr,
+    QK_NORM: tl.constexpr, PARALLEL: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """Per row, programs 0..HEADS-1: a head's splits and the new token itself -> its attention
-    output, to mixed[:, head]. Then programs for GELU(fc1) -> mixed[:, HIDDEN:], and the last one
-    x + the output bias -> xb (the out GEMM adds its product to xb)."""
+    """Per row, programs 0..HEADS-1: a query head's splits and the new token itself -> its
+    attention output, to mixed[:, head]. A parallel block (Phi) has more programs: GELU(fc1) ->
+    mixed[:, Q_SIZE:], and the last one x + the output bias -> xb (the out GEMM adds its product
+    to xb)."""
     row = tl.program_id(0)
     job = tl.program_id(1)
     dtype = y_ptr.dtype.element_ty
     if job < HEADS:
         head = job
+        kv_head = head // GROUP
         position = tl.load(pos_ptr + row)
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
         rotated = d < ROT
         partner = tl.where(rotated, (d + ROT // 2) % ROT, d)
-        base = y_ptr + row * stride_y + head * HEAD_DIM
+        base = y_ptr + row * stride_y
         cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
-        q = _rotated(base, d, d_ok, partner, cos, sin).to(dtype).to(tl.float32)
-        k = _rotated(base + HIDDEN, d, d_ok, partner, cos, sin).to(dtype).to(tl.float32)
+        q = _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype).to(tl.float32)
+        k = _head(base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype).to(tl.float32)
         best = tl.sum(q * k, axis=0) * scale  # the new token's own score
         total = best * 0.0 + 1.0
-        acc = tl.load(base + 2 * HIDDEN + d, mask=d_ok, other=0.0).to(tl.float32)
+        acc = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0).to(tl.float32)
         parts = part_ptr + (row * HEADS + head) * SPLITS * (D_PAD + 2)
         for split in range(SPLITS):
             part = parts + split * (D_PAD + 2)
@@ -163,21 +196,51 @@ def _attention_combine(
             total = total * alpha + split_total * beta
             best = new_best
         tl.store(mixed_ptr + row * stride_mixed + head * HEAD_DIM + d, (acc / total).to(dtype), mask=d_ok)
-    else:
+    elif PARALLEL:
         chunk = job - HEADS
         offsets = chunk * BLOCK + tl.arange(0, BLOCK)
         if chunk * BLOCK < inner:  # GELU (tanh) of the fc1 columns, rounded as F.gelu's output is
             ok = offsets < inner
-            u = tl.load(y_ptr + row * stride_y + 3 * HIDDEN + offsets, mask=ok, other=0.0).to(tl.float32)
+            u = tl.load(y_ptr + row * stride_y + Q_SIZE + 2 * KV_SIZE + offsets, mask=ok, other=0.0).to(tl.float32)
             gelu = 0.5 * u * (1.0 + _tanh(0.7978845608028654 * (u + 0.044715 * u * u * u)))
-            tl.store(mixed_ptr + row * stride_mixed + HIDDEN + offsets, gelu.to(dtype), mask=ok)
+            tl.store(mixed_ptr + row * stride_mixed + Q_SIZE + offsets, gelu.to(dtype), mask=ok)
         else:  # the residual plus the out bias
             for at in range(0, HIDDEN, BLOCK):
                 cols = at + tl.arange(0, BLOCK)
                 ok = cols < HIDDEN
                 x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-                b = tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                tl.store(xb_ptr + row * HIDDEN + cols, (x + b).to(dtype), mask=ok)
+                if HAS_BIAS:
+                    x += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+                tl.store(xb_ptr + row * HIDDEN + cols, x.to(dtype), mask=ok)
+
+
+@triton.jit
+def _rms_norm(x_ptr, stride_x, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Per row: x * rsqrt(mean(x^2) + eps) in float32, rounded to the dtype, times the weight (as
+    transformers' RMSNorm)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, ((xf * scale).to(dtype).to(tl.float32) * w).to(dtype), mask=ok)
+
+
+@triton.jit
+def _silu_mul(u_ptr, stride_u, out_ptr, INNER: tl.constexpr, BLOCK: tl.constexpr):
+    """silu(gate) * up of a gated MLP's fused [gate; up] row, each product rounded as torch rounds it."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < INNER
+    gate = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0)
+    up = tl.load(u_ptr + row * stride_u + INNER + cols, mask=ok, other=0.0)
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+    tl.store(out_ptr + row * INNER + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=ok)
 
 
 @triton.jit
@@ -211,13 +274,45 @@ def gumbel_argmax(scores, seeds, offsets):
     return out
 
 
-def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, hidden, head_dim, rotary_dim):
-    """Prompt tokens y [tokens, 3*hidden + ...] at `positions` of cache rows `slots` (both
-    [tokens]): q rotated in place, k and v to the cache [rows, heads, length, head_dim]."""
-    assert k_cache.stride(2) == head_dim and k_cache.stride() == v_cache.stride() and y.stride(1) == 1
-    _prefill_rotary[(y.shape[0], hidden // head_dim)](
+class Heads(NamedTuple):
+    """A model's attention as the kernels need it (backends/architecture.py's facts)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    eps: float = 1e-6  # the q/k norms' (Qwen3)
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def _norm_args(q_norm, k_norm, like: torch.Tensor):
+    """The q/k norms' weights, or a stand-in pointer where the model has none (QK_NORM off)."""
+    if q_norm is None:
+        return like, like, False
+    return q_norm, k_norm, True
+
+
+def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, heads: Heads, q_norm=None, k_norm=None):
+    """Prompt tokens y [tokens, q + 2 kv + ...] at `positions` of cache rows `slots` (both
+    [tokens]): q rotated in place, k and v to the cache [rows, kv_heads, length, head_dim]."""
+    assert k_cache.stride(2) == heads.head_dim and k_cache.stride() == v_cache.stride() and y.stride(1) == 1
+    q_w, k_w, qk_norm = _norm_args(q_norm, k_norm, y)
+    _prefill_rotary[(y.shape[0], heads.heads)](
         y, y.stride(0), cos, sin, cos.stride(0), positions, slots, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-        HIDDEN=hidden, HEAD_DIM=head_dim, ROT=rotary_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=1,
+        q_w, k_w, heads.eps,
+        Q_SIZE=heads.q_size, KV_SIZE=heads.kv_size, GROUP=heads.group, HEAD_DIM=heads.head_dim, ROT=heads.rotary_dim,
+        D_PAD=triton.next_power_of_2(heads.head_dim), QK_NORM=qk_norm, num_warps=1,
     )
 
 
@@ -236,47 +331,77 @@ def _attention_warps(rows: int) -> int:
     return ATTENTION["num_warps"] or (2 if rows <= 16 else 1)
 
 
-def attention_block(y, x, cos, sin, positions, active, k_cache, v_cache, b_out, hidden, head_dim, rotary_dim):
-    """The middle of a block, from y = [q, k, v, fc1] (before rotary and GELU) of each row's new
-    token: writes k, v to the cache [rows, heads, length, head_dim] at the row's position, and
-    returns (mixed, xb): mixed = [attention output, gelu(fc1)] for the out GEMM, xb = x + b_out
-    for it to add to. `active` rows (1) attend to their columns 0..position-1 and the new token,
-    idle rows (0) to the new token alone."""
-    rows, heads = y.shape[0], hidden // head_dim
-    inner = y.shape[1] - 3 * hidden
-    assert k_cache.stride(2) == head_dim and k_cache.stride() == v_cache.stride()
-    splits = splits_for(rows, heads)
-    d_pad = triton.next_power_of_2(head_dim)
-    parts = torch.empty(rows, heads, splits, d_pad + 2, dtype=torch.float32, device=y.device)
-    scale = head_dim**-0.5
-    _attention_split[(rows, heads, splits)](
+def attention(y, cos, sin, positions, active, k_cache, v_cache, heads: Heads, *, window: int | None = None,
+              q_norm=None, k_norm=None, x=None, b_out=None, inner: int = 0):
+    """The middle of a block, from y = [q; k; v; ...] (before rotary) of each row's new token:
+    writes k, v to the cache [rows, kv_heads, length, head_dim] at the row's position and returns
+    the attention output [rows, q]. `active` rows (1) attend to their columns 0..position-1 (the
+    last `window` - 1 of them with a sliding window) and the new token, idle rows (0) to the new
+    token alone.
+
+    For a parallel block (Phi: `x` given, y = [q; k; v; fc1]) it returns (mixed, xb) instead:
+    mixed = [attention output, gelu(fc1)] for the out GEMM, xb = x + b_out for it to add to."""
+    rows = y.shape[0]
+    assert k_cache.stride(2) == heads.head_dim and k_cache.stride() == v_cache.stride()
+    splits = splits_for(rows, heads.heads)
+    d_pad = triton.next_power_of_2(heads.head_dim)
+    parts = torch.empty(rows, heads.heads, splits, d_pad + 2, dtype=torch.float32, device=y.device)
+    scale = heads.head_dim**-0.5
+    q_w, k_w, qk_norm = _norm_args(q_norm, k_norm, y)
+    common = dict(Q_SIZE=heads.q_size, KV_SIZE=heads.kv_size, GROUP=heads.group, HEAD_DIM=heads.head_dim, ROT=heads.rotary_dim, D_PAD=d_pad, QK_NORM=qk_norm)
+    _attention_split[(rows, heads.heads, splits)](
         y, y.stride(0), cos, sin, cos.stride(0), positions, active, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), parts, scale,
-        HIDDEN=hidden, HEAD_DIM=head_dim, ROT=rotary_dim, D_PAD=d_pad, BLOCK_N=ATTENTION["BLOCK_N"], SPLITS=splits,
-        num_warps=_attention_warps(rows),
+        window or 0, q_w, k_w, heads.eps, BLOCK_N=ATTENTION["BLOCK_N"], SPLITS=splits, num_warps=_attention_warps(rows), **common,
     )
-    mixed = torch.empty(rows, hidden + inner, dtype=y.dtype, device=y.device)
-    xb = torch.empty(rows, hidden, dtype=y.dtype, device=y.device)
+    parallel = x is not None
+    hidden = x.shape[1] if parallel else 0
+    mixed = torch.empty(rows, heads.q_size + (inner if parallel else 0), dtype=y.dtype, device=y.device)
+    xb = torch.empty(rows, hidden, dtype=y.dtype, device=y.device) if parallel else mixed
     block = 1024
-    _attention_combine[(rows, heads + triton.cdiv(inner, block) + 1)](
-        y, y.stride(0), cos, sin, cos.stride(0), positions, parts, scale, mixed, mixed.stride(0), x, x.stride(0), b_out, xb, inner,
-        HIDDEN=hidden, HEAD_DIM=head_dim, ROT=rotary_dim, D_PAD=d_pad, SPLITS=splits, HEADS=heads, BLOCK=block, num_warps=4,
+    programs = heads.heads + (triton.cdiv(inner, block) + 1 if parallel else 0)
+    _attention_combine[(rows, programs)](
+        y, y.stride(0), cos, sin, cos.stride(0), positions, parts, scale, mixed, mixed.stride(0),
+        x if parallel else y, x.stride(0) if parallel else 0, b_out if b_out is not None else y, xb, inner, q_w, k_w, heads.eps,
+        HIDDEN=hidden, SPLITS=splits, HEADS=heads.heads, BLOCK=block, PARALLEL=parallel, HAS_BIAS=b_out is not None, num_warps=4, **common,
     )
-    return mixed, xb
+    return (mixed, xb) if parallel else mixed
+
+
+def rms_norm(x, weight, eps: float):
+    """transformers' RMSNorm of each row of x [rows, n], one kernel."""
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    _rms_norm[(x.shape[0],)](x, x.stride(0), weight, out, eps, N=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4)
+    return out
+
+
+def silu_mul(u, inner: int):
+    """silu(gate) * up from a gated MLP's [gate; up] rows u [rows, 2 inner], one kernel."""
+    out = torch.empty(u.shape[0], inner, dtype=u.dtype, device=u.device)
+    block = 1024
+    _silu_mul[(u.shape[0], triton.cdiv(inner, block))](u, u.stride(0), out, INNER=inner, BLOCK=block, num_warps=4)
+    return out
 
 
 @functools.cache  # once a process for a device and model shape, however many decoders are built
-def works(device, dtype, hidden: int, head_dim: int, rotary_dim: int, inner: int) -> bool:
+def works(device, dtype, heads: Heads, hidden: int, inner: int, parallel: bool, qk_norm: bool, gated: bool) -> bool:
     """Whether these kernels compile and run on `device` for the model's shapes (the compiled
     kernels are cached for the real calls): a GPU Triton cannot build for gets the torch step."""
     try:
         rows, length = 1, 4
-        y = torch.randn(rows, 3 * hidden + inner, device=device, dtype=dtype)
+        y = torch.randn(rows, heads.q_size + 2 * heads.kv_size + (inner if parallel else 0), device=device, dtype=dtype)
         x = torch.randn(rows, hidden, device=device, dtype=dtype)
-        cache = [torch.zeros(rows, hidden // head_dim, length, head_dim, device=device, dtype=dtype) for _ in range(2)]
-        table = torch.ones(length, rotary_dim, device=device, dtype=dtype)
+        cache = [torch.zeros(rows, heads.kv_heads, length, heads.head_dim, device=device, dtype=dtype) for _ in range(2)]
+        table = torch.ones(length, heads.rotary_dim, device=device, dtype=dtype)
         one = torch.ones(rows, dtype=torch.long, device=device)
-        attention_block(y, x, table, table, one, one, *cache, x[0], hidden, head_dim, rotary_dim)
-        prefill_rotary(y, table, table, one, one - 1, *cache, hidden, head_dim, rotary_dim)
+        norms = (torch.ones(heads.head_dim, device=device, dtype=dtype),) * 2 if qk_norm else (None, None)
+        if parallel:
+            attention(y, table, table, one, one, *cache, heads, x=x, b_out=x[0], inner=inner)
+        else:
+            attention(y, table, table, one, one, *cache, heads, window=2, q_norm=norms[0], k_norm=norms[1])
+            rms_norm(x, x[0], 1e-6)
+            if gated:
+                silu_mul(torch.randn(rows, 2 * inner, device=device, dtype=dtype), inner)
+        prefill_rotary(y, table, table, one, one - 1, *cache, heads, *norms)
         gumbel_argmax(y[:, :64].float(), one, one)
         torch.cuda.synchronize(device)
         return True

@@ -111,7 +111,7 @@ def test_torch_quantizes_the_fast_path_and_serves_it_at_any_batch_size(quantized
 
     backend = quantized("torch", 8)
     assert isinstance(backend.decoder(1), BatchedDecoder)  # transformers' forward has no weights left
-    assert all(isinstance(layer[2], QuantizedWeight) and isinstance(layer[4], QuantizedWeight) for layer in backend.decoder_weights.layers)
+    assert all(isinstance(block.w_in, QuantizedWeight) and isinstance(block.w_out, QuantizedWeight) for block in backend.decoder_weights.layers)
 
 
 # -- adapters -------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The CUDA path's Triton kernels on a CPU, under Triton's interpreter: each against the torch
-code it replaces, on the tiny model in float32. For working on backends/triton_decode.py
+code it replaces, on the tiny model and a tiny checkpoint of each other family, in float32. For working on backends/triton_decode.py
 without a GPU; tests/gpu/check.py and kernels.py are the measurements on one.
 
     python3 -m pip install --target /tmp/triton-interp triton==3.6.0 "numpy<2.3"
-    PYTHONPATH=/tmp/triton-interp .venv/bin/python tests/gpu/interpret.py     # a minute or two
+    PYTHONPATH=/tmp/triton-interp .venv/bin/python tests/gpu/interpret.py [llama ...]   # minutes
 
 (Triton 3.6's interpreter needs numpy < 2.3.) Not part of `make test`: the CPU never runs these
 kernels, and Triton is no dependency of the CPU install.
@@ -55,14 +55,37 @@ def decode(decoder, backend, samplings, adapters=(None,) * 4, tokens: int = 16) 
 
 def main() -> int:
     torch.cuda.synchronize = lambda *args: None  # triton_decode.works() waits for the device
-    folder = tempfile.mkdtemp(prefix="adapters-")
-    backend = load_backend("torch", LoadOptions(model="tiny", device="cpu", dtype="float32", adapters_dir=folder, warmup=False))
+    from backends import triton_decode
+    from backends.tiny import TINY_FAMILIES, write_tiny_family
+
+    triton_decode.ATTENTION["max_splits"] = 2  # the interpreter runs every program in numpy: 2 splits still combine
+
+    root = Path(tempfile.mkdtemp(prefix="families-"))
+    tiny = load_backend("torch", LoadOptions(model="tiny", device="cpu", dtype="float32", warmup=False))
+    models = {"phi (tiny)": "tiny"}
+    only = set(sys.argv[1:])  # family names, or none for all
+    for family in TINY_FAMILIES:
+        models[family] = str(write_tiny_family(root / family, family, Path(tiny.model.name_or_path)))
+    for name, model in models.items():
+        if only and name.split()[0] not in only:
+            continue
+        print(f"-- {name}", flush=True)
+        check_model(name, model, root)
+    print("FAILED: " + ", ".join(FAILURES) if FAILURES else "all passed")
+    return 1 if FAILURES else 0
+
+
+def check_model(name: str, model: str, root: Path) -> None:
+    folder = tempfile.mkdtemp(prefix="adapters-", dir=root)
+    backend = load_backend("torch", LoadOptions(model=model, device="cpu", dtype="float32", adapters_dir=folder, warmup=False))
     from bench import write_random_adapters
 
     w = backend.decoder_weights
     from backends import triton_decode
 
-    check("the kernels run for the model's shapes", triton_decode.works(w.device, w.embed.dtype, w.hidden, w.head_dim, w.rotary_dim, w.inner))
+    arch = w.arch
+    check(f"{name}: the kernels run for the model's shapes",
+          triton_decode.works(w.device, w.embed.dtype, torch_decoder.heads_of(arch), w.hidden, w.inner, arch.parallel, arch.qk_norm, arch.gated))
 
     # Prefill: one piece from position 0, one after cached columns (both attention choices), padded pieces.
     ids = backend.encode(" ".join(PROMPTS) * 3)
@@ -74,25 +97,26 @@ def main() -> int:
         fused._grow(len(ids) + 8)
         fused.use_graphs = True
         one, _ = fused._prefill([(0, ids, 0)], lora_rows=[-1])
-        check("prefill, one piece", torch.allclose(one[0], reference[0], atol=1e-5), f"{(one[0] - reference[0]).abs().max():.1e}")
+        check(f"{name}: prefill, one piece", torch.allclose(one[0], reference[0], atol=1e-5), f"{(one[0] - reference[0]).abs().max():.1e}")
         for threshold in (0, 10**9):
             torch_decoder.LOWER_RIGHT_FROM = threshold
             fused._prefill([(1, ids[:10], 0)], lora_rows=[-1])
             rest, _ = fused._prefill([(1, ids[10:], 10)], lora_rows=[-1])
-            check(f"prefill after cached columns ({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
+            check(f"{name}: prefill after cached columns ({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
                   torch.allclose(rest[0], reference[0], atol=1e-5), f"{(rest[0] - reference[0]).abs().max():.1e}")
         torch_decoder.LOWER_RIGHT_FROM = 768
         fused.use_graphs = False
         padded, _ = fused._prefill([(2, ids, 0), (3, ids[:50], 0)], lora_rows=[-1, -1])
-        check("prefill, padded pieces", torch.allclose(padded, reference, atol=1e-5), f"{(padded - reference).abs().max():.1e}")
+        check(f"{name}: prefill, padded pieces", torch.allclose(padded, reference, atol=1e-5), f"{(padded - reference).abs().max():.1e}")
 
-    # Decode: greedy with adapters, fused against the torch-ops step.
-    adapters = [backend.adapters.get(name) for name in write_random_adapters(backend, folder, 2)]
+    # Decode: greedy with adapters, fused against the torch-ops step, long enough to pass the
+    # tiny families' sliding windows (16, 32) and longrope's switch (64).
+    adapters = [backend.adapters.get(name) for name in write_random_adapters(backend, folder, 2, layers=2)]
     chosen = [None, adapters[0], adapters[1], None]
     greedy = [Sampling()] * 4
-    unfused = decode(BatchedDecoder(w, 4, cuda_graphs=False), backend, greedy, chosen)
-    got = decode(cuda_like(BatchedDecoder(w, 4, cuda_graphs=False, fused=True)), backend, greedy, chosen)
-    check("greedy decode with adapters, fused = torch ops", got == unfused, f"{sum(a == b for a, b in zip(got, unfused))}/4")
+    unfused = decode(BatchedDecoder(w, 4, cuda_graphs=False), backend, greedy, chosen, tokens=60)
+    got = decode(cuda_like(BatchedDecoder(w, 4, cuda_graphs=False, fused=True)), backend, greedy, chosen, tokens=60)
+    check(f"{name}: greedy decode with adapters, fused = torch ops", got == unfused, f"{sum(a == b for a, b in zip(got, unfused))}/4")
 
     # Sampled rows, under a grammar or not: drawn on the device, the same in a batch as alone.
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
@@ -110,17 +134,15 @@ def main() -> int:
     decoder = cuda_like(BatchedDecoder(w, 4, cuda_graphs=False, fused=True))
     together = decode(decoder, backend, samplings, tokens=24)
     torch_decoder.sample_on_device = original
-    check("sampled rows drawn on the device", bool(draws), f"{len(draws)} draws")
+    check(f"{name}: sampled rows drawn on the device", bool(draws), f"{len(draws)} draws")
     alone, samplings = [], samplings_of()
     for i in range(4):
         decoder.clear()
         alone.append(drive(decoder, [Sequence(i, backend.encode(PROMPTS[i]), samplings[i], 24)]).ids[i])
-    check("sampled rows: batched = alone", together == alone, f"{sum(a == b for a, b in zip(together, alone))}/4")
+    check(f"{name}: sampled rows: batched = alone", together == alone, f"{sum(a == b for a, b in zip(together, alone))}/4")
     for i in (0, 2, 3):
         text = backend.decode(together[i])
-        check(f"constrained row {i} follows the schema so far", text.startswith('{"name": "'), repr(text[:40]))
-    print("FAILED: " + ", ".join(FAILURES) if FAILURES else "all passed")
-    return 1 if FAILURES else 0
+        check(f"{name}: constrained row {i} follows the schema so far", text.startswith('{"name": "'), repr(text[:40]))
 
 
 if __name__ == "__main__":
