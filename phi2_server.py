@@ -1140,7 +1140,11 @@ async def stream(
                     facts["ttfb_ms"] = round((time.perf_counter() - started) * 1000, 2)
                 data = "".join(chunks)
                 if data:
+                    for ticket in tickets:  # the worker may end a stream whose client stopped reading
+                        ticket.writing = True
                     await response.write(data.encode())
+                    for ticket in tickets:
+                        ticket.writing = False
                 if done:
                     note_summary(request, combined([summaries[i] for i in range(len(tickets))]))
                     await response.write_eof()

@@ -90,6 +90,9 @@ class Ticket:
         # what waits for a client that does not read (each counter has one writer, one thread).
         self._queued = 0
         self._taken = 0
+        # Set by the handler while a write to its client waits (the socket's buffers are full):
+        # only then does a backlog mean a client that stopped reading, not a busy event loop.
+        self.writing = False
         self.cancelled = False
         self.summary: Summary | None = None
         self._engine = engine
@@ -185,8 +188,8 @@ class Engine:
         on_load_done: Callable[[], None] | None = None,
     ):
         self.max_queue = max_queue
-        # Events a ticket may have waiting for its handler (a stream whose client stopped reading
-        # blocks its handler in a write): past it, the worker stops generating that sequence.
+        # Events a ticket may have waiting for its handler while the handler waits to write to a
+        # client that stopped reading: past it, the worker stops generating that sequence.
         self.stream_buffer = stream_buffer
         self.max_batch = max_batch
         self.prompt_cache_bytes = prompt_cache_bytes  # None: the device's default; 0: off
@@ -519,7 +522,7 @@ class Engine:
             self._finish(seq_id, "stop", decoder, flush=False)
         elif running.count >= running.ticket.request.max_tokens:
             self._finish(seq_id, "length", decoder)
-        elif running.ticket._queued - running.ticket._taken > self.stream_buffer:
+        elif running.ticket.writing and running.ticket._queued - running.ticket._taken > self.stream_buffer:
             # Its client is not reading: generating more would only queue it here, unbounded.
             waiting = running.ticket._queued - running.ticket._taken
             self._finish(seq_id, "cancelled", decoder, f"the client stopped reading: {waiting} events were waiting for it (STREAM_BUFFER)")

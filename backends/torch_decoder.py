@@ -755,14 +755,20 @@ class BatchedDecoder:
             logits, every = self._prefill(group, every_position=scored, long_rope=[self._long_prompt(self.slots[i].sequence.prompt_ids) for i, _, _ in group])
             greedy = logits[:, : self.weights.decodable].argmax(dim=-1).tolist()
             first = []  # (slot, row, its first token)
-            for r, ((i, ids, start), row, token) in enumerate(zip(group, logits, greedy)):
+            done = [r for r, (i, ids, start) in enumerate(group) if start + len(ids) == len(self.slots[i].sequence.prompt_ids)]
+            # The first tokens of prompts that did not finish greedy-plain are chosen together,
+            # read back with one wait (64 sampled prompts arriving at once: one wait, not 64).
+            chosen = [r for r in done if not self.slots[group[r][0]].chooser.plain]
+            if chosen:
+                index = torch.tensor(chosen, device=logits.device)
+                for r, token in zip(chosen, choose_rows(logits[index], [self.slots[group[r][0]].chooser for r in chosen])):
+                    greedy[r] = token
+            for r, ((i, ids, start), token) in enumerate(zip(group, greedy)):
                 slot = self.slots[i]
                 if r in every:
                     self._score_prompt(slot, every[r], start, len(ids))
                 slot.cached = start + len(ids)
                 if slot.cached == len(slot.sequence.prompt_ids):
-                    if not slot.chooser.plain:
-                        token = slot.chooser.choose(row)
                     first.append((i, r, token))
                     slot.next_token = token
                     slot.generated.append(token)

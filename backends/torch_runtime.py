@@ -319,6 +319,7 @@ def random_model(path: Path, dtype: torch.dtype, device: str):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gave a tied output head storage of its own
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -54,16 +54,21 @@ def save(out: Path) -> None:
 
 
 def reference_ids(model, prompt: list[int], n: int, decodable: int) -> list[int]:
+    """Greedy ids from transformers' forward, token by token with its own cache."""
     from transformers import DynamicCache
 
+    import inspect
+
     cache = DynamicCache(config=model.config)
+    # transformers 5.24 takes `cache=`; older 5.x (the GPU image's 5.17) only `past_key_values=`.
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = []
     with torch.inference_mode():
-        out = model(torch.tensor([prompt], device="cuda"), cache=cache, use_cache=True)
+        out = model(torch.tensor([prompt], device="cuda"), use_cache=True, **{cache_kw: cache})
         for _ in range(n):
             ids.append(int(out.logits[0, -1, :decodable].argmax()))
             position = torch.tensor([[len(prompt) + len(ids) - 1]], device="cuda")
-            out = model(torch.tensor([[ids[-1]]], device="cuda"), cache=cache, use_cache=True, position_ids=position)
+            out = model(torch.tensor([[ids[-1]]], device="cuda"), use_cache=True, position_ids=position, **{cache_kw: cache})
     return ids
 
 
@@ -84,6 +89,14 @@ def parity(name: str, model: str, dtype: str) -> dict:
     if dtype == "float32":
         reference = [reference_ids(backend.model, p, n, weights.decodable) for p in PROMPTS[:4]]
         result["equals_transformers"] = sum(alone[i] == reference[i] for i in range(4))
+        result["same_prefix_lengths"] = [next((j for j, (a, b) in enumerate(zip(alone[i], reference[i])) if a != b), n) for i in range(4)]
+        for label, options in (("torch-ops eager", dict(fused=False, cuda_graphs=False)), ("torch-ops graphs", dict(fused=False)),
+                               ("triton graphs", dict(fused=True)), ("triton no chaining", dict(fused=True, cuda_graphs=True))):
+            decoder = BatchedDecoder(weights, 1, **options)
+            if label == "triton no chaining":
+                decoder._can_chain = lambda launched: False
+            got = [drive(decoder, [Sequence(0, p, Sampling(), n)]).ids[0] for p in PROMPTS[:4]]
+            result[f"same_prefix {label}"] = [next((j for j, (a, b) in enumerate(zip(got[i], reference[i])) if a != b), n) for i in range(4)]
     say(name, dtype, result)
     return result
 
@@ -148,7 +161,7 @@ def serve(shape: str, out: Path) -> dict:
             time.sleep(0.5)
     result = {"startup_to_ready_s": ready}
     if ready is not None:
-        for level, extra in (("1", []), ("64", ["--distinct-prompts"])):
+        for level, extra in (("1", []), ("64", ["--distinct"])):
             command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", level, "--max-tokens", "128",
                        "--runs", "3", "--label", shape, "--json", str(logs / f"bench-{level}.json"), *extra]
             bench = subprocess.run(command, capture_output=True, text=True, timeout=400)
