@@ -911,7 +911,7 @@ class BatchedDecoder:
         the choice of a token is limited to the ids the tokenizer can decode)."""
         w = self.weights
         x = norm(x, *w.final_norm, w.shape.eps, w.shape.rms_norm)
-        return F.linear(x, *w.lm_head)
+        return linear(x, *w.lm_head)
 
     # -- decode ----------------------------------------------------------------------------------
 
