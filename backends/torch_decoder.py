@@ -153,7 +153,7 @@ class DecoderWeights:
                            arch.rms_norm, arch.parallel, arch.gated, self.activation)
         with torch.no_grad():
             self.layers = [self._block(layer) for layer in inner.layers]
-        self.lora_matrices = lora_matrices(arch, self.layers[0])
+        self.lora_matrices = lora_matrices(arch)
 
     def _block(self, layer) -> Block:
         arch, find = self.arch, layer.get_submodule
@@ -286,7 +286,7 @@ def _sum_bias(a, b):
     return a + b
 
 
-def lora_matrices(arch: Architecture, block: Block) -> list[FusedMatrix]:
+def lora_matrices(arch: Architecture) -> list[FusedMatrix]:
     """Where each adaptable module (by the name mlx-lm gives it) sits in a block's fused matrices,
     in `Block.matrices()` order: the rows of the matrix's input it reads, and the columns of its
     output it writes."""

@@ -25,6 +25,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(process: subprocess.Popen, port: int, timeout: float, output) -> None:
+    """Until the server process answers /ready with 200; `output()` is what it printed, for the
+    failure that a process ending before then is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, output()
+        with contextlib.suppress(OSError):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/ready")
+            if connection.getresponse().status == 200:
+                return
+        assert time.monotonic() < deadline, "the server did not become ready"
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def server_process(
     model: Path, log_dir: Path, backend: str, grace: float, max_batch: int = 1, release_on_shutdown: bool = False,
@@ -47,16 +62,7 @@ def server_process(
     command = [sys.executable, str(ROOT / "tests" / "gated_server.py")]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            with contextlib.suppress(OSError):
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                connection.request("GET", "/ready")
-                if connection.getresponse().status == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+        wait_ready(process, port, 90, lambda: process.stdout.read().decode())
         yield process, port
     finally:
         if process.poll() is None:

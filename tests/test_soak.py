@@ -35,7 +35,7 @@ import pytest
 from conftest import write_mlx_adapter
 from test_isolation import BROKEN_REGEXES, BROKEN_SCHEMAS, FAILS_LATER
 from test_request_log import read_log
-from test_shutdown import free_port
+from test_shutdown import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "60"))
@@ -61,16 +61,7 @@ def serving(model: Path, runtime: str, log_dir: Path, adapters: Path):
     }
     process = subprocess.Popen([sys.executable, "phi2_server.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()
-            with contextlib.suppress(OSError):
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                connection.request("GET", "/ready")
-                if connection.getresponse().status == 200:
-                    break
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.2)
+        wait_ready(process, port, 120, lambda: process.stderr.read().decode())
         yield process, port
     finally:
         process.terminate()

@@ -101,6 +101,38 @@ def parity(name: str, model: str, dtype: str) -> dict:
     return result
 
 
+def extras(family: str, path: Path, folder: Path) -> dict:
+    """A tiny family in float32 on the GPU: an adapter in a batch (the Triton step, CUDA graphs)
+    against transformers with it merged, and int8 weights (the torch-ops step, graphed):
+    logits near the full-precision ones, batched equal to alone."""
+    from bench import write_random_adapters
+
+    from backends.adapters import merge_lora_into_torch
+
+    result = {}
+    backend = load_backend("torch", LoadOptions(model=str(path), device="cuda", dtype="float32", adapters_dir=str(folder), warmup=False))
+    (name,) = write_random_adapters(backend, str(folder), 1, layers=2, scale=2.0)
+    adapter = backend.adapters.get(name)
+    merged = load_backend("torch", LoadOptions(model=str(path), device="cuda", dtype="float32", warmup=False))
+    merge_lora_into_torch(merged.model, folder / name)
+    n = 30
+    sequences = [Sequence(i, p, Sampling(), n, adapter=adapter if i % 2 else None) for i, p in enumerate(PROMPTS[:4])]
+    together = drive(BatchedDecoder(backend.decoder_weights, 4), sequences).ids
+    expected = [reference_ids((merged if i % 2 else backend).model, PROMPTS[i], n, backend.decoder_weights.decodable) for i in range(4)]
+    result["adapter_rows_equal_merged"] = sum(together[i] == expected[i] for i in range(4))
+    full = BatchedDecoder(backend.decoder_weights, 1).logits_after(PROMPTS[2])
+    for method in ("int8",):  # tinygemm's int4 wants input widths of 128 multiples: the tiny families' are 64
+        quantized = load_backend("torch", LoadOptions(model=str(path), device="cuda", dtype="float32", quantize=method, warmup=False))
+        weights = quantized.decoder_weights
+        got = BatchedDecoder(weights, 1).logits_after(PROMPTS[2])
+        batched = drive(BatchedDecoder(weights, 8), [Sequence(i, p, Sampling(), 20) for i, p in enumerate(PROMPTS)]).ids
+        alone = [drive(BatchedDecoder(weights, 1), [Sequence(0, p, Sampling(), 20)]).ids[0] for p in PROMPTS]
+        result[method] = {"fused": BatchedDecoder(weights, 1).fused, "relative_logit_error": float((got - full).norm() / full.norm()),
+                          "batched_equals_alone": sum(batched[i] == alone[i] for i in range(8))}
+    say(family, "extras", result)
+    return result
+
+
 def speed(shape: str, static: bool) -> dict:
     backend = load_backend("torch", LoadOptions(model=shape, device="cuda", dtype="bfloat16", warmup=False))
     model = backend.model
@@ -176,7 +208,7 @@ def serve(shape: str, out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
-    parser.add_argument("--only", default="", help="comma list: parity, and/or shapes (random:... or their names)")
+    parser.add_argument("--only", default="", help="comma list: parity, extras (adapters, int8/int4 on the tiny families), and/or shapes (random:... or their names)")
     parser.add_argument("--skip-static", action="store_true", help="no transformers static generate (its compile takes ~30 s a shape)")
     parser.add_argument("--no-serve", action="store_true")
     args = parser.parse_args()
@@ -184,7 +216,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     say(torch.cuda.get_device_name(), torch.__version__)
-    if not only or "parity" in only:
+    if not only or "parity" in only or "extras" in only:
         from backends.tiny import TINY_FAMILIES, write_tiny_family
 
         root = Path(tempfile.mkdtemp())
@@ -194,6 +226,11 @@ def main() -> int:
                 path = write_tiny_family(root / family, family, Path(tiny.model.name_or_path))
                 RESULTS[f"parity {family}"] = parity(family, str(path), "float32")
                 release()
+                if "extras" in only or not only:
+                    folder = root / f"{family}-adapters"
+                    folder.mkdir()
+                    RESULTS[f"extras {family}"] = extras(family, path, folder)
+                    release()
             except Exception as exc:
                 RESULTS[f"parity {family}"] = f"{type(exc).__name__}: {exc}"[:500]
                 say(family, RESULTS[f"parity {family}"])
