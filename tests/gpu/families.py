@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
 from backends.drive import drive  # noqa: E402
 from backends.torch_decoder import BatchedDecoder  # noqa: E402
-from check import copy_bandwidth, say, timed_cuda  # noqa: E402
+from check import copy_bandwidth, profile_step, say, timed_cuda  # noqa: E402
 
 SHAPES = ["random:phi-2", "random:llama-3.2-1b", "random:qwen2.5-1.5b", "random:phi-3-mini"]
 PROMPTS = [[5 + (i * 37 + j * 11) % 580 for i in range(12 + 7 * j)] for j in range(8)]
@@ -211,6 +211,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma list: parity, extras (adapters, int8/int4 on the tiny families), and/or shapes (random:... or their names)")
     parser.add_argument("--skip-static", action="store_true", help="no transformers static generate (its compile takes ~30 s a shape)")
     parser.add_argument("--no-serve", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="per shape only where a batch-1 step's GPU time goes (kernels, GEMMs)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,6 +238,14 @@ def main() -> int:
             save(out)
     for shape in SHAPES:
         if only and shape not in only and shape.split(":")[1] not in only:
+            continue
+        if args.profile:
+            backend = load_backend("torch", LoadOptions(model=shape, device="cuda", dtype="bfloat16", warmup=False))
+            RESULTS[f"profile {shape}"] = profile_step(backend)
+            say(shape, "profile", RESULTS[f"profile {shape}"])
+            backend = None
+            release()
+            save(out)
             continue
         try:
             RESULTS[f"parity {shape} bf16"] = parity(shape, shape, "bfloat16")
