@@ -87,7 +87,8 @@ def generate(body: dict, headers: dict | None = None) -> tuple[int, dict]:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, {"X-Request-Id header": response.headers.get("X-Request-Id"), **json.loads(response.read())}
     except urllib.error.HTTPError as error:
-        return error.code, {}
+        # What answered matters when it fails: a replica's JSON error, or HAProxy's own page.
+        return error.code, {"body": error.read()[:160].decode(errors="replace")}
 
 
 def logged(container: str) -> list[dict]:
@@ -109,12 +110,12 @@ class Load:
         while not self._stop.is_set():
             sent = time.monotonic()
             try:
-                status, _ = generate({"prompt": "Once upon", "max_tokens": 16})
+                status, answer = generate({"prompt": "Once upon", "max_tokens": 16})
             except OSError as exc:
-                status = f"{type(exc).__name__}"
+                status, answer = f"{type(exc).__name__}", {}
             self.counts["ok" if status == 200 else "failed"] += 1
             if status != 200:
-                self.errors.append(f"{status} sent at {sent:.2f}")
+                self.errors.append(f"{status} sent at {sent:.2f}: {answer.get('body', '')!r}")
                 self.ok_after[sent] = False
 
     def __enter__(self) -> "Load":
