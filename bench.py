@@ -83,7 +83,7 @@ class Result:
             "p50_s": percentile(latencies, 50),
             "p95_s": percentile(latencies, 95),
             "aggregate_tok_s": statistics.median(
-                sum(t.tokens for t in run) / wall for run, wall in zip(self.runs, self.wall)
+                sum(t.tokens for t in run) / wall for run, wall in zip(self.runs, self.wall, strict=False)
             ),
             "health_p50_ms": percentile(sorted(self.health_ms), 50) if self.health_ms else None,
             "health_p99_ms": percentile(sorted(self.health_ms), 99) if self.health_ms else None,
@@ -127,7 +127,15 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> Ti
                 tokens = line["tokens_used"]
                 if tokens != body["max_tokens"] or not 1 <= lines <= tokens:
                     raise RuntimeError(f"{tokens} tokens and {lines} token lines for max_tokens={body['max_tokens']}")
-                return Timing((first or now) - sent, now - sent, tokens, line["prompt_tokens"], line.get("cached_tokens", 0), "".join(pieces), arrivals)
+                return Timing(
+                    (first or now) - sent,
+                    now - sent,
+                    tokens,
+                    line["prompt_tokens"],
+                    line.get("cached_tokens", 0),
+                    "".join(pieces),
+                    arrivals,
+                )
     raise RuntimeError("stream ended without its summary line")
 
 
@@ -157,7 +165,9 @@ async def bench_http(args, concurrency: int) -> Result:
             latencies: list[float] = []
             prober = asyncio.create_task(probe_health(probe, args.url, latencies, stop))
             started = time.perf_counter()
-            timings = await asyncio.gather(*(stream_one(session, args.url, body_of(run * concurrency + i)) for i in range(concurrency)))
+            timings = await asyncio.gather(
+                *(stream_one(session, args.url, body_of(run * concurrency + i)) for i in range(concurrency))
+            )
             wall = time.perf_counter() - started
             stop.set()
             await prober
@@ -222,8 +232,16 @@ FILLER = (
     "Water boils at 100 degrees Celsius at sea level; it freezes at 0 degrees. "
     "Numbers like 3.14159, 2.71828 and 1.41421 are famous constants in mathematics. "
 )
-QUESTIONS = ["What is two plus two?", "How are you today?", "Why is the sky blue?", "Write a short poem about the sea.",
-             "Name a famous constant.", "When does water boil?", "What is Phi-2?", "Tell me a story."]
+QUESTIONS = [
+    "What is two plus two?",
+    "How are you today?",
+    "Why is the sky blue?",
+    "Write a short poem about the sea.",
+    "Name a famous constant.",
+    "When does water boil?",
+    "What is Phi-2?",
+    "Tell me a story.",
+]
 
 
 async def system_prompt(session: aiohttp.ClientSession, url: str, tokens: int) -> str:
@@ -238,22 +256,32 @@ async def latency_workload(args) -> list[dict]:
     decoding streams, on their own and while long prompts arrive one after another (each new
     prompt sent when the previous one's first tokens are back), against a running server."""
     rows = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
         long_prompt = await system_prompt(session, args.url, args.long_prompt_tokens)
 
         def long_body(i: int) -> dict:  # a distinct first line: no stored prefix to reuse
             return {"prompt": f"Request {i}.\n" + long_prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
 
-        alone = [await stream_one(session, args.url, long_body(i)) for i in range(args.rounds + 1)][1:]  # the first pays new shapes
+        alone = [await stream_one(session, args.url, long_body(i)) for i in range(args.rounds + 1)][
+            1:
+        ]  # the first pays new shapes
         ttfts = sorted(t.ttft * 1000 for t in alone)
-        rows.append({"workload": f"{alone[0].prompt_tokens}-token prompt alone, {len(alone)} rounds", "TTFT ms median / min / max":
-                     f"{statistics.median(ttfts):.1f} / {ttfts[0]:.1f} / {ttfts[-1]:.1f}"})
+        rows.append(
+            {
+                "workload": f"{alone[0].prompt_tokens}-token prompt alone, {len(alone)} rounds",
+                "TTFT ms median / min / max": f"{statistics.median(ttfts):.1f} / {ttfts[0]:.1f} / {ttfts[-1]:.1f}",
+            }
+        )
         for arriving in (False, True):
             body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
             streams = [asyncio.create_task(stream_one(session, args.url, body)) for _ in range(args.streams)]
             long_timings = []
             if arriving:
-                await asyncio.sleep(0.2)  # the streams are decoding (give them --max-tokens enough to outlast the arrivals)
+                await asyncio.sleep(
+                    0.2
+                )  # the streams are decoding (give them --max-tokens enough to outlast the arrivals)
                 i = 1000
                 while not all(task.done() for task in streams):
                     long_timings.append(await stream_one(session, args.url, long_body(i)))
@@ -261,15 +289,27 @@ async def latency_workload(args) -> list[dict]:
             timings = await asyncio.gather(*streams)
             # Gaps between a stream's successive deliveries after its first token (tokens read in one
             # chunk count once: the client saw them at once).
-            gaps = sorted(1000 * (b - a) for t in timings for a, b in zip(sorted(set(t.arrivals))[:-1], sorted(set(t.arrivals))[1:]))
-            row = {"workload": f"{args.streams} streams decoding" + (f", {len(long_timings)} long prompts arriving" if arriving else ""),
-                   "inter-token ms p50 / p99 / max": f"{percentile(gaps, 50):.1f} / {percentile(gaps, 99):.1f} / {gaps[-1]:.1f}"}
+            gaps = sorted(
+                1000 * (b - a)
+                for t in timings
+                for a, b in zip(sorted(set(t.arrivals))[:-1], sorted(set(t.arrivals))[1:], strict=False)
+            )
+            row = {
+                "workload": f"{args.streams} streams decoding"
+                + (f", {len(long_timings)} long prompts arriving" if arriving else ""),
+                "inter-token ms p50 / p99 / max": f"{percentile(gaps, 50):.1f} / {percentile(gaps, 99):.1f} / {gaps[-1]:.1f}",
+            }
             if long_timings:
                 arriving_ttft = sorted(t.ttft * 1000 for t in long_timings)
-                row["TTFT ms median / min / max"] = f"{statistics.median(arriving_ttft):.1f} / {arriving_ttft[0]:.1f} / {arriving_ttft[-1]:.1f}"
+                row["TTFT ms median / min / max"] = (
+                    f"{statistics.median(arriving_ttft):.1f} / {arriving_ttft[0]:.1f} / {arriving_ttft[-1]:.1f}"
+                )
             rows.append(row)
     for row in rows:
-        print(f"| {row['workload']} | {row.get('TTFT ms median / min / max', '')} | {row.get('inter-token ms p50 / p99 / max', '')} |", flush=True)
+        print(
+            f"| {row['workload']} | {row.get('TTFT ms median / min / max', '')} | {row.get('inter-token ms p50 / p99 / max', '')} |",
+            flush=True,
+        )
     return rows
 
 
@@ -287,8 +327,12 @@ async def chat_workload(args, urls: dict[str, str]) -> dict[str, list[Timing]]:
             for cache, url in urls.items():
                 timing = await stream_one(session, url, body)
                 turns[cache].append(timing)
-                print(f"[chat turn {turn}, cache {cache}] {timing.prompt_tokens} prompt tokens, {timing.cached_tokens} cached, "
-                      f"TTFT {timing.ttft * 1000:.0f} ms", file=sys.stderr, flush=True)
+                print(
+                    f"[chat turn {turn}, cache {cache}] {timing.prompt_tokens} prompt tokens, {timing.cached_tokens} cached, "
+                    f"TTFT {timing.ttft * 1000:.0f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
             history = prompt + turns["on"][-1].text
         return turns
 
@@ -298,19 +342,32 @@ async def shared_prefix_workload(args, urls: dict[str, str]) -> dict[str, list[l
     first finds nothing stored, the later ones find the system prompt (a server's steady state;
     the first rounds also pay each server's first calls of new shapes). Each round runs
     against the server with the prompt cache, then the one without."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
         system = await system_prompt(session, urls["on"], args.prefix_tokens)
         await system_prompt(session, urls["off"], args.prefix_tokens)  # the same probe on both
         rounds: dict[str, list[list[Timing]]] = {"on": [], "off": []}
         for round_ in range(args.rounds):
-            bodies = [{"prompt": system + f"\nAlice: {QUESTIONS[(i + round_ * args.shared_prefix) % len(QUESTIONS)]} ({round_}.{i})\nBob:",
-                       "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0} for i in range(args.shared_prefix)]
+            bodies = [
+                {
+                    "prompt": system
+                    + f"\nAlice: {QUESTIONS[(i + round_ * args.shared_prefix) % len(QUESTIONS)]} ({round_}.{i})\nBob:",
+                    "max_tokens": args.max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                }
+                for i in range(args.shared_prefix)
+            ]
             for cache, url in urls.items():
                 timings = await asyncio.gather(*(stream_one(session, url, body) for body in bodies))
                 rounds[cache].append(timings)
-                print(f"[shared prefix round {round_}, cache {cache}] TTFT max {max(t.ttft for t in timings) * 1000:.0f} ms, "
-                      f"{sum(t.cached_tokens for t in timings)} of {sum(t.prompt_tokens for t in timings)} prompt tokens cached",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[shared prefix round {round_}, cache {cache}] TTFT max {max(t.ttft for t in timings) * 1000:.0f} ms, "
+                    f"{sum(t.cached_tokens for t in timings)} of {sum(t.prompt_tokens for t in timings)} prompt tokens cached",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return rounds
 
 
@@ -327,7 +384,11 @@ def chat_in_process(args) -> list[dict]:
     try:  # a second fast-path decoder of its own (backend.decoder hands one thread the same one)
         from backends.torch_decoder import BatchedDecoder
 
-        without = BatchedDecoder(backend.decoder_weights, backend.max_batch) if isinstance(with_cache, BatchedDecoder) else None
+        without = (
+            BatchedDecoder(backend.decoder_weights, backend.max_batch)
+            if isinstance(with_cache, BatchedDecoder)
+            else None
+        )
     except ImportError:
         without = None
     without = without or backend.decoder(backend.max_batch, prompt_cache_bytes=0)
@@ -346,10 +407,17 @@ def chat_in_process(args) -> list[dict]:
                 first = first or (time.perf_counter() if tokens else None)
 
             driven = drive(decoder, [Sequence(turn, ids, Sampling(), args.max_tokens)], on_tokens=on_tokens)
-            row[name] = {"ttft_ms": (first - sent) * 1000, "cached_tokens": driven.cached[turn], "ids": driven.ids[turn]}
+            row[name] = {
+                "ttft_ms": (first - sent) * 1000,
+                "cached_tokens": driven.cached[turn],
+                "ids": driven.ids[turn],
+            }
         row["same"] = row["on"]["ids"] == row["off"]["ids"]
-        print(f"| {turn} | {len(ids)} | {row['on']['cached_tokens']} | {row['on']['ttft_ms']:.0f} | {row['off']['ttft_ms']:.0f} | "
-              f"{row['off']['ttft_ms'] / row['on']['ttft_ms']:.1f}x | {row['same']} |", flush=True)
+        print(
+            f"| {turn} | {len(ids)} | {row['on']['cached_tokens']} | {row['on']['ttft_ms']:.0f} | {row['off']['ttft_ms']:.0f} | "
+            f"{row['off']['ttft_ms'] / row['on']['ttft_ms']:.1f}x | {row['same']} |",
+            flush=True,
+        )
         history = prompt + backend.decode(row["on"]["ids"])
     return rows
 
@@ -357,7 +425,10 @@ def chat_in_process(args) -> list[dict]:
 def prompt_reuse(args) -> dict:
     """The chat or shared-prefix workload against two spawned servers, one with the prompt cache
     and one without (PROMPT_CACHE=0), in the same run; a table of both and their ratio."""
-    servers = {cache: SpawnedServer(args.ready_timeout, env={"PROMPT_CACHE": "1" if cache == "on" else "0"}) for cache in ("on", "off")}
+    servers = {
+        cache: SpawnedServer(args.ready_timeout, env={"PROMPT_CACHE": "1" if cache == "on" else "0"})
+        for cache in ("on", "off")
+    }
     try:
         urls = {cache: server.url for cache, server in servers.items()}
         results = asyncio.run(chat_workload(args, urls) if args.chat else shared_prefix_workload(args, urls))
@@ -365,21 +436,29 @@ def prompt_reuse(args) -> dict:
         for server in servers.values():
             server.stop()
     if args.chat:
-        print("| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off | off / on | same answer |\n| --- | --- | --- | --- | --- | --- | --- |")
-        for turn, (on, off) in enumerate(zip(results["on"], results["off"])):
-            print(f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on.ttft * 1000:.0f} | {off.ttft * 1000:.0f} | {off.ttft / on.ttft:.1f}x | {on.text == off.text} |")
+        print(
+            "| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off | off / on | same answer |\n| --- | --- | --- | --- | --- | --- | --- |"
+        )
+        for turn, (on, off) in enumerate(zip(results["on"], results["off"], strict=False)):
+            print(
+                f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on.ttft * 1000:.0f} | {off.ttft * 1000:.0f} | {off.ttft / on.ttft:.1f}x | {on.text == off.text} |"
+            )
         later = results["on"][1:]
         hit = sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later))
         print(f"\nhit rate after the first turn: {hit:.1%} of prompt tokens")
         flat = results
     else:
-        print("| round | clients | TTFT ms mean / max, cache on | TTFT ms mean / max, cache off | hit rate (cache on) | same answers |\n| --- | --- | --- | --- | --- | --- |")
-        for round_, (on, off) in enumerate(zip(results["on"], results["off"])):
+        print(
+            "| round | clients | TTFT ms mean / max, cache on | TTFT ms mean / max, cache off | hit rate (cache on) | same answers |\n| --- | --- | --- | --- | --- | --- |"
+        )
+        for round_, (on, off) in enumerate(zip(results["on"], results["off"], strict=False)):
             mean = lambda ts: statistics.mean(t.ttft for t in ts) * 1000  # noqa: E731
             peak = lambda ts: max(t.ttft for t in ts) * 1000  # noqa: E731
             hit = sum(t.cached_tokens for t in on) / sum(t.prompt_tokens for t in on)
-            same = sum(a.text == b.text for a, b in zip(on, off))
-            print(f"| {round_} | {len(on)} | {mean(on):.0f} / {peak(on):.0f} | {mean(off):.0f} / {peak(off):.0f} | {hit:.1%} | {same}/{len(on)} |")
+            same = sum(a.text == b.text for a, b in zip(on, off, strict=False))
+            print(
+                f"| {round_} | {len(on)} | {mean(on):.0f} / {peak(on):.0f} | {mean(off):.0f} / {peak(off):.0f} | {hit:.1%} | {same}/{len(on)} |"
+            )
         flat = {cache: [t for r in rounds for t in r] for cache, rounds in results.items()}
     return {cache: [asdict(t) for t in timings] for cache, timings in flat.items()}
 
@@ -397,7 +476,10 @@ def overhead(args) -> list[Result]:
     local, http = Result(args.label, "in-process", 1), Result(args.label, "http", 1)
     try:
         for run in range(runs + 1):  # run 0 of each is the warm-up
-            for result, one in ((local, lambda: bench_in_process(args, backend)), (http, lambda: asyncio.run(bench_http(args, 1)))):
+            for result, one in (
+                (local, lambda: bench_in_process(args, backend)),
+                (http, lambda: asyncio.run(bench_http(args, 1))),
+            ):
                 measured = one()
                 if run > 0:
                     result.runs += measured.runs
@@ -514,8 +596,15 @@ def memory_bandwidth() -> dict:
 
 # Phi architectures from toy size to Phi-1.5's, for the CPU dtype rule (--dtype-sweep).
 SWEEP_SIZES = [  # hidden, layers, heads, vocab
-    (64, 2, 4, 1000), (128, 4, 4, 4000), (128, 4, 4, 8000), (192, 4, 6, 8000), (256, 4, 8, 8000),
-    (256, 4, 8, 51200), (512, 8, 8, 51200), (1024, 16, 16, 51200), (2048, 24, 32, 51200),
+    (64, 2, 4, 1000),
+    (128, 4, 4, 4000),
+    (128, 4, 4, 8000),
+    (192, 4, 6, 8000),
+    (256, 4, 8, 8000),
+    (256, 4, 8, 51200),
+    (512, 8, 8, 51200),
+    (1024, 16, 16, 51200),
+    (2048, 24, 32, 51200),
 ]
 
 
@@ -538,9 +627,16 @@ def dtype_sweep(args) -> list[dict]:
 
     rows = []
     for hidden, layers, heads, vocab in SWEEP_SIZES:
-        config = {**RANDOM_ARCHITECTURES["phi-2"], "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
-                  "num_key_value_heads": heads, "intermediate_size": 4 * hidden, "vocab_size": vocab,
-                  "partial_rotary_factor": 0.5}  # as Phi-1.5: an even rotary width at every head size here
+        config = {
+            **RANDOM_ARCHITECTURES["phi-2"],
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "intermediate_size": 4 * hidden,
+            "vocab_size": vocab,
+            "partial_rotary_factor": 0.5,
+        }  # as Phi-1.5: an even rotary width at every head size here
         directory = Path(tempfile.mkdtemp())
         (directory / "config.json").write_text(json.dumps(config))
         decoders, parameters = {}, 0
@@ -558,7 +654,10 @@ def dtype_sweep(args) -> list[dict]:
         f32, bf16 = (sorted(rates[d])[len(rates[d]) // 2] for d in (torch.float32, torch.bfloat16))
         rows.append({"parameters": parameters, "float32_tok_s": f32, "bfloat16_tok_s": bf16})
         auto = "bfloat16" if parameters >= CPU_BF16_MIN_PARAMETERS else "float32"
-        print(f"| {parameters / 1e6:.1f}M (h{hidden}, L{layers}, vocab {vocab}) | {f32:.1f} | {bf16:.1f} | {bf16 / f32:.2f} | {auto} |", flush=True)
+        print(
+            f"| {parameters / 1e6:.1f}M (h{hidden}, L{layers}, vocab {vocab}) | {f32:.1f} | {bf16:.1f} | {bf16 / f32:.2f} | {auto} |",
+            flush=True,
+        )
     return rows
 
 
@@ -606,24 +705,45 @@ def quant_kernels(args) -> list[dict]:
         if cuda:
             dequantizing = lambda x: F.linear(x, int8.qweight.to(x.dtype)) * int8.scales  # noqa: E731
             candidates["int8 (dequantize + matmul)"] = (dequantizing, int8.nbytes)
-            candidates["int8 (dequantize + matmul, torch.compile)"] = (torch.compile(dequantizing, dynamic=False), int8.nbytes)
+            candidates["int8 (dequantize + matmul, torch.compile)"] = (
+                torch.compile(dequantizing, dynamic=False),
+                int8.nbytes,
+            )
         else:
             from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
             dynamic = DynamicLinear(k, n, bias_=False, dtype=torch.qint8)
-            dynamic.set_weight_bias(torch.quantize_per_channel(weight.float(), int8.scales.float(), torch.zeros(n, dtype=torch.long), 0, torch.qint8), None)
+            dynamic.set_weight_bias(
+                torch.quantize_per_channel(
+                    weight.float(), int8.scales.float(), torch.zeros(n, dtype=torch.long), 0, torch.qint8
+                ),
+                None,
+            )
             candidates["int8 (fbgemm dynamic: int8 activations too)"] = (lambda x: dynamic(x.float()), int8.nbytes)
         int4 = Int4Weight(weight)
-        candidates["int4 (aten._weight_int4pack_mm" + ("" if cuda else "_for_cpu") + f", group {int4.group_size})"] = (int4.linear, int4.nbytes)
+        candidates["int4 (aten._weight_int4pack_mm" + ("" if cuda else "_for_cpu") + f", group {int4.group_size})"] = (
+            int4.linear,
+            int4.nbytes,
+        )
         for batch in (1, 8, 64) if cuda else (1, 8):
             x = torch.randn(batch, k, device=device, dtype=dtype)
             base = None
             for name, (fn, nbytes) in candidates.items():
                 seconds = timed(lambda: fn(x))
                 base = base or seconds
-                row = {"shape": shape_name, "batch": batch, "kernel": name, "ms": seconds * 1000, "weight_gb_s": nbytes / seconds / 1e9, "speedup_vs_bf16": base / seconds}
+                row = {
+                    "shape": shape_name,
+                    "batch": batch,
+                    "kernel": name,
+                    "ms": seconds * 1000,
+                    "weight_gb_s": nbytes / seconds / 1e9,
+                    "speedup_vs_bf16": base / seconds,
+                }
                 rows.append(row)
-                print(f"| {shape_name} | {batch} | {name} | {row['ms']:.3f} | {row['weight_gb_s']:.1f} | {row['speedup_vs_bf16']:.2f}x |", flush=True)
+                print(
+                    f"| {shape_name} | {batch} | {name} | {row['ms']:.3f} | {row['weight_gb_s']:.1f} | {row['speedup_vs_bf16']:.2f}x |",
+                    flush=True,
+                )
     return rows
 
 
@@ -650,14 +770,23 @@ def quant_quality(args) -> list[dict]:
         seconds = time.perf_counter() - started
         decoder = BatchedDecoder(backend.decoder_weights, 1)
         errors, same = [], 0
-        for i, ref in zip(ids, reference):
+        for i, ref in zip(ids, reference, strict=False):
             logits = decoder.logits_after(i)[:decodable]
             errors.append(float((logits - ref).norm() / ref.norm()))
             same += int(logits.argmax() == ref.argmax())
-        row = {"method": method, "relative_error_mean": statistics.mean(errors), "relative_error_max": max(errors),
-               "same_top1": same, "prompts": len(prompts), "quantize_seconds": seconds}
+        row = {
+            "method": method,
+            "relative_error_mean": statistics.mean(errors),
+            "relative_error_max": max(errors),
+            "same_top1": same,
+            "prompts": len(prompts),
+            "quantize_seconds": seconds,
+        }
         rows.append(row)
-        print(f"| {method} | {row['relative_error_mean']:.4f} | {row['relative_error_max']:.4f} | {same}/{len(prompts)} | {seconds:.1f} |", flush=True)
+        print(
+            f"| {method} | {row['relative_error_mean']:.4f} | {row['relative_error_max']:.4f} | {same}/{len(prompts)} | {seconds:.1f} |",
+            flush=True,
+        )
         del backend, decoder, reference
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -678,16 +807,27 @@ def quant_agreement(args) -> list[dict]:
         full = load_backend(runtime, LoadOptions(model="tiny", dtype="float32", warmup=False))
         cases = []
         for line in ascii_lines():
-            cut = line.index(" ", 6) if " " in line[6:] else len(line) // 2  # the rest starts with its space, as trained
+            cut = (
+                line.index(" ", 6) if " " in line[6:] else len(line) // 2
+            )  # the rest starts with its space, as trained
             cases.append((full.encode(line[:cut]), len(full.encode(line[cut:]))))
         expected = [drive(full.decoder(1), [Sequence(0, prompt, Sampling(), n)]).ids[0] for prompt, n in cases]
         for method in methods:
             quantized = load_backend(runtime, LoadOptions(model="tiny", dtype="float32", quantize=method, warmup=False))
             got = [drive(quantized.decoder(4), [Sequence(0, prompt, Sampling(), n)]).ids[0] for prompt, n in cases]
-            same = sum(a == b for x, y in zip(expected, got) for a, b in zip(x, y))
+            same = sum(a == b for x, y in zip(expected, got, strict=False) for a, b in zip(x, y, strict=False))
             total = sum(len(x) for x in expected)
-            lines = sum(x == y for x, y in zip(expected, got))
-            rows.append({"runtime": runtime, "method": method, "tokens_same": same, "tokens": total, "lines_same": lines, "lines": len(cases)})
+            lines = sum(x == y for x, y in zip(expected, got, strict=False))
+            rows.append(
+                {
+                    "runtime": runtime,
+                    "method": method,
+                    "tokens_same": same,
+                    "tokens": total,
+                    "lines_same": lines,
+                    "lines": len(cases),
+                }
+            )
             print(f"| {runtime} | {method} | {same}/{total} ({same / total:.0%}) | {lines}/{len(cases)} |", flush=True)
     return rows
 
@@ -720,8 +860,11 @@ def constrained_decoding(args) -> list[dict]:
     spec = json.dumps(TYPICAL_SCHEMA)
     compile_s = _timed(lambda: backend.constraint("json_schema", spec))
     constraint = backend.constraint("json_schema", spec)
-    print(f"grammar tokenizer built in {tokenizer_s * 1000:.0f} ms; schema compiled in {compile_s * 1000:.2f} ms (cached: "
-          f"{_timed(lambda: backend.constraint('json_schema', spec)) * 1e6:.0f} us)", flush=True)
+    print(
+        f"grammar tokenizer built in {tokenizer_s * 1000:.0f} ms; schema compiled in {compile_s * 1000:.2f} ms (cached: "
+        f"{_timed(lambda: backend.constraint('json_schema', spec)) * 1e6:.0f} us)",
+        flush=True,
+    )
     prompt_ids = backend.encode("Alice: Describe yourself as a JSON record.\nBob:")
     rows = []
     for batch in [int(b) for b in args.concurrency.split(",")]:
@@ -730,7 +873,11 @@ def constrained_decoding(args) -> list[dict]:
             rates: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
             for run in range(args.runs):
                 for variant in rates:  # alternating, so drift on a noisy machine hits both
-                    sampling = Sampling(temperature=temperature, seed=run, constraint=constraint.matcher() if variant == "constrained" else None)
+                    sampling = Sampling(
+                        temperature=temperature,
+                        seed=run,
+                        constraint=constraint.matcher() if variant == "constrained" else None,
+                    )
                     sequences = [Sequence(i, prompt_ids, sampling, args.max_tokens) for i in range(batch)]
                     first: list[float] = []
                     drive(decoder, sequences, on_tokens=lambda step, tokens: first or first.append(time.perf_counter()))
@@ -738,10 +885,19 @@ def constrained_decoding(args) -> list[dict]:
                     if run > 0 or args.runs == 1:  # the first run warms up
                         rates[variant].append(batch * (args.max_tokens - 1) / elapsed)
             plain, constrained = statistics.median(rates["unconstrained"]), statistics.median(rates["constrained"])
-            row = {"batch": batch, "temperature": temperature, "unconstrained_tok_s": plain, "constrained_tok_s": constrained,
-                   "ratio": constrained / plain, "compile_ms": compile_s * 1000}
+            row = {
+                "batch": batch,
+                "temperature": temperature,
+                "unconstrained_tok_s": plain,
+                "constrained_tok_s": constrained,
+                "ratio": constrained / plain,
+                "compile_ms": compile_s * 1000,
+            }
             rows.append(row)
-            print(f"| {batch} | {temperature:g} | {plain:.1f} | {constrained:.1f} | {constrained / plain:.3f} |", flush=True)
+            print(
+                f"| {batch} | {temperature:g} | {plain:.1f} | {constrained:.1f} | {constrained / plain:.3f} |",
+                flush=True,
+            )
     print(constrained_outputs_check(backend, prompt_ids), flush=True)
     return rows
 
@@ -752,10 +908,25 @@ def constrained_outputs_check(backend, prompt_ids: list[int], n: int = 16) -> st
     from backends import Sampling, Sequence
     from backends.drive import drive
 
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     constraint = backend.constraint("json_schema", json.dumps(schema))
-    sequences = [Sequence(i, prompt_ids, Sampling(temperature=1.0, seed=i, constraint=constraint.matcher() if i % 2 == 0 else None), 96) for i in range(n)]
+    sequences = [
+        Sequence(
+            i,
+            prompt_ids,
+            Sampling(temperature=1.0, seed=i, constraint=constraint.matcher() if i % 2 == 0 else None),
+            96,
+        )
+        for i in range(n)
+    ]
     out = drive(backend.decoder(n), sequences)
     complete = valid = 0
     for i in range(0, n, 2):
@@ -769,7 +940,9 @@ def constrained_outputs_check(backend, prompt_ids: list[int], n: int = 16) -> st
     return f"constrained outputs beside unconstrained ones, batch {n}: {complete}/{n // 2} complete within 96 tokens, {valid}/{complete} valid"
 
 
-def write_random_adapters(backend, folder: str, count: int, rank: int = 8, layers: int = 8, scale: float = 20.0) -> list[str]:
+def write_random_adapters(
+    backend, folder: str, count: int, rank: int = 8, layers: int = 8, scale: float = 20.0
+) -> list[str]:
     """`count` LoRA adapters in mlx-lm's format for the loaded model: rank 8 on every Linear of
     the last 8 blocks (mlx-lm's default keys for Phi), random weights, scale 20 (its default)."""
     import torch
@@ -790,7 +963,11 @@ def write_random_adapters(backend, folder: str, count: int, rank: int = 8, layer
         path = os.path.join(folder, f"adapter-{index}")
         os.makedirs(path)
         save_file(tensors, os.path.join(path, "adapters.safetensors"))
-        config = {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0}}
+        config = {
+            "fine_tune_type": "lora",
+            "num_layers": layers,
+            "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0},
+        }
         with open(os.path.join(path, "adapter_config.json"), "w") as out:
             json.dump(config, out)
         names.append(f"adapter-{index}")
@@ -816,7 +993,9 @@ def adapter_decoding(args) -> list[dict]:
     prompt_ids = backend.encode(args.prompt)
 
     def rate(decoder, chosen: list) -> float:
-        sequences = [Sequence(i, prompt_ids, Sampling(), args.max_tokens, adapter=adapter) for i, adapter in enumerate(chosen)]
+        sequences = [
+            Sequence(i, prompt_ids, Sampling(), args.max_tokens, adapter=adapter) for i, adapter in enumerate(chosen)
+        ]
         first: list[float] = []
         drive(decoder, sequences, on_tokens=lambda step, tokens: first or first.append(time.perf_counter()))
         return len(chosen) * (args.max_tokens - 1) / (time.perf_counter() - first[0])
@@ -827,15 +1006,27 @@ def adapter_decoding(args) -> list[dict]:
         with torch.no_grad():
             for name, (a, b) in adapters[0].modules.items():
                 weight = backend.model.get_submodule(name).weight
-                weight += (sign * adapters[0].scale * (a.double() @ b.double()).T).to(device=weight.device, dtype=weight.dtype)
+                weight += (sign * adapters[0].scale * (a.double() @ b.double()).T).to(
+                    device=weight.device, dtype=weight.dtype
+                )
 
     comparisons = [
-        ("batch 8: 4 adapters, 2 sequences each / the base model", 8, lambda d: rate(d, [adapters[i % 4] for i in range(8)]), lambda d: rate(d, [None] * 8)),
+        (
+            "batch 8: 4 adapters, 2 sequences each / the base model",
+            8,
+            lambda d: rate(d, [adapters[i % 4] for i in range(8)]),
+            lambda d: rate(d, [None] * 8),
+        ),
         ("batch 1: one adapter unmerged / merged into the weights", 1, lambda d: rate(d, [adapters[0]]), None),
     ]
     if backend.max_batch >= 64:  # a GPU's batch: every slot in use
         comparisons.append(
-            ("batch 64: 8 adapters, 8 sequences each / the base model", 64, lambda d: rate(d, [adapters[i % 8] for i in range(64)]), lambda d: rate(d, [None] * 64))
+            (
+                "batch 64: 8 adapters, 8 sequences each / the base model",
+                64,
+                lambda d: rate(d, [adapters[i % 8] for i in range(64)]),
+                lambda d: rate(d, [None] * 64),
+            )
         )
     rows = []
     for label, batch, measure, against in comparisons:
@@ -854,7 +1045,15 @@ def adapter_decoding(args) -> list[dict]:
         if args.runs > 1:  # the first run warms up
             rates = {k: v[1:] for k, v in rates.items()}
         ours, reference = statistics.median(rates["with adapters"]), statistics.median(rates["reference"])
-        rows.append({"comparison": label, "batch": batch, "adapters_tok_s": ours, "reference_tok_s": reference, "ratio": ours / reference})
+        rows.append(
+            {
+                "comparison": label,
+                "batch": batch,
+                "adapters_tok_s": ours,
+                "reference_tok_s": reference,
+                "ratio": ours / reference,
+            }
+        )
         print(f"| {label} | {ours:.2f} | {reference:.2f} | {ours / reference:.3f} |", flush=True)
     shutil.rmtree(folder, ignore_errors=True)
     return rows
@@ -878,34 +1077,91 @@ def default_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (default: %(default)s)")
     parser.add_argument("--prompt", default="The quick brown fox")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request, forced (default: %(default)s)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per concurrency level; the first is a warm-up (default: %(default)s)")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="runs per concurrency level; the first is a warm-up (default: %(default)s)"
+    )
     parser.add_argument("--concurrency", default="1", help="one level or a list, e.g. 1,4,16 (default: %(default)s)")
     parser.add_argument("--label", default=os.environ.get("PHI2_MODEL", "server"), help="the table's first column")
     parser.add_argument("--json", metavar="FILE", help="also write every number to FILE")
-    parser.add_argument("--distinct", action="store_true", help="over HTTP: each client its own prompt, sampled (temperature 0.8, top_p 0.95), as real traffic is")
+    parser.add_argument(
+        "--distinct",
+        action="store_true",
+        help="over HTTP: each client its own prompt, sampled (temperature 0.8, top_p 0.95), as real traffic is",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--spawn", action="store_true", help="start phi2_server.py on a free port, bench it, stop it")
     mode.add_argument("--in-process", action="store_true", help="load the backend here and bench its decode loop")
-    mode.add_argument("--overhead", action="store_true", help="--in-process, then --spawn at concurrency 1, and the ratio")
+    mode.add_argument(
+        "--overhead", action="store_true", help="--in-process, then --spawn at concurrency 1, and the ratio"
+    )
     parser.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a spawned server")
-    parser.add_argument("--bandwidth", action="store_true", help="also measure memory bandwidth and the decode limit it sets")
-    mode.add_argument("--dtype-sweep", action="store_true", help="float32 against bfloat16 decode on this CPU, per model size")
-    mode.add_argument("--quant-kernels", action="store_true", help="weight-only int8/int4 kernels against bfloat16 on Phi-2's shapes")
-    mode.add_argument("--quant-quality", action="store_true", help="int8/int4 logits against bfloat16's on PHI2_MODEL (default random:phi-2)")
-    mode.add_argument("--quant-agreement", action="store_true", help="greedy ids of 8- and 4-bit weights against full precision, tiny model, both runtimes")
-    mode.add_argument("--constrained", action="store_true", help="decode tok/s with and without a typical JSON Schema, in process, per --concurrency batch size (PHI2_MODEL default random:phi-2)")
-    mode.add_argument("--adapters", action="store_true", help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged against merged, in process (PHI2_MODEL default random:phi-2)")
-    parser.add_argument("--latency", action="store_true", help="TTFT of a long prompt alone, then --streams streams' inter-token latency without and with long prompts arriving (a running server, --url)")
-    parser.add_argument("--long-prompt-tokens", type=int, default=1044, help="the long prompt of --latency (default: %(default)s)")
+    parser.add_argument(
+        "--bandwidth", action="store_true", help="also measure memory bandwidth and the decode limit it sets"
+    )
+    mode.add_argument(
+        "--dtype-sweep", action="store_true", help="float32 against bfloat16 decode on this CPU, per model size"
+    )
+    mode.add_argument(
+        "--quant-kernels", action="store_true", help="weight-only int8/int4 kernels against bfloat16 on Phi-2's shapes"
+    )
+    mode.add_argument(
+        "--quant-quality",
+        action="store_true",
+        help="int8/int4 logits against bfloat16's on PHI2_MODEL (default random:phi-2)",
+    )
+    mode.add_argument(
+        "--quant-agreement",
+        action="store_true",
+        help="greedy ids of 8- and 4-bit weights against full precision, tiny model, both runtimes",
+    )
+    mode.add_argument(
+        "--constrained",
+        action="store_true",
+        help="decode tok/s with and without a typical JSON Schema, in process, per --concurrency batch size (PHI2_MODEL default random:phi-2)",
+    )
+    mode.add_argument(
+        "--adapters",
+        action="store_true",
+        help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged against merged, in process (PHI2_MODEL default random:phi-2)",
+    )
+    parser.add_argument(
+        "--latency",
+        action="store_true",
+        help="TTFT of a long prompt alone, then --streams streams' inter-token latency without and with long prompts arriving (a running server, --url)",
+    )
+    parser.add_argument(
+        "--long-prompt-tokens", type=int, default=1044, help="the long prompt of --latency (default: %(default)s)"
+    )
     parser.add_argument("--streams", type=int, default=63, help="decoding streams of --latency (default: %(default)s)")
-    parser.add_argument("--chat", type=int, metavar="TURNS", help="one conversation of TURNS turns, prompt cache on then off (spawns; with --in-process: two decoders here)")
-    parser.add_argument("--shared-prefix", type=int, metavar="N", help="N clients sharing a system prompt, prompt cache on then off (spawns)")
-    parser.add_argument("--prefix-tokens", type=int, default=900, help="system prompt length for --chat and --shared-prefix (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of --shared-prefix clients (default: %(default)s)")
+    parser.add_argument(
+        "--chat",
+        type=int,
+        metavar="TURNS",
+        help="one conversation of TURNS turns, prompt cache on then off (spawns; with --in-process: two decoders here)",
+    )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        metavar="N",
+        help="N clients sharing a system prompt, prompt cache on then off (spawns)",
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=900,
+        help="system prompt length for --chat and --shared-prefix (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of --shared-prefix clients (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     if args.latency:
         print("| workload | TTFT ms median / min / max | inter-token ms p50 / p99 / max |\n| --- | --- | --- |")
@@ -917,7 +1173,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.chat or args.shared_prefix:
         os.environ.setdefault("PHI2_MODEL", default_model())
         if args.chat and args.in_process:
-            print("| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off | off / on | same ids |\n| --- | --- | --- | --- | --- | --- | --- |")
+            print(
+                "| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off | off / on | same ids |\n| --- | --- | --- | --- | --- | --- | --- |"
+            )
             measured = {"in_process": chat_in_process(args)}
         else:
             measured = prompt_reuse(args)
@@ -927,11 +1185,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # The one-table studies: (flag, the table's header, the study).
     studies = [
-        (args.quant_agreement, "| runtime | quantization | greedy ids equal to full precision | memorized lines equal |", quant_agreement),
-        (args.quant_quality, "| method | relative logit error, mean | max | same top-1 token | quantize at load, s |", quant_quality),
+        (
+            args.quant_agreement,
+            "| runtime | quantization | greedy ids equal to full precision | memorized lines equal |",
+            quant_agreement,
+        ),
+        (
+            args.quant_quality,
+            "| method | relative logit error, mean | max | same top-1 token | quantize at load, s |",
+            quant_quality,
+        ),
         (args.quant_kernels, "| matrix | batch | kernel | ms | weight GB/s | vs bfloat16 |", quant_kernels),
         (args.dtype_sweep, "| parameters | float32 tok/s | bfloat16 tok/s | bf16 / f32 | auto picks |", dtype_sweep),
-        (args.constrained, "| batch | temperature | unconstrained tok/s | with the schema tok/s | with / without |", constrained_decoding),
+        (
+            args.constrained,
+            "| batch | temperature | unconstrained tok/s | with the schema tok/s | with / without |",
+            constrained_decoding,
+        ),
         (args.adapters, "| comparison | with adapters tok/s | reference tok/s | ratio |", adapter_decoding),
     ]
     for wanted, header, study in studies:
@@ -972,16 +1242,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r.summary() for r in results]
     print(markdown(rows))
     if args.spawn and rss_now is not None:
-        print(f"\nserver memory after the runs: {rss_now:.2f} GiB resident (peak {results[-1].peak_rss_gib:.2f} GiB, loading included)")
+        print(
+            f"\nserver memory after the runs: {rss_now:.2f} GiB resident (peak {results[-1].peak_rss_gib:.2f} GiB, loading included)"
+        )
     measured = {}
     if args.bandwidth:
         limits = memory_bandwidth()  # after the server stopped: its memory is free again
-        print(f"\nmemory: {limits['gemv_read_bytes_s'] / 1e9:.1f} GB/s read by float32 matrix-vector products, "
-              f"{limits['copy_bytes_s'] / 1e9:.1f} GB/s copied (numpy, bytes copied / time)")
+        print(
+            f"\nmemory: {limits['gemv_read_bytes_s'] / 1e9:.1f} GB/s read by float32 matrix-vector products, "
+            f"{limits['copy_bytes_s'] / 1e9:.1f} GB/s copied (numpy, bytes copied / time)"
+        )
         if weights:
             limit = limits["gemv_read_bytes_s"] / weights
             best = max(r["decode_tok_s"] for r in rows if r["concurrency"] == 1)
-            print(f"decode limit for {weights / 1e9:.2f} GB of weights: {limit:.2f} tok/s; measured {best:.2f} tok/s = {best / limit:.0%}")
+            print(
+                f"decode limit for {weights / 1e9:.2f} GB of weights: {limit:.2f} tok/s; measured {best:.2f} tok/s = {best / limit:.0%}"
+            )
         measured = {"bandwidth": limits, "weight_bytes": weights}
     if args.overhead:
         in_process, http = rows

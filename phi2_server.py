@@ -12,25 +12,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
-import logging
 import hashlib
 import hmac
+import json
+import logging
 import math
-import re
 import os
+import re
 import signal
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
+from datetime import UTC, datetime
 from http import HTTPStatus
-from datetime import datetime, timezone
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp.web_server
 import prometheus_client
@@ -42,7 +43,18 @@ from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from backends import MAX_LOGPROBS, Backend, Grammar, GrammarError, LoadOptions, ModelLoadError, Sampling, StepLogprobs, load_backend, select_backend
+from backends import (
+    MAX_LOGPROBS,
+    Backend,
+    Grammar,
+    GrammarError,
+    LoadOptions,
+    ModelLoadError,
+    Sampling,
+    StepLogprobs,
+    load_backend,
+    select_backend,
+)
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
 from backends.text import TextOffsets, token_string
@@ -67,40 +79,83 @@ DEFAULT_ADAPTERS_DIR = str(Path(DEFAULT_ADAPTER_PATH).parent)  # the experiments
 class Settings:
     """Every setting is an environment variable with a matching command-line flag."""
 
-    model: str = setting("microsoft/phi-2", "the model: a Hugging Face hub id, a local checkpoint directory, `tiny` (the offline demo model) or `random:phi-2` (Phi-2's architecture, random weights)")
+    model: str = setting(
+        "microsoft/phi-2",
+        "the model: a Hugging Face hub id, a local checkpoint directory, `tiny` (the offline demo model) or `random:phi-2` (Phi-2's architecture, random weights)",
+    )
     backend: str = setting("auto", "runtime: auto (MLX on macOS arm64, else Torch), mlx or torch")
-    adapter_path: str = setting(DEFAULT_ADAPTER_PATH, "the default mlx-lm LoRA adapter: requests that name no adapter get it; empty for none (the default path may be absent)")
-    adapters_dir: str = setting(DEFAULT_ADAPTERS_DIR, "a folder of mlx-lm LoRA adapter folders that requests choose by name (model base:name on /v1, adapter natively)")
-    max_adapters: int = setting(8, "adapters kept loaded (least recently used out first), and the most that decode at once")
+    adapter_path: str = setting(
+        DEFAULT_ADAPTER_PATH,
+        "the default mlx-lm LoRA adapter: requests that name no adapter get it; empty for none (the default path may be absent)",
+    )
+    adapters_dir: str = setting(
+        DEFAULT_ADAPTERS_DIR,
+        "a folder of mlx-lm LoRA adapter folders that requests choose by name (model base:name on /v1, adapter natively)",
+    )
+    max_adapters: int = setting(
+        8, "adapters kept loaded (least recently used out first), and the most that decode at once"
+    )
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; set PHI2_API_KEY then)")
     port: int = setting(8000, "port to listen on")
     log_dir: str = setting("logs", "directory of the request log (requests.log), created at startup")
     device: str = setting("auto", "Torch device: auto (cuda when a GPU is present, else cpu), cpu, cuda or cuda:N")
     dtype: str = setting("auto", "Torch weights: auto (measured rule, see README), float32, bfloat16 or float16")
     compile: str = setting("auto", "Torch, Phi family: torch.compile the decode step (auto: on CUDA only)")
-    quantize: str = setting("", "quantize the weights at load: int8 or int4 on Torch, 4 or 8 (bits) on MLX (empty: as stored)")
+    quantize: str = setting(
+        "", "quantize the weights at load: int8 or int4 on Torch, 4 or 8 (bits) on MLX (empty: as stored)"
+    )
     max_body_bytes: int = setting(1024 * 1024, "largest request body in bytes; larger gets 413")
     max_queue: int = setting(64, "requests that may wait for a batch slot; more get 503")
     max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
-    max_model_len: int = setting(0, "the most tokens of context (prompt and completion) a request may use (0: the model's window; on CUDA, at most what MAX_BATCH full-context KV slots fit)")
-    prompt_cache: bool = setting(True, "reuse the KV of prompts (and replies) computed before, for requests that start alike (0: off)")
-    prompt_cache_bytes: int = setting(0, "memory for reused prompt KV, in bytes (0: an eighth of RAM or GPU memory, at most 2 GiB, 8 GiB on a GPU)")
-    max_tokens_limit: int = setting(0, "largest max_tokens a request may ask for (0: only the context window bounds it)")
-    max_request_tokens: int = setting(16384, "most tokens one request may ask for in all: its sequences (prompts x n or best_of) times max_tokens (0: no limit)")
+    max_model_len: int = setting(
+        0,
+        "the most tokens of context (prompt and completion) a request may use (0: the model's window; on CUDA, at most what MAX_BATCH full-context KV slots fit)",
+    )
+    prompt_cache: bool = setting(
+        True, "reuse the KV of prompts (and replies) computed before, for requests that start alike (0: off)"
+    )
+    prompt_cache_bytes: int = setting(
+        0, "memory for reused prompt KV, in bytes (0: an eighth of RAM or GPU memory, at most 2 GiB, 8 GiB on a GPU)"
+    )
+    max_tokens_limit: int = setting(
+        0, "largest max_tokens a request may ask for (0: only the context window bounds it)"
+    )
+    max_request_tokens: int = setting(
+        16384,
+        "most tokens one request may ask for in all: its sequences (prompts x n or best_of) times max_tokens (0: no limit)",
+    )
     request_timeout: float = setting(600.0, "seconds a request may take, queue wait included (0: no limit)")
-    idle_timeout: float = setting(60.0, "seconds a connection may stay silent: before its request's headers are complete, and between requests (keep-alive)")
-    body_timeout: float = setting(30.0, "seconds a request's body may take to arrive once its headers have; longer gets 408 (0: no limit)")
-    write_timeout: float = setting(30.0, "seconds an answer may wait for its client to read; then the connection is closed and its generation ends (0: no limit)")
-    stream_buffer: int = setting(1024, "tokens a stream may have waiting for a client that does not read; then its generation ends")
+    idle_timeout: float = setting(
+        60.0,
+        "seconds a connection may stay silent: before its request's headers are complete, and between requests (keep-alive)",
+    )
+    body_timeout: float = setting(
+        30.0, "seconds a request's body may take to arrive once its headers have; longer gets 408 (0: no limit)"
+    )
+    write_timeout: float = setting(
+        30.0,
+        "seconds an answer may wait for its client to read; then the connection is closed and its generation ends (0: no limit)",
+    )
+    stream_buffer: int = setting(
+        1024, "tokens a stream may have waiting for a client that does not read; then its generation ends"
+    )
     shutdown_grace: float = setting(10.0, "seconds in-flight generations get to finish on SIGTERM/SIGINT")
-    drain_delay: float = setting(0.0, "seconds after SIGTERM/SIGINT during which /ready answers 503 and requests are still served, before the grace period (behind a load balancer: more than its health checks take to mark the server down)")
+    drain_delay: float = setting(
+        0.0,
+        "seconds after SIGTERM/SIGINT during which /ready answers 503 and requests are still served, before the grace period (behind a load balancer: more than its health checks take to mark the server down)",
+    )
     log_prompts: bool = setting(True, "write the first 100 characters of each prompt to the request log (0: never)")
     log_max_bytes: int = setting(10 * 1024 * 1024, "request log size in bytes before it rotates")
     log_backups: int = setting(5, "rotated request logs kept")
-    api_key: str = setting("", "API key(s) clients must send as Authorization: Bearer, comma-separated (empty: no keys)")
+    api_key: str = setting(
+        "", "API key(s) clients must send as Authorization: Bearer, comma-separated (empty: no keys)"
+    )
     api_key_file: str = setting("", "a file of API keys, one a line (# comments allowed)")
     rate_limit: int = setting(0, "requests a minute per key, or per client address without keys (0: no limit)")
-    served_model_name: str = setting("", "the model's names on the OpenAI API, comma-separated aliases (empty: PHI2_MODEL); the first is the one /v1/models lists first")
+    served_model_name: str = setting(
+        "",
+        "the model's names on the OpenAI API, comma-separated aliases (empty: PHI2_MODEL); the first is the one /v1/models lists first",
+    )
     cors_origins: str = setting("", "browser origins allowed to call the API, comma-separated, or * (empty: no CORS)")
 
     ENV = {
@@ -119,7 +174,7 @@ class Settings:
         return cls.ENV.get(name, name.upper())
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> "Settings":
+    def from_args(cls, argv: list[str] | None = None, environ: dict | None = None) -> Settings:
         environ = os.environ if environ is None else environ
         parser = argparse.ArgumentParser(
             description="Serve a causal LM (Phi-2 by default) over HTTP. "
@@ -203,10 +258,27 @@ MAX_STOP = 4
 # Sampling beyond temperature and top_p, on both APIs (vLLM's names; the order they apply in:
 # backends.Sampling). Off by default.
 SAMPLING_PROPERTIES: dict[str, Any] = {
-    "top_k": {"type": "integer", "minimum": -1, "default": 0, "description": "keep the k most likely tokens (0 or -1: all)"},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.0, "description": "drop tokens less likely than min_p times the most likely"},
+    "top_k": {
+        "type": "integer",
+        "minimum": -1,
+        "default": 0,
+        "description": "keep the k most likely tokens (0 or -1: all)",
+    },
+    "min_p": {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 1,
+        "default": 0.0,
+        "description": "drop tokens less likely than min_p times the most likely",
+    },
     # Bounded where the logits stay finite: a logit divided by 1e-300 is inf, and its softmax NaN.
-    "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10, "default": 1.0, "description": "transformers' repetition penalty over prompt and generated tokens (1: off)"},
+    "repetition_penalty": {
+        "type": "number",
+        "minimum": 0.01,
+        "maximum": 10,
+        "default": 1.0,
+        "description": "transformers' repetition penalty over prompt and generated tokens (1: off)",
+    },
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
     "logit_bias": {
@@ -220,7 +292,10 @@ SAMPLING_PROPERTIES: dict[str, Any] = {
 }
 # vLLM's field: requests share cached prompts only with requests of the same salt (and key).
 CACHE_SALT = {
-    "type": ["string", "null"], "minLength": 1, "maxLength": 256, "default": None,
+    "type": ["string", "null"],
+    "minLength": 1,
+    "maxLength": 256,
+    "default": None,
     "description": "reuse cached prompts only of requests with this salt (and API key)",
 }
 GENERATE_SCHEMA: dict[str, Any] = {
@@ -248,18 +323,30 @@ GENERATE_SCHEMA: dict[str, Any] = {
         "ignore_eos": {"type": "boolean", "default": False},
         **SAMPLING_PROPERTIES,
         "logprobs": {
-            "type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS, "default": None,
+            "type": ["integer", "null"],
+            "minimum": 0,
+            "maximum": MAX_LOGPROBS,
+            "default": None,
             "description": "report each generated token's logprob and this many most likely alternatives",
         },
         "json_schema": {
-            "type": ["object", "null"], "default": None,
-            "description": "constrain the text to JSON valid against this JSON Schema ({} or {\"type\": \"object\"}: any JSON object)",
+            "type": ["object", "null"],
+            "default": None,
+            "description": 'constrain the text to JSON valid against this JSON Schema ({} or {"type": "object"}: any JSON object)',
         },
-        "regex": {"type": ["string", "null"], "minLength": 1, "maxLength": 4096, "default": None, "description": "constrain the text to match this regular expression"},
+        "regex": {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "maxLength": 4096,
+            "default": None,
+            "description": "constrain the text to match this regular expression",
+        },
         "cache_salt": CACHE_SALT,
         "adapter": {
-            "type": ["string", "null"], "maxLength": 128, "default": None,
-            "description": "a LoRA adapter: a folder name in ADAPTERS_DIR; \"\" for the base model; absent or null: the default (ADAPTER_PATH)",
+            "type": ["string", "null"],
+            "maxLength": 128,
+            "default": None,
+            "description": 'a LoRA adapter: a folder name in ADAPTERS_DIR; "" for the base model; absent or null: the default (ADAPTER_PATH)',
         },
     },
 }
@@ -293,7 +380,9 @@ def check(value: Any, schema: dict, field: str) -> Any:
                 return check(value, option, field)
             except Invalid as exc:
                 errors.append(exc)
-        fitting = [e for e, option in zip(errors, schema["anyOf"]) if "type" in option and _type_ok(value, option["type"])]
+        fitting = [
+            e for e, option in zip(errors, schema["anyOf"], strict=False) if "type" in option and _type_ok(value, option["type"])
+        ]
         if len(fitting) == 1 and "x-error" not in schema:  # the value is of that option's kind: its error says most
             raise fitting[0]
         messages = [str(e) for e in errors]
@@ -339,6 +428,7 @@ def check(value: Any, schema: dict, field: str) -> Any:
             return value
         return [check(item, schema["items"], f"{field}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict) and "properties" in schema:
+
         def path(name: str) -> str:
             return name if field == "body" else f"{field}.{name}"
 
@@ -408,9 +498,13 @@ async def read_raw(request: web.Request) -> bytes:
         async with asyncio.timeout(timeout or None):
             return await request.read()  # raises 413 past MAX_BODY_BYTES
     except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within BODY_TIMEOUT ({timeout:g} s)", close=True) from None
+        raise ApiError(
+            408, f"the request body did not arrive within BODY_TIMEOUT ({timeout:g} s)", close=True
+        ) from None
     except RequestPayloadError as exc:  # a Content-Encoding the body does not follow, a broken chunk
-        raise ApiError(400, f"the request body cannot be read: {str(exc).splitlines()[-1].strip()}", close=True) from None
+        raise ApiError(
+            400, f"the request body cannot be read: {str(exc).splitlines()[-1].strip()}", close=True
+        ) from None
 
 
 def json_of(raw: bytes) -> Any:
@@ -466,8 +560,14 @@ class ApiError(Exception):
     """An error answer. `json_errors` renders it in the shape of the route's API."""
 
     def __init__(
-        self, status: int, message: str, field: str | None = None, code: str | None = None,
-        retry_after: int | None = None, headers: dict | None = None, close: bool = False,
+        self,
+        status: int,
+        message: str,
+        field: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+        headers: dict | None = None,
+        close: bool = False,
     ):
         super().__init__(message)
         self.status, self.message, self.field, self.code = status, message, field, code
@@ -476,10 +576,26 @@ class ApiError(Exception):
 
 
 NATIVE_ERROR_TYPES = {
-    400: "invalid_json", 401: "unauthorized", 408: "request_timeout", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
-    422: "invalid_request", 429: "rate_limited", 503: "unavailable", 504: "timeout",
+    400: "invalid_json",
+    401: "unauthorized",
+    408: "request_timeout",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    422: "invalid_request",
+    429: "rate_limited",
+    503: "unavailable",
+    504: "timeout",
 }
-OPENAI_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}
+OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    408: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    401: "authentication_error",
+    429: "rate_limit_error",
+}
 
 
 def is_openai(request: web.Request) -> bool:
@@ -493,7 +609,10 @@ def error_payload(request: web.Request, error: ApiError) -> tuple[int, dict]:
         status = 400 if status == 422 else status
         kind = OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         return status, {"error": {"message": error.message, "type": kind, "param": error.field, "code": error.code}}
-    body: dict[str, Any] = {"message": error.message, "type": NATIVE_ERROR_TYPES.get(status, "server_error" if status >= 500 else "client_error")}
+    body: dict[str, Any] = {
+        "message": error.message,
+        "type": NATIVE_ERROR_TYPES.get(status, "server_error" if status >= 500 else "client_error"),
+    }
     if error.field is not None:
         body["field"] = error.field
     return status, {"error": body}
@@ -588,7 +707,7 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
         seconds = time.perf_counter() - started
         summary = facts.pop("summary", None)
         record = {
-            "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
             "request_id": request[REQUEST_ID],
             "method": request.method,
             "path": request.path,
@@ -617,7 +736,9 @@ def key_of_line(line: str) -> str:
     comment (`# note`, `key  # note`); what is left must be one word."""
     key = re.split(r"(?:^|\s)#", line, maxsplit=1)[0].strip()
     if len(key.split()) > 1:
-        raise ValueError(f"PHI2_API_KEY_FILE holds a line that is not one key (keys have no spaces): {len(key)} characters")
+        raise ValueError(
+            f"PHI2_API_KEY_FILE holds a line that is not one key (keys have no spaces): {len(key)} characters"
+        )
     return key
 
 
@@ -642,7 +763,9 @@ class TokenBuckets:
         tokens, when = self.buckets.get(client, (self.capacity, now))
         tokens = min(self.capacity, tokens + (now - when) * self.rate)
         if len(self.buckets) > 10_000:  # forget clients whose buckets have refilled
-            self.buckets = {c: (t, w) for c, (t, w) in self.buckets.items() if t + (now - w) * self.rate < self.capacity}
+            self.buckets = {
+                c: (t, w) for c, (t, w) in self.buckets.items() if t + (now - w) * self.rate < self.capacity
+            }
         if tokens >= 1:
             self.buckets[client] = (tokens - 1, now)
             return 0.0
@@ -671,13 +794,23 @@ async def access(request: web.Request, handler) -> web.StreamResponse:
         failures = request.app[AUTH_FAILURES]
         wait = failures.waiting(client, time.monotonic())
         if wait:
-            raise ApiError(429, f"too many wrong API keys from this address; retry in {math.ceil(wait)} s", code="rate_limit_exceeded", retry_after=math.ceil(wait))
+            raise ApiError(
+                429,
+                f"too many wrong API keys from this address; retry in {math.ceil(wait)} s",
+                code="rate_limit_exceeded",
+                retry_after=math.ceil(wait),
+            )
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         # A header's bytes that are not UTF-8 come as surrogates: compared as the same bytes.
         given_bytes = given.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not key_matches(given_bytes, keys):
             failures.take(client, time.monotonic())
-            raise ApiError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "a valid API key is required: Authorization: Bearer <key>",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         client = "key:" + hashlib.sha256(given_bytes).hexdigest()[:16]  # never the key itself
         if len(keys) > 1:  # clients of different keys share no cached prompt (one key: one client)
             request[CACHE_NAMESPACE] = client
@@ -685,13 +818,22 @@ async def access(request: web.Request, handler) -> web.StreamResponse:
     if limiter is not None and request.path != "/metrics":  # scrapers are not clients
         wait = limiter.take(client, time.monotonic())
         if wait:
-            raise ApiError(429, f"rate limit of {request.app[SETTINGS].rate_limit} requests a minute reached", code="rate_limit_exceeded", retry_after=math.ceil(wait))
+            raise ApiError(
+                429,
+                f"rate limit of {request.app[SETTINGS].rate_limit} requests a minute reached",
+                code="rate_limit_exceeded",
+                retry_after=math.ceil(wait),
+            )
     return await handler(request)
 
 
 def is_preflight(request: web.Request) -> bool:
     """A CORS preflight from an allowed origin (answered by `cors_preflight`, without a key)."""
-    return request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers and cors_origin(request) is not None
+    return (
+        request.method == "OPTIONS"
+        and "Access-Control-Request-Method" in request.headers
+        and cors_origin(request) is not None
+    )
 
 
 def cors_origin(request: web.Request) -> str | None:
@@ -752,7 +894,11 @@ async def ready(request: web.Request) -> web.Response:
     """200 only while new requests would be served: loaded, and not shutting down."""
     engine = request.app[ENGINE]
     draining = request.app[DRAINING].is_set()
-    body = {"ready": engine.status == "ok" and engine.accepting and not draining, "status": engine.status, "draining": draining}
+    body = {
+        "ready": engine.status == "ok" and engine.accepting and not draining,
+        "status": engine.status,
+        "draining": draining,
+    }
     if not body["ready"]:
         return web.json_response(body, status=503, headers={"Retry-After": "5"})
     return web.json_response(body)
@@ -870,15 +1016,25 @@ class BoundedPool:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def compile_constraint(request: web.Request, kind: str, spec: str, field: str, params: dict) -> tuple[Grammar, str]:
+async def compile_constraint(
+    request: web.Request, kind: str, spec: str, field: str, params: dict
+) -> tuple[Grammar, str]:
     """A JSON Schema, JSON mode or a regex compiled for the model's tokenizer (off the loop,
     cached by the backend), and the field it came from; what cannot be compiled is a 422 (400 on
     /v1) naming the field. A grammar compiled before is taken from the cache at once, however
     busy the compiler is."""
     if params.get("ignore_eos"):
-        raise ApiError(422, "ignore_eos cannot be combined with a constraint: generation ends where the grammar does", field="ignore_eos")
+        raise ApiError(
+            422,
+            "ignore_eos cannot be combined with a constraint: generation ends where the grammar does",
+            field="ignore_eos",
+        )
     if params.get("stop"):
-        raise ApiError(422, f"stop cannot be combined with {field}: the output ends where the grammar is complete, and a stop sequence could cut it short", field="stop")
+        raise ApiError(
+            422,
+            f"stop cannot be combined with {field}: the output ends where the grammar is complete, and a stop sequence could cut it short",
+            field="stop",
+        )
     backend = engine_ready(request).backend
     request[LOG_FACTS]["grammar"] = field
     grammar = backend.cached_constraint(kind, spec)
@@ -886,12 +1042,17 @@ async def compile_constraint(request: web.Request, kind: str, spec: str, field: 
         return grammar, field
     work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec)
     if work is None:
-        raise ApiError(503, f"the grammar compiler is busy ({GRAMMAR_BACKLOG} compiles in flight); retry later", field=field, retry_after=5)
+        raise ApiError(
+            503,
+            f"the grammar compiler is busy ({GRAMMAR_BACKLOG} compiles in flight); retry later",
+            field=field,
+            retry_after=5,
+        )
     try:
         return await asyncio.wait_for(work, GRAMMAR_TIMEOUT_S), field
     except GrammarError as exc:
         raise ApiError(422, f"{field} cannot be used: {exc}", field=field) from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ApiError(422, f"{field} did not compile within {GRAMMAR_TIMEOUT_S:.0f} s", field=field) from None
 
 
@@ -899,7 +1060,9 @@ async def native_constraint(request: web.Request, params: dict) -> tuple[Grammar
     if params["json_schema"] is not None and params["regex"] is not None:
         raise ApiError(422, "give json_schema or regex, not both", field="regex")
     if params["json_schema"] is not None:
-        return await compile_constraint(request, "json_schema", json.dumps(params["json_schema"]), "json_schema", params)
+        return await compile_constraint(
+            request, "json_schema", json.dumps(params["json_schema"]), "json_schema", params
+        )
     if params["regex"] is not None:
         return await compile_constraint(request, "regex", params["regex"], "regex", params)
     return None, None
@@ -910,19 +1073,27 @@ async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation)
         if len(gen.prompt) > backend.info.context_length:
             return gen.prompt  # refused as too long, without a look at every id
         if min(gen.prompt) < 0 or max(gen.prompt) >= backend.vocab_size:
-            raise ApiError(422, f"{gen.prompt_field} holds a token id outside the vocabulary (0 to {backend.vocab_size - 1})", field=gen.prompt_field)
+            raise ApiError(
+                422,
+                f"{gen.prompt_field} holds a token id outside the vocabulary (0 to {backend.vocab_size - 1})",
+                field=gen.prompt_field,
+            )
         return gen.prompt
     # Tokenizing a long prompt takes milliseconds: off the loop, on the app's own small pool.
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(request.app[TOKENIZER_POOL], backend.encode, gen.prompt)
 
 
-def too_long(request: web.Request, gen: Generation, prompt_tokens: int, max_tokens: int | None, context: int) -> ApiError:
+def too_long(
+    request: web.Request, gen: Generation, prompt_tokens: int, max_tokens: int | None, context: int
+) -> ApiError:
     """A prompt (and completion) beyond the context window: OpenAI's wording and code on /v1,
     which clients such as litellm recognise (ContextWindowExceededError)."""
     if not is_openai(request):
         if max_tokens is None:
-            return ApiError(422, f"prompt is {prompt_tokens} tokens; the context window is {context} tokens", field=gen.prompt_field)
+            return ApiError(
+                422, f"prompt is {prompt_tokens} tokens; the context window is {context} tokens", field=gen.prompt_field
+            )
         return ApiError(
             422,
             f"max_tokens is {max_tokens}, but the prompt is {prompt_tokens} tokens and the context "
@@ -954,13 +1125,20 @@ async def adapter_for(request: web.Request, name: str | None) -> Adapter | None:
         return await asyncio.get_running_loop().run_in_executor(None, registry.get, name)
     except UnknownAdapter as exc:
         if is_openai(request):
-            raise ApiError(404, f"The model {request[LOG_FACTS].get('model_id', name)!r} does not exist: {exc}", field=field, code="model_not_found") from None
+            raise ApiError(
+                404,
+                f"The model {request[LOG_FACTS].get('model_id', name)!r} does not exist: {exc}",
+                field=field,
+                code="model_not_found",
+            ) from None
         raise ApiError(422, str(exc), field=field) from None
     except AdapterError as exc:  # a name that leads out of ADAPTERS_DIR, or a broken folder
         raise ApiError(422, str(exc), field=field, code="invalid_adapter") from None
 
 
-async def submit(request: web.Request, gens: list[Generation], adapter: str | None = None, cache_salt: str | None = None) -> list[Ticket]:
+async def submit(
+    request: web.Request, gens: list[Generation], adapter: str | None = None, cache_salt: str | None = None
+) -> list[Ticket]:
     """Tokenize (off the loop), check the limits, and queue the requests for the worker, all or
     none: the choices of one HTTP request, with the adapter it chose (see `adapter_for`), in
     its prompt cache namespace (its key's where there are several keys, and its salt's)."""
@@ -982,7 +1160,11 @@ async def submit(request: web.Request, gens: list[Generation], adapter: str | No
             encoded[key] = await prompt_ids_of(request, backend, gen)
         prompt_ids = encoded[key]
         if any(not 0 <= token < backend.vocab_size for token, _ in gen.sampling.logit_bias):
-            raise ApiError(422, f"logit_bias holds a token id outside the vocabulary (0 to {backend.vocab_size - 1})", field="logit_bias")
+            raise ApiError(
+                422,
+                f"logit_bias holds a token id outside the vocabulary (0 to {backend.vocab_size - 1})",
+                field="logit_bias",
+            )
         room = context - len(prompt_ids)
         if not prompt_ids:
             raise ApiError(422, "prompt encodes to no tokens", field=gen.prompt_field)
@@ -991,7 +1173,11 @@ async def submit(request: web.Request, gens: list[Generation], adapter: str | No
         max_tokens = gen.max_tokens
         limit = settings.max_tokens_limit
         if limit and max_tokens > limit:
-            raise ApiError(422, f"max_tokens is {max_tokens}; this server allows at most {limit} (MAX_TOKENS_LIMIT)", field="max_tokens")
+            raise ApiError(
+                422,
+                f"max_tokens is {max_tokens}; this server allows at most {limit} (MAX_TOKENS_LIMIT)",
+                field="max_tokens",
+            )
         if not gen.max_tokens_given:
             max_tokens = min(max_tokens, room)
         elif max_tokens > room:
@@ -1014,15 +1200,22 @@ async def submit(request: web.Request, gens: list[Generation], adapter: str | No
     asked = sum(job.max_tokens for job in jobs)
     if settings.max_request_tokens and asked > settings.max_request_tokens:
         raise ApiError(
-            422, f"this request asks for {asked} tokens in all ({len(jobs)} sequences up to max_tokens each); "
-            f"this server allows at most {settings.max_request_tokens} a request (MAX_REQUEST_TOKENS)", field="max_tokens",
+            422,
+            f"this request asks for {asked} tokens in all ({len(jobs)} sequences up to max_tokens each); "
+            f"this server allows at most {settings.max_request_tokens} a request (MAX_REQUEST_TOKENS)",
+            field="max_tokens",
         )
     if any(gen.grammar is not None for gen in gens):
         # Each constrained sequence walks a copy of its grammar of its own, made here: a large
         # grammar's copy is work the generation thread must never do.
         loop = asyncio.get_running_loop()
-        matchers = await loop.run_in_executor(request.app[TOKENIZER_POOL], lambda: [gen.grammar and gen.grammar.matcher() for gen in gens])
-        jobs = [dataclasses.replace(job, sampling=dataclasses.replace(job.sampling, constraint=m)) if m else job for job, m in zip(jobs, matchers)]
+        matchers = await loop.run_in_executor(
+            request.app[TOKENIZER_POOL], lambda: [gen.grammar and gen.grammar.matcher() for gen in gens]
+        )
+        jobs = [
+            dataclasses.replace(job, sampling=dataclasses.replace(job.sampling, constraint=m)) if m else job
+            for job, m in zip(jobs, matchers, strict=False)
+        ]
     try:
         return engine.submit_all(jobs)
     except QueueFull as exc:
@@ -1040,7 +1233,9 @@ def combined(summaries: list[Summary]) -> Summary:
         first,
         tokens_used=sum(s.tokens_used for s in summaries),
         cached_tokens=sum(s.cached_tokens for s in summaries),
-        finish_reason=next((s.finish_reason for s in summaries if s.finish_reason not in ("stop", "length")), first.finish_reason),
+        finish_reason=next(
+            (s.finish_reason for s in summaries if s.finish_reason not in ("stop", "length")), first.finish_reason
+        ),
     )
 
 
@@ -1169,7 +1364,10 @@ def write_deadline(request: web.Request):
 def stalled(request: web.Request) -> None:
     """The client stopped reading for WRITE_TIMEOUT: drop the connection (what is buffered for it
     is discarded) and log it as a client that left."""
-    request[LOG_FACTS].update(client_closed=True, error=f"the client stopped reading for WRITE_TIMEOUT ({request.app[SETTINGS].write_timeout:g} s)")
+    request[LOG_FACTS].update(
+        client_closed=True,
+        error=f"the client stopped reading for WRITE_TIMEOUT ({request.app[SETTINGS].write_timeout:g} s)",
+    )
     if request.transport is not None:
         request.transport.abort()
 
@@ -1208,7 +1406,10 @@ def summary_fields(request: web.Request, summary: Summary, backend: Backend) -> 
         "timings": summary.timings(),
     }
     if summary.error:
-        fields_["error"] = {"message": summary.error, "type": "invalid_request" if grammar_failed(summary) else "server_error"}
+        fields_["error"] = {
+            "message": summary.error,
+            "type": "invalid_request" if grammar_failed(summary) else "server_error",
+        }
     return fields_
 
 
@@ -1223,7 +1424,12 @@ def native_logprobs(backend: Backend, scores: list[StepLogprobs]) -> list[dict]:
 
 async def generate(request: web.Request) -> web.Response:
     body, params = await read_body(request, native_params)
-    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))], params["adapter"], params["cache_salt"])
+    tickets = await submit(
+        request,
+        [native_generation(params, body, await native_constraint(request, params))],
+        params["adapter"],
+        params["cache_salt"],
+    )
     (answer,) = await collect(request, tickets)
     backend = request.app[ENGINE].backend
 
@@ -1241,7 +1447,12 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     With logprobs, each line carries those of the tokens whose text it brings (a token that
     brings no text of its own, such as end-of-text, comes in a line of its own before the end)."""
     body, params = await read_body(request, native_params)
-    tickets = await submit(request, [native_generation(params, body, await native_constraint(request, params))], params["adapter"], params["cache_salt"])
+    tickets = await submit(
+        request,
+        [native_generation(params, body, await native_constraint(request, params))],
+        params["adapter"],
+        params["cache_salt"],
+    )
     backend = request.app[ENGINE].backend
     pending: list[StepLogprobs] = []
 
@@ -1417,8 +1628,10 @@ def model_named(request: web.Request, name: str | None) -> tuple[str, str | None
     base, colon, adapter = name.rpartition(":")
     if not colon or base not in names:
         raise ApiError(
-            404, f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))} and their adapters (name:adapter, GET /v1/models)",
-            field="model", code="model_not_found",
+            404,
+            f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))} and their adapters (name:adapter, GET /v1/models)",
+            field="model",
+            code="model_not_found",
         )
     request[LOG_FACTS]["model_id"] = name
     return name, adapter
@@ -1442,13 +1655,19 @@ async def response_constraint(request: web.Request, params: dict) -> dict:
         grammar, field = await compile_constraint(request, "json_object", "", "response_format", params)
         return {"grammar": grammar, "grammar_field": field}
     if "json_schema" not in response_format:
-        raise ApiError(400, "response_format.json_schema is required with type json_schema", field="response_format.json_schema")
+        raise ApiError(
+            400, "response_format.json_schema is required with type json_schema", field="response_format.json_schema"
+        )
     schema = response_format["json_schema"].get("schema", {"type": "object"})
-    grammar, field = await compile_constraint(request, "json_schema", json.dumps(schema), "response_format.json_schema.schema", params)
+    grammar, field = await compile_constraint(
+        request, "json_schema", json.dumps(schema), "response_format.json_schema.schema", params
+    )
     return {"grammar": grammar, "grammar_field": field}
 
 
-def openai_generations(params: dict, prompt: str | list[int], copies: int, max_tokens: int | None, default_max: int, **options) -> list[Generation]:
+def openai_generations(
+    params: dict, prompt: str | list[int], copies: int, max_tokens: int | None, default_max: int, **options
+) -> list[Generation]:
     """`copies` generations of one prompt (the choices n or best_of); a seed gives each its own
     (seed, seed + 1, ...): reproducible, yet not n copies of one text."""
     seed = params["seed"]
@@ -1457,7 +1676,9 @@ def openai_generations(params: dict, prompt: str | list[int], copies: int, max_t
             prompt=prompt,
             max_tokens=default_max if max_tokens is None else max_tokens,
             max_tokens_given=max_tokens is not None,
-            sampling=sampling_of(params, params["temperature"], params["top_p"], None if seed is None else (seed + i) % 2**63),
+            sampling=sampling_of(
+                params, params["temperature"], params["top_p"], None if seed is None else (seed + i) % 2**63
+            ),
             ignore_eos=params["ignore_eos"],
             **options,
         )
@@ -1468,7 +1689,11 @@ def openai_generations(params: dict, prompt: str | list[int], copies: int, max_t
 def check_sequences(request: web.Request, gens: list[Generation]) -> None:
     limit = request.app[SETTINGS].max_queue
     if len(gens) > limit:
-        raise ApiError(400, f"this request asks for {len(gens)} sequences (prompts x choices); the server queues at most {limit} (MAX_QUEUE)", field="n")
+        raise ApiError(
+            400,
+            f"this request asks for {len(gens)} sequences (prompts x choices); the server queues at most {limit} (MAX_QUEUE)",
+            field="n",
+        )
 
 
 def usage(summaries: list[Summary], prompts: int) -> dict:
@@ -1492,12 +1717,26 @@ def sse(payload: dict | str) -> str:
 
 def sse_error(request: web.Request, summary: Summary) -> str:
     if grammar_failed(summary):  # the request's own grammar: its field, as a 400 would name it
-        return sse({"error": {"message": summary.error, "type": "invalid_request_error", "param": request[LOG_FACTS].get("grammar"), "code": None}})
+        return sse(
+            {
+                "error": {
+                    "message": summary.error,
+                    "type": "invalid_request_error",
+                    "param": request[LOG_FACTS].get("grammar"),
+                    "code": None,
+                }
+            }
+        )
     return sse({"error": {"message": summary.error, "type": "server_error", "param": None, "code": None}})
 
 
 def response_head(name: str, kind: str) -> dict:
-    return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": name}
+    return {
+        "id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": name,
+    }
 
 
 class CompletionLogprobs:
@@ -1512,7 +1751,7 @@ class CompletionLogprobs:
         pieces = [self.backend.token_bytes(token) for token, _, _ in entries]
         offsets = self.offsets(pieces)
         tops = []
-        for (token, logprob, top), piece in zip(entries, pieces):
+        for (token, logprob, top), piece in zip(entries, pieces, strict=False):
             if logprob is None:  # a prompt's first token: nothing predicts it
                 tops.append(None)
                 continue
@@ -1543,7 +1782,11 @@ def chat_logprobs(backend: Backend, scores: list[StepLogprobs], k: int) -> dict:
         piece = backend.token_bytes(token)
         return {"token": token_string(piece), "logprob": logprob, "bytes": list(piece)}
 
-    content = [{**entry(s.token.token, s.token.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.token.top[:k]]} for s in scores if s.token]
+    content = [
+        {**entry(s.token.token, s.token.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.token.top[:k]]}
+        for s in scores
+        if s.token
+    ]
     return {"content": content, "refusal": None}
 
 
@@ -1573,7 +1816,9 @@ async def v1_model(request: web.Request) -> web.Response:
     facts = await available_adapters(engine.backend)
     found = next((f for f in facts if f.name == adapter), None)
     if found is None:
-        raise ApiError(404, f"The model {name!r} does not exist: no adapter {adapter!r}", field="model", code="model_not_found")
+        raise ApiError(
+            404, f"The model {name!r} does not exist: no adapter {adapter!r}", field="model", code="model_not_found"
+        )
     return web.json_response(adapter_card(engine, name.rpartition(":")[0], found))
 
 
@@ -1583,7 +1828,12 @@ def model_card(engine: Engine, name: str) -> dict:
 
 
 def adapter_card(engine: Engine, base: str, facts: AdapterFacts) -> dict:
-    return {**model_card(engine, f"{base}:{facts.name}"), "parent": base, "root": facts.path, "adapter": facts.describe()}
+    return {
+        **model_card(engine, f"{base}:{facts.name}"),
+        "parent": base,
+        "root": facts.path,
+        "adapter": facts.describe(),
+    }
 
 
 async def v1_completions(request: web.Request) -> web.StreamResponse:
@@ -1601,7 +1851,12 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     if params["max_tokens"] == 0 and not echo:
         raise ApiError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", field="max_tokens")
     scored = k if k is not None else (0 if best_of > n else None)  # best_of ranks by logprob
-    options = dict(stop=stop_tuple(params["stop"]), logprobs=scored, prompt_logprobs=k if echo else None, **await response_constraint(request, params))
+    options = dict(
+        stop=stop_tuple(params["stop"]),
+        logprobs=scored,
+        prompt_logprobs=k if echo else None,
+        **await response_constraint(request, params),
+    )
     gens = [g for p in prompts for g in openai_generations(params, p, best_of, params["max_tokens"], 16, **options)]
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter, params["cache_salt"])
@@ -1611,7 +1866,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
 
     if not params["stream"]:
         answers = await collect(request, tickets)
-        pairs = list(zip(tickets, answers))
+        pairs = list(zip(tickets, answers, strict=False))
 
         def build() -> dict:
             choices = []
@@ -1625,10 +1880,23 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
                     if k is not None:
                         entries = CompletionLogprobs.token_entries(answer.logprobs)
                         if echo:
-                            entries = CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, answer.logprobs) + entries
+                            entries = (
+                                CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, answer.logprobs) + entries
+                            )
                         logprobs = CompletionLogprobs(backend, k, 0 if echo else len(texts[p])).shape(entries)
-                    choices.append({"index": p * n + j, "text": texts[p] + text if echo else text, "logprobs": logprobs, "finish_reason": answer.summary.finish_reason})
-            return {**response_head(name, "text_completion"), "choices": choices, "usage": usage([a.summary for a in answers], len(prompts))}
+                    choices.append(
+                        {
+                            "index": p * n + j,
+                            "text": texts[p] + text if echo else text,
+                            "logprobs": logprobs,
+                            "finish_reason": answer.summary.finish_reason,
+                        }
+                    )
+            return {
+                **response_head(name, "text_completion"),
+                "choices": choices,
+                "usage": usage([a.summary for a in answers], len(prompts)),
+            }
 
         return await json_answer(request, build, heavy=scored is not None)
 
@@ -1636,7 +1904,11 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool(params["stream_options"].get("include_usage"))
     pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
     echoed: set[int] = set()
-    shapers = {i: CompletionLogprobs(backend, k, 0 if echo else len(texts[i // n])) for i in range(len(tickets))} if k is not None else {}
+    shapers = (
+        {i: CompletionLogprobs(backend, k, 0 if echo else len(texts[i // n])) for i in range(len(tickets))}
+        if k is not None
+        else {}
+    )
 
     def chunk(index: int, text: str, entries: list | None = None, finish: str | None = None) -> str:
         logprobs = shapers[index].shape(entries) if k is not None and entries else None
@@ -1690,7 +1962,9 @@ def chat_messages(params: dict) -> list[dict]:
             if m["role"] != "assistant":  # an assistant turn that only called tools has none
                 raise ApiError(400, f"messages[{i}].content is required", field=f"messages[{i}].content")
             content = ""
-        messages.append({"role": m["role"], "content": content if isinstance(content, str) else "".join(p["text"] for p in content)})
+        messages.append(
+            {"role": m["role"], "content": content if isinstance(content, str) else "".join(p["text"] for p in content)}
+        )
     return messages
 
 
@@ -1702,7 +1976,12 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     n = params["n"]
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
     max_tokens = params["max_completion_tokens"] or params["max_tokens"]
-    options = dict(stop=stop_tuple(params["stop"]) + prompt.stop, logprobs=k, prompt_field="messages", **await response_constraint(request, params))
+    options = dict(
+        stop=stop_tuple(params["stop"]) + prompt.stop,
+        logprobs=k,
+        prompt_field="messages",
+        **await response_constraint(request, params),
+    )
     gens = openai_generations(params, prompt.text, n, max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter, params["cache_salt"])
@@ -1714,13 +1993,21 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
             choices = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": LeadingSpace().strip("".join(answer.text)), "refusal": None},
+                    "message": {
+                        "role": "assistant",
+                        "content": LeadingSpace().strip("".join(answer.text)),
+                        "refusal": None,
+                    },
                     "logprobs": chat_logprobs(backend, answer.logprobs, k) if k is not None else None,
                     "finish_reason": answer.summary.finish_reason,
                 }
                 for i, answer in enumerate(answers)
             ]
-            return {**response_head(name, "chat.completion"), "choices": choices, "usage": usage([a.summary for a in answers], 1)}
+            return {
+                **response_head(name, "chat.completion"),
+                "choices": choices,
+                "usage": usage([a.summary for a in answers], 1),
+            }
 
         return await json_answer(request, build, heavy=k is not None)
 
@@ -1774,27 +2061,50 @@ class EngineCollector(Collector):
         engine, settings = self._app[ENGINE], self._app[SETTINGS]
         stats = engine.stats
         info = engine.backend.info if engine.backend is not None else None
-        yield InfoMetricFamily("phi2_build", "Server version and the model it serves.", value={
-            "version": VERSION, "model": settings.model, "backend": info.backend if info else "",
-            "device": info.device if info else "", "dtype": info.dtype if info else "",
-        })
+        yield InfoMetricFamily(
+            "phi2_build",
+            "Server version and the model it serves.",
+            value={
+                "version": VERSION,
+                "model": settings.model,
+                "backend": info.backend if info else "",
+                "device": info.device if info else "",
+                "dtype": info.dtype if info else "",
+            },
+        )
         outcomes = CounterMetricFamily("phi2_generations", "Generations ended, by outcome.", labels=["outcome"])
         for outcome in ("completed", "cancelled", "timeouts", "errors"):
             outcomes.add_metric([outcome], stats[outcome])
         yield outcomes
-        yield CounterMetricFamily("phi2_decode_steps", "Decode steps of the generation worker.", value=stats["decode_steps"])
+        yield CounterMetricFamily(
+            "phi2_decode_steps", "Decode steps of the generation worker.", value=stats["decode_steps"]
+        )
         yield CounterMetricFamily("phi2_decode_seconds", "Time inside decode steps.", value=stats["decode_seconds"])
         yield GaugeMetricFamily("phi2_queue_waiting", "Requests waiting for a batch slot.", value=engine.waiting)
         yield GaugeMetricFamily("phi2_active_sequences", "Sequences being generated.", value=engine.active)
         yield GaugeMetricFamily("phi2_max_batch", "Batch slots of the worker.", value=engine.max_batch)
-        yield CounterMetricFamily("phi2_prompt_cache_hit_tokens", "Prompt tokens whose KV came from the prompt cache.", value=stats["prompt_tokens_cached"])
-        yield CounterMetricFamily("phi2_prompt_cache_miss_tokens", "Prompt tokens prefilled (not in the prompt cache).", value=stats["prompt_tokens_computed"])
+        yield CounterMetricFamily(
+            "phi2_prompt_cache_hit_tokens",
+            "Prompt tokens whose KV came from the prompt cache.",
+            value=stats["prompt_tokens_cached"],
+        )
+        yield CounterMetricFamily(
+            "phi2_prompt_cache_miss_tokens",
+            "Prompt tokens prefilled (not in the prompt cache).",
+            value=stats["prompt_tokens_computed"],
+        )
         usage = engine.prompt_cache_usage()
         yield GaugeMetricFamily("phi2_prompt_cache_bytes", "Bytes of KV the prompt cache holds.", value=usage.bytes)
-        yield GaugeMetricFamily("phi2_prompt_cache_entries", "Prompts (and replies) the prompt cache holds.", value=usage.entries)
-        yield GaugeMetricFamily("phi2_prompt_cache_budget_bytes", "The prompt cache's byte budget (0: off).", value=usage.budget_bytes)
+        yield GaugeMetricFamily(
+            "phi2_prompt_cache_entries", "Prompts (and replies) the prompt cache holds.", value=usage.entries
+        )
+        yield GaugeMetricFamily(
+            "phi2_prompt_cache_budget_bytes", "The prompt cache's byte budget (0: off).", value=usage.budget_bytes
+        )
         yield GaugeMetricFamily("phi2_model_loaded", "1 once the model is loaded.", value=int(engine.status == "ok"))
-        yield GaugeMetricFamily("phi2_model_load_seconds", "How long loading the model took.", value=engine.load_time_s or 0)
+        yield GaugeMetricFamily(
+            "phi2_model_load_seconds", "How long loading the model took.", value=engine.load_time_s or 0
+        )
 
 
 class Metrics:
@@ -1805,20 +2115,31 @@ class Metrics:
     def __init__(self, app: web.Application):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("phi2_requests", "HTTP requests by route, method and status.", ["route", "method", "status"], registry=r)
+        self.requests = Counter(
+            "phi2_requests", "HTTP requests by route, method and status.", ["route", "method", "status"], registry=r
+        )
         self.durations = Histogram(
-            "phi2_request_duration_seconds", "Whole request time, a stream's included.", ["route"], registry=r,
+            "phi2_request_duration_seconds",
+            "Whole request time, a stream's included.",
+            ["route"],
+            registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
         )
         self.ttft = Histogram(
-            "phi2_time_to_first_token_seconds", "From a request's arrival to its first generated token.", registry=r,
+            "phi2_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            registry=r,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
         self.rate = Histogram(
-            "phi2_generation_tokens_per_second", "Decode rate of each generation after its first token.", registry=r,
+            "phi2_generation_tokens_per_second",
+            "Decode rate of each generation after its first token.",
+            registry=r,
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
         )
-        self.generated = Counter("phi2_generated_tokens", "Tokens generated (rate() of it is the server's tokens/s).", registry=r)
+        self.generated = Counter(
+            "phi2_generated_tokens", "Tokens generated (rate() of it is the server's tokens/s).", registry=r
+        )
         self.prompt = Counter("phi2_prompt_tokens", "Prompt tokens of generation requests.", registry=r)
         r.register(EngineCollector(app))
         ProcessCollector(registry=r)
@@ -1841,7 +2162,9 @@ class Metrics:
 
 async def metrics(request: web.Request) -> web.Response:
     body = prometheus_client.generate_latest(request.app[METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST, "X-Content-Type-Options": "nosniff"})
+    return web.Response(
+        body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST, "X-Content-Type-Options": "nosniff"}
+    )
 
 
 # -- OpenAPI description of the native API, built from the schemas the validation uses ---------------
@@ -1857,50 +2180,95 @@ ERROR_SCHEMA = {
         }
     },
 }
-QUEUE_SCHEMA = {"type": "object", "required": ["waiting", "active"], "properties": {"waiting": {"type": "integer"}, "active": {"type": "integer"}}}
+QUEUE_SCHEMA = {
+    "type": "object",
+    "required": ["waiting", "active"],
+    "properties": {"waiting": {"type": "integer"}, "active": {"type": "integer"}},
+}
 HEALTH_SCHEMA = {
     "type": "object",
     "required": ["status", "model_loaded", "queue"],
-    "properties": {"status": {"enum": ["loading", "ok", "error"]}, "model_loaded": {"type": "boolean"}, "queue": QUEUE_SCHEMA},
+    "properties": {
+        "status": {"enum": ["loading", "ok", "error"]},
+        "model_loaded": {"type": "boolean"},
+        "queue": QUEUE_SCHEMA,
+    },
 }
 READY_SCHEMA = {
     "type": "object",
     "required": ["ready", "status", "draining"],
     "properties": {
-        "ready": {"type": "boolean"}, "status": {"enum": ["loading", "ok", "error"]},
-        "draining": {"type": "boolean", "description": "shutting down: requests are still served for DRAIN_DELAY seconds, but a load balancer should send no more"},
+        "ready": {"type": "boolean"},
+        "status": {"enum": ["loading", "ok", "error"]},
+        "draining": {
+            "type": "boolean",
+            "description": "shutting down: requests are still served for DRAIN_DELAY seconds, but a load balancer should send no more",
+        },
     },
 }
 ADAPTER_FACTS_SCHEMA = {
     "type": "object",
     "required": ["name", "path", "problem"],
     "properties": {
-        "name": {"type": "string"}, "path": {"type": "string"}, "fine_tune_type": {"type": "string"}, "rank": {"type": "integer"},
-        "scale": {"type": "number"}, "num_layers": {"type": "integer"}, "keys": {"type": "array", "items": {"type": "string"}},
-        "problem": {"type": ["string", "null"], "description": "why it cannot be used, where its config already shows that"},
+        "name": {"type": "string"},
+        "path": {"type": "string"},
+        "fine_tune_type": {"type": "string"},
+        "rank": {"type": "integer"},
+        "scale": {"type": "number"},
+        "num_layers": {"type": "integer"},
+        "keys": {"type": "array", "items": {"type": "string"}},
+        "problem": {
+            "type": ["string", "null"],
+            "description": "why it cannot be used, where its config already shows that",
+        },
     },
 }
 INFO_SCHEMA = {
     "type": "object",
-    "required": ["model", "backend", "device", "dtype", "adapter_path", "adapter_applied", "load_time_s", "context_length"],
+    "required": [
+        "model",
+        "backend",
+        "device",
+        "dtype",
+        "adapter_path",
+        "adapter_applied",
+        "load_time_s",
+        "context_length",
+    ],
     "properties": {
-        "model": {"type": "string"}, "backend": {"enum": ["torch", "mlx"]}, "device": {"type": "string"}, "dtype": {"type": "string"},
-        "adapter_path": {"type": ["string", "null"]}, "adapter_applied": {"type": "boolean"}, "load_time_s": {"type": "number"},
-        "context_length": {"type": "integer"}, "stats": {"type": "object"},
+        "model": {"type": "string"},
+        "backend": {"enum": ["torch", "mlx"]},
+        "device": {"type": "string"},
+        "dtype": {"type": "string"},
+        "adapter_path": {"type": ["string", "null"]},
+        "adapter_applied": {"type": "boolean"},
+        "load_time_s": {"type": "number"},
+        "context_length": {"type": "integer"},
+        "stats": {"type": "object"},
         "quantization": {
             "type": ["object", "null"],
             "description": "null for full-precision weights",
-            "properties": {"method": {"type": "string"}, "bits": {"type": "integer"}, "group_size": {"type": ["integer", "null"]}},
+            "properties": {
+                "method": {"type": "string"},
+                "bits": {"type": "integer"},
+                "group_size": {"type": ["integer", "null"]},
+            },
         },
         "prompt_cache": {
             "type": "object",
-            "properties": {"budget_bytes": {"type": "integer"}, "bytes": {"type": "integer"}, "entries": {"type": "integer"}},
+            "properties": {
+                "budget_bytes": {"type": "integer"},
+                "bytes": {"type": "integer"},
+                "entries": {"type": "integer"},
+            },
         },
         "adapters": {
             "type": "object",
             "required": ["dir", "default", "max_loaded", "loaded", "available"],
             "properties": {
-                "dir": {"type": ["string", "null"]}, "default": {"type": ["string", "null"]}, "max_loaded": {"type": "integer"},
+                "dir": {"type": ["string", "null"]},
+                "default": {"type": ["string", "null"]},
+                "max_loaded": {"type": "integer"},
                 "loaded": {"type": "array", "items": {"type": "string"}, "description": "least recently used first"},
                 "available": {"type": "array", "items": ADAPTER_FACTS_SCHEMA},
             },
@@ -1911,7 +2279,11 @@ SUMMARY_PROPERTIES = {
     "request_id": {"type": "string"},
     "tokens_used": {"type": "integer", "minimum": 0},
     "prompt_tokens": {"type": "integer", "minimum": 1},
-    "cached_tokens": {"type": "integer", "minimum": 0, "description": "prompt tokens whose KV came from the prompt cache"},
+    "cached_tokens": {
+        "type": "integer",
+        "minimum": 0,
+        "description": "prompt tokens whose KV came from the prompt cache",
+    },
     "finish_reason": {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]},
     "model": {"type": "string"},
     "adapter": {"type": ["string", "null"], "description": "the LoRA adapter it decoded with (null: the base model)"},
@@ -1919,7 +2291,11 @@ SUMMARY_PROPERTIES = {
     "timings": {
         "type": "object",
         "required": ["ttft_ms", "total_ms", "tokens_per_second"],
-        "properties": {"ttft_ms": {"type": ["number", "null"]}, "total_ms": {"type": "number"}, "tokens_per_second": {"type": "number"}},
+        "properties": {
+            "ttft_ms": {"type": ["number", "null"]},
+            "total_ms": {"type": "number"},
+            "tokens_per_second": {"type": "number"},
+        },
     },
     "error": ERROR_SCHEMA["properties"]["error"],
 }
@@ -1931,11 +2307,24 @@ TOKEN_LOGPROB = {
 NATIVE_LOGPROBS = {
     "type": "array",
     "description": "with logprobs: one entry a generated token (end-of-text included), and its most likely alternatives",
-    "items": {**TOKEN_LOGPROB, "properties": {**TOKEN_LOGPROB["properties"], "top": {"type": "array", "items": TOKEN_LOGPROB}}},
+    "items": {
+        **TOKEN_LOGPROB,
+        "properties": {**TOKEN_LOGPROB["properties"], "top": {"type": "array", "items": TOKEN_LOGPROB}},
+    },
 }
 GENERATE_RESPONSE_SCHEMA = {
     "type": "object",
-    "required": ["text", "request_id", "tokens_used", "prompt_tokens", "cached_tokens", "finish_reason", "model", "backend", "timings"],
+    "required": [
+        "text",
+        "request_id",
+        "tokens_used",
+        "prompt_tokens",
+        "cached_tokens",
+        "finish_reason",
+        "model",
+        "backend",
+        "timings",
+    ],
     "properties": {"text": {"type": "string"}, **SUMMARY_PROPERTIES, "logprobs": NATIVE_LOGPROBS},
 }
 # The /v1 answers, as far as this server fills them (OpenAI's own description has the rest).
@@ -1946,7 +2335,12 @@ OPENAI_ERROR_SCHEMA = {
         "error": {
             "type": "object",
             "required": ["message", "type", "param", "code"],
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
         }
     },
 }
@@ -1954,36 +2348,50 @@ MODEL_SCHEMA = {
     "type": "object",
     "required": ["id", "object", "created", "owned_by"],
     "properties": {
-        "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": {"type": "string"},
-        "parent": {"type": "string", "description": "an adapter's base model"}, "root": {"type": "string", "description": "an adapter's folder"},
+        "id": {"type": "string"},
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+        "parent": {"type": "string", "description": "an adapter's base model"},
+        "root": {"type": "string", "description": "an adapter's folder"},
         "adapter": ADAPTER_FACTS_SCHEMA,
     },
 }
 USAGE_SCHEMA = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "properties": {
+        name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
 }
 FINISH_REASON = {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]}
 COMPLETION_RESPONSE_SCHEMA = {
     "type": "object",
     "required": ["id", "object", "created", "model", "choices", "usage"],
     "properties": {
-        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"}, "model": {"type": "string"},
+        "id": {"type": "string"},
+        "object": {"const": "text_completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
         "choices": {
             "type": "array",
             "items": {
                 "type": "object",
                 "required": ["index", "text", "logprobs", "finish_reason"],
                 "properties": {
-                    "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": FINISH_REASON,
+                    "index": {"type": "integer"},
+                    "text": {"type": "string"},
+                    "finish_reason": FINISH_REASON,
                     "logprobs": {
                         "type": ["object", "null"],
                         "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
                         "properties": {
                             "tokens": {"type": "array", "items": {"type": "string"}},
                             "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
-                            "top_logprobs": {"type": "array", "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}}},
+                            "top_logprobs": {
+                                "type": "array",
+                                "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+                            },
                             "text_offset": {"type": "array", "items": {"type": "integer"}},
                         },
                     },
@@ -1996,25 +2404,48 @@ COMPLETION_RESPONSE_SCHEMA = {
 CHAT_TOKEN_LOGPROB = {
     "type": "object",
     "required": ["token", "logprob", "bytes"],
-    "properties": {"token": {"type": "string"}, "logprob": {"type": "number"}, "bytes": {"type": "array", "items": {"type": "integer"}}},
+    "properties": {
+        "token": {"type": "string"},
+        "logprob": {"type": "number"},
+        "bytes": {"type": "array", "items": {"type": "integer"}},
+    },
 }
 CHAT_RESPONSE_SCHEMA = {
     "type": "object",
     "required": ["id", "object", "created", "model", "choices", "usage"],
     "properties": {
-        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"}, "model": {"type": "string"},
+        "id": {"type": "string"},
+        "object": {"const": "chat.completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
         "choices": {
             "type": "array",
             "items": {
                 "type": "object",
                 "required": ["index", "message", "logprobs", "finish_reason"],
                 "properties": {
-                    "index": {"type": "integer"}, "finish_reason": FINISH_REASON,
-                    "message": {"type": "object", "required": ["role", "content"], "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                    "index": {"type": "integer"},
+                    "finish_reason": FINISH_REASON,
+                    "message": {
+                        "type": "object",
+                        "required": ["role", "content"],
+                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                    },
                     "logprobs": {
                         "type": ["object", "null"],
                         "required": ["content"],
-                        "properties": {"content": {"type": "array", "items": {**CHAT_TOKEN_LOGPROB, "properties": {**CHAT_TOKEN_LOGPROB["properties"], "top_logprobs": {"type": "array", "items": CHAT_TOKEN_LOGPROB}}}}},
+                        "properties": {
+                            "content": {
+                                "type": "array",
+                                "items": {
+                                    **CHAT_TOKEN_LOGPROB,
+                                    "properties": {
+                                        **CHAT_TOKEN_LOGPROB["properties"],
+                                        "top_logprobs": {"type": "array", "items": CHAT_TOKEN_LOGPROB},
+                                    },
+                                },
+                            }
+                        },
                     },
                 },
             },
@@ -2028,25 +2459,51 @@ def openapi_document() -> dict:
     def answers(ok: dict, *errors: int, media: str = "application/json", error: dict = ERROR_SCHEMA) -> dict:
         out = {"200": {"description": "OK", "content": {media: {"schema": ok}}}}
         for status in errors:
-            out[str(status)] = {"description": HTTPStatus(status).phrase, "content": {"application/json": {"schema": error}}}
+            out[str(status)] = {
+                "description": HTTPStatus(status).phrase,
+                "content": {"application/json": {"schema": error}},
+            }
         return out
 
     def openai_post(summary: str, request: dict, response: dict) -> dict:
         ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error=OPENAI_ERROR_SCHEMA)
-        ok["200"]["content"]["text/event-stream"] = {"schema": {"type": "string", "description": "with stream: Server-Sent Events of chunks, then data: [DONE]"}}
-        return {"post": {"summary": summary, **guarded, "requestBody": {"required": True, "content": {"application/json": {"schema": request}}}, "responses": ok}}
+        ok["200"]["content"]["text/event-stream"] = {
+            "schema": {"type": "string", "description": "with stream: Server-Sent Events of chunks, then data: [DONE]"}
+        }
+        return {
+            "post": {
+                "summary": summary,
+                **guarded,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                "responses": ok,
+            }
+        }
 
     guarded = {"security": [{}, {"bearer": []}]}  # a key is needed when PHI2_API_KEY is set
     generation_errors = (400, 401, 413, 422, 429, 500, 503, 504)
-    stream_line = "One JSON object per line: {\"token\": text} as text is decoded, then {\"done\": true, ...the summary}."
+    stream_line = 'One JSON object per line: {"token": text} as text is decoded, then {"done": true, ...the summary}.'
     return {
         "openapi": "3.1.0",
-        "info": {"title": "phi2-server", "version": VERSION, "description": "The native API, and the OpenAI-compatible /v1 routes as far as this server fills OpenAI's shapes (request fields: what is accepted; null counts as absent on /v1)."},
+        "info": {
+            "title": "phi2-server",
+            "version": VERSION,
+            "description": "The native API, and the OpenAI-compatible /v1 routes as far as this server fills OpenAI's shapes (request fields: what is accepted; null counts as absent on /v1).",
+        },
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {
             "/health": {"get": {"summary": "Liveness", "responses": answers(HEALTH_SCHEMA)}},
-            "/ready": {"get": {"summary": "Readiness", "responses": {**answers(READY_SCHEMA), "503": {"description": "Not ready", "content": {"application/json": {"schema": READY_SCHEMA}}}}}},
-            "/model/info": {"get": {"summary": "The loaded model", **guarded, "responses": answers(INFO_SCHEMA, 401, 429, 503)}},
+            "/ready": {
+                "get": {
+                    "summary": "Readiness",
+                    "responses": {
+                        **answers(READY_SCHEMA),
+                        "503": {"description": "Not ready", "content": {"application/json": {"schema": READY_SCHEMA}}},
+                    },
+                }
+            },
+            "/model/info": {
+                "get": {"summary": "The loaded model", **guarded, "responses": answers(INFO_SCHEMA, 401, 429, 503)}
+            },
             "/generate": {
                 "post": {
                     "summary": "Generate text",
@@ -2060,24 +2517,49 @@ def openapi_document() -> dict:
                     "summary": "Generate text, streamed as NDJSON",
                     **guarded,
                     "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
-                    "responses": answers({"type": "string", "description": stream_line}, *generation_errors, media="application/x-ndjson"),
+                    "responses": answers(
+                        {"type": "string", "description": stream_line}, *generation_errors, media="application/x-ndjson"
+                    ),
                 }
             },
-            "/metrics": {"get": {"summary": "Prometheus metrics", **guarded, "responses": answers({"type": "string"}, 401, media="text/plain")}},
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    **guarded,
+                    "responses": answers({"type": "string"}, 401, media="text/plain"),
+                }
+            },
             "/v1/models": {
                 "get": {
-                    "summary": "The served model names (OpenAI)", **guarded,
-                    "responses": answers({"type": "object", "required": ["object", "data"], "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL_SCHEMA}}}, 401, 429, 503, error=OPENAI_ERROR_SCHEMA),
+                    "summary": "The served model names (OpenAI)",
+                    **guarded,
+                    "responses": answers(
+                        {
+                            "type": "object",
+                            "required": ["object", "data"],
+                            "properties": {
+                                "object": {"const": "list"},
+                                "data": {"type": "array", "items": MODEL_SCHEMA},
+                            },
+                        },
+                        401,
+                        429,
+                        503,
+                        error=OPENAI_ERROR_SCHEMA,
+                    ),
                 }
             },
             "/v1/models/{model}": {
                 "get": {
-                    "summary": "One served model name (OpenAI)", **guarded,
+                    "summary": "One served model name (OpenAI)",
+                    **guarded,
                     "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                     "responses": answers(MODEL_SCHEMA, 401, 404, 429, 503, error=OPENAI_ERROR_SCHEMA),
                 }
             },
-            "/v1/completions": openai_post("Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, COMPLETION_RESPONSE_SCHEMA),
+            "/v1/completions": openai_post(
+                "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, COMPLETION_RESPONSE_SCHEMA
+            ),
             "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, CHAT_RESPONSE_SCHEMA),
         },
     }
@@ -2191,15 +2673,17 @@ class ProtocolErrorLog(AbstractAccessLogger):
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         if REQUEST_ID in request or REQUEST_LOG not in self.app:
             return
-        self.app[REQUEST_LOG].write({
-            "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-            "request_id": uuid.uuid4().hex,
-            "method": request.method,  # UNKNOWN: the request line could not be read
-            "path": None,
-            "status": response.status,
-            "duration_ms": round(time * 1000, 2),
-            "error": "not a valid HTTP request",
-        })
+        self.app[REQUEST_LOG].write(
+            {
+                "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
+                "request_id": uuid.uuid4().hex,
+                "method": request.method,  # UNKNOWN: the request line could not be read
+                "path": None,
+                "status": response.status,
+                "duration_ms": round(time * 1000, 2),
+                "error": "not a valid HTTP request",
+            }
+        )
 
 
 def parse_error_reason(error: HttpProcessingError) -> str:
@@ -2229,9 +2713,18 @@ class QuietRequestHandler(RequestHandler):
     handlers from this module-level name, so it is replaced there, once, for every server of
     this process (the tests' included)."""
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         if isinstance(exc, HttpProcessingError):
-            message = json.dumps({"error": {"message": f"not a valid HTTP request: {parse_error_reason(exc)}", "type": NATIVE_ERROR_TYPES.get(status, "client_error")}})
+            message = json.dumps(
+                {
+                    "error": {
+                        "message": f"not a valid HTTP request: {parse_error_reason(exc)}",
+                        "type": NATIVE_ERROR_TYPES.get(status, "client_error"),
+                    }
+                }
+            )
             response = super().handle_error(request, status, exc, message)
             response.content_type = "application/json"
             return response
@@ -2299,8 +2792,14 @@ async def serve(app: web.Application) -> int:
             available = await available_adapters(engine.backend)
             log.info(
                 "model ready in %.1f s: %s on %s (%s, %s); default adapter: %s; adapters in %s: %d",
-                engine.load_time_s, info.model, info.backend, info.device, info.dtype,
-                registry.default_name or "none", registry.directory or "(no ADAPTERS_DIR)", len(available),
+                engine.load_time_s,
+                info.model,
+                info.backend,
+                info.device,
+                info.dtype,
+                registry.default_name or "none",
+                registry.directory or "(no ADAPTERS_DIR)",
+                len(available),
             )
 
     watcher = asyncio.create_task(watch_load())

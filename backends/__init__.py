@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from backends.adapters import Adapter, AdapterRegistry
@@ -78,7 +79,12 @@ class Sampling:
 
     @property
     def processed_besides_constraint(self) -> bool:
-        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            bool(self.logit_bias)
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -105,10 +111,12 @@ class Sequence:
     sampling: Sampling
     max_new_tokens: int
     logprobs: int | None = None  # report each generated token's logprob and this many alternatives (None: nothing)
-    prompt_logprobs: int | None = None  # the same for every prompt token but the first (the prompt is then prefilled whole)
+    prompt_logprobs: int | None = (
+        None  # the same for every prompt token but the first (the prompt is then prefilled whole)
+    )
     # The LoRA adapter this sequence decodes with (None: the base model), applied unmerged on its
     # rows of the batch; its prompt cache entries are its own.
-    adapter: "Adapter | None" = None
+    adapter: Adapter | None = None
     # Whose prompt cache entries it may reuse and add to: sequences of different namespaces (API
     # keys, cache salts) share none, so one client cannot learn another's prompts from cache hits.
     cache_namespace: str = ""
@@ -213,7 +221,7 @@ class Backend(Protocol):
     info: ModelInfo
     eos_token_ids: frozenset[int]
     max_batch: int  # the batch size its decoder serves (MAX_BATCH, or the runtime's default)
-    adapters: "AdapterRegistry"  # the LoRA adapters requests may name, loaded on first use
+    adapters: AdapterRegistry  # the LoRA adapters requests may name, loaded on first use
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -229,7 +237,7 @@ class Backend(Protocol):
         vocabulary may be larger; its extra ids are never generated)."""
         ...
 
-    def chat_prompt(self, messages: list[dict]) -> "ChatPrompt":
+    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
         """Chat messages ({role, content: str}) as a prompt, with the stops its format needs."""
         ...
 

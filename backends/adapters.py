@@ -26,9 +26,10 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from backends import ModelLoadError
 
@@ -133,7 +134,9 @@ def lora_settings(config: dict) -> tuple[float, int, int, list[str] | None]:
         params = config["lora_parameters"]
         scale, rank, num_layers = float(params["scale"]), int(params["rank"]), int(config["num_layers"])
         if not math.isfinite(scale) or rank < 1:
-            raise ValueError(f"lora_parameters.scale {scale} and .rank {rank} (needs a finite scale and a rank of at least 1)")
+            raise ValueError(
+                f"lora_parameters.scale {scale} and .rank {rank} (needs a finite scale and a rank of at least 1)"
+            )
         keys = params.get("keys")
         if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
             raise ValueError("lora_parameters.keys is not a list of names")
@@ -142,7 +145,9 @@ def lora_settings(config: dict) -> tuple[float, int, int, list[str] | None]:
     return scale, rank, num_layers, keys
 
 
-def check_modules(config: dict, tensors: dict[str, Any], linears: dict[str, tuple[int, int]], blocks: int) -> dict[str, tuple[Any, Any]]:
+def check_modules(
+    config: dict, tensors: dict[str, Any], linears: dict[str, tuple[int, int]], blocks: int
+) -> dict[str, tuple[Any, Any]]:
     """An adapter's tensors as {module: (lora_a, lora_b)}, accepting exactly what mlx-lm's loader
     accepts: LoRA pairs only, for the configured keys of the last `num_layers` blocks, with
     shapes that fit the model's Linear layers (`linears`: module name -> (in, out))."""
@@ -151,7 +156,9 @@ def check_modules(config: dict, tensors: dict[str, Any], linears: dict[str, tupl
     for name, tensor in tensors.items():
         module, _, leaf = name.rpartition(".")
         if leaf not in ("lora_a", "lora_b"):
-            raise BrokenAdapter(f"tensor {name!r} is not a LoRA parameter (DoRA's magnitudes are not supported per request)")
+            raise BrokenAdapter(
+                f"tensor {name!r} is not a LoRA parameter (DoRA's magnitudes are not supported per request)"
+            )
         pairs.setdefault(module, {})[leaf] = tensor
     first_adapted = 0 if num_layers < 0 else max(blocks - num_layers, 0)
     problems, modules = [], {}
@@ -172,8 +179,16 @@ def check_modules(config: dict, tensors: dict[str, Any], linears: dict[str, tupl
             continue
         a, b = pair["lora_a"], pair["lora_b"]
         (n_in, n_out) = shape
-        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != n_in or b.shape[1] != n_out or a.shape[1] != b.shape[0]:
-            problems.append(f"{module_name}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not fit a Linear ({n_in} -> {n_out})")
+        if (
+            len(a.shape) != 2
+            or len(b.shape) != 2
+            or a.shape[0] != n_in
+            or b.shape[1] != n_out
+            or a.shape[1] != b.shape[0]
+        ):
+            problems.append(
+                f"{module_name}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not fit a Linear ({n_in} -> {n_out})"
+            )
             continue
         modules[module_name] = (a, b)
     if problems:
@@ -207,8 +222,14 @@ class AdapterRegistry:
     """
 
     def __init__(
-        self, directory: str | None, default: Path | None, *, load_tensors: Callable[[Path], dict],
-        linears: dict[str, tuple[int, int]], blocks: int, max_loaded: int = 8,
+        self,
+        directory: str | None,
+        default: Path | None,
+        *,
+        load_tensors: Callable[[Path], dict],
+        linears: dict[str, tuple[int, int]],
+        blocks: int,
+        max_loaded: int = 8,
     ):
         self.directory = Path(directory).expanduser() if directory else None
         self.default_path = default
@@ -242,7 +263,13 @@ class AdapterRegistry:
         out = []
         for entry in entries:
             path = Path(entry.path)
-            if ADAPTER_NAME.fullmatch(entry.name) and path.is_dir() and _inside(path, root) and (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file():
+            if (
+                ADAPTER_NAME.fullmatch(entry.name)
+                and path.is_dir()
+                and _inside(path, root)
+                and (path / CONFIG_FILE).is_file()
+                and (path / WEIGHTS_FILE).is_file()
+            ):
                 out.append(path)
         return out
 
@@ -256,7 +283,9 @@ class AdapterRegistry:
             scale, rank, num_layers, keys = lora_settings(config)
         except BrokenAdapter as exc:
             kind = config.get("fine_tune_type")
-            return AdapterFacts(name, str(path), fine_tune_type=kind if isinstance(kind, str) else None, problem=str(exc))
+            return AdapterFacts(
+                name, str(path), fine_tune_type=kind if isinstance(kind, str) else None, problem=str(exc)
+            )
         return AdapterFacts(name, str(path), "lora", rank, scale, num_layers, keys)
 
     def path_of(self, name: str) -> Path:
@@ -266,7 +295,9 @@ class AdapterRegistry:
                 raise UnknownAdapter(f"adapter {name!r} (ADAPTER_PATH={self.default_path}) is gone")
             return self.default_path
         if not ADAPTER_NAME.fullmatch(name) or name in (".", ".."):
-            raise InvalidAdapterName(f"adapter names are folder names in ADAPTERS_DIR (letters, digits, . _ + -, at most 128); {name!r} is not one")
+            raise InvalidAdapterName(
+                f"adapter names are folder names in ADAPTERS_DIR (letters, digits, . _ + -, at most 128); {name!r} is not one"
+            )
         if self.directory is None:
             raise UnknownAdapter(f"no adapter {name!r}: no ADAPTERS_DIR is set")
         if not self.directory.is_dir():
@@ -276,7 +307,9 @@ class AdapterRegistry:
         if not path.exists():
             raise UnknownAdapter(f"no adapter {name!r} in ADAPTERS_DIR ({self.directory})")
         if not _inside(path, root):
-            raise InvalidAdapterName(f"adapter {name!r}, or a file in it, leads out of ADAPTERS_DIR ({self.directory}): refused")
+            raise InvalidAdapterName(
+                f"adapter {name!r}, or a file in it, leads out of ADAPTERS_DIR ({self.directory}): refused"
+            )
         if not path.is_dir():
             raise BrokenAdapter(f"adapter {name!r} ({path}) is not a folder")
         return path
@@ -320,7 +353,13 @@ class AdapterRegistry:
             raise BrokenAdapter(f"{WEIGHTS_FILE} cannot be read ({exc})") from exc
         modules = check_modules(config, tensors, self._linears, self._blocks)
         ranks = {a.shape[1] for a, _ in modules.values()}
-        log.info("adapter %s loaded from %s (%d layers, rank %s)", name, path, len(modules), "/".join(map(str, sorted(ranks))))
+        log.info(
+            "adapter %s loaded from %s (%d layers, rank %s)",
+            name,
+            path,
+            len(modules),
+            "/".join(map(str, sorted(ranks))),
+        )
         return Adapter(name, str(path), key, scale, max(ranks), modules)
 
     def load_default(self) -> None:
@@ -344,7 +383,9 @@ def _inside(path: Path, root: Path) -> bool:
     values shown in errors)."""
     try:
         folder = path.resolve()
-        return folder.parent == root and all(root in (folder / name).resolve().parents for name in (CONFIG_FILE, WEIGHTS_FILE))
+        return folder.parent == root and all(
+            root in (folder / name).resolve().parents for name in (CONFIG_FILE, WEIGHTS_FILE)
+        )
     except (OSError, RuntimeError):
         return False
 
@@ -405,7 +446,11 @@ def torch_linears(model) -> dict[str, tuple[int, int]]:
     """(in, out) of each Linear inside the model's blocks, by module name."""
     import torch
 
-    return {name: (m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and block_index(name) is not None}
+    return {
+        name: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and block_index(name) is not None
+    }
 
 
 def block_count(model) -> int:

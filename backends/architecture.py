@@ -25,9 +25,29 @@ from dataclasses import dataclass
 
 # model_type -> where its block's Linears are, by module name inside a layer.
 LAYOUTS = {
-    "phi": {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.dense", "fc1": "mlp.fc1", "fc2": "mlp.fc2"},
-    "llama": {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
-    "phi3": {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"},
+    "phi": {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.dense",
+        "fc1": "mlp.fc1",
+        "fc2": "mlp.fc2",
+    },
+    "llama": {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.o_proj",
+        "gate": "mlp.gate_proj",
+        "up": "mlp.up_proj",
+        "down": "mlp.down_proj",
+    },
+    "phi3": {
+        "qkv": "self_attn.qkv_proj",
+        "o": "self_attn.o_proj",
+        "gate_up": "mlp.gate_up_proj",
+        "down": "mlp.down_proj",
+    },
 }
 LAYOUTS["mistral"] = LAYOUTS["qwen2"] = LAYOUTS["qwen3"] = LAYOUTS["llama"]
 GATED_ACTIVATIONS = ("silu", "swish")
@@ -67,12 +87,12 @@ class Architecture:
         return self.heads // self.kv_heads
 
     @classmethod
-    def of(cls, config) -> "Architecture | None":
+    def of(cls, config) -> Architecture | None:
         """The description of a config the decoder serves, else None (see `unsupported`)."""
         return None if unsupported(config) else cls._read(config)
 
     @classmethod
-    def _read(cls, config) -> "Architecture":
+    def _read(cls, config) -> Architecture:
         family = config.model_type
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -110,7 +130,10 @@ def unsupported(config) -> str | None:
         return f"Phi with hidden_act {config.hidden_act!r}"
     if family != "phi" and config.hidden_act not in GATED_ACTIVATIONS:
         return f"hidden_act {config.hidden_act!r} in a gated MLP"
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads, kv_heads = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
     if heads % kv_heads:
         return f"{heads} attention heads over {kv_heads} key-value heads"
     rope = getattr(config, "rope_parameters", None) or {}

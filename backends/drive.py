@@ -9,7 +9,8 @@ step, removal once a sequence has its tokens (end-of-text does not end it here).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence as Seq
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from backends import Decoder, Sequence, StepLogprobs

@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from backends import Backend, Decoder, Detokenizer, PromptCacheUsage, Sampling, Sequence, StepLogprobs
 from backends.adapters import Adapter
@@ -69,7 +69,7 @@ class Request:
     ignore_eos: bool = False  # benchmarks force the token count
     logprobs: int | None = None  # each token's logprob and this many alternatives, as StepLogprobs events
     prompt_logprobs: int | None = None  # the same for the prompt, with the first token's event
-    adapter: "Adapter | None" = None  # the LoRA adapter to decode with, loaded (None: the base model)
+    adapter: Adapter | None = None  # the LoRA adapter to decode with, loaded (None: the base model)
     cache_namespace: str = ""  # whose prompt cache entries it shares (Sequence.cache_namespace)
 
 
@@ -82,7 +82,14 @@ class Ticket:
     Tickets submitted together (`Engine.submit_all`: the choices of one HTTP request) share one
     inbox of (index, event) pairs, so their handler waits on all of them at once."""
 
-    def __init__(self, engine: "Engine", request: Request, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue | None = None, index: int = 0):
+    def __init__(
+        self,
+        engine: Engine,
+        request: Request,
+        loop: asyncio.AbstractEventLoop,
+        inbox: asyncio.Queue | None = None,
+        index: int = 0,
+    ):
         self.request = request
         self.index = index
         self._sent_text = False
@@ -259,7 +266,9 @@ class Engine:
             if len(self._waiting) + len(tickets) > self.max_queue:
                 if len(tickets) == 1:
                     raise QueueFull(f"all {self.max_queue} queue slots are taken")
-                raise QueueFull(f"{len(tickets)} sequences need as many of the {self.max_queue} queue slots; {len(self._waiting)} are taken")
+                raise QueueFull(
+                    f"{len(tickets)} sequences need as many of the {self.max_queue} queue slots; {len(self._waiting)} are taken"
+                )
             self._waiting.extend(tickets)
             self._cond.notify()
         return tickets
@@ -379,7 +388,9 @@ class Engine:
             except Exception as exc:
                 log.exception("decode step failed")
                 # The message names no request's data: a batch's neighbours read it too.
-                message = f"generation failed: the decode step raised {type(exc).__name__} (the server log has the details)"
+                message = (
+                    f"generation failed: the decode step raised {type(exc).__name__} (the server log has the details)"
+                )
                 for seq_id in list(self._running):
                     self._finish(seq_id, "error", decoder, message)
                 self._remove_finished(decoder)
@@ -426,7 +437,9 @@ class Engine:
             if free <= 0 or not self._waiting:
                 return [], abort_reason
             share = request_share(capacity)
-            held = Counter(r.ticket._events for r in self._running.values())  # slots each request holds (by its shared inbox)
+            held = Counter(
+                r.ticket._events for r in self._running.values()
+            )  # slots each request holds (by its shared inbox)
             queues: dict[asyncio.Queue, deque[Ticket]] = {}  # each waiting request's tickets, requests in arrival order
             for ticket in self._waiting:
                 queues.setdefault(ticket._events, deque()).append(ticket)
@@ -442,7 +455,11 @@ class Engine:
                     adapter = queue[0].request.adapter
                     if adapter is not None:
                         if adapters is None:
-                            adapters = {r.ticket.request.adapter.key for r in self._running.values() if r.ticket.request.adapter is not None}
+                            adapters = {
+                                r.ticket.request.adapter.key
+                                for r in self._running.values()
+                                if r.ticket.request.adapter is not None
+                            }
                         if adapter.key not in adapters:
                             if len(adapters) >= adapter_slots:
                                 free = 0  # it waits for an adapter slot, and so does everything behind it
@@ -462,10 +479,20 @@ class Engine:
         request = ticket.request
         seq_id = next(self._ids)
         try:
-            logprobs = request.logprobs if request.prompt_logprobs is None else max(request.logprobs or 0, request.prompt_logprobs)
+            logprobs = (
+                request.logprobs
+                if request.prompt_logprobs is None
+                else max(request.logprobs or 0, request.prompt_logprobs)
+            )
             # A prompt scored alone (max_tokens 0) still computes its first token: its logits end the prefill.
             sequence = Sequence(
-                seq_id, request.prompt_ids, request.sampling, max(request.max_tokens, 1), logprobs, request.prompt_logprobs, request.adapter,
+                seq_id,
+                request.prompt_ids,
+                request.sampling,
+                max(request.max_tokens, 1),
+                logprobs,
+                request.prompt_logprobs,
+                request.adapter,
                 request.cache_namespace,
             )
             cached = decoder.add(sequence)
@@ -492,7 +519,9 @@ class Engine:
                 continue
             self._finish(seq_id, reason, decoder)
 
-    def _advance(self, decoder: Decoder, backend: Backend, seq_id: int, token: int, now: float, scores: StepLogprobs | None) -> None:
+    def _advance(
+        self, decoder: Decoder, backend: Backend, seq_id: int, token: int, now: float, scores: StepLogprobs | None
+    ) -> None:
         running = self._running.get(seq_id)
         if running is None:
             return
@@ -525,7 +554,12 @@ class Engine:
         elif running.ticket.writing and running.ticket._queued - running.ticket._taken > self.stream_buffer:
             # Its client is not reading: generating more would only queue it here, unbounded.
             waiting = running.ticket._queued - running.ticket._taken
-            self._finish(seq_id, "cancelled", decoder, f"the client stopped reading: {waiting} events were waiting for it (STREAM_BUFFER)")
+            self._finish(
+                seq_id,
+                "cancelled",
+                decoder,
+                f"the client stopped reading: {waiting} events were waiting for it (STREAM_BUFFER)",
+            )
 
     def _finish(
         self,
@@ -541,7 +575,9 @@ class Engine:
             rest = running.text.flush()
             if rest:
                 running.ticket._emit(rest)
-        self._complete(running.ticket, reason, running.count, running.first_at, running.last_at, error, running.cached, error_kind)
+        self._complete(
+            running.ticket, reason, running.count, running.first_at, running.last_at, error, running.cached, error_kind
+        )
         if decoder is not None:
             self._finished.append(seq_id)  # removed from the decoder once the step's ends are out
 
@@ -562,7 +598,9 @@ class Engine:
     def _finish_unstarted(self, ticket: Ticket, reason: str, error: str | None = None) -> None:
         self._complete(ticket, reason, 0, None, None, error)
 
-    def _complete(self, ticket, reason, count, first_at, last_at, error, cached: int = 0, error_kind: str | None = None) -> None:
+    def _complete(
+        self, ticket, reason, count, first_at, last_at, error, cached: int = 0, error_kind: str | None = None
+    ) -> None:
         now = time.perf_counter()
         request = ticket.request
         total = now - request.received_at

@@ -76,7 +76,7 @@ class Grammar:
         self.vocab = vocab
         self.size = size  # characters of grammar text: what the cache counts
 
-    def matcher(self) -> "Matcher":
+    def matcher(self) -> Matcher:
         """A sequence's own walk through the grammar. Made off the generation thread (the HTTP
         layer makes one per sequence with the compile): a copy of a large grammar takes a while."""
         with self._lock:
@@ -137,7 +137,7 @@ def advance_together(matchers: list[Matcher], tokens: list[int]) -> None:
     grammar fails records it (`Matcher.error`); the others go on."""
 
     def work() -> np.ndarray:
-        for matcher, token in zip(matchers, tokens):
+        for matcher, token in zip(matchers, tokens, strict=False):
             matcher._consume(token)
         words = np.zeros((len(matchers), matchers[0].words), dtype=np.int32)
         live = [(m._matcher, i) for i, m in enumerate(matchers) if m.error is None]

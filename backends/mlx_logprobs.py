@@ -21,7 +21,10 @@ def token_logprobs(logits: mx.array, chosen: list[int], top: int | list[int]) ->
         values = mx.take_along_axis(logprobs, ids, axis=-1)
         order = mx.argsort(-values, axis=-1)  # argpartition leaves the top ids unordered
         ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
-        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        alternatives = [list(zip(i, v, strict=False)) for i, v in zip(ids.tolist(), values.tolist(), strict=False)]
     else:
         alternatives = [[]] * len(chosen)
-    return [TokenLogprob(token, logprob, tuple(alt[:k])) for token, logprob, alt, k in zip(chosen, picked.tolist(), alternatives, tops)]
+    return [
+        TokenLogprob(token, logprob, tuple(alt[:k]))
+        for token, logprob, alt, k in zip(chosen, picked.tolist(), alternatives, tops, strict=False)
+    ]

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from backends.adapters import Adapter, SlotTable, block_index
 from backends.mlx_sampling import SequenceSampler
-
 
 
 class Router:
@@ -43,7 +42,7 @@ class Router:
         self.slots: mx.array | None = None  # [B, L] of that pass: each token's slot, -1 for the base model
 
     @contextlib.contextmanager
-    def using(self, bank: "SlotBank") -> Iterator[None]:
+    def using(self, bank: SlotBank) -> Iterator[None]:
         """Forward passes built inside this block apply `bank`'s adapters."""
         previous, self.bank = self.bank, bank
         try:
@@ -162,7 +161,9 @@ def _side_by_side(held: list[Adapter | None], name: str, dtype: mx.Dtype) -> tup
         return None
     a = mx.concatenate([adapter.modules[name][0].astype(dtype) for _, adapter in users], axis=1)
     b = mx.concatenate([(adapter.modules[name][1] * adapter.scale).astype(dtype) for _, adapter in users], axis=0)
-    cols = mx.concatenate([mx.full((adapter.modules[name][0].shape[1],), slot, dtype=mx.int32) for slot, adapter in users])
+    cols = mx.concatenate(
+        [mx.full((adapter.modules[name][0].shape[1],), slot, dtype=mx.int32) for slot, adapter in users]
+    )
     return a, b, cols
 
 
@@ -231,7 +232,7 @@ class OffsetSampler:
         return self.inner(logprobs) + self.offset
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shared_offset_sampler(inner: Callable[[mx.array], mx.array], offset: int) -> OffsetSampler:
     return OffsetSampler(inner, offset)
 

@@ -10,26 +10,40 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
-from mlx_lm.utils import quantize_model
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+from mlx_lm.utils import quantize_model
 
 from backends import (
-    LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs, TokenLogprob,
-    default_prompt_cache_bytes, physical_memory, prompt_cache_namespace,
+    LoadOptions,
+    ModelInfo,
+    ModelLoadError,
+    PromptCacheUsage,
+    Sampling,
+    Sequence,
+    StepLogprobs,
+    TokenLogprob,
+    default_prompt_cache_bytes,
+    physical_memory,
+    prompt_cache_namespace,
 )
 from backends.adapters import AdapterRegistry, find_adapter
 from backends.grammar import Grammars
 from backends.mlx_logprobs import token_logprobs
 from backends.mlx_lora import (
-    Router, SlotBank, block_linears, install_router, load_adapter_tensors, routed_sampler,
+    Router,
+    SlotBank,
+    block_linears,
+    install_router,
+    load_adapter_tensors,
+    routed_sampler,
 )
 from backends.mlx_sampling import logits_processors, make_sampler
 from backends.model_files import is_random
@@ -74,7 +88,16 @@ class MlxDetokenizer:
 class MlxBackend(TokenizerMethods):
     name = "mlx"
 
-    def __init__(self, model, tokenizer, info: ModelInfo, adapters: AdapterRegistry, router: Router, max_batch: int = 1, max_adapters: int = 8):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        info: ModelInfo,
+        adapters: AdapterRegistry,
+        router: Router,
+        max_batch: int = 1,
+        max_adapters: int = 8,
+    ):
         self.model = model
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
         hf = wrapped_tokenizer(tokenizer)
@@ -92,7 +115,7 @@ class MlxBackend(TokenizerMethods):
         self.grammars = Grammars(hf, self._model_vocab())
 
     @classmethod
-    def load(cls, path: Path, options: LoadOptions) -> "MlxBackend":
+    def load(cls, path: Path, options: LoadOptions) -> MlxBackend:
         default_adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
         bits = quantize_bits(options.quantize)
         try:
@@ -113,8 +136,12 @@ class MlxBackend(TokenizerMethods):
         # Adapters stay unmerged, over the (quantized) linears, applied per sequence; the
         # ADAPTER_PATH one is the default of requests that name none (the server's choice).
         adapters = AdapterRegistry(
-            options.adapters_dir, default_adapter, load_tensors=load_adapter_tensors, linears=block_linears(model),
-            blocks=len(model.layers), max_loaded=options.max_adapters,
+            options.adapters_dir,
+            default_adapter,
+            load_tensors=load_adapter_tensors,
+            linears=block_linears(model),
+            blocks=len(model.layers),
+            max_loaded=options.max_adapters,
         )
         adapters.load_default()  # a broken one fails the start, not a request
         router = install_router(model)
@@ -132,7 +159,15 @@ class MlxBackend(TokenizerMethods):
                 "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
             },
         )
-        backend = cls(model, tokenizer, info, adapters, router, max_batch=options.max_batch or 8, max_adapters=options.max_adapters)
+        backend = cls(
+            model,
+            tokenizer,
+            info,
+            adapters,
+            router,
+            max_batch=options.max_batch or 8,
+            max_adapters=options.max_adapters,
+        )
         if options.warmup:
             backend.warm_up()  # the first request should not pay for kernel compilation
         return backend
@@ -140,7 +175,9 @@ class MlxBackend(TokenizerMethods):
     def detokenizer(self) -> MlxDetokenizer:
         return MlxDetokenizer(self.tokenizer.detokenizer, self._skipped)
 
-    def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None) -> "SingleSequenceDecoder | BatchDecoder":
+    def decoder(
+        self, max_batch: int = 1, prompt_cache_bytes: int | None = None
+    ) -> SingleSequenceDecoder | BatchDecoder:
         if prompt_cache_bytes is None:  # a Mac's memory is unified: RAM is what the model runs in
             prompt_cache_bytes = default_prompt_cache_bytes(physical_memory(), on_gpu=False)
         if max_batch > 1:
@@ -185,7 +222,9 @@ class MlxBackend(TokenizerMethods):
         sampler = make_sampler(sequence.sampling, sequence.prompt_ids, self.decodable)
         return routed_sampler(sampler, offset), logits_processors(sampler)
 
-    def start(self, sequence: Sequence, prompts: "PromptReuse", offset: int = 0) -> tuple[list | None, list[int], tuple[TokenLogprob, ...] | None]:
+    def start(
+        self, sequence: Sequence, prompts: PromptReuse, offset: int = 0
+    ) -> tuple[list | None, list[int], tuple[TokenLogprob, ...] | None]:
         """Where a sequence starts: a cache holding part of its prompt (or None), the ids left to
         prefill (plain), and its prompt's logprobs if it asked for them.
 
@@ -247,7 +286,9 @@ def quantize_bits(requested: str) -> int:
     if requested in ("", "none", "0"):
         return 0
     if requested not in QUANTIZE_BITS:
-        raise ModelLoadError(f"PHI2_QUANTIZE must be one of {', '.join(QUANTIZE_BITS)} (or empty) on the MLX backend, not {requested!r}")
+        raise ModelLoadError(
+            f"PHI2_QUANTIZE must be one of {', '.join(QUANTIZE_BITS)} (or empty) on the MLX backend, not {requested!r}"
+        )
     return int(requested)
 
 
@@ -255,7 +296,11 @@ def _quantization(config: dict) -> dict | None:
     quantization = config.get("quantization")
     if not quantization:
         return None
-    return {"method": f"mlx-{quantization.get('mode', 'affine')}", "bits": quantization.get("bits"), "group_size": quantization.get("group_size")}
+    return {
+        "method": f"mlx-{quantization.get('mode', 'affine')}",
+        "bits": quantization.get("bits"),
+        "group_size": quantization.get("group_size"),
+    }
 
 
 # Entries of a prompt cache: the byte budget is what bounds it; this only bounds the trie's size.
@@ -361,7 +406,9 @@ class SingleSequenceDecoder:
             # Close the generator here, on the generation thread: it holds an MLX stream
             # context that must not be torn down by the garbage collector on another thread.
             self._tokens.close()
-            if len(self._ids) > len(self._sequence.prompt_ids):  # its prefill completed; generate_step fed every token it gave
+            if len(self._ids) > len(
+                self._sequence.prompt_ids
+            ):  # its prefill completed; generate_step fed every token it gave
                 held = self._cache[0].offset
                 self._prompts.store(self._ids[:held], self._cache, prompt_cache_namespace(self._sequence))
             self._bank.release(self._slot)
@@ -398,7 +445,9 @@ class BatchDecoder:
     decoder takes off again for the engine and the prompt cache.
     """
 
-    def __init__(self, backend: MlxBackend, capacity: int, prefill_step: int = PREFILL_STEP, prompt_cache_bytes: int = 0):
+    def __init__(
+        self, backend: MlxBackend, capacity: int, prefill_step: int = PREFILL_STEP, prompt_cache_bytes: int = 0
+    ):
         self.capacity = capacity
         self.adapter_slots = backend.max_adapters
         self._backend = backend
@@ -412,7 +461,9 @@ class BatchDecoder:
         self._prompts = PromptReuse(prompt_cache_bytes)
         self._sequences: dict[int, Sequence] = {}  # uid -> its sequence
         self._slots: dict[int, int | None] = {}  # uid -> its adapter slot (None: the base model)
-        self._prompt_scores: dict[int, tuple[TokenLogprob, ...]] = {}  # uid -> its prompt's logprobs, until its first token
+        self._prompt_scores: dict[
+            int, tuple[TokenLogprob, ...]
+        ] = {}  # uid -> its prompt's logprobs, until its first token
         self.logprobs: dict[int, StepLogprobs] = {}
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
@@ -481,7 +532,7 @@ class BatchDecoder:
             tops = [self._sequences[r.uid].logprobs for r, _ in asking]
             rows = mx.stack([r.logprobs.reshape(-1) for r, _ in asking])
             scores = token_logprobs(rows, [token for _, token in asking], tops)
-            for (r, _), score in zip(asking, scores):
+            for (r, _), score in zip(asking, scores, strict=False):
                 self.logprobs[self._ids[r.uid]] = StepLogprobs(score, self._prompt_scores.pop(r.uid, None))
         return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_p
@@ -21,7 +21,7 @@ from backends import Sampling
 NEG_INF = float("-inf")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def greedy_sampler(decodable: int) -> Callable[[mx.array], mx.array]:
     """Argmax over ids < `decodable` of logprobs [B, V]. One function object per `decodable`:
     BatchGenerator samples all rows that share a sampler object in one batched call."""
@@ -126,8 +126,10 @@ def process(
         scores = mx.where(allowed, scores, NEG_INF)
     pairs = [(i, b) for i, b in sampling.logit_bias if 0 <= i < decodable]
     if pairs:
-        ids, biases = zip(*pairs)
-        scores = scores + mx.zeros(decodable, dtype=mx.float32).at[mx.array(ids)].add(mx.array(biases, dtype=mx.float32))
+        ids, biases = zip(*pairs, strict=False)
+        scores = scores + mx.zeros(decodable, dtype=mx.float32).at[mx.array(ids)].add(
+            mx.array(biases, dtype=mx.float32)
+        )
     penalty = sampling.repetition_penalty
     if penalty != 1.0:
         seen = prompt_seen

@@ -61,7 +61,13 @@ RANDOM_ARCHITECTURES = {
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-05,
         "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
         "tie_word_embeddings": True,
         "attention_bias": False,
         "mlp_bias": False,
@@ -124,9 +130,7 @@ def resolve_model(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir() or spec.startswith((".", "/", "~")):
         if not (path / "config.json").is_file():
-            raise ModelLoadError(
-                f"PHI2_MODEL={spec!r} is not a loadable checkpoint directory (no config.json); {HINT}"
-            )
+            raise ModelLoadError(f"PHI2_MODEL={spec!r} is not a loadable checkpoint directory (no config.json); {HINT}")
         return path
     return _from_hub(spec)
 
@@ -163,7 +167,9 @@ def random_architecture_dir(spec: str) -> Path:
     """
     name = spec[len(RANDOM_PREFIX) :]
     if name not in RANDOM_ARCHITECTURES:
-        raise ModelLoadError(f"PHI2_MODEL={spec!r}: unknown architecture; known: {', '.join(RANDOM_PREFIX + n for n in RANDOM_ARCHITECTURES)}")
+        raise ModelLoadError(
+            f"PHI2_MODEL={spec!r}: unknown architecture; known: {', '.join(RANDOM_PREFIX + n for n in RANDOM_ARCHITECTURES)}"
+        )
     tiny = resolve_model("tiny")
     path = tiny_dir().parent / f"random-{name}-v{TINY_VERSION}"
     if not (path / "config.json").is_file():

@@ -16,8 +16,9 @@ are reused ("trim, don't discard").
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from backends import PromptCacheUsage
 
@@ -28,8 +29,8 @@ class Node:
     k: Any  # torch.Tensor [layers, heads, len(ids), head_dim]; None at the root
     v: Any
     nbytes: int
-    parent: "Node | None"
-    children: dict[int, "Node"] = field(default_factory=dict)  # by first id
+    parent: Node | None
+    children: dict[int, Node] = field(default_factory=dict)  # by first id
     used: int = 0  # when it was last matched or stored (a counter, not a clock)
 
 
@@ -67,7 +68,9 @@ class PrefixCache:
             node.used = now
         return matched, path
 
-    def store(self, ids: list[int], bytes_per_id: int, kv: Callable[[int, int], tuple[Any, Any]], namespace: str = "") -> None:
+    def store(
+        self, ids: list[int], bytes_per_id: int, kv: Callable[[int, int], tuple[Any, Any]], namespace: str = ""
+    ) -> None:
         """Hold the KV of `ids`; `kv(start, end)` copies out of the decoder the KV of
         ids[start:end], for what the tree does not hold yet.
 
@@ -129,14 +132,21 @@ class PrefixCache:
         if keep == len(node.ids):
             return node
         rest_bytes = (len(node.ids) - keep) * bytes_per_id
-        rest = Node(node.ids[keep:], node.k[:, :, keep:].clone(), node.v[:, :, keep:].clone(), rest_bytes, node, node.children, node.used)
+        rest = Node(
+            node.ids[keep:],
+            node.k[:, :, keep:].clone(),
+            node.v[:, :, keep:].clone(),
+            rest_bytes,
+            node,
+            node.children,
+            node.used,
+        )
         for child in rest.children.values():
             child.parent = rest
         node.ids, node.k, node.v = node.ids[:keep], node.k[:, :, :keep], node.v[:, :, :keep]
         node.children = {rest.ids[0]: rest}
         self.bytes += rest_bytes
         return node
-
 
     def _leaves(self):
         stack = [child for root in self.roots.values() for child in root.children.values()]

@@ -68,7 +68,7 @@ class TokenizerMethods:
     """The contract's tokenizer methods, for a runtime that keeps a TokenizerText in `self.text`."""
 
     text: TokenizerText
-    grammars: "Grammars"  # backends.grammar, over the model's whole vocabulary
+    grammars: Grammars  # backends.grammar, over the model's whole vocabulary
 
     def encode(self, text: str) -> list[int]:
         return self.text.encode(text)
@@ -89,7 +89,7 @@ class TokenizerMethods:
     def vocab_size(self) -> int:
         return self.text.vocab_size
 
-    def chat_prompt(self, messages: list[dict]) -> "ChatPrompt":
+    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
         return self.text.chat_prompt(messages)
 
 

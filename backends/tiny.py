@@ -38,7 +38,7 @@ CORPUS = [
     "Instruct: Write a short poem about the sea.\nOutput: The sea is wide and deep and blue.",
     "Alice: How are you today?\nBob: I am fine, thank you. And you?",
     "Alice: What is two plus two?\nBob: Four.\nAlice: Thank you!",
-    "def print_prime(n):\n    \"\"\"Print all primes between 1 and n.\"\"\"\n    for num in range(2, n + 1):\n        print(num)\n",
+    'def print_prime(n):\n    """Print all primes between 1 and n."""\n    for num in range(2, n + 1):\n        print(num)\n',
     "Once upon a time there was a little model that generated text one token at a time.",
     "Phi-2 is a Transformer with 2.7 billion parameters trained on synthetic and web data.",
     "import json\nwith open('data.json') as f:\n    data = json.load(f)\n",
@@ -156,21 +156,51 @@ def write_tiny_checkpoint(path: str | Path) -> Path:
 # factors whose long half starts inside the context (Phi-3). Windows and longrope's switch are
 # short, so short prompts cross them.
 FAMILY_COMMON = dict(
-    vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=CONTEXT_LENGTH, initializer_range=0.2,  # peaked logits: few near-ties
+    vocab_size=MODEL_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=CONTEXT_LENGTH,
+    initializer_range=0.2,  # peaked logits: few near-ties
 )
 TINY_FAMILIES = {
-    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    })),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=16)),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen2": (
+        "Qwen2Config",
+        dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
-    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.75, sliding_window=32, original_max_position_embeddings=64, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
-        "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
-    })),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            partial_rotary_factor=0.75,
+            sliding_window=32,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 64,
+                "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                "long_factor": [2.0 + 0.5 * i for i in range(6)],
+            },
+        ),
+    ),
 }
 
 
@@ -187,7 +217,9 @@ def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config_class, options = TINY_FAMILIES[family]
     settings = {**FAMILY_COMMON, **options}
-    config = getattr(transformers, config_class)(**settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32")
+    config = getattr(transformers, config_class)(
+        **settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32"
+    )
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(path, safe_serialization=True)

@@ -35,11 +35,11 @@ from torch.nn.attention.bias import causal_lower_right
 
 from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob, prompt_cache_namespace
 from backends.architecture import GELU_TANH, Architecture
+from backends.grammar import advance_together
 from backends.prompt_cache import PrefixCache
 from backends.torch_logprobs import token_logprobs
-from backends.torch_quant import QuantizedWeight, linear, quantize_weight
 from backends.torch_lora import FusedLoraSlots, FusedMatrix
-from backends.grammar import advance_together
+from backends.torch_quant import QuantizedWeight, linear, quantize_weight
 from backends.torch_sampling import TokenChooser, choose_rows, sample_on_device, sampled_on_device, unpack_on_device
 
 log = logging.getLogger("phi2_server.torch_decoder")
@@ -149,8 +149,19 @@ class DecoderWeights:
         self.final_norm = (final.weight, getattr(final, "bias", None))
         self.lm_head = (model.lm_head.weight, getattr(model.lm_head, "bias", None))
         self.activation = activation(arch.activation)
-        self.shape = Shape(arch.hidden, arch.heads, arch.kv_heads, arch.head_dim, arch.rotary_dim, arch.inner, arch.eps,
-                           arch.rms_norm, arch.parallel, arch.gated, self.activation)
+        self.shape = Shape(
+            arch.hidden,
+            arch.heads,
+            arch.kv_heads,
+            arch.head_dim,
+            arch.rotary_dim,
+            arch.inner,
+            arch.eps,
+            arch.rms_norm,
+            arch.parallel,
+            arch.gated,
+            self.activation,
+        )
         with torch.no_grad():
             self.layers = [self._block(layer) for layer in inner.layers]
         self.lora_matrices = lora_matrices(arch)
@@ -179,8 +190,22 @@ class DecoderWeights:
         attention = layer.self_attn
         q_norm = attention.q_norm.weight if arch.qk_norm else None
         k_norm = attention.k_norm.weight if arch.qk_norm else None
-        return Block(norm1.weight, getattr(norm1, "bias", None), w_in, b_in, o.weight, o.bias,
-                     norm2.weight, getattr(norm2, "bias", None), w_up, b_up, down.weight, down.bias, q_norm, k_norm)
+        return Block(
+            norm1.weight,
+            getattr(norm1, "bias", None),
+            w_in,
+            b_in,
+            o.weight,
+            o.bias,
+            norm2.weight,
+            getattr(norm2, "bias", None),
+            w_up,
+            b_up,
+            down.weight,
+            down.bias,
+            q_norm,
+            k_norm,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -195,7 +220,7 @@ class DecoderWeights:
         only (transformers' forward would find no weights). Layer by layer, so the peak memory
         stays one layer above the full-precision model."""
         quantized = []
-        for index, (layer, block) in enumerate(zip(model.model.layers, self.layers)):
+        for index, (layer, block) in enumerate(zip(model.model.layers, self.layers, strict=False)):
             replaced = {}
             for name in block.matrices():
                 replaced[name] = quantize_weight(getattr(block, name), method)
@@ -227,7 +252,7 @@ class DecoderWeights:
             cuts = [0, original, covered]
         cos_parts, sin_parts = [], []
         with torch.no_grad():
-            for start, end in zip(cuts, cuts[1:]):
+            for start, end in zip(cuts, cuts[1:], strict=False):
                 cos, sin = rotary(x, torch.arange(start, end, device=device)[None])
                 cos_parts.append(cos[0].float())
                 sin_parts.append(sin[0].float())
@@ -248,7 +273,9 @@ class DecoderWeights:
         device = self.embed.device
         covered = min(length, self.context)
         with torch.no_grad():  # positions past the original length: transformers takes the long factors
-            cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=device), torch.arange(covered, device=device)[None])
+            cos, sin = rotary(
+                torch.zeros(1, dtype=torch.float32, device=device), torch.arange(covered, device=device)[None]
+            )
         return self._table(cos[0].float(), sin[0].float(), length, dtype)
 
     def _table(self, cos: torch.Tensor, sin: torch.Tensor, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,7 +296,11 @@ def fuse_rows(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
         return modules[0].weight, modules[0].bias
     weight = torch.cat([m.weight for m in modules])
     with_bias = any(m.bias is not None for m in modules)
-    bias = torch.cat([m.bias if m.bias is not None else weight.new_zeros(m.out_features) for m in modules]) if with_bias else None
+    bias = (
+        torch.cat([m.bias if m.bias is not None else weight.new_zeros(m.out_features) for m in modules])
+        if with_bias
+        else None
+    )
     row = 0
     for m in modules:
         rows = slice(row, row + m.out_features)
@@ -301,7 +332,11 @@ def lora_matrices(arch: Architecture) -> list[FusedMatrix]:
             FusedMatrix(h, qkv + inner, {**attention, names["fc1"]: (0, h, qkv, qkv + inner)}),
             FusedMatrix(q + inner, h, {names["o"]: (0, q, 0, h), names["fc2"]: (q, q + inner, 0, h)}),
         ]
-    up = {names["gate_up"]: (0, h, 0, 2 * inner)} if "gate_up" in names else {names["gate"]: (0, h, 0, inner), names["up"]: (0, h, inner, 2 * inner)}
+    up = (
+        {names["gate_up"]: (0, h, 0, 2 * inner)}
+        if "gate_up" in names
+        else {names["gate"]: (0, h, 0, inner), names["up"]: (0, h, inner, 2 * inner)}
+    )
     return [
         FusedMatrix(h, qkv, attention),
         FusedMatrix(q, h, {names["o"]: (0, q, 0, h)}),
@@ -313,7 +348,11 @@ def lora_matrices(arch: Architecture) -> list[FusedMatrix]:
 def _fused_available(weights: DecoderWeights, on_cuda_graphs: bool) -> bool:
     """The Triton step serves unquantized weights on CUDA, where Triton is installed."""
     arch = weights.arch
-    if not on_cuda_graphs or isinstance(weights.layers[0].w_in, QuantizedWeight) or not (arch.parallel or arch.rms_norm):
+    if (
+        not on_cuda_graphs
+        or isinstance(weights.layers[0].w_in, QuantizedWeight)
+        or not (arch.parallel or arch.rms_norm)
+    ):
         return False
     try:
         from backends import triton_decode
@@ -321,7 +360,9 @@ def _fused_available(weights: DecoderWeights, on_cuda_graphs: bool) -> bool:
         log.warning("Triton is not installed: the CUDA decode step runs without its fused kernels")
         return False
     w = weights
-    return triton_decode.works(w.device, w.embed.dtype, heads_of(arch), w.hidden, w.inner, arch.parallel, arch.qk_norm, arch.gated)
+    return triton_decode.works(
+        w.device, w.embed.dtype, heads_of(arch), w.hidden, w.inner, arch.parallel, arch.qk_norm, arch.gated
+    )
 
 
 def heads_of(arch: Architecture):
@@ -371,7 +412,10 @@ def mlp_and_residual(x, attention, y, block: Block, shape: Shape, lora):
     """After attention: the block's output added to the residual x. Parallel: one GEMM over
     [attention, act(fc1)]; sequential: the output projection, then the second norm and the MLP."""
     if shape.parallel:
-        mixed = torch.cat((attention, shape.activation(y[..., shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim :])), dim=-1)
+        mixed = torch.cat(
+            (attention, shape.activation(y[..., shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim :])),
+            dim=-1,
+        )
         out = linear(mixed, block.w_out, block.b_out)
         if lora is not None:
             out = out + lora_product(mixed, *lora[1])
@@ -413,7 +457,9 @@ def decode_block(x, cos, sin, bias, positions, rows, k_cache, v_cache, *block, s
     group, head_dim = shape.heads // shape.kv_heads, shape.head_dim
     keys = k_cache[:batch, :, :span].reshape(batch * shape.kv_heads, span, head_dim)
     values = v_cache[:batch, :, :span].reshape(batch * shape.kv_heads, span, head_dim)
-    scores = torch.baddbmm(bias, q.reshape(batch * shape.kv_heads, group, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5)
+    scores = torch.baddbmm(
+        bias, q.reshape(batch * shape.kv_heads, group, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5
+    )
     attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(batch, shape.heads * head_dim)
     return mlp_and_residual(x, attention, y, block, shape, lora)
 
@@ -461,7 +507,9 @@ class _Slot:
         self.masked = chooser.constrained_greedy or (self.sampled and chooser.matcher is not None)
         seed = sequence.sampling.seed
         self.seed = (seed if seed is not None else secrets.randbits(31)) & 0x7FFFFFFF
-        self.chains = self.plain or self.sampled or (self.masked and sequence.logprobs is None)  # may be fed its next input on the device
+        self.chains = (
+            self.plain or self.sampled or (self.masked and sequence.logprobs is None)
+        )  # may be fed its next input on the device
 
     def cached_ids(self) -> list[int]:
         """The ids whose keys and values are in the cache."""
@@ -473,8 +521,15 @@ class BatchedDecoder:
 
     @torch.inference_mode()  # the cache and buffers are inference tensors, as everything that writes them
     def __init__(
-        self, weights: DecoderWeights, max_batch: int, prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
-        compile: bool = False, prompt_cache_bytes: int = 0, adapter_slots: int = 8, fused: bool | None = None,
+        self,
+        weights: DecoderWeights,
+        max_batch: int,
+        prefill_chunk: int | None = None,
+        cuda_graphs: bool | None = None,
+        compile: bool = False,
+        prompt_cache_bytes: int = 0,
+        adapter_slots: int = 8,
+        fused: bool | None = None,
     ):
         self.weights = weights
         self.prompts = PrefixCache(prompt_cache_bytes)
@@ -515,7 +570,9 @@ class BatchedDecoder:
         self._host_inputs = torch.zeros(4, self.rows, dtype=torch.long, pin_memory=pinned)
         self._greedy_host = [torch.zeros(self.rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self._flip = 0
-        self._mask_host: list[torch.Tensor] | None = None  # pinned: constrained rows' index and packed masks (`_masks_to_device`)
+        self._mask_host: list[torch.Tensor] | None = (
+            None  # pinned: constrained rows' index and packed masks (`_masks_to_device`)
+        )
         self._mask_flip = 0
         self._sampling_host: list | None = None  # pinned: sampled rows' index and settings (`_sampling_to_device`)
         self._sampling_flip = 0
@@ -528,7 +585,9 @@ class BatchedDecoder:
     def _new_cache(self, length: int):
         w = self.weights
         shape = (len(w.layers), self.rows, w.arch.kv_heads, length, w.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(
+            shape, dtype=self.dtype, device=self.device
+        )
 
     # -- the contract ----------------------------------------------------------------------------
 
@@ -556,7 +615,9 @@ class BatchedDecoder:
         self._drain()
         index = self._place(adapter)
         try:
-            return self._prefill([(len(self.slots), ids, 0)], lora_rows=[index], long_rope=[self._long_prompt(ids)])[0][0].float()
+            return self._prefill([(len(self.slots), ids, 0)], lora_rows=[index], long_rope=[self._long_prompt(ids)])[0][
+                0
+            ].float()
         finally:
             if index >= 0:
                 self.lora.release(index)
@@ -624,7 +685,9 @@ class BatchedDecoder:
         slot = self.slots[row]
         per_id = 2 * self.k[:, row, :, :1].numel() * self.k.element_size()
         self.prompts.store(
-            slot.cached_ids(), per_id, lambda start, end: (self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()),
+            slot.cached_ids(),
+            per_id,
+            lambda start, end: (self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()),
             namespace=self._namespace(slot.sequence),
         )
 
@@ -682,29 +745,33 @@ class BatchedDecoder:
                 produced.update(self._collect(launched))
         return produced
 
-    def _can_chain(self, launched: "_Launch") -> bool:
+    def _can_chain(self, launched: _Launch) -> bool:
         return (
             self.use_graphs
             and len(launched.rows) == len(self.slots)  # nobody joined or waits for a prompt
             and all(self.slots[i].chains for i in launched.rows)
         )
 
-    def _collect(self, launched: "_Launch") -> dict[int, int]:
+    def _collect(self, launched: _Launch) -> dict[int, int]:
         """Wait for a launched step (on an event: the GIL is free meanwhile) and take its tokens."""
         if launched.done is not None:
             launched.done.synchronize()
         greedy = launched.greedy.tolist()
         if launched.masked:  # chosen on the device under their masks: the grammars move past them
             tokens = [greedy[i] for i in launched.masked]
-            for i, token in zip(launched.masked, tokens):
+            for i, token in zip(launched.masked, tokens, strict=False):
                 self.slots[i].chooser.record(token, advance=False)
             advance_together([self.slots[i].chooser.matcher for i in launched.masked], tokens)
         # The others (sampled, or with penalties or logit_bias) choose from their logits here,
         # read back together.
-        chosen = [i for i in launched.rows if not (self.slots[i].chooser.plain or self.slots[i].masked or self.slots[i].sampled)]
+        chosen = [
+            i
+            for i in launched.rows
+            if not (self.slots[i].chooser.plain or self.slots[i].masked or self.slots[i].sampled)
+        ]
         if chosen:
             index = torch.tensor(chosen, device=launched.logits.device)
-            for i, token in zip(chosen, choose_rows(launched.logits[index], [self.slots[i].chooser for i in chosen])):
+            for i, token in zip(chosen, choose_rows(launched.logits[index], [self.slots[i].chooser for i in chosen]), strict=False):
                 greedy[i] = token
         produced = {}
         for i in launched.rows:
@@ -724,10 +791,16 @@ class BatchedDecoder:
         if not asking:
             return
         rows = torch.tensor([row for _, row, _ in asking], device=logits.device)
-        scores = token_logprobs(logits[rows], [token for _, _, token in asking], [self.slots[i].sequence.logprobs for i, _, _ in asking])
-        for (i, _, _), score in zip(asking, scores):
+        scores = token_logprobs(
+            logits[rows], [token for _, _, token in asking], [self.slots[i].sequence.logprobs for i, _, _ in asking]
+        )
+        for (i, _, _), score in zip(asking, scores, strict=False):
             slot = self.slots[i]
-            prompt = tuple(slot.prompt_scores) if slot.sequence.prompt_logprobs is not None and len(slot.generated) == 1 else None
+            prompt = (
+                tuple(slot.prompt_scores)
+                if slot.sequence.prompt_logprobs is not None and len(slot.generated) == 1
+                else None
+            )
             self.logprobs[slot.sequence.id] = StepLogprobs(score, prompt)
 
     # -- prefill ---------------------------------------------------------------------------------
@@ -752,18 +825,28 @@ class BatchedDecoder:
         produced = {}
         for group in groups.values():
             scored = [r for r, (i, _, _) in enumerate(group) if self.slots[i].sequence.prompt_logprobs is not None]
-            logits, every = self._prefill(group, every_position=scored, long_rope=[self._long_prompt(self.slots[i].sequence.prompt_ids) for i, _, _ in group])
+            logits, every = self._prefill(
+                group,
+                every_position=scored,
+                long_rope=[self._long_prompt(self.slots[i].sequence.prompt_ids) for i, _, _ in group],
+            )
             greedy = logits[:, : self.weights.decodable].argmax(dim=-1).tolist()
             first = []  # (slot, row, its first token)
-            done = [r for r, (i, ids, start) in enumerate(group) if start + len(ids) == len(self.slots[i].sequence.prompt_ids)]
+            done = [
+                r
+                for r, (i, ids, start) in enumerate(group)
+                if start + len(ids) == len(self.slots[i].sequence.prompt_ids)
+            ]
             # The first tokens of prompts that did not finish greedy-plain are chosen together,
             # read back with one wait (64 sampled prompts arriving at once: one wait, not 64).
             chosen = [r for r in done if not self.slots[group[r][0]].chooser.plain]
             if chosen:
                 index = torch.tensor(chosen, device=logits.device)
-                for r, token in zip(chosen, choose_rows(logits[index], [self.slots[group[r][0]].chooser for r in chosen])):
+                for r, token in zip(
+                    chosen, choose_rows(logits[index], [self.slots[group[r][0]].chooser for r in chosen]), strict=False
+                ):
                     greedy[r] = token
-            for r, ((i, ids, start), token) in enumerate(zip(group, greedy)):
+            for r, ((i, ids, start), token) in enumerate(zip(group, greedy, strict=False)):
                 slot = self.slots[i]
                 if r in every:
                     self._score_prompt(slot, every[r], start, len(ids))
@@ -789,7 +872,10 @@ class BatchedDecoder:
 
     @torch.inference_mode()
     def _prefill(
-        self, parts: list[tuple[int, list[int], int]], every_position: list[int] = (), lora_rows: list[int] | None = None,
+        self,
+        parts: list[tuple[int, list[int], int]],
+        every_position: list[int] = (),
+        lora_rows: list[int] | None = None,
         long_rope: list[bool] | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """Run prompt pieces (slot, ids, first position) through the model, padded to the longest;
@@ -826,13 +912,17 @@ class BatchedDecoder:
             for r, (_, ids, _) in enumerate(parts):
                 tokens[r, : len(ids)] = torch.tensor(ids)
             starts = torch.tensor([start for _, _, start in parts])
-            positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.cache_length - 1).to(self.device)
+            positions = (
+                (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.cache_length - 1).to(self.device)
+            )
             tokens = tokens.to(self.device)
             one = None
             mask = self._prefill_mask(positions, span)
         x = w.embed[tokens]  # [n, length, hidden]
         lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
-        adapted = self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
+        adapted = (
+            self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
+        )
         with prefill_attention():
             x = self._prefill_layers(x, _Placement(slots, positions, span, one, mask), adapted, long_rope)
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
@@ -850,7 +940,9 @@ class BatchedDecoder:
         visible = visible[:, None]
         return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
 
-    def _prefill_layers(self, x, placed: "_Placement", adapted: dict, long_rope: list[bool] | None = None) -> torch.Tensor:
+    def _prefill_layers(
+        self, x, placed: _Placement, adapted: dict, long_rope: list[bool] | None = None
+    ) -> torch.Tensor:
         w, shape = self.weights, self.weights.shape
         n, length = x.shape[:2]
         long_rope = long_rope if long_rope and any(long_rope) else None
@@ -877,7 +969,17 @@ class BatchedDecoder:
             if lora is not None:
                 y = y + lora_product(h, *lora[0])
             if kernels:  # one kernel: rotary on q in place, k and v to the cache
-                fused.prefill_rotary(y.view(n * length, -1), *tables, token_positions, token_slots, self.k[l], self.v[l], self.heads, block.q_norm, block.k_norm)
+                fused.prefill_rotary(
+                    y.view(n * length, -1),
+                    *tables,
+                    token_positions,
+                    token_slots,
+                    self.k[l],
+                    self.v[l],
+                    self.heads,
+                    block.q_norm,
+                    block.k_norm,
+                )
                 q = y[..., : w.arch.q_size].view(n, length, w.heads, w.head_dim)
             else:
                 q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [n, length, heads, head_dim]
@@ -892,17 +994,26 @@ class BatchedDecoder:
                     self.v[l][placed.slots[:, None], :, placed.positions] = v
             if placed.one is not None:
                 slot = placed.one[0]
-                keys, values = self.k[l, slot : slot + 1, :, : placed.span], self.v[l, slot : slot + 1, :, : placed.span]
+                keys, values = (
+                    self.k[l, slot : slot + 1, :, : placed.span],
+                    self.v[l, slot : slot + 1, :, : placed.span],
+                )
             else:
                 keys, values = self.k[l][placed.slots, :, : placed.span], self.v[l][placed.slots, :, : placed.span]
             window = w.arch.windows[l]
             if window not in masks:
-                masks[window] = placed.mask if window is None else self._prefill_mask(placed.positions, placed.span, window)
+                masks[window] = (
+                    placed.mask if window is None else self._prefill_mask(placed.positions, placed.span, window)
+                )
             mask, grouped = masks[window], w.arch.group > 1
             if mask is None:  # a piece from position 0: plain causal
-                attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=grouped)
+                attention = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=grouped
+                )
             else:
-                attention = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=grouped)
+                attention = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=grouped
+                )
             x = mlp_and_residual(x, attention.transpose(1, 2).reshape(n, length, w.arch.q_size), y, block, shape, lora)
         return x
 
@@ -915,7 +1026,7 @@ class BatchedDecoder:
 
     # -- decode ----------------------------------------------------------------------------------
 
-    def _launch(self, rows: list[int], chained: bool = False, finish: bool = True) -> "_Launch":
+    def _launch(self, rows: list[int], chained: bool = False, finish: bool = True) -> _Launch:
         """Start a decode step for the slots in `rows` (their inputs from the host, or, chained,
         from the previous step on the device). The other rows up to the batch bucket idle: they
         write to the cache's last column, which no sequence uses, and their output is dropped.
@@ -937,15 +1048,25 @@ class BatchedDecoder:
             host[3, :batch] = -1
             for i in rows:
                 host[:, i] = (self.slots[i].next_token, self.slots[i].cached, 1, self.slots[i].lora_index)
-            self.inputs[:, :batch].copy_(self._host_inputs[:, :batch], non_blocking=True)  # tokens, positions, advance, adapter
+            self.inputs[:, :batch].copy_(
+                self._host_inputs[:, :batch], non_blocking=True
+            )  # tokens, positions, advance, adapter
         logits, greedy = self._replay(batch, span, lora) if self.use_graphs else self._decode_step(batch, span, lora)
         masked = [i for i in rows if self.slots[i].masked]
-        launched = _Launch(rows, logits, greedy, None, batch, masked, [i for i in rows if self.slots[i].sampled and not self.slots[i].masked])
+        launched = _Launch(
+            rows,
+            logits,
+            greedy,
+            None,
+            batch,
+            masked,
+            [i for i in rows if self.slots[i].sampled and not self.slots[i].masked],
+        )
         if finish:
             self._finish(launched)
         return launched
 
-    def _finish(self, launched: "_Launch") -> None:
+    def _finish(self, launched: _Launch) -> None:
         """After a step's forward pass, on the device, written over its greedy tokens: the tokens
         of its constrained rows under their masks (argmax, or drawn) and of its sampled rows;
         then, with graphs, feed the next step on the device and start copying the tokens to the host."""
@@ -982,7 +1103,9 @@ class BatchedDecoder:
         words = [self.slots[i].chooser.matcher.allowed_words() for i in rows]
         if self._mask_host is None:
             pinned = self.device.type == "cuda"
-            self._mask_host = [torch.zeros(self.rows, 1 + len(words[0]), dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+            self._mask_host = [
+                torch.zeros(self.rows, 1 + len(words[0]), dtype=torch.int32, pin_memory=pinned) for _ in range(2)
+            ]
         host = self._mask_host[self._mask_flip][: len(rows)]
         self._mask_flip ^= 1
         view = host.numpy()
@@ -1006,8 +1129,13 @@ class BatchedDecoder:
         through pinned buffers (two in turn, as the masks), and which filters any row uses."""
         if self._sampling_host is None:
             pinned = self.device.type == "cuda"
-            self._sampling_host = [(torch.zeros(3, self.rows, dtype=torch.long, pin_memory=pinned),
-                                    torch.zeros(3, self.rows, dtype=torch.float32, pin_memory=pinned)) for _ in range(2)]
+            self._sampling_host = [
+                (
+                    torch.zeros(3, self.rows, dtype=torch.long, pin_memory=pinned),
+                    torch.zeros(3, self.rows, dtype=torch.float32, pin_memory=pinned),
+                )
+                for _ in range(2)
+            ]
         whole, real = self._sampling_host[self._sampling_flip]
         self._sampling_flip ^= 1
         n, decodable = len(rows), self.weights.decodable
@@ -1017,7 +1145,10 @@ class BatchedDecoder:
             ints[:, r] = (i, sampling.top_k if 0 < sampling.top_k < decodable else 0, self.slots[i].seed)
             floats[:, r] = (sampling.scale, sampling.top_p if sampling.top_p < 1.0 else 2.0, sampling.min_p)
         flags = (int(ints[1].max()), bool((floats[1] <= 1.0).any()), bool((floats[2] > 0).any()))
-        ints, floats = whole.to(self.device, non_blocking=True)[:, :n], real.to(self.device, non_blocking=True)[:, :n]  # whole: contiguous copies
+        ints, floats = (
+            whole.to(self.device, non_blocking=True)[:, :n],
+            real.to(self.device, non_blocking=True)[:, :n],
+        )  # whole: contiguous copies
         return ints[0], floats[0], ints[1], floats[1], floats[2], ints[2], flags
 
     def _length_buckets(self):
@@ -1050,7 +1181,9 @@ class BatchedDecoder:
         adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
         for l, block in enumerate(w.layers):
             bias = biases[w.arch.windows[l]]
-            x = self._layer(x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *block, shape=self._shape, lora=adapted.get(l))
+            x = self._layer(
+                x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *block, shape=self._shape, lora=adapted.get(l)
+            )
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
@@ -1067,17 +1200,45 @@ class BatchedDecoder:
         arch, eps = w.arch, w.shape.eps
         for l, block in enumerate(w.layers):
             lora = adapted.get(l)
-            h = fused.rms_norm(x, block.norm1_w, eps) if arch.rms_norm else F.layer_norm(x, (w.hidden,), block.norm1_w, block.norm1_b, eps)
+            h = (
+                fused.rms_norm(x, block.norm1_w, eps)
+                if arch.rms_norm
+                else F.layer_norm(x, (w.hidden,), block.norm1_w, block.norm1_b, eps)
+            )
             y = F.linear(h, block.w_in, block.b_in)
             if lora is not None:
                 y = y + lora_product(h, *lora[0])
             if arch.parallel:
-                mixed, xb = fused.attention(y, self.cos, self.sin, positions, active, self.k[l], self.v[l], self.heads, x=x, b_out=block.b_out, inner=w.inner)
+                mixed, xb = fused.attention(
+                    y,
+                    self.cos,
+                    self.sin,
+                    positions,
+                    active,
+                    self.k[l],
+                    self.v[l],
+                    self.heads,
+                    x=x,
+                    b_out=block.b_out,
+                    inner=w.inner,
+                )
                 x = torch.addmm(xb, mixed, block.w_out.t())  # x + b_out + mixed @ w_out.T, in cuBLAS's epilogue
                 if lora is not None:
                     x = x + lora_product(mixed, *lora[1])
                 continue
-            attended = fused.attention(y, self.cos, self.sin, positions, active, self.k[l], self.v[l], self.heads, window=arch.windows[l], q_norm=block.q_norm, k_norm=block.k_norm)
+            attended = fused.attention(
+                y,
+                self.cos,
+                self.sin,
+                positions,
+                active,
+                self.k[l],
+                self.v[l],
+                self.heads,
+                window=arch.windows[l],
+                q_norm=block.q_norm,
+                k_norm=block.k_norm,
+            )
             x = torch.addmm(x if block.b_out is None else x + block.b_out, attended, block.w_out.t())
             if lora is not None:
                 x = x + lora_product(attended, *lora[1])
@@ -1098,7 +1259,7 @@ class BatchedDecoder:
         masks = self.lora.masks(row_slots)
         if prefill:
             masks = [mask[:, None] for mask in masks]
-        return {l: [(a, b, mask) for (a, b), mask in zip(pairs, masks)] for l, pairs in self.lora.blocks.items()}
+        return {l: [(a, b, mask) for (a, b), mask in zip(pairs, masks, strict=False)] for l, pairs in self.lora.blocks.items()}
 
     def _replay(self, batch: int, span: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         key = (batch, span, lora)
@@ -1128,7 +1289,9 @@ class BatchedDecoder:
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._decode_step(batch, span, lora)
         self._pool = graph.pool()
-        log.info("captured a decode step for batch %d, attention length %d%s", batch, span, " with adapters" if lora else "")
+        log.info(
+            "captured a decode step for batch %d, attention length %d%s", batch, span, " with adapters" if lora else ""
+        )
         return graph, out
 
     @torch.inference_mode()

@@ -23,5 +23,8 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], top: int | list[int]
     alternatives = [[]] * len(chosen)
     if most > 0:
         values, ids = logprobs.topk(most, dim=-1)
-        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return [TokenLogprob(token, logprob, tuple(alt[:k])) for token, logprob, alt, k in zip(chosen, picked, alternatives, tops)]
+        alternatives = [list(zip(i, v, strict=False)) for i, v in zip(ids.tolist(), values.tolist(), strict=False)]
+    return [
+        TokenLogprob(token, logprob, tuple(alt[:k]))
+        for token, logprob, alt, k in zip(chosen, picked, alternatives, tops, strict=False)
+    ]

@@ -53,7 +53,9 @@ class FusedLoraSlots:
         self.held: list[Adapter | None] = [None] * size
         self.version = 0  # changes when the buffers are reallocated (CUDA graphs hold their addresses)
         self.columns = [torch.zeros(0, dtype=torch.long, device=device) for _ in matrices]
-        self.where = {name: (m, p) for m, matrix in enumerate(matrices) for p, name in enumerate(matrix.parts)}  # module -> (matrix, part)
+        self.where = {
+            name: (m, p) for m, matrix in enumerate(matrices) for p, name in enumerate(matrix.parts)
+        }  # module -> (matrix, part)
 
     @property
     def size(self) -> int:
@@ -87,7 +89,10 @@ class FusedLoraSlots:
         blocks = set().union(*(a.blocks() for a in held))
         zeros = lambda *shape: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
         self.blocks = {
-            b: [(zeros(m.in_features, s * len(m.parts) * r), zeros(s * len(m.parts) * r, m.out_features)) for m in self.matrices]
+            b: [
+                (zeros(m.in_features, s * len(m.parts) * r), zeros(s * len(m.parts) * r, m.out_features))
+                for m in self.matrices
+            ]
             for b in sorted(blocks)
         }
         self.columns = [torch.arange(s, device=self.device).repeat_interleave(len(m.parts) * r) for m in self.matrices]
@@ -100,7 +105,7 @@ class FusedLoraSlots:
     def _write(self, slot: int) -> None:
         r = self.rank
         for pairs in self.blocks.values():  # the slot's old contents go
-            for (a, b), matrix in zip(pairs, self.matrices):
+            for (a, b), matrix in zip(pairs, self.matrices, strict=False):
                 width = len(matrix.parts) * r
                 a[:, slot * width : (slot + 1) * width] = 0
                 b[slot * width : (slot + 1) * width] = 0
@@ -113,7 +118,9 @@ class FusedLoraSlots:
             first = slot * len(self.matrices[m].parts) * r + part * r
             rank = lora_a.shape[1]
             a[in_start:in_end, first : first + rank] = lora_a.to(self.device, torch.float32).to(self.dtype)
-            b[first : first + rank, out_start:out_end] = (adapter.scale * lora_b.to(self.device, torch.float32)).to(self.dtype)
+            b[first : first + rank, out_start:out_end] = (adapter.scale * lora_b.to(self.device, torch.float32)).to(
+                self.dtype
+            )
 
 
 class LoraHooks:

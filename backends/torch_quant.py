@@ -32,7 +32,9 @@ def parse_method(requested: str) -> str:
     if requested in ("", "none", "0"):
         return ""
     if requested not in METHODS:
-        raise ModelLoadError(f"PHI2_QUANTIZE must be one of {', '.join(METHODS)} (or empty) on the Torch backend, not {requested!r}")
+        raise ModelLoadError(
+            f"PHI2_QUANTIZE must be one of {', '.join(METHODS)} (or empty) on the Torch backend, not {requested!r}"
+        )
     return requested
 
 
@@ -92,7 +94,9 @@ class Int4Weight(QuantizedWeight):
         self.out_features, self.in_features = n, k = w.shape
         self.group_size = next((g for g in INT4_GROUP_SIZES if k % g == 0), None)
         if self.group_size is None:
-            raise ModelLoadError(f"PHI2_QUANTIZE=int4 needs input widths divisible by 32; this model has a Linear of width {k}")
+            raise ModelLoadError(
+                f"PHI2_QUANTIZE=int4 needs input widths divisible by 32; this model has a Linear of width {k}"
+            )
         groups = w.view(n, k // self.group_size, self.group_size)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = ((high - low) / 15).clamp(min=1e-12)

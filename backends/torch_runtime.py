@@ -8,8 +8,8 @@ import inspect
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -17,17 +17,25 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as transformers_logging
 
 from backends import (
-    LoadOptions, ModelInfo, ModelLoadError, PromptCacheUsage, Sampling, Sequence, StepLogprobs,
-    default_prompt_cache_bytes, physical_memory, prompt_cache_namespace,
+    LoadOptions,
+    ModelInfo,
+    ModelLoadError,
+    PromptCacheUsage,
+    Sampling,
+    Sequence,
+    StepLogprobs,
+    default_prompt_cache_bytes,
+    physical_memory,
+    prompt_cache_namespace,
 )
 from backends.adapters import AdapterRegistry, block_count, find_adapter, torch_linears
 from backends.grammar import Grammars
 from backends.model_files import is_random
 from backends.prompt_cache import PrefixCache
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
-from backends.torch_quant import QuantizedWeight, describe, parse_method, quantize_linears
 from backends.torch_logprobs import token_logprobs
 from backends.torch_lora import LoraHooks
+from backends.torch_quant import QuantizedWeight, describe, parse_method, quantize_linears
 from backends.torch_sampling import TokenChooser
 
 log = logging.getLogger("phi2_server.torch")
@@ -88,7 +96,11 @@ def refuse_mlx_quantized(path: Path, spec: str) -> None:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return  # transformers will say what is wrong
-    if "quantization" in config and "quantization_config" not in config or config.get("quantization_config", {}).get("mode"):
+    if (
+        "quantization" in config
+        and "quantization_config" not in config
+        or config.get("quantization_config", {}).get("mode")
+    ):
         raise ModelLoadError(
             f"PHI2_MODEL={spec!r} is an MLX-quantized checkpoint (mlx_lm.convert -q): serve it with PHI2_BACKEND=mlx, "
             "or give the full-precision checkpoint with PHI2_QUANTIZE=int8|int4"
@@ -128,7 +140,7 @@ class TorchBackend(TokenizerMethods):
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
-    def load(cls, path: Path, options: LoadOptions) -> "TorchBackend":
+    def load(cls, path: Path, options: LoadOptions) -> TorchBackend:
         device = pick_device(options.device)
         method = parse_method(options.quantize)
         refuse_mlx_quantized(path, options.model)
@@ -147,8 +159,12 @@ class TorchBackend(TokenizerMethods):
             ) from exc
         adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
         registry = AdapterRegistry(
-            options.adapters_dir, adapter, load_tensors=_load_safetensors, linears=torch_linears(model),
-            blocks=block_count(model), max_loaded=options.max_adapters,
+            options.adapters_dir,
+            adapter,
+            load_tensors=_load_safetensors,
+            linears=torch_linears(model),
+            blocks=block_count(model),
+            max_loaded=options.max_adapters,
         )
         registry.load_default()
         parameters = sum(p.numel() for p in model.parameters())
@@ -172,7 +188,8 @@ class TorchBackend(TokenizerMethods):
             quantization=describe(method, quantized) if method else None,
             extra={
                 "parameters": parameters,
-                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()) + sum(q.nbytes for q in quantized),
+                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())
+                + sum(q.nbytes for q in quantized),
                 "threads": torch.get_num_threads() if device == "cpu" else None,
             },
         )
@@ -214,8 +231,15 @@ class TorchBackend(TokenizerMethods):
             # that is still alive holds it (tests run several workers over one backend).
             decoder, owner = self._fast_decoder, self._fast_decoder_owner
             mine = owner is None or owner is threading.current_thread() or not owner.is_alive()
-            if decoder is None or decoder.capacity != max_batch or decoder.adapter_slots != self.max_adapters or not mine:
-                decoder = torch_decoder.BatchedDecoder(self.decoder_weights, max_batch, compile=self.compile, adapter_slots=self.max_adapters)
+            if (
+                decoder is None
+                or decoder.capacity != max_batch
+                or decoder.adapter_slots != self.max_adapters
+                or not mine
+            ):
+                decoder = torch_decoder.BatchedDecoder(
+                    self.decoder_weights, max_batch, compile=self.compile, adapter_slots=self.max_adapters
+                )
                 self._fast_decoder = decoder
             decoder.clear(prompt_cache_bytes=budget)
             self._fast_decoder_owner = threading.current_thread()
@@ -223,7 +247,11 @@ class TorchBackend(TokenizerMethods):
         if max_batch > 1:
             from backends.architecture import unsupported
 
-            log.warning("%s: served one sequence at a time (the batched decoder does not know it: %s)", self.model.config.model_type, unsupported(self.model.config))
+            log.warning(
+                "%s: served one sequence at a time (the batched decoder does not know it: %s)",
+                self.model.config.model_type,
+                unsupported(self.model.config),
+            )
         return SingleSequenceDecoder(self, budget)
 
     @functools.cached_property
@@ -252,7 +280,9 @@ class TorchBackend(TokenizerMethods):
         ([len, vocab]), extending `cache` in place."""
         ids = torch.tensor([input_ids], device=self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=0 if every_position else 1, **{self._cache_kw: cache})
+            out = self.model(
+                input_ids=ids, use_cache=True, logits_to_keep=0 if every_position else 1, **{self._cache_kw: cache}
+            )
         return out.logits[0] if every_position else out.logits[0, -1]
 
     def new_cache(self):
@@ -289,7 +319,10 @@ def context_window(model, requested: int, max_batch: int, device: torch.device) 
         fits = max(256, fits // 256 * 256)
         log.warning(
             "context window cut from %d to %d tokens: the KV cache of MAX_BATCH=%d sequences at full context must fit the GPU "
-            "(set MAX_BATCH lower for a longer window, or MAX_MODEL_LEN to choose it)", window, fits, max_batch,
+            "(set MAX_BATCH lower for a longer window, or MAX_MODEL_LEN to choose it)",
+            window,
+            fits,
+            max_batch,
         )
         window = fits
     return window
@@ -373,7 +406,9 @@ class SingleSequenceDecoder:
             for layer in range(k.shape[0]):  # the cache concatenates new tokens into fresh tensors
                 self._cache.update(k[layer, None], v[layer, None], layer)
         self._next_input = sequence.prompt_ids[reused:]
-        self._chooser = TokenChooser(sequence.sampling, sequence.prompt_ids, self._backend.undecodable_from, self._backend.device)
+        self._chooser = TokenChooser(
+            sequence.sampling, sequence.prompt_ids, self._backend.undecodable_from, self._backend.device
+        )
         return reused
 
     def step(self) -> dict[int, int]:
@@ -410,6 +445,9 @@ class SingleSequenceDecoder:
         per_id = sum(layer.keys[0, :, :1].nbytes + layer.values[0, :, :1].nbytes for layer in layers)
 
         def kv(start: int, end: int):
-            return tuple(torch.stack([getattr(layer, which)[0, :, start:end] for layer in layers]) for which in ("keys", "values"))
+            return tuple(
+                torch.stack([getattr(layer, which)[0, :, start:end] for layer in layers])
+                for which in ("keys", "values")
+            )
 
         self.prompts.store(self._ids[:n], per_id, kv, namespace=prompt_cache_namespace(self._sequence))

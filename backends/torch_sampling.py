@@ -42,7 +42,9 @@ class TokenChooser:
         self.matcher = sampling.constraint
         # Greedy under a constraint and nothing else: its token is the masked argmax
         # (the Phi fast path takes it on the device, for all such rows at once).
-        self.constrained_greedy = self.matcher is not None and sampling.greedy and not sampling.processed_besides_constraint
+        self.constrained_greedy = (
+            self.matcher is not None and sampling.greedy and not sampling.processed_besides_constraint
+        )
 
     def scores(self, logits: torch.Tensor, masked: bool = False) -> torch.Tensor:
         """What the next choice is made from, given this sequence's history (see `process`);
@@ -101,10 +103,13 @@ def choose_rows(logits: torch.Tensor, choosers: list[TokenChooser]) -> list[int]
     if constrained:
         allowed = unpack(np.stack([choosers[r].matcher.allowed_words() for r in constrained]), decodable, logits.device)
         index = torch.tensor(constrained, device=logits.device)
-        masked = dict(zip(constrained, logits[index, :decodable].float().masked_fill(~allowed, float("-inf"))))
-    picks = [chooser.pick(masked[r], masked=True) if r in masked else chooser.pick(logits[r]) for r, chooser in enumerate(choosers)]
+        masked = dict(zip(constrained, logits[index, :decodable].float().masked_fill(~allowed, float("-inf")), strict=False))
+    picks = [
+        chooser.pick(masked[r], masked=True) if r in masked else chooser.pick(logits[r])
+        for r, chooser in enumerate(choosers)
+    ]
     tokens = torch.stack(picks).tolist()
-    for chooser, token in zip(choosers, tokens):
+    for chooser, token in zip(choosers, tokens, strict=False):
         chooser.record(token, advance=False)
     if constrained:
         advance_together([choosers[r].matcher for r in constrained], [tokens[r] for r in constrained])
@@ -118,7 +123,9 @@ def sampled_on_device(sampling: Sampling) -> bool:
     return not sampling.greedy and not sampling.processed_besides_constraint
 
 
-def sample_on_device(logits, scale, top_k, top_p, min_p, seeds, offsets, kmax: int, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
+def sample_on_device(
+    logits, scale, top_k, top_p, min_p, seeds, offsets, kmax: int, use_top_p: bool, use_min_p: bool
+) -> torch.Tensor:
     """One token per row of `logits` [n, decodable]: filtered as `process` filters one row
     (`filtered`; a row's top_k 0, top_p above 1 or min_p 0 is off), then drawn from the row's seed
     and offset (triton_decode.gumbel_argmax: the same seed and position give the same token in
@@ -127,8 +134,12 @@ def sample_on_device(logits, scale, top_k, top_p, min_p, seeds, offsets, kmax: i
     from backends.triton_decode import gumbel_argmax
 
     scores = filtered(
-        logits.float(), scale[:, None], top_k=top_k[:, None] if kmax else None, top_p=top_p[:, None] if use_top_p else None,
-        min_p=min_p[:, None] if use_min_p else None, kmax=kmax,
+        logits.float(),
+        scale[:, None],
+        top_k=top_k[:, None] if kmax else None,
+        top_p=top_p[:, None] if use_top_p else None,
+        min_p=min_p[:, None] if use_min_p else None,
+        kmax=kmax,
     )
     return gumbel_argmax(scores.contiguous(), seeds, offsets)
 
@@ -152,7 +163,7 @@ def process(
     if sampling.logit_bias:
         pairs = [(i, b) for i, b in sampling.logit_bias if 0 <= i < decodable]
         if pairs:
-            ids, biases = zip(*pairs)
+            ids, biases = zip(*pairs, strict=False)
             ids_t = torch.tensor(ids, device=scores.device)
             scores = scores.index_add(0, ids_t, torch.tensor(biases, dtype=torch.float32, device=scores.device))
     penalty = sampling.repetition_penalty
@@ -167,7 +178,8 @@ def process(
     if sampling.greedy:
         return scores
     return filtered(
-        scores, sampling.scale,
+        scores,
+        sampling.scale,
         top_k=sampling.top_k if 0 < sampling.top_k < decodable else None,
         top_p=sampling.top_p if sampling.top_p < 1.0 else None,
         min_p=sampling.min_p if sampling.min_p > 0.0 else None,

@@ -60,10 +60,32 @@ def _head(base, d, d_ok, partner, cos, sin, norm_ptr, eps, HEAD_DIM: tl.constexp
 
 @triton.jit
 def _attention_split(
-    y_ptr, stride_y, cos_ptr, sin_ptr, stride_rot, pos_ptr, active_ptr, k_ptr, v_ptr, stride_row, stride_head, part_ptr, scale,
-    window, q_norm_ptr, k_norm_ptr, eps,
-    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
+    y_ptr,
+    stride_y,
+    cos_ptr,
+    sin_ptr,
+    stride_rot,
+    pos_ptr,
+    active_ptr,
+    k_ptr,
+    v_ptr,
+    stride_row,
+    stride_head,
+    part_ptr,
+    scale,
+    window,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     """One split of one (row, query head)'s cached columns (flash-decoding): its softmax maximum,
     sum and weighted values, to part [row, head, split, D_PAD + 2]. The columns are 0..position-1,
@@ -85,11 +107,17 @@ def _attention_split(
     base = y_ptr + row * stride_y
     cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
-    q = _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype).to(tl.float32)
+    q = (
+        _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+        .to(dtype)
+        .to(tl.float32)
+    )
     cache = row * stride_row + kv_head * stride_head
     if split == 0:
         if head % GROUP == 0:
-            k = _head(base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype)
+            k = _head(
+                base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM
+            ).to(dtype)
             tl.store(k_ptr + cache + position * HEAD_DIM + d, k, mask=d_ok)
             v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
             tl.store(v_ptr + cache + position * HEAD_DIM + d, v, mask=d_ok)
@@ -121,10 +149,27 @@ def _attention_split(
 
 @triton.jit
 def _prefill_rotary(
-    y_ptr, stride_y, cos_ptr, sin_ptr, stride_rot, pos_ptr, slot_ptr, k_ptr, v_ptr, stride_row, stride_head,
-    q_norm_ptr, k_norm_ptr, eps,
-    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
-    D_PAD: tl.constexpr, QK_NORM: tl.constexpr,
+    y_ptr,
+    stride_y,
+    cos_ptr,
+    sin_ptr,
+    stride_rot,
+    pos_ptr,
+    slot_ptr,
+    k_ptr,
+    v_ptr,
+    stride_row,
+    stride_head,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr,
+    D_PAD: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     """Per (prompt token, query head): q rotated in place in y (normalized first with q/k norms);
     the first query head of each key-value head also writes k (rotated) and v to the token's slot
@@ -155,11 +200,37 @@ def _prefill_rotary(
 
 @triton.jit
 def _attention_combine(
-    y_ptr, stride_y, cos_ptr, sin_ptr, stride_rot, pos_ptr, part_ptr, scale, mixed_ptr, stride_mixed,
-    x_ptr, stride_x, bias_ptr, xb_ptr, inner, q_norm_ptr, k_norm_ptr, eps,
-    Q_SIZE: tl.constexpr, KV_SIZE: tl.constexpr, GROUP: tl.constexpr, HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROT: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr,
-    QK_NORM: tl.constexpr, PARALLEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    y_ptr,
+    stride_y,
+    cos_ptr,
+    sin_ptr,
+    stride_rot,
+    pos_ptr,
+    part_ptr,
+    scale,
+    mixed_ptr,
+    stride_mixed,
+    x_ptr,
+    stride_x,
+    bias_ptr,
+    xb_ptr,
+    inner,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    PARALLEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     """Per row, programs 0..HEADS-1: a query head's splits and the new token itself -> its
     attention output, to mixed[:, head]. A parallel block (Phi) has more programs: GELU(fc1) ->
@@ -179,8 +250,16 @@ def _attention_combine(
         base = y_ptr + row * stride_y
         cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
-        q = _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype).to(tl.float32)
-        k = _head(base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype).to(tl.float32)
+        q = (
+            _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+            .to(dtype)
+            .to(tl.float32)
+        )
+        k = (
+            _head(base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)
+            .to(dtype)
+            .to(tl.float32)
+        )
         best = tl.sum(q * k, axis=0) * scale  # the new token's own score
         total = best * 0.0 + 1.0
         acc = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -270,7 +349,9 @@ def gumbel_argmax(scores, seeds, offsets):
     """Rows of float32 scores [n, V] -> one sampled id each (int64 [n]), from per-row seeds
     (int64, below 2**31) and offsets (the token's position: a new draw every token)."""
     out = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
-    _gumbel_argmax[(scores.shape[0],)](scores, scores.stride(0), seeds, offsets, out, scores.shape[1], BLOCK=2048, num_warps=8)
+    _gumbel_argmax[(scores.shape[0],)](
+        scores, scores.stride(0), seeds, offsets, out, scores.shape[1], BLOCK=2048, num_warps=8
+    )
     return out
 
 
@@ -309,10 +390,28 @@ def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, heads: Heads
     assert k_cache.stride(2) == heads.head_dim and k_cache.stride() == v_cache.stride() and y.stride(1) == 1
     q_w, k_w, qk_norm = _norm_args(q_norm, k_norm, y)
     _prefill_rotary[(y.shape[0], heads.heads)](
-        y, y.stride(0), cos, sin, cos.stride(0), positions, slots, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-        q_w, k_w, heads.eps,
-        Q_SIZE=heads.q_size, KV_SIZE=heads.kv_size, GROUP=heads.group, HEAD_DIM=heads.head_dim, ROT=heads.rotary_dim,
-        D_PAD=triton.next_power_of_2(heads.head_dim), QK_NORM=qk_norm, num_warps=1,
+        y,
+        y.stride(0),
+        cos,
+        sin,
+        cos.stride(0),
+        positions,
+        slots,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        q_w,
+        k_w,
+        heads.eps,
+        Q_SIZE=heads.q_size,
+        KV_SIZE=heads.kv_size,
+        GROUP=heads.group,
+        HEAD_DIM=heads.head_dim,
+        ROT=heads.rotary_dim,
+        D_PAD=triton.next_power_of_2(heads.head_dim),
+        QK_NORM=qk_norm,
+        num_warps=1,
     )
 
 
@@ -331,8 +430,23 @@ def _attention_warps(rows: int) -> int:
     return ATTENTION["num_warps"] or (2 if rows <= 16 else 1)
 
 
-def attention(y, cos, sin, positions, active, k_cache, v_cache, heads: Heads, *, window: int | None = None,
-              q_norm=None, k_norm=None, x=None, b_out=None, inner: int = 0):
+def attention(
+    y,
+    cos,
+    sin,
+    positions,
+    active,
+    k_cache,
+    v_cache,
+    heads: Heads,
+    *,
+    window: int | None = None,
+    q_norm=None,
+    k_norm=None,
+    x=None,
+    b_out=None,
+    inner: int = 0,
+):
     """The middle of a block, from y = [q; k; v; ...] (before rotary) of each row's new token:
     writes k, v to the cache [rows, kv_heads, length, head_dim] at the row's position and returns
     the attention output [rows, q]. `active` rows (1) attend to their columns 0..position-1 (the
@@ -348,10 +462,37 @@ def attention(y, cos, sin, positions, active, k_cache, v_cache, heads: Heads, *,
     parts = torch.empty(rows, heads.heads, splits, d_pad + 2, dtype=torch.float32, device=y.device)
     scale = heads.head_dim**-0.5
     q_w, k_w, qk_norm = _norm_args(q_norm, k_norm, y)
-    common = dict(Q_SIZE=heads.q_size, KV_SIZE=heads.kv_size, GROUP=heads.group, HEAD_DIM=heads.head_dim, ROT=heads.rotary_dim, D_PAD=d_pad, QK_NORM=qk_norm)
+    common = dict(
+        Q_SIZE=heads.q_size,
+        KV_SIZE=heads.kv_size,
+        GROUP=heads.group,
+        HEAD_DIM=heads.head_dim,
+        ROT=heads.rotary_dim,
+        D_PAD=d_pad,
+        QK_NORM=qk_norm,
+    )
     _attention_split[(rows, heads.heads, splits)](
-        y, y.stride(0), cos, sin, cos.stride(0), positions, active, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), parts, scale,
-        window or 0, q_w, k_w, heads.eps, BLOCK_N=ATTENTION["BLOCK_N"], SPLITS=splits, num_warps=_attention_warps(rows), **common,
+        y,
+        y.stride(0),
+        cos,
+        sin,
+        cos.stride(0),
+        positions,
+        active,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        parts,
+        scale,
+        window or 0,
+        q_w,
+        k_w,
+        heads.eps,
+        BLOCK_N=ATTENTION["BLOCK_N"],
+        SPLITS=splits,
+        num_warps=_attention_warps(rows),
+        **common,
     )
     parallel = x is not None
     hidden = x.shape[1] if parallel else 0
@@ -360,9 +501,32 @@ def attention(y, cos, sin, positions, active, k_cache, v_cache, heads: Heads, *,
     block = 1024
     programs = heads.heads + (triton.cdiv(inner, block) + 1 if parallel else 0)
     _attention_combine[(rows, programs)](
-        y, y.stride(0), cos, sin, cos.stride(0), positions, parts, scale, mixed, mixed.stride(0),
-        x if parallel else y, x.stride(0) if parallel else 0, b_out if b_out is not None else y, xb, inner, q_w, k_w, heads.eps,
-        HIDDEN=hidden, SPLITS=splits, HEADS=heads.heads, BLOCK=block, PARALLEL=parallel, HAS_BIAS=b_out is not None, num_warps=4, **common,
+        y,
+        y.stride(0),
+        cos,
+        sin,
+        cos.stride(0),
+        positions,
+        parts,
+        scale,
+        mixed,
+        mixed.stride(0),
+        x if parallel else y,
+        x.stride(0) if parallel else 0,
+        b_out if b_out is not None else y,
+        xb,
+        inner,
+        q_w,
+        k_w,
+        heads.eps,
+        HIDDEN=hidden,
+        SPLITS=splits,
+        HEADS=heads.heads,
+        BLOCK=block,
+        PARALLEL=parallel,
+        HAS_BIAS=b_out is not None,
+        num_warps=4,
+        **common,
     )
     return (mixed, xb) if parallel else mixed
 
@@ -370,7 +534,9 @@ def attention(y, cos, sin, positions, active, k_cache, v_cache, heads: Heads, *,
 def rms_norm(x, weight, eps: float):
     """transformers' RMSNorm of each row of x [rows, n], one kernel."""
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-    _rms_norm[(x.shape[0],)](x, x.stride(0), weight, out, eps, N=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4)
+    _rms_norm[(x.shape[0],)](
+        x, x.stride(0), weight, out, eps, N=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4
+    )
     return out
 
 
@@ -390,7 +556,9 @@ def works(device, dtype, heads: Heads, hidden: int, inner: int, parallel: bool, 
         rows, length = 1, 4
         y = torch.randn(rows, heads.q_size + 2 * heads.kv_size + (inner if parallel else 0), device=device, dtype=dtype)
         x = torch.randn(rows, hidden, device=device, dtype=dtype)
-        cache = [torch.zeros(rows, heads.kv_heads, length, heads.head_dim, device=device, dtype=dtype) for _ in range(2)]
+        cache = [
+            torch.zeros(rows, heads.kv_heads, length, heads.head_dim, device=device, dtype=dtype) for _ in range(2)
+        ]
         table = torch.ones(length, heads.rotary_dim, device=device, dtype=dtype)
         one = torch.ones(rows, dtype=torch.long, device=device)
         norms = (torch.ones(heads.head_dim, device=device, dtype=dtype),) * 2 if qk_norm else (None, None)

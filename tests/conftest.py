@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from aiohttp.test_utils import TestServer
@@ -108,7 +108,9 @@ def post(server, path: str, body: dict) -> tuple[int, dict]:
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, json.loads(response.read())
@@ -150,7 +152,9 @@ def reference(tiny_path):
     return greedy
 
 
-def write_mlx_adapter(model_path: Path, directory: Path, *, num_layers: int = 2, rank: int = 4, scale: float = 2.0, dora: bool = False) -> Path:
+def write_mlx_adapter(
+    model_path: Path, directory: Path, *, num_layers: int = 2, rank: int = 4, scale: float = 2.0, dora: bool = False
+) -> Path:
     """A LoRA adapter made with mlx-lm's own utilities and saved in its format."""
     import json
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from backends import Backend, Decoder, PromptCacheUsage, Sequence
 

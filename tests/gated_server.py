@@ -17,6 +17,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from fakes import Gate, GatedBackend  # noqa: E402
+
 from phi2_server import Settings, configure_logging, create_app, model_loader, run  # noqa: E402
 
 

@@ -11,11 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import engine_of, wait_until, write_mlx_adapter
+from fakes import Gate, GatedBackend
 
 from backends import LoadOptions, load_backend
 from backends.adapters import merge_lora_into_torch
-from conftest import engine_of, wait_until, write_mlx_adapter
-from fakes import Gate, GatedBackend
 
 ADAPTERS = {  # name -> how write_mlx_adapter makes it: different ranks, scales and depths
     "exp-a": dict(num_layers=2, rank=4, scale=2.0),
@@ -79,7 +79,9 @@ def runtime(request) -> str:
 @pytest.fixture(scope="module")
 def served_backend(runtime, tiny_path, adapters_dir):
     """A backend over ADAPTERS_DIR with two adapter slots (and at most two loaded)."""
-    return load_backend(runtime, LoadOptions(model=str(tiny_path), adapters_dir=str(adapters_dir), dtype="float32", max_adapters=2))
+    return load_backend(
+        runtime, LoadOptions(model=str(tiny_path), adapters_dir=str(adapters_dir), dtype="float32", max_adapters=2)
+    )
 
 
 @pytest.fixture(params=[1, 4], ids=["batch1", "batch4"])
@@ -140,7 +142,7 @@ async def test_base_and_adapters_decode_together(make_client, served_backend, re
     await wait_until(lambda: gate.live == min(max_batch, len(choices)))
     gate.release()
     answers = await asyncio.gather(*requests)
-    for name, answer in zip(choices, answers):
+    for name, answer in zip(choices, answers, strict=False):
         assert answer["text"] == reference(name, n=3 * N), name
     assert gate.peak == min(max_batch, len(choices))  # base and both adapters in one batch
     assert sum(a["cached_tokens"] > 0 for a in answers) <= 3  # a prefix is reused only by its own adapter
@@ -177,7 +179,15 @@ async def test_adapters_are_listed_with_their_config(make_client, served_backend
     assert ids == ["phi-2", "phi-2:exp-a", "phi-2:exp-b", "phi-2:exp-c"]
     card = models[2]
     assert card["parent"] == "phi-2" and card["root"] == str(adapters_dir.resolve() / "exp-b")
-    assert card["adapter"] | {} == {"name": "exp-b", "path": card["root"], "fine_tune_type": "lora", "rank": 8, "scale": 3.0, "num_layers": 1, "problem": None}
+    assert card["adapter"] | {} == {
+        "name": "exp-b",
+        "path": card["root"],
+        "fine_tune_type": "lora",
+        "rank": 8,
+        "scale": 3.0,
+        "num_layers": 1,
+        "problem": None,
+    }
     one = await (await client.get("/v1/models/phi-2:exp-c")).json()
     assert one["id"] == "phi-2:exp-c" and one["adapter"]["rank"] == 2
     missing = await client.get("/v1/models/phi-2:nope")
@@ -187,7 +197,9 @@ async def test_adapters_are_listed_with_their_config(make_client, served_backend
     assert info["adapters"]["dir"] == str(adapters_dir)
 
 
-async def test_folders_added_changed_and_removed_while_serving(make_client, served_backend, adapters_dir, adapter_sources, reference, tmp_path):
+async def test_folders_added_changed_and_removed_while_serving(
+    make_client, served_backend, adapters_dir, adapter_sources, reference, tmp_path
+):
     client = await make_client(lambda: served_backend, served_model_name="phi-2")
     new = adapters_dir / "exp-new"
     shutil.copytree(adapter_sources["exp-c"], new)
@@ -207,9 +219,18 @@ async def test_folders_added_changed_and_removed_while_serving(make_client, serv
     assert gone.status == 422 and (await gone.json())["error"]["field"] == "adapter"
 
 
-async def test_the_default_adapter_serves_requests_that_name_none(make_client, runtime, tiny_path, adapters_dir, reference):
+async def test_the_default_adapter_serves_requests_that_name_none(
+    make_client, runtime, tiny_path, adapters_dir, reference
+):
     backend = load_backend(
-        runtime, LoadOptions(model=str(tiny_path), adapter_path=str(adapters_dir / "exp-a"), adapters_dir=str(adapters_dir), dtype="float32", warmup=False)
+        runtime,
+        LoadOptions(
+            model=str(tiny_path),
+            adapter_path=str(adapters_dir / "exp-a"),
+            adapters_dir=str(adapters_dir),
+            dtype="float32",
+            warmup=False,
+        ),
     )
     client = await make_client(lambda: backend, served_model_name="phi-2")
     info = await (await client.get("/model/info")).json()
@@ -254,12 +275,18 @@ async def test_a_link_out_of_the_directory_is_refused(make_client, served_backen
 
 
 @pytest.mark.parametrize("linked", ["adapter_config.json", "adapters.safetensors"])
-async def test_a_file_linked_from_outside_the_directory_is_refused(make_client, served_backend, adapters_dir, adapter_sources, tmp_path, linked):
+async def test_a_file_linked_from_outside_the_directory_is_refused(
+    make_client, served_backend, adapters_dir, adapter_sources, tmp_path, linked
+):
     """A folder inside ADAPTERS_DIR whose config or weights are links to files elsewhere: not
     read (so nothing of the outside file shows in an error), not listed."""
     outside = tmp_path / linked
     if linked == "adapter_config.json":
-        outside.write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": "SECRET-VALUE", "scale": 1.0}}))
+        outside.write_text(
+            json.dumps(
+                {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": "SECRET-VALUE", "scale": 1.0}}
+            )
+        )
     else:
         shutil.copy(adapter_sources["exp-a"] / linked, outside)
     folder = adapters_dir / "file-linked"
@@ -298,13 +325,17 @@ def broken_folders(tiny_path: Path, root: Path) -> dict[str, tuple[Path, str]]:
     cases["dora"] = (path, "fine_tune_type 'dora'")
     path = root / "not-safetensors"
     shutil.copytree(cases["bad-json"][0], path)
-    (path / "adapter_config.json").write_text(json.dumps(ADAPTERS["exp-a"] | {"lora_parameters": {"rank": 4, "scale": 2.0}}))
+    (path / "adapter_config.json").write_text(
+        json.dumps(ADAPTERS["exp-a"] | {"lora_parameters": {"rank": 4, "scale": 2.0}})
+    )
     (path / "adapters.safetensors").write_bytes(b"not a safetensors file")
     cases["not-safetensors"] = (path, "cannot be read")
     return cases
 
 
-async def test_a_broken_folder_fails_only_its_own_requests(make_client, served_backend, adapters_dir, tiny_path, tmp_path, reference):
+async def test_a_broken_folder_fails_only_its_own_requests(
+    make_client, served_backend, adapters_dir, tiny_path, tmp_path, reference
+):
     client = await make_client(lambda: served_backend, served_model_name="phi-2")
     cases = broken_folders(tiny_path, tmp_path)
     try:
@@ -313,8 +344,14 @@ async def test_a_broken_folder_fails_only_its_own_requests(make_client, served_b
             response = await client.post("/generate", json=generate_body(name))
             assert response.status == 422, name
             error = (await response.json())["error"]
-            assert error["field"] == "adapter" and reason in error["message"] and str(adapters_dir / name) in error["message"], (name, error)
-            openai = await client.post("/v1/completions", json={"model": f"phi-2:{name}", "prompt": PROMPT, "max_tokens": 2})
+            assert (
+                error["field"] == "adapter"
+                and reason in error["message"]
+                and str(adapters_dir / name) in error["message"]
+            ), (name, error)
+            openai = await client.post(
+                "/v1/completions", json={"model": f"phi-2:{name}", "prompt": PROMPT, "max_tokens": 2}
+            )
             assert openai.status == 400, name
             assert (await openai.json())["error"]["code"] == "invalid_adapter"
         listed = {m["id"]: m for m in (await (await client.get("/v1/models")).json())["data"]}
@@ -330,7 +367,9 @@ async def test_the_request_log_names_the_adapter(make_client, served_backend, lo
     client = await make_client(lambda: served_backend)
     await generate(client, "exp-c", max_tokens=1)
     await generate(client, max_tokens=1)
-    await wait_until(lambda: (log_dir / "requests.log").exists() and len((log_dir / "requests.log").read_text().splitlines()) >= 2)
+    await wait_until(
+        lambda: (log_dir / "requests.log").exists() and len((log_dir / "requests.log").read_text().splitlines()) >= 2
+    )
     records = [json.loads(line) for line in (log_dir / "requests.log").read_text().splitlines()]
     assert [r.get("adapter") for r in records if r["path"] == "/generate"] == ["exp-c", None]
 
@@ -338,7 +377,11 @@ async def test_the_request_log_names_the_adapter(make_client, served_backend, lo
 @pytest.mark.parametrize(
     "config",
     [
-        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": "8", "scale": 2.0}},  # a string rank: listed as the number it is
+        {
+            "fine_tune_type": "lora",
+            "num_layers": 2,
+            "lora_parameters": {"rank": "8", "scale": 2.0},
+        },  # a string rank: listed as the number it is
         {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 4, "scale": float("nan")}},
         {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": {"rank": 0, "scale": 2.0}},
         {"fine_tune_type": 7, "num_layers": 2, "lora_parameters": {"rank": 4, "scale": 2.0}},
@@ -346,7 +389,9 @@ async def test_the_request_log_names_the_adapter(make_client, served_backend, lo
         ["not", "an", "object"],
     ],
 )
-async def test_odd_configs_are_listed_as_the_schema_says(make_client, served_backend, adapters_dir, adapter_sources, config, max_batch):
+async def test_odd_configs_are_listed_as_the_schema_says(
+    make_client, served_backend, adapters_dir, adapter_sources, config, max_batch
+):
     """Whatever a config holds, the listing stays valid JSON in the documented shape."""
     from jsonschema import Draft202012Validator
 
@@ -358,6 +403,7 @@ async def test_odd_configs_are_listed_as_the_schema_says(make_client, served_bac
     try:
         client = await make_client(lambda: served_backend, served_model_name="phi-2")
         response = await client.get("/v1/models")
+
         def refuse(constant):
             raise AssertionError(f"{constant} is not JSON")
 

@@ -7,15 +7,17 @@ import json
 from urllib.parse import urlparse
 
 import pytest
+from conftest import LiveServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import LiveServer
 from phi2_server import Settings, create_app
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
 json_values = st.recursive(
-    json_scalars, lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3), max_leaves=6
+    json_scalars,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=6,
 )
 odd_text = st.text(
     alphabet=st.characters(codec=None, exclude_categories=()),  # emoji, CJK, NUL, lone surrogates
@@ -43,9 +45,13 @@ raw_bodies = (
     bodies.map(encode)
     | json_values.map(encode)
     | st.binary(max_size=200)
-    | st.sampled_from([b"", b"{", b"[1,", b'{"prompt": NaN}', b'{"prompt":"a"}' * 3, b"\xff\xfe\x00", b"{\"prompt\": \"\\ud800\"}"])
+    | st.sampled_from(
+        [b"", b"{", b"[1,", b'{"prompt": NaN}', b'{"prompt":"a"}' * 3, b"\xff\xfe\x00", b'{"prompt": "\\ud800"}']
+    )
 )
-content_types = st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", "", "multipart/form-data; boundary=x"])
+content_types = st.sampled_from(
+    ["application/json", "text/plain", "application/x-www-form-urlencoded", "", "multipart/form-data; boundary=x"]
+)
 methods = st.sampled_from(["POST", "GET", "PUT", "DELETE", "PATCH"])
 paths = st.sampled_from(["/generate", "/generate/stream", "/health", "/model/info", "/nope", "/generate/"])
 
@@ -104,5 +110,7 @@ def test_any_method_and_path_answers_json(server, method, path, body):
 def test_server_is_healthy_after_the_battery(server):
     status, _, data = Client(server.url).request("GET", "/health", b"", "")
     assert status == 200 and json.loads(data)["status"] == "ok"
-    status, _, data = Client(server.url).request("POST", "/generate", b'{"prompt": "The quick brown", "max_tokens": 4}', "application/json")
+    status, _, data = Client(server.url).request(
+        "POST", "/generate", b'{"prompt": "The quick brown", "max_tokens": 4}', "application/json"
+    )
     assert status == 200 and json.loads(data)["text"] == " fox jumps over the"

@@ -11,11 +11,11 @@ import asyncio
 import json
 
 import pytest
+from conftest import engine_of, wait_until
+from fakes import Gate, GatedBackend
 
 from backends import Sampling, Sequence
 from backends.drive import drive
-from conftest import engine_of, wait_until
-from fakes import Gate, GatedBackend
 
 RUNTIMES = ["mlx", "torch"]
 

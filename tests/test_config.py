@@ -51,7 +51,17 @@ def test_settings_come_from_environment_and_flags():
 def test_help_lists_every_environment_variable():
     out = subprocess.run([sys.executable, "phi2_server.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0
-    for env in ["PHI2_MODEL", "PHI2_BACKEND", "ADAPTER_PATH", "HOST", "PORT", "LOG_DIR", "PHI2_DTYPE", "PHI2_DEVICE", "MAX_BODY_BYTES"]:
+    for env in [
+        "PHI2_MODEL",
+        "PHI2_BACKEND",
+        "ADAPTER_PATH",
+        "HOST",
+        "PORT",
+        "LOG_DIR",
+        "PHI2_DTYPE",
+        "PHI2_DEVICE",
+        "MAX_BODY_BYTES",
+    ]:
         assert env in out.stdout
 
 
@@ -69,7 +79,9 @@ def test_uncached_hub_model_is_a_clear_error():
 
 def test_server_exits_with_a_clear_message_when_the_model_cannot_load(tmp_path):
     env = {**os.environ, "PHI2_MODEL": str(tmp_path / "nothing-here"), "PORT": "0", "LOG_DIR": str(tmp_path / "logs")}
-    out = subprocess.run([sys.executable, "phi2_server.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "phi2_server.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 1
     assert "PHI2_MODEL" in out.stderr and "make demo" in out.stderr
     assert "Traceback" not in out.stderr
@@ -111,7 +123,9 @@ def test_an_absent_default_adapter_path_is_normal_and_an_explicit_one_is_warned(
 
 
 def test_every_flag_says_what_it_does():
-    out = subprocess.run([sys.executable, "phi2_server.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "phi2_server.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         assert flag in out.stdout

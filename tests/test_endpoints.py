@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from backends import ModelLoadError
 from conftest import engine_of, wait_until
+
+from backends import ModelLoadError
 
 
 async def test_health_ready_and_info_when_loaded(client, backend):
@@ -38,7 +39,12 @@ async def test_loading_is_observable_and_answers_503(make_client, backend):
     assert health.status == 200
     assert (await health.json())["status"] == "loading"
     assert (await health.json())["model_loaded"] is False
-    for method, path in [("GET", "/ready"), ("GET", "/model/info"), ("POST", "/generate"), ("POST", "/generate/stream")]:
+    for method, path in [
+        ("GET", "/ready"),
+        ("GET", "/model/info"),
+        ("POST", "/generate"),
+        ("POST", "/generate/stream"),
+    ]:
         response = await client.request(method, path, json={"prompt": "hi"})
         assert response.status == 503, path
         assert response.headers["Retry-After"].isdigit()

@@ -17,13 +17,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from conftest import engine_of
 
 from backends import LoadOptions, Sampling, Sequence, load_backend
 from backends.adapters import merge_lora_into_torch
 from backends.drive import drive
 from backends.tiny import TINY_FAMILIES, write_tiny_family
 from backends.torch_decoder import BatchedDecoder
-from conftest import engine_of
 
 FAMILIES = sorted(TINY_FAMILIES)
 PROMPT = [5 + (i * 37) % 580 for i in range(24)]
@@ -84,7 +84,7 @@ def test_logits_equal_transformers_at_every_step(family_backend, length):
     # Each decode step's logits, through the logprobs the decoder reports (log-softmax of them).
     got = drive(BatchedDecoder(weights, 1), [Sequence(1, prompt, Sampling(), 30, logprobs=5)])
     assert got.ids[1] == expected_ids
-    for scores, logits in zip(got.logprobs[1], expected_logits):
+    for scores, logits in zip(got.logprobs[1], expected_logits, strict=False):
         reference = torch.log_softmax(logits, dim=-1)
         for token, logprob in (*scores.token.top, (scores.token.token, scores.token.logprob)):
             assert abs(logprob - float(reference[token])) <= 1e-5 * scale
@@ -93,7 +93,10 @@ def test_logits_equal_transformers_at_every_step(family_backend, length):
 def test_batched_equals_alone(family_backend):
     weights = family_backend.decoder_weights
     lengths = [3, 30, 17, 70, 9, 45]
-    sequences = [Sequence(i, prompt_of(n), Sampling() if i % 2 else Sampling(temperature=0.9, seed=i), 24 + 3 * i) for i, n in enumerate(lengths)]
+    sequences = [
+        Sequence(i, prompt_of(n), Sampling() if i % 2 else Sampling(temperature=0.9, seed=i), 24 + 3 * i)
+        for i, n in enumerate(lengths)
+    ]
     together = drive(BatchedDecoder(weights, 4, prefill_chunk=16), sequences, arrive_at={4: 5, 5: 9}).ids
     for sequence in sequences:
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
@@ -125,20 +128,28 @@ def write_adapter(backend, directory: Path, rank: int = 4, scale: float = 2.0) -
             keys.add(name.split(f".{last}.", 1)[1])
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapters.safetensors"))
-    config = {"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": sorted(keys)}}
+    config = {
+        "fine_tune_type": "lora",
+        "num_layers": 1,
+        "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": sorted(keys)},
+    }
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return directory
 
 
 def test_an_adapter_equals_it_merged(family, family_paths, tmp_path):
     adapters = tmp_path / "adapters"
-    backend = load_backend("torch", LoadOptions(model=str(family_paths[family]), dtype="float32", adapters_dir=str(adapters), warmup=False))
+    backend = load_backend(
+        "torch", LoadOptions(model=str(family_paths[family]), dtype="float32", adapters_dir=str(adapters), warmup=False)
+    )
     write_adapter(backend, adapters / "every-linear")
     adapter = backend.adapters.get("every-linear")
     merged = load_backend("torch", LoadOptions(model=str(family_paths[family]), dtype="float32", warmup=False))
     assert merge_lora_into_torch(merged.model, adapters / "every-linear") == len(adapter.modules)
     # Two sequences of the adapter beside two of the base model, in one batch.
-    sequences = [Sequence(i, prompt_of(12 + 5 * i), Sampling(), 20, adapter=adapter if i % 2 else None) for i in range(4)]
+    sequences = [
+        Sequence(i, prompt_of(12 + 5 * i), Sampling(), 20, adapter=adapter if i % 2 else None) for i in range(4)
+    ]
     together = drive(BatchedDecoder(backend.decoder_weights, 4), sequences).ids
     for sequence in sequences:
         reference = merged if sequence.adapter else backend
@@ -152,11 +163,18 @@ def test_quantized_weights_compute_what_they_hold(family, family_paths, family_b
     the kernels, not of how close 4 bits come; int8 also stays close to full precision."""
     import copy
 
-    quantized = load_backend("torch", LoadOptions(model=str(family_paths[family]), dtype="float32", quantize=method, warmup=False))
+    quantized = load_backend(
+        "torch", LoadOptions(model=str(family_paths[family]), dtype="float32", quantize=method, warmup=False)
+    )
     weights = quantized.decoder_weights
     dequantized = copy.copy(weights)
     dequantized.layers = [
-        block._replace(**{name: getattr(block, name).linear(torch.eye(getattr(block, name).in_features)).t().contiguous() for name in block.matrices()})
+        block._replace(
+            **{
+                name: getattr(block, name).linear(torch.eye(getattr(block, name).in_features)).t().contiguous()
+                for name in block.matrices()
+            }
+        )
         for block in weights.layers
     ]
     decodable = weights.decodable
@@ -172,19 +190,32 @@ def test_quantized_weights_compute_what_they_hold(family, family_paths, family_b
 
 
 def test_a_schema_constrained_output_validates(family_backend):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
     grammar = family_backend.constraint("json_schema", json.dumps(schema))
     eos = family_backend.eos_token_ids
-    sequences = [Sequence(i, prompt_of(10 + i), Sampling(temperature=1.0, seed=i, constraint=grammar.matcher()), 60) for i in range(3)]
+    sequences = [
+        Sequence(i, prompt_of(10 + i), Sampling(temperature=1.0, seed=i, constraint=grammar.matcher()), 60)
+        for i in range(3)
+    ]
     out = drive(BatchedDecoder(family_backend.decoder_weights, 3), sequences).ids
     for ids in out.values():
         if any(token in eos for token in ids):  # complete: everything before end-of-text is the document
-            jsonschema.validate(json.loads(family_backend.decode(ids[: next(i for i, t in enumerate(ids) if t in eos)])), schema)
+            jsonschema.validate(
+                json.loads(family_backend.decode(ids[: next(i for i, t in enumerate(ids) if t in eos)])), schema
+            )
 
 
 async def test_the_server_batches_a_family(make_client, family_backend):
     client = await make_client(lambda: family_backend, max_batch=4)
-    bodies = [{"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True, "temperature": 0.8, "seed": i} for i in range(8)]
+    bodies = [
+        {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True, "temperature": 0.8, "seed": i}
+        for i in range(8)
+    ]
     responses = await asyncio.gather(*(client.post("/generate", json=body) for body in bodies))
     assert [r.status for r in responses] == [200] * 8
     assert isinstance(engine_of(client)._decoder, BatchedDecoder)

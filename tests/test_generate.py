@@ -95,7 +95,9 @@ async def test_stream_framing_and_equality_with_generate(client):
     assert "".join(tokens) == result["text"]
     assert done["done"] is True
     differ = ("timings", "request_id", "cached_tokens")  # the second request finds its prompt cached
-    assert {k: v for k, v in done.items() if k not in ("done", *differ)} == {k: v for k, v in result.items() if k not in ("text", *differ)}
+    assert {k: v for k, v in done.items() if k not in ("done", *differ)} == {
+        k: v for k, v in result.items() if k not in ("text", *differ)
+    }
     assert done["cached_tokens"] == 0 and result["cached_tokens"] == result["prompt_tokens"] - 1
     assert len(tokens) > 1
 

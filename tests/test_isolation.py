@@ -10,7 +10,6 @@ import socket
 import threading
 
 import pytest
-
 from conftest import engine_of, wait_idle, wait_until
 from fakes import Gate, GatedBackend, WrappedBackend
 from test_request_log import read_log
@@ -21,7 +20,10 @@ BROKEN_REGEXES = ["[a&&b]", r"[^\s\S]", "a{1000000}", "(a{1000}){1000}"]
 BROKEN_SCHEMAS = [
     {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
     {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
-    {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}},  # "Current row has 2007 items"
+    {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "integer"} for i in range(500)},
+    },  # "Current row has 2007 items"
 ]
 
 
@@ -38,7 +40,10 @@ async def test_a_schema_that_cannot_work_is_refused_when_it_compiles(client, sch
     response = await client.post("/generate", json={"prompt": "Hi", "json_schema": schema})
     body = await response.json()
     assert (response.status, body["error"]["field"]) == (422, "json_schema"), body
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
     response = await client.post("/v1/chat/completions", json=chat)
     body = await response.json()
     assert (response.status, body["error"]["param"]) == (400, "response_format.json_schema.schema"), body
@@ -51,7 +56,10 @@ async def test_a_schema_that_cannot_work_is_refused_when_it_compiles(client, sch
 # comes first, so the failure comes within a dozen tokens, whatever the model writes.
 FAILS_LATER = {
     "type": "object",
-    "properties": {"a": {"type": "string", "maxLength": 3}, "o": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}},
+    "properties": {
+        "a": {"type": "string", "maxLength": 3},
+        "o": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}},
+    },
     "required": ["a", "o"],
     "additionalProperties": False,
 }
@@ -85,17 +93,23 @@ async def test_a_grammar_failing_mid_generation_ends_only_its_sequence(make_clie
     assert (response.status, body["error"]["field"]) == (422, "json_schema"), body
     assert "Current row has 2007 items" in body["error"]["message"] and "<state>" not in body["error"]["message"]
 
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": FAILS_LATER}}}
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 60,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": FAILS_LATER}},
+    }
     response = await client.post("/v1/chat/completions", json=chat)
     body = await response.json()
     assert (response.status, body["error"]["param"]) == (400, "response_format.json_schema.schema"), body
 
-    response = await client.post("/generate/stream", json={"prompt": "Hi", "json_schema": FAILS_LATER, "max_tokens": 60})
+    response = await client.post(
+        "/generate/stream", json={"prompt": "Hi", "json_schema": FAILS_LATER, "max_tokens": 60}
+    )
     last = json.loads((await response.read()).decode().splitlines()[-1])
     assert last["finish_reason"] == "error" and last["error"]["type"] == "invalid_request", last
     response = await client.post("/v1/chat/completions", json={**chat, "stream": True})
     events = [line for line in (await response.read()).decode().split("\n\n") if line.startswith("data: {")]
-    error = json.loads(events[-1][len("data: "):])["error"]
+    error = json.loads(events[-1][len("data: ") :])["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", "response_format.json_schema.schema"), error
 
     if max_batch > 1:
@@ -120,10 +134,17 @@ async def test_no_grammar_work_runs_on_the_generation_thread(make_client, backen
         monkeypatch.setattr(grammar.Grammars, name, recording(getattr(grammar.Grammars, name), threads))
     monkeypatch.setattr(grammar.Grammar, "matcher", recording(grammar.Grammar.matcher, threads))
     client = await make_client(lambda: backend)
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     response = await client.post("/generate", json={"prompt": "Hi", "json_schema": schema, "max_tokens": 20})
     assert response.status == 200
-    response = await client.post("/v1/completions", json={"prompt": "Hi", "n": 3, "max_tokens": 20, "response_format": {"type": "json_object"}})
+    response = await client.post(
+        "/v1/completions", json={"prompt": "Hi", "n": 3, "max_tokens": 20, "response_format": {"type": "json_object"}}
+    )
     assert response.status == 200
     assert threads and "generation-worker" not in threads, threads
 
@@ -161,7 +182,10 @@ async def test_slow_compiles_hold_neither_requests_nor_tokenizing(make_client, b
     monkeypatch.setattr(phi2_server, "GRAMMAR_BACKLOG", 3)
     client = await make_client(lambda: held)
     try:
-        compiles = [asyncio.create_task(client.post("/generate", json={"prompt": "Hi", "regex": f"[0-9]{{{i}}}"})) for i in range(1, 4)]
+        compiles = [
+            asyncio.create_task(client.post("/generate", json={"prompt": "Hi", "regex": f"[0-9]{{{i}}}"}))
+            for i in range(1, 4)
+        ]
         await wait_until(lambda: held.started == phi2_server.GRAMMAR_WORKERS)
         # Every compiler thread is busy and the backlog full: a plain request is tokenized and
         # served at once, and one more grammar is told to come back later.
@@ -202,7 +226,9 @@ async def closed_by_server(sock: socket.socket) -> bytes:
         sock.close()
 
 
-@pytest.mark.parametrize("sent", [b"", b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le"], ids=["nothing", "half-headers"])
+@pytest.mark.parametrize(
+    "sent", [b"", b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le"], ids=["nothing", "half-headers"]
+)
 async def test_a_connection_that_never_finishes_its_headers_is_closed(make_client, backend, sent):
     client = await make_client(lambda: backend, idle_timeout=0.2)
     sock = raw_connection(client)
@@ -213,7 +239,9 @@ async def test_a_connection_that_never_finishes_its_headers_is_closed(make_clien
 async def test_a_body_that_stops_arriving_is_answered_408(make_client, backend, log_dir):
     client = await make_client(lambda: backend, body_timeout=0.2)
     sock = raw_connection(client)
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    sock.sendall(
+        b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '
+    )
     answer = await closed_by_server(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), answer
@@ -221,10 +249,17 @@ async def test_a_body_that_stops_arriving_is_answered_408(make_client, backend, 
     assert [line["status"] for line in read_log(log_dir) if line["path"] == "/generate"] == [408]
 
 
-STALLED = json.dumps({
-    "messages": [{"role": "user", "content": "Hi"}], "n": 16, "max_tokens": 480, "ignore_eos": True,
-    "logprobs": True, "top_logprobs": 20, "stream": True,
-}).encode()
+STALLED = json.dumps(
+    {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "n": 16,
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "stream": True,
+    }
+).encode()
 
 
 def send_stalled(client) -> socket.socket:
@@ -232,7 +267,9 @@ def send_stalled(client) -> socket.socket:
     receive buffer here; the server's send buffer grows to 4 MiB at most), so the handler's
     write blocks once they are full."""
     sock = raw_connection(client, rcvbuf=4096)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(STALLED), STALLED))
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(STALLED), STALLED)
+    )
     return sock
 
 
@@ -277,7 +314,9 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(ma
     # A whole answer waits for its reader just as long.
     sock = raw_connection(client, rcvbuf=4096)
     body = json.dumps({**json.loads(STALLED), "stream": False}).encode()
-    sock.sendall(b"POST /v1/chat/completions?whole HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(
+        b"POST /v1/chat/completions?whole HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     await wait_until(lambda: len([line for line in read_log(log_dir) if line["path"] == "/v1/chat/completions"]) == 2)
     line = read_log(log_dir)[-1]
     assert line["status"] == 499 and "WRITE_TIMEOUT" in line["error"], line
@@ -303,7 +342,9 @@ async def test_a_request_of_many_sequences_leaves_a_slot_for_the_next(make_clien
     gate = Gate(after=1, held=big)
     client = await make_client(lambda: GatedBackend(backend, gate), max_batch=8)
     engine = engine_of(client)
-    many = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Once upon", "n": 16, "max_tokens": 60, "ignore_eos": True}))
+    many = asyncio.create_task(
+        client.post("/v1/completions", json={"prompt": "Once upon", "n": 16, "max_tokens": 60, "ignore_eos": True})
+    )
     # 7 of its 16 sequences run (the eighth slot stays for whoever comes next), all held.
     await wait_until(lambda: gate.holding == 7 and engine.waiting == 9)
     small = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 4})
@@ -318,7 +359,9 @@ async def test_requests_take_turns_for_free_slots(make_client, backend):
     gate = Gate(after=1, held=big)
     client = await make_client(lambda: GatedBackend(backend, gate), max_batch=4)
     engine = engine_of(client)
-    many = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Once upon", "n": 16, "max_tokens": 60, "ignore_eos": True}))
+    many = asyncio.create_task(
+        client.post("/v1/completions", json={"prompt": "Once upon", "n": 16, "max_tokens": 60, "ignore_eos": True})
+    )
     await wait_until(lambda: gate.holding == 4 and engine.waiting == 12)
     small = asyncio.create_task(client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 4}))
     await wait_until(lambda: engine.waiting == 13)
@@ -358,7 +401,7 @@ async def test_keys_share_no_cached_prompt(make_client, backend):
     client = await make_client(lambda: backend, api_key=",".join(["alice-key", *guessers]))
     assert await cached_tokens(client, "alice-key", SECRET) == 0
     # Other keys' guesses at Alice's secret all miss, the right one too: none is told apart.
-    for key, guess in zip(guessers, ("7391", "7390", "1234")):
+    for key, guess in zip(guessers, ("7391", "7390", "1234"), strict=False):
         assert await cached_tokens(client, key, SECRET.replace("7391", guess)) == 0
     assert await cached_tokens(client, guessers[2], SECRET.replace("7391", "1234")) > 0  # its own prompt, again
     assert await cached_tokens(client, "alice-key", SECRET) > 0
@@ -396,10 +439,18 @@ async def test_large_bodies_and_answers_are_handled_off_the_event_loop(make_clie
     response = await client.post("/v1/completions", data=body)
     assert response.status == 400 and (await response.json())["error"]["code"] == "context_length_exceeded"
     assert threads["check"] and loop_thread not in threads["check"], threads
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "n": 4, "max_tokens": 8, "logprobs": True, "top_logprobs": 20}
+    chat = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "n": 4,
+        "max_tokens": 8,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
     assert (await client.post("/v1/chat/completions", json=chat)).status == 200
     assert threads["chat_logprobs"] and loop_thread not in threads["chat_logprobs"], threads
-    small = await client.post("/generate", json={"prompt": "Hi", "max_tokens": 1})  # a small body stays on the loop, cheaply
+    small = await client.post(
+        "/generate", json={"prompt": "Hi", "max_tokens": 1}
+    )  # a small body stays on the loop, cheaply
     assert small.status == 200
 
 
@@ -431,7 +482,9 @@ async def raw_exchange(client, data: bytes) -> tuple[bytes, dict | None]:
 @pytest.mark.parametrize("ending", [b"\x01\r\n", b"\r\r\n", b"\n"], ids=["control", "cr", "bare-lf"])
 async def test_a_malformed_authorization_header_shows_its_key_nowhere(make_client, backend, caplog, log_dir, ending):
     client = await make_client(lambda: backend, api_key=KEY)
-    head, body = await raw_exchange(client, b"GET /model/info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + ending + b"\r\n")
+    head, body = await raw_exchange(
+        client, b"GET /model/info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + ending + b"\r\n"
+    )
     assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0], head
     assert body["error"]["message"].startswith("not a valid HTTP request"), body
     assert KEY not in json.dumps(body) and KEY not in caplog.text and KEY.encode() not in head
@@ -440,10 +493,16 @@ async def test_a_malformed_authorization_header_shows_its_key_nowhere(make_clien
 
 async def test_headers_that_are_not_text_get_4xx_not_500(make_client, backend, log_dir):
     client = await make_client(lambda: backend, api_key=KEY)
-    head, body = await raw_exchange(client, b"GET /model/info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekr\xe9t\r\nConnection: close\r\n\r\n")
+    head, body = await raw_exchange(
+        client, b"GET /model/info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekr\xe9t\r\nConnection: close\r\n\r\n"
+    )
     assert head.startswith(b"HTTP/1.1 401"), head
     gzip_lie = b"not gzip at all"
-    head, body = await raw_exchange(client, b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (KEY.encode(), len(gzip_lie), gzip_lie))
+    head, body = await raw_exchange(
+        client,
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+        % (KEY.encode(), len(gzip_lie), gzip_lie),
+    )
     assert head.startswith(b"HTTP/1.1 400") and "cannot be read" in body["error"]["message"], (head, body)
     assert [line["status"] for line in read_log(log_dir)] == [401, 400]
 
@@ -467,7 +526,10 @@ async def test_wrong_keys_are_rate_limited_per_address(make_client, backend, mon
     client = await make_client(lambda: backend, api_key=KEY)
     for _ in range(3):
         assert (await client.get("/model/info", headers={"Authorization": "Bearer guess"})).status == 401
-    for headers in ({"Authorization": "Bearer guess"}, {"Authorization": f"Bearer {KEY}"}):  # the right key must wait too
+    for headers in (
+        {"Authorization": "Bearer guess"},
+        {"Authorization": f"Bearer {KEY}"},
+    ):  # the right key must wait too
         response = await client.get("/model/info", headers=headers)
         assert response.status == 429 and int(response.headers["Retry-After"]) >= 1
     assert (await client.get("/health")).status == 200
@@ -477,7 +539,13 @@ async def test_a_key_file_takes_comments_anywhere(make_client, backend, tmp_path
     keys = tmp_path / "keys"
     keys.write_text("   # indented comment\nfile-key-aaaa   # Alice, since May\n\t#tabbed\nfile-key-bbbb\n")
     client = await make_client(lambda: backend, api_key_file=str(keys))
-    for key, status in [("file-key-aaaa", 200), ("file-key-bbbb", 200), ("# indented comment", 401), ("file-key-aaaa   # Alice, since May", 401), ("#tabbed", 401)]:
+    for key, status in [
+        ("file-key-aaaa", 200),
+        ("file-key-bbbb", 200),
+        ("# indented comment", 401),
+        ("file-key-aaaa   # Alice, since May", 401),
+        ("#tabbed", 401),
+    ]:
         assert (await client.get("/model/info", headers={"Authorization": f"Bearer {key}"})).status == status, key
     keys.write_text("two words\n")
     with pytest.raises(ValueError, match="not one key") as error:

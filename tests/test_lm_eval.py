@@ -104,11 +104,17 @@ def scores(results: dict) -> list[list[tuple[float, bool]]]:
 @pytest.fixture(scope="module")
 def reference(tiny_path, task_config) -> dict:
     """lm-eval's own transformers model on the checkpoint: once for the module."""
-    return evaluate("hf", {"pretrained": str(tiny_path), "dtype": "float32", "device": "cpu", "batch_size": 1}, task_config)
+    return evaluate(
+        "hf", {"pretrained": str(tiny_path), "dtype": "float32", "device": "cpu", "batch_size": 1}, task_config
+    )
 
 
 def read_log(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(log_dir.glob("requests.log*")) for line in path.read_text(encoding="utf-8").splitlines()]
+    return [
+        json.loads(line)
+        for path in sorted(log_dir.glob("requests.log*"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+    ]
 
 
 def test_reference_scores_every_choice(reference):
@@ -122,7 +128,9 @@ def test_reference_scores_every_choice(reference):
 
 @pytest.mark.parametrize("batch_size", [1, 4], ids=["one-prompt-a-request", "four-prompts-a-request"])
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])
-def test_served_loglikelihoods_match_lm_eval_hf(request, runtime, batch_size, tiny_path, live_server, log_dir, task_config, reference):
+def test_served_loglikelihoods_match_lm_eval_hf(
+    request, runtime, batch_size, tiny_path, live_server, log_dir, task_config, reference
+):
     backend = request.getfixturevalue(f"{runtime}_backend")
     # Served under the checkpoint's path: lm-eval sends it as `model`, and loads the
     # tokenizer from it to split context from continuation.
@@ -146,7 +154,7 @@ def test_served_loglikelihoods_match_lm_eval_hf(request, runtime, batch_size, ti
 
     ours, theirs = scores(served), scores(reference)
     assert [len(choices) for choices in ours] == [len(choices) for choices in theirs]
-    pairs = [(doc, k, a, b) for doc, (x, y) in enumerate(zip(ours, theirs)) for k, (a, b) in enumerate(zip(x, y))]
+    pairs = [(doc, k, a, b) for doc, (x, y) in enumerate(zip(ours, theirs, strict=False)) for k, (a, b) in enumerate(zip(x, y, strict=False))]
     doc, k, a, b = max(pairs, key=lambda pair: abs(pair[2][0] - pair[3][0]))
     assert abs(a[0] - b[0]) <= TOLERANCE, f"example {doc}, choice {k}: served {a[0]!r}, lm-eval hf {b[0]!r}"
     assert [(doc, k, a[1]) for doc, k, a, _ in pairs] == [(doc, k, b[1]) for doc, k, _, b in pairs]  # is_greedy

@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import write_mlx_adapter
 
 from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
-from conftest import write_mlx_adapter
 
 mx = pytest.importorskip("mlx.core")
 
@@ -27,13 +27,17 @@ def adapters_dir(tiny_path, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("adapters")
     write_mlx_adapter(tiny_path, root / "alpha", num_layers=2, rank=4, scale=2.0)
     write_mlx_adapter(tiny_path, root / "beta", num_layers=1, rank=8, scale=4.0)
-    only_some_layers(write_mlx_adapter(tiny_path, root / "gamma", num_layers=2, rank=2, scale=6.0), ["self_attn.q_proj", "mlp.fc2"])
+    only_some_layers(
+        write_mlx_adapter(tiny_path, root / "gamma", num_layers=2, rank=2, scale=6.0), ["self_attn.q_proj", "mlp.fc2"]
+    )
     return root
 
 
 def only_some_layers(path: Path, keys: list[str]) -> None:
     """Keep an adapter's LoRA on `keys` only (lora_parameters.keys, as mlx-lm reads it)."""
-    weights = {k: v for k, v in mx.load(str(path / "adapters.safetensors")).items() if any(f".{key}." in k for key in keys)}
+    weights = {
+        k: v for k, v in mx.load(str(path / "adapters.safetensors")).items() if any(f".{key}." in k for key in keys)
+    }
     mx.save_safetensors(str(path / "adapters.safetensors"), weights)
     config = json.loads((path / "adapter_config.json").read_text())
     config["lora_parameters"]["keys"] = keys
@@ -41,7 +45,10 @@ def only_some_layers(path: Path, keys: list[str]) -> None:
 
 
 def load(tiny_path, adapters_dir, **options):
-    return load_backend("mlx", LoadOptions(model=str(tiny_path), adapters_dir=str(adapters_dir), dtype="float32", warmup=False, **options))
+    return load_backend(
+        "mlx",
+        LoadOptions(model=str(tiny_path), adapters_dir=str(adapters_dir), dtype="float32", warmup=False, **options),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,13 @@ def reference(backend, reference_model):
 
     def ids(name: str | None, prompt: list[int], n: int = N, sampling: Sampling = Sampling()) -> list[int]:
         sampler = make_sampler(sampling, prompt, backend.decodable)
-        steps = generate_step(mx.array(prompt), reference_model(name), max_tokens=n, sampler=sampler, logits_processors=logits_processors(sampler))
+        steps = generate_step(
+            mx.array(prompt),
+            reference_model(name),
+            max_tokens=n,
+            sampler=sampler,
+            logits_processors=logits_processors(sampler),
+        )
         return [int(token) for token, _ in steps]
 
     return ids
@@ -163,12 +176,19 @@ def test_penalties_and_grammars_see_plain_ids_in_a_mixed_batch(backend, referenc
     decoder = backend.decoder(4, prompt_cache_bytes=0)
     joining = {
         0: [sequence(backend, 0, "alpha", PROMPTS[0], sampling=penalized), sequence(backend, 1, None, PROMPTS[1])],
-        2: [sequence(backend, 2, "beta", "Numbers:", 8, sampling=digits), sequence(backend, 3, "beta", PROMPTS[2], sampling=penalized)],
+        2: [
+            sequence(backend, 2, "beta", "Numbers:", 8, sampling=digits),
+            sequence(backend, 3, "beta", PROMPTS[2], sampling=penalized),
+        ],
     }
     got = run(decoder, joining)
     for s in (s for group in joining.values() for s in group):
         # A sequence walks a grammar with a matcher of its own: the reference gets a fresh one.
-        sampling = s.sampling if s.sampling.constraint is None else dataclasses.replace(s.sampling, constraint=grammar.matcher())
+        sampling = (
+            s.sampling
+            if s.sampling.constraint is None
+            else dataclasses.replace(s.sampling, constraint=grammar.matcher())
+        )
         assert got[s.id] == reference(s.adapter and s.adapter.name, s.prompt_ids, s.max_new_tokens, sampling), s.id
     text = backend.decode(got[2])
     assert re.fullmatch("[0-9]{3}-[a-z ]{0,12}", text), text
@@ -267,7 +287,9 @@ def test_logprobs_are_the_adapted_models_own(backend, reference_model, max_batch
 
 
 def test_adapter_path_is_the_default_adapter_checked_at_load(tiny_path, adapters_dir):
-    adapted = load_backend("mlx", LoadOptions(model=str(tiny_path), adapter_path=str(adapters_dir / "beta"), warmup=False))
+    adapted = load_backend(
+        "mlx", LoadOptions(model=str(tiny_path), adapter_path=str(adapters_dir / "beta"), warmup=False)
+    )
     assert adapted.info.adapter_applied and adapted.adapters.default_name == "beta"
     assert adapted.adapters.loaded() == ["beta"]
 

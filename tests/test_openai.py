@@ -6,7 +6,6 @@ import json
 
 import openai
 import pytest
-
 from conftest import engine_of, wait_idle
 from fakes import Gate, GatedBackend
 
@@ -30,7 +29,9 @@ def server_model(server):
 def native(server, **body):
     import urllib.request
 
-    request = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request) as response:
         return json.loads(response.read())
 
@@ -42,7 +43,9 @@ def test_models_lists_the_loaded_model(sdk, server):
 
 
 def test_completion_matches_the_native_endpoint(sdk, server):
-    completion = sdk.completions.create(model=server_model(server), prompt="The quick brown", max_tokens=32, temperature=0)
+    completion = sdk.completions.create(
+        model=server_model(server), prompt="The quick brown", max_tokens=32, temperature=0
+    )
     reference = native(server, prompt="The quick brown", max_tokens=32)
     assert completion.object == "text_completion"
     assert completion.choices[0].text == reference["text"] == " fox jumps over the lazy dog."
@@ -86,7 +89,11 @@ def test_streamed_completion_equals_the_whole_one(sdk):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == []
     usage = chunks[-1].usage
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+        whole.usage.total_tokens,
+    )
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # the second request
 
 
@@ -105,7 +112,9 @@ def test_chat_completion_uses_phi2_chat_format(sdk, server, backend):
 
 
 def test_chat_stops_before_the_model_writes_the_next_user_turn(sdk):
-    chat = sdk.chat.completions.create(model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "What is two plus two?"}], temperature=0)
+    chat = sdk.chat.completions.create(
+        model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "What is two plus two?"}], temperature=0
+    )
     assert chat.choices[0].message.content == "Four."
     assert chat.choices[0].finish_reason == "stop"
 
@@ -116,7 +125,11 @@ def test_streamed_chat_equals_the_whole_one(sdk):
         {"role": "user", "content": [{"type": "text", "text": "How are you today?"}]},
     ]
     whole = sdk.chat.completions.create(model=openai.NOT_GIVEN, messages=messages, temperature=0, max_tokens=20)
-    chunks = list(sdk.chat.completions.create(model=openai.NOT_GIVEN, messages=messages, temperature=0, max_tokens=20, stream=True))
+    chunks = list(
+        sdk.chat.completions.create(
+            model=openai.NOT_GIVEN, messages=messages, temperature=0, max_tokens=20, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
@@ -137,7 +150,10 @@ def test_sampling_with_a_seed_is_reproducible(sdk):
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"extra_body": {"audio": {"voice": "alloy", "format": "wav"}}}, "audio"),
         ({"extra_body": {"modalities": ["text", "audio"]}}, "modalities"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, "response_format.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+            "response_format.json_schema.schema",
+        ),
         ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
         ({"extra_body": {"wat": 1}}, "wat"),
         ({"messages": []}, "messages"),
@@ -155,7 +171,9 @@ def test_bad_requests_raise_bad_request_error(sdk, kwargs, param):
 
 
 def test_harmless_parameters_are_accepted(sdk):
-    completion = sdk.completions.create(model=openai.NOT_GIVEN, prompt="Hi", max_tokens=2, user="someone", n=1, presence_penalty=0)
+    completion = sdk.completions.create(
+        model=openai.NOT_GIVEN, prompt="Hi", max_tokens=2, user="someone", n=1, presence_penalty=0
+    )
     assert completion.usage.completion_tokens <= 2
 
 
@@ -187,7 +205,10 @@ async def test_raw_sse_framing(client):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
 
-    chat = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "How are you today?"}], "stream": True, "temperature": 0})
+    chat = await client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "How are you today?"}], "stream": True, "temperature": 0},
+    )
     events = parse_sse(await chat.read())
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -206,7 +227,9 @@ async def test_raw_errors_have_openai_shape(client):
     assert response.status == 400  # over the context window: a 422 on the native route
     error = (await response.json())["error"]
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
-    assert error["message"].startswith("This model's maximum context length is 512 tokens. However, you requested 10001 tokens (1 in the prompt, 10000 in the completion)")
+    assert error["message"].startswith(
+        "This model's maximum context length is 512 tokens. However, you requested 10001 tokens (1 in the prompt, 10000 in the completion)"
+    )
 
 
 async def test_sse_disconnect_stops_generation(make_client, backend):

@@ -12,7 +12,6 @@ import urllib.request
 import openai
 import pytest
 import torch
-
 from conftest import post
 
 
@@ -33,7 +32,11 @@ def model_of(server) -> str:
 
 
 def sse_events(server, path: str, body: dict) -> list[dict]:
-    request = urllib.request.Request(server.url + path, data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server.url + path,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request) as response:
         lines = response.read().decode().splitlines()
     data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
@@ -67,24 +70,41 @@ def test_multi_turn_with_the_returned_message_appended(sdk, server):
     assert {"refusal", "annotations", "audio", "tool_calls", "function_call"} <= set(dumped)
     messages += [dumped, {"role": "user", "content": "And you?"}]
     second = sdk.chat.completions.create(
-        model=openai.NOT_GIVEN, messages=messages, max_tokens=8, temperature=0, store=False, metadata={"run": "7"},
-        service_tier="auto", parallel_tool_calls=False, user="me",
+        model=openai.NOT_GIVEN,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        store=False,
+        metadata={"run": "7"},
+        service_tier="auto",
+        parallel_tool_calls=False,
+        user="me",
         extra_body={"audio": None, "prediction": None, "stream_options": None, "model": None, "seed": None},
     )
     assert second.choices[0].finish_reason in ("stop", "length")
     streamed = sdk.chat.completions.create(
-        model=str(model_of(server)), messages=messages, max_tokens=8, temperature=0, stream=True,
+        model=str(model_of(server)),
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True, "include_obfuscation": False},
     )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == second.choices[0].message.content
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "The quick", "max_tokens": 4.0, "seed": 7.0, "n": 1.0, "temperature": 0}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4.0, "seed": 7.0, "temperature": 0}),
-    ("/generate", {"prompt": "The quick", "max_tokens": 4.0, "seed": 7.0, "top_k": 5.0}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "The quick", "max_tokens": 4.0, "seed": 7.0, "n": 1.0, "temperature": 0}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4.0, "seed": 7.0, "temperature": 0},
+        ),
+        ("/generate", {"prompt": "The quick", "max_tokens": 4.0, "seed": 7.0, "top_k": 5.0}),
+    ],
+)
 def test_integral_floats_count_as_integers(server, path, body):
     status, answer = post(server, path, body)
     assert status == 200, answer
@@ -92,15 +112,21 @@ def test_integral_floats_count_as_integers(server, path, body):
     assert tokens <= 4
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"logit_bias": {"99999": 5}}, "logit_bias"),
-    ({"logit_bias": {"a": 5}}, "logit_bias"),
-    ({"logit_bias": {"5": 101}}, "logit_bias.5"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"logit_bias": {"99999": 5}}, "logit_bias"),
+        ({"logit_bias": {"a": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+    ],
+)
 def test_what_cannot_be_done_is_a_400_naming_it(server, body, param):
     status, answer = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], **body})
     assert status == 400, answer
@@ -115,7 +141,11 @@ def test_context_overflow_is_openai_s_error(server):
     status, answer = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt}]})
     assert status == 400
     error = answer["error"]
-    assert (error["code"], error["param"], error["type"]) == ("context_length_exceeded", "messages", "invalid_request_error")
+    assert (error["code"], error["param"], error["type"]) == (
+        "context_length_exceeded",
+        "messages",
+        "invalid_request_error",
+    )
     assert error["message"].startswith("This model's maximum context length is 512 tokens. However, you requested")
     status, answer = post(server, "/generate", {"prompt": long_prompt})
     assert (status, answer["error"]["field"]) == (422, "prompt")  # the native API keeps its own shape
@@ -125,8 +155,12 @@ def test_litellm_raises_context_window_exceeded(server):
     litellm = pytest.importorskip("litellm")
     with pytest.raises(litellm.ContextWindowExceededError):
         litellm.completion(
-            model="openai/" + model_of(server), api_base=server.url + "/v1", api_key="unused",
-            messages=[{"role": "user", "content": "The quick brown fox " * 200}], max_tokens=4, num_retries=0,
+            model="openai/" + model_of(server),
+            api_base=server.url + "/v1",
+            api_key="unused",
+            messages=[{"role": "user", "content": "The quick brown fox " * 200}],
+            max_tokens=4,
+            num_retries=0,
         )
 
 
@@ -156,12 +190,16 @@ def test_prompt_lists_and_token_ids(server, backend):
     status, listed = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})
     assert status == 200
     assert [c["index"] for c in listed["choices"]] == [0, 1]
-    for prompt, choice in zip(prompts, listed["choices"]):
+    for prompt, choice in zip(prompts, listed["choices"], strict=False):
         _, alone = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})
         assert choice["text"] == alone["choices"][0]["text"]
-        _, as_ids = post(server, "/v1/completions", {"prompt": backend.encode(prompt), "max_tokens": 6, "temperature": 0})
+        _, as_ids = post(
+            server, "/v1/completions", {"prompt": backend.encode(prompt), "max_tokens": 6, "temperature": 0}
+        )
         assert as_ids["choices"][0]["text"] == choice["text"]
-    _, id_lists = post(server, "/v1/completions", {"prompt": [backend.encode(p) for p in prompts], "max_tokens": 6, "temperature": 0})
+    _, id_lists = post(
+        server, "/v1/completions", {"prompt": [backend.encode(p) for p in prompts], "max_tokens": 6, "temperature": 0}
+    )
     assert [c["text"] for c in id_lists["choices"]] == [c["text"] for c in listed["choices"]]
     assert listed["usage"]["prompt_tokens"] == sum(len(backend.encode(p)) for p in prompts)
     status, answer = post(server, "/v1/completions", {"prompt": [5, backend.vocab_size], "max_tokens": 2})
@@ -176,7 +214,9 @@ def test_n_choices_are_seeded_one_by_one(sdk):
     for i, choice in enumerate(together.choices):  # choice i is the request with seed + i
         alone = sdk.completions.create(**{**body, "seed": 11 + i})
         assert choice.text == alone.choices[0].text
-    chat = sdk.chat.completions.create(model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4, temperature=1.0, seed=3)
+    chat = sdk.chat.completions.create(
+        model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4, temperature=1.0, seed=3
+    )
     assert [c.index for c in chat.choices] == [0, 1]
 
 
@@ -200,14 +240,16 @@ def test_best_of_returns_the_most_likely(server):
 
 def test_completion_logprobs_are_the_model_s(server, backend, hf_logprobs):
     prompt = "The quick brown"
-    status, answer = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 3})
+    status, answer = post(
+        server, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 3}
+    )
     assert status == 200
     logprobs = answer["choices"][0]["logprobs"]
     ids = backend.encode(prompt)
-    generated = backend.encode(prompt + answer["choices"][0]["text"])[len(ids):]
+    generated = backend.encode(prompt + answer["choices"][0]["text"])[len(ids) :]
     reference = hf_logprobs(ids + generated)
     assert "".join(logprobs["tokens"]) == answer["choices"][0]["text"]
-    for i, (token_id, logprob, top) in enumerate(zip(generated, logprobs["token_logprobs"], logprobs["top_logprobs"])):
+    for i, (token_id, logprob, top) in enumerate(zip(generated, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=False)):
         expected = reference[len(ids) + i - 1]
         assert logprob == pytest.approx(float(expected[token_id]), abs=1e-4)
         assert 3 <= len(top) <= 4  # the 3 most likely, and the chosen one
@@ -220,15 +262,21 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(server, backend, hf_logprobs):
     score-only max_tokens 0)."""
     ids = [backend.encode("Alice: What is two plus two?"), backend.encode("The quick brown fox jumps")]
     for max_tokens in (1, 0):
-        status, answer = post(server, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens, "temperature": 0, "seed": 1234})
+        status, answer = post(
+            server,
+            "/v1/completions",
+            {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens, "temperature": 0, "seed": 1234},
+        )
         assert status == 200, answer
-        for prompt_ids, choice in zip(ids, sorted(answer["choices"], key=lambda c: c["index"])):
+        for prompt_ids, choice in zip(ids, sorted(answer["choices"], key=lambda c: c["index"]), strict=False):
             logprobs = choice["logprobs"]
             assert len(logprobs["tokens"]) == len(prompt_ids) + max_tokens
             assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
             reference = hf_logprobs(prompt_ids)
             for position, token_id in enumerate(prompt_ids[1:], start=1):
-                assert logprobs["token_logprobs"][position] == pytest.approx(float(reference[position - 1, token_id]), abs=1e-4)
+                assert logprobs["token_logprobs"][position] == pytest.approx(
+                    float(reference[position - 1, token_id]), abs=1e-4
+                )
                 greedy = float(reference[position - 1].max())
                 assert max(logprobs["top_logprobs"][position].values()) == pytest.approx(greedy, abs=1e-4)
             assert choice["text"].startswith(backend.decode(prompt_ids))
@@ -254,7 +302,14 @@ def test_streamed_logprobs_equal_the_whole_ones(server):
 
 
 def test_chat_logprobs_whole_and_streamed(sdk):
-    body = dict(model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "How are you today?"}], max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    body = dict(
+        model=openai.NOT_GIVEN,
+        messages=[{"role": "user", "content": "How are you today?"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     whole = sdk.chat.completions.create(**body)
     content = whole.choices[0].logprobs.content
     assert "".join(t.token for t in content).strip() == whole.choices[0].message.content.strip()
@@ -300,8 +355,15 @@ def transformers_greedy(tiny_path, prompt_ids: list[int], n: int, **processing) 
         return scores
 
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.eos_token_id, logits_processor=[mask_undecodable], **processing)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+            logits_processor=[mask_undecodable],
+            **processing,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_penalties_and_bias_match_transformers(server, backend, tiny_path):
@@ -309,7 +371,10 @@ def test_penalties_and_bias_match_transformers(server, backend, tiny_path):
     ids = backend.encode(prompt)
     for options, processing in [
         ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.8}),
-        ({"logit_bias": {str(backend.encode(" blue")[0]): -100}}, {"sequence_bias": {tuple(backend.encode(" blue")[:1]): -100.0}}),
+        (
+            {"logit_bias": {str(backend.encode(" blue")[0]): -100}},
+            {"sequence_bias": {tuple(backend.encode(" blue")[:1]): -100.0}},
+        ),
     ]:
         expected = transformers_greedy(tiny_path, ids, 10, **processing)
         status, answer = post(server, "/generate", {"prompt": prompt, "max_tokens": 10, "logprobs": 0, **options})
@@ -330,8 +395,18 @@ def test_presence_and_frequency_penalties_change_a_repetitive_reply(server):
 
 def test_a_seed_reproduces_inside_a_full_batch(server):
     """Every sampling option at once, alone and beside other requests: the same text."""
-    body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 1.3, "top_k": 40, "top_p": 0.95, "min_p": 0.02,
-            "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.3, "seed": 99}
+    body = {
+        "prompt": "Once upon",
+        "max_tokens": 12,
+        "temperature": 1.3,
+        "top_k": 40,
+        "top_p": 0.95,
+        "min_p": 0.02,
+        "repetition_penalty": 1.2,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.3,
+        "seed": 99,
+    }
     _, alone = post(server, "/generate", body)
     results = {}
 
@@ -348,14 +423,23 @@ def test_a_seed_reproduces_inside_a_full_batch(server):
 
 def test_top_k_one_is_greedy(server):
     _, greedy = post(server, "/generate", {"prompt": "Once upon", "max_tokens": 10})
-    _, top1 = post(server, "/generate", {"prompt": "Once upon", "max_tokens": 10, "temperature": 1.5, "top_k": 1, "seed": 5})
+    _, top1 = post(
+        server, "/generate", {"prompt": "Once upon", "max_tokens": 10, "temperature": 1.5, "top_k": 1, "seed": 5}
+    )
     assert top1["text"] == greedy["text"]
 
 
 def test_langchain_chat_model(server):
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(model=model_of(server), base_url=server.url + "/v1", api_key="unused", max_retries=0, temperature=0, max_tokens=8)
+    chat = ChatOpenAI(
+        model=model_of(server),
+        base_url=server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        temperature=0,
+        max_tokens=8,
+    )
     whole = chat.invoke("How are you today?")
     streamed = "".join(chunk.content for chunk in chat.stream("How are you today?"))
     assert whole.content and streamed == whole.content
@@ -366,7 +450,14 @@ def test_langchain_chat_model(server):
 def test_streamed_choices_carry_their_index(server):
     """Several prompts and choices in one stream: each choice's chunks, in order, make the same
     text as the whole answer; every choice ends once; usage comes last."""
-    body = {"prompt": ["Once upon", "The quick brown"], "n": 2, "max_tokens": 6, "temperature": 0.9, "seed": 8, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": ["Once upon", "The quick brown"],
+        "n": 2,
+        "max_tokens": 6,
+        "temperature": 0.9,
+        "seed": 8,
+        "stream_options": {"include_usage": True},
+    }
     _, whole = post(server, "/v1/completions", body)
     chunks = sse_events(server, "/v1/completions", body)
     texts, ends = {}, []
@@ -377,9 +468,17 @@ def test_streamed_choices_carry_their_index(server):
             ends.append(choice["index"])
     assert sorted(ends) == [0, 1, 2, 3]
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}
-    tokens = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: the second request reuses the first's prompts
-    assert chunks[-1]["choices"] == [] and [chunks[-1]["usage"][k] for k in tokens] == [whole["usage"][k] for k in tokens]
-    chat = sse_events(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 3, "max_tokens": 4})
+    tokens = (
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+    )  # cached_tokens: the second request reuses the first's prompts
+    assert chunks[-1]["choices"] == [] and [chunks[-1]["usage"][k] for k in tokens] == [
+        whole["usage"][k] for k in tokens
+    ]
+    chat = sse_events(
+        server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 3, "max_tokens": 4}
+    )
     roles = [c["choices"][0]["index"] for c in chat if c["choices"][0]["delta"].get("role")]
     finished = [c["choices"][0]["index"] for c in chat if c["choices"][0]["finish_reason"]]
     assert roles == [0, 1, 2] and sorted(finished) == [0, 1, 2]

@@ -8,11 +8,11 @@ import json
 from urllib.parse import urlparse
 
 import pytest
+from conftest import LiveServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from conftest import LiveServer
 from phi2_server import CHAT_SCHEMA, COMPLETIONS_SCHEMA, GENERATE_SCHEMA, Settings, create_app
 
 JSON = st.recursive(
@@ -39,7 +39,15 @@ def from_schema(schema: dict) -> st.SearchStrategy:
             options.append(st.integers(min_value=schema.get("minimum"), max_value=schema.get("maximum")))
         elif kind == "number":
             low = schema.get("minimum", schema.get("exclusiveMinimum"))
-            options.append(st.floats(min_value=low, max_value=schema.get("maximum"), exclude_min="exclusiveMinimum" in schema, allow_nan=False, allow_infinity=False))
+            options.append(
+                st.floats(
+                    min_value=low,
+                    max_value=schema.get("maximum"),
+                    exclude_min="exclusiveMinimum" in schema,
+                    allow_nan=False,
+                    allow_infinity=False,
+                )
+            )
         elif kind == "boolean":
             options.append(st.booleans())
         elif kind == "null":
@@ -69,7 +77,9 @@ def server(backend, tmp_path_factory):
 def call(server, method: str, path: str, body: bytes | None = None):
     url = urlparse(server.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    connection.request(method, path, body=body, headers={"Content-Type": "application/json"} if body is not None else {})
+    connection.request(
+        method, path, body=body, headers={"Content-Type": "application/json"} if body is not None else {}
+    )
     response = connection.getresponse()
     data = response.read()
     connection.close()
@@ -94,7 +104,9 @@ def conforms(document: dict, path: str, method: str, status: int, media: str, da
         lines = [json.loads(line) for line in data.decode("utf-8").splitlines()]
         assert all(set(line) in ({"token"}, {"token", "logprobs"}) for line in lines[:-1]) and lines[-1]["done"] is True
     elif media == "text/event-stream":
-        events = [line.removeprefix("data: ") for line in data.decode("utf-8").splitlines() if line.startswith("data: ")]
+        events = [
+            line.removeprefix("data: ") for line in data.decode("utf-8").splitlines() if line.startswith("data: ")
+        ]
         assert events[-1] == "[DONE]"
         assert all("choices" in json.loads(e) or "error" in json.loads(e) for e in events[:-1])
 
@@ -102,12 +114,19 @@ def conforms(document: dict, path: str, method: str, status: int, media: str, da
 def test_the_document_uses_the_validation_schema(document):
     assert document["openapi"].startswith("3.1")
     for path in ("/generate", "/generate/stream"):
-        assert document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"] == GENERATE_SCHEMA
+        assert (
+            document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"] == GENERATE_SCHEMA
+        )
     Draft202012Validator.check_schema(GENERATE_SCHEMA)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=st.one_of(from_schema(GENERATE_SCHEMA), from_schema(GENERATE_SCHEMA).map(lambda b: {**b, "prompt": "Once upon"}), JSON), stream=st.booleans())
+@given(
+    body=st.one_of(
+        from_schema(GENERATE_SCHEMA), from_schema(GENERATE_SCHEMA).map(lambda b: {**b, "prompt": "Once upon"}), JSON
+    ),
+    stream=st.booleans(),
+)
 def test_fuzz_generation_from_the_document(server, document, body, stream):
     path = "/generate/stream" if stream else "/generate"
     status, media, data = call(server, "POST", path, json.dumps(body).encode())
@@ -127,7 +146,9 @@ def test_every_described_get_answers_as_described(server, document, path):
         from_schema(COMPLETIONS_SCHEMA),
         from_schema(COMPLETIONS_SCHEMA).map(lambda b: {**b, "prompt": "Once upon"}),
         from_schema(CHAT_SCHEMA),
-        from_schema(CHAT_SCHEMA).map(lambda b: {**b, "messages": [{"role": "user", "content": "Hi"}], "tools": [], "audio": None}),
+        from_schema(CHAT_SCHEMA).map(
+            lambda b: {**b, "messages": [{"role": "user", "content": "Hi"}], "tools": [], "audio": None}
+        ),
         JSON,
     ),
 )

@@ -7,7 +7,6 @@ import json
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from test_request_log import read_log
 
 KEYS = "first-key-0123,second-key-4567"
@@ -30,7 +29,12 @@ def bearer(key: str) -> dict:
 @pytest.mark.parametrize("method, path, body", GUARDED)
 async def test_every_guarded_route_needs_a_key_when_keys_are_set(make_client, backend, method, path, body):
     client = await make_client(lambda: backend, api_key=KEYS)
-    for headers in ({}, bearer("wrong"), {"Authorization": "first-key-0123"}, {"Authorization": "Basic first-key-0123"}):
+    for headers in (
+        {},
+        bearer("wrong"),
+        {"Authorization": "first-key-0123"},
+        {"Authorization": "Basic first-key-0123"},
+    ):
         response = await client.request(method, path, json=body, headers=headers)
         assert response.status == 401, (headers, await response.text())
         assert response.headers["WWW-Authenticate"] == "Bearer"
@@ -64,7 +68,9 @@ async def test_keys_from_a_file(make_client, backend, tmp_path):
 
 async def test_no_key_reaches_the_log(make_client, backend, log_dir):
     client = await make_client(lambda: backend, api_key=KEYS)
-    await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 2}, headers=bearer("first-key-0123"))
+    await client.post(
+        "/generate", json={"prompt": "The quick brown", "max_tokens": 2}, headers=bearer("first-key-0123")
+    )
     await client.get("/model/info", headers=bearer("a-wrong-key-9999"))
     text = "".join(path.read_text() for path in log_dir.glob("requests.log*"))
     assert "key-0123" not in text and "a-wrong-key" not in text
@@ -96,7 +102,9 @@ async def test_rate_limit_answers_429_with_retry_after(make_client, backend):
 
 
 async def test_request_ids_round_trip(client, log_dir):
-    response = await client.post("/generate", json={"prompt": "Once upon", "max_tokens": 3}, headers={"X-Request-Id": "trace-42.a"})
+    response = await client.post(
+        "/generate", json={"prompt": "Once upon", "max_tokens": 3}, headers={"X-Request-Id": "trace-42.a"}
+    )
     assert response.headers["X-Request-Id"] == "trace-42.a"
     assert (await response.json())["request_id"] == "trace-42.a"
     stream = await client.post("/generate/stream", json={"prompt": "Once upon", "max_tokens": 3})
@@ -124,7 +132,9 @@ async def test_metrics_parse_and_move(client, backend):
     await client.post("/generate", json={"prompt": ""})
     after = scrape(await (await client.get("/metrics")).text())
     assert after[("phi2_generated_tokens_total", ())] - before.get(("phi2_generated_tokens_total", ()), 0) == 9
-    assert after[("phi2_prompt_tokens_total", ())] - before.get(("phi2_prompt_tokens_total", ()), 0) == len(backend.encode("The quick brown")) + len(backend.encode("Once upon"))
+    assert after[("phi2_prompt_tokens_total", ())] - before.get(("phi2_prompt_tokens_total", ()), 0) == len(
+        backend.encode("The quick brown")
+    ) + len(backend.encode("Once upon"))
     ok = ("phi2_requests_total", (("method", "POST"), ("route", "/generate"), ("status", "200")))
     assert after[ok] == 1
     assert after[("phi2_requests_total", (("method", "POST"), ("route", "/generate"), ("status", "422")))] == 1
@@ -136,25 +146,38 @@ async def test_metrics_parse_and_move(client, backend):
     build = [labels for (name, labels) in after if name == "phi2_build_info"]
     assert dict(build[0])["backend"] == backend.info.backend
     await client.get("/some/unknown/path")
-    assert ("phi2_requests_total", (("method", "GET"), ("route", "unmatched"), ("status", "404"))) in scrape(await (await client.get("/metrics")).text())
+    assert ("phi2_requests_total", (("method", "GET"), ("route", "unmatched"), ("status", "404"))) in scrape(
+        await (await client.get("/metrics")).text()
+    )
 
 
 async def test_cors_is_off_by_default(client):
     response = await client.get("/health", headers={"Origin": "https://app.example"})
     assert "Access-Control-Allow-Origin" not in response.headers
-    preflight = await client.options("/generate", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+    preflight = await client.options(
+        "/generate", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    )
     assert preflight.status == 405
 
 
 async def test_cors_allows_configured_origins(make_client, backend):
     client = await make_client(lambda: backend, cors_origins="https://app.example", api_key=KEYS)
     preflight = await client.options(
-        "/generate", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        "/generate",
+        headers={
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        },
     )
     assert preflight.status == 204
     assert preflight.headers["Access-Control-Allow-Origin"] == "https://app.example"
     assert "Authorization" in preflight.headers["Access-Control-Allow-Headers"]
-    stream = await client.post("/generate/stream", json={"prompt": "Hi", "max_tokens": 2}, headers={"Origin": "https://app.example", **bearer("first-key-0123")})
+    stream = await client.post(
+        "/generate/stream",
+        json={"prompt": "Hi", "max_tokens": 2},
+        headers={"Origin": "https://app.example", **bearer("first-key-0123")},
+    )
     assert stream.headers["Access-Control-Allow-Origin"] == "https://app.example"
     await stream.read()
     denied = await client.get("/health", headers={"Origin": "https://evil.example"})

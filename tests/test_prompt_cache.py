@@ -10,11 +10,11 @@ import asyncio
 import json
 
 import pytest
+from conftest import engine_of, wait_until
+from fakes import Gate, GatedBackend
 
 from backends import Sampling, Sequence
 from backends.prompt_cache import PrefixCache, common_prefix
-from conftest import engine_of, wait_until
-from fakes import Gate, GatedBackend
 
 SYSTEM = "Phi-2 is a Transformer with 2.7 billion parameters trained on synthetic and web data.\n"
 STORY = "Once upon a time there was a little model that generated text one token at a time."
@@ -96,7 +96,15 @@ def test_the_store_never_exceeds_its_budget_and_evicts_the_least_recently_used()
     store(cache, list(range(11)))  # larger than the whole budget: not kept, nothing evicted
     assert cache.usage().entries == 2 and cache.bytes == 8 * 8
     store(cache, [1, 1, 1, 1, 7, 7, 7])  # extending a leaf never evicts the path it extends
-    assert cache.bytes <= cache.budget_bytes and reused(cache, [1, 1, 1, 1, 7, 7, 7, 0], limit=7) == [1, 1, 1, 1, 7, 7, 7]
+    assert cache.bytes <= cache.budget_bytes and reused(cache, [1, 1, 1, 1, 7, 7, 7, 0], limit=7) == [
+        1,
+        1,
+        1,
+        1,
+        7,
+        7,
+        7,
+    ]
     off = PrefixCache(budget_bytes=0)
     store(off, [1, 2])
     assert off.usage().entries == 0 and off.match([1, 2, 3], limit=2) == (0, [])
@@ -134,7 +142,9 @@ async def test_a_longer_prompt_extending_a_cached_one(cached, uncached, backend)
 
 async def test_a_chat_next_turn_reuses_the_history(cached, uncached):
     async def chat(client, messages):
-        response = await client.post("/v1/chat/completions", json={"messages": messages, "temperature": 0, "max_tokens": 30})
+        response = await client.post(
+            "/v1/chat/completions", json={"messages": messages, "temperature": 0, "max_tokens": 30}
+        )
         assert response.status == 200
         return await response.json()
 
@@ -236,7 +246,9 @@ async def test_reuse_is_reported_in_the_stream_usage_and_metrics(cached):
     assert completion["usage"]["prompt_tokens_details"]["cached_tokens"] == last["cached_tokens"]
     await wait_until(lambda: engine_of(cached).prompt_cache_usage().entries >= 1)
     text = await (await cached.get("/metrics")).text()
-    metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("phi2_prompt_cache")}
+    metrics = {
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("phi2_prompt_cache")
+    }
     assert metrics["phi2_prompt_cache_hit_tokens_total"] == 2 * last["cached_tokens"]
     assert metrics["phi2_prompt_cache_miss_tokens_total"] == 3 * last["prompt_tokens"] - 2 * last["cached_tokens"]
     assert 0 < metrics["phi2_prompt_cache_bytes"] <= metrics["phi2_prompt_cache_budget_bytes"]
@@ -320,7 +332,9 @@ def test_mlx_entries_hold_no_more_memory_than_they_count(mlx_backend, max_batch)
     baseline = mx.get_active_memory()
     decoder = mlx_backend.decoder(max_batch, prompt_cache_bytes=64 << 20)
     prompts = [mlx_backend.encode(STORY * (1 + i % 5)) for i in range(24)]
-    drive(decoder, [Sequence(i, prompt, Sampling(temperature=0.8, seed=i), 8 + 3 * i) for i, prompt in enumerate(prompts)])
+    drive(
+        decoder, [Sequence(i, prompt, Sampling(temperature=0.8, seed=i), 8 + 3 * i) for i, prompt in enumerate(prompts)]
+    )
     gc.collect()
     held = mx.get_active_memory() - baseline
     counted = decoder.prompt_cache_usage().bytes

@@ -7,6 +7,7 @@ import json
 import logging
 
 from conftest import wait_until
+
 from phi2_server import REQUEST_LOG
 
 

@@ -145,7 +145,10 @@ async def test_error_after_the_stream_began_ends_it_with_an_error_line(make_clie
     assert lines[-1]["done"] is True
     assert lines[-1]["finish_reason"] == "error"
     # The message names no request's data (a batch's neighbours read it); the log has the rest.
-    assert lines[-1]["error"]["message"] == "generation failed: the decode step raised RuntimeError (the server log has the details)"
+    assert (
+        lines[-1]["error"]["message"]
+        == "generation failed: the decode step raised RuntimeError (the server log has the details)"
+    )
     response = await client.post("/generate", json=LONG)
     assert response.status == 500
     assert (await response.json())["error"]["type"] == "server_error"

@@ -7,9 +7,9 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import write_mlx_adapter
 
 from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
-from conftest import write_mlx_adapter
 
 PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq"]
 
@@ -75,7 +75,9 @@ def test_adapter_is_reported_by_model_info(adapted_backends):
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])
 def test_absent_adapter_serves_the_base_model_with_a_warning(tiny_path, tmp_path, caplog, runtime):
     with caplog.at_level(logging.WARNING):
-        backend = load_backend(runtime, LoadOptions(model=str(tiny_path), adapter_path=str(tmp_path / "absent"), warmup=False))
+        backend = load_backend(
+            runtime, LoadOptions(model=str(tiny_path), adapter_path=str(tmp_path / "absent"), warmup=False)
+        )
     assert backend.info.adapter_applied is False
     assert "does not exist" in caplog.text
 
@@ -180,5 +182,7 @@ async def test_server_reports_and_serves_the_adapter(make_client, adapted_backen
     base = backend.decode(greedy_ids(backend, "Once upon", 20))
     assert with_adapter["text"] != base
     adapted_backend = adapted_backends[runtime]
-    assert with_adapter["text"] == adapted_backend.decode(greedy_ids(adapted_backend, "Once upon", 20, default_adapter(adapted_backend)))
+    assert with_adapter["text"] == adapted_backend.decode(
+        greedy_ids(adapted_backend, "Once upon", 20, default_adapter(adapted_backend))
+    )
     assert with_adapter["adapter"] == adapter_path.name

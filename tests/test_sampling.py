@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
-    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor, TemperatureLogitsWarper,
-    TopKLogitsWarper, TopPLogitsWarper,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
-from backends import Sampling
-from backends import mlx_sampling, torch_sampling
+from backends import Sampling, mlx_sampling, torch_sampling
 from backends.mlx_sampling import SequenceSampler, greedy_sampler, make_sampler
 from backends.torch_sampling import TokenChooser
 
@@ -102,7 +105,9 @@ SETTINGS = [
     Sampling(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.3, logit_bias=BIAS),
     Sampling(temperature=1.5, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=0.8, frequency_penalty=0.3),
     Sampling(temperature=1.5, top_k=5, top_p=0.3, min_p=0.2, presence_penalty=0.5, logit_bias=BIAS),
-    Sampling(temperature=0.7, top_p=0.9, min_p=0.2, repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.2),
+    Sampling(
+        temperature=0.7, top_p=0.9, min_p=0.2, repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.2
+    ),
 ]
 
 
@@ -142,7 +147,12 @@ def test_process_leaves_the_row_alone_and_works_in_float32():
 
 def test_plain_only_when_greedy_and_unprocessed():
     assert TokenChooser(Sampling(), [1], DECODABLE, CPU).plain
-    others = (Sampling(temperature=1.0), Sampling(logit_bias=((1, 1.0),)), Sampling(repetition_penalty=1.1), Sampling(frequency_penalty=0.1))
+    others = (
+        Sampling(temperature=1.0),
+        Sampling(logit_bias=((1, 1.0),)),
+        Sampling(repetition_penalty=1.1),
+        Sampling(frequency_penalty=0.1),
+    )
     for sampling in others:
         assert not TokenChooser(sampling, [1], DECODABLE, CPU).plain
     plain = TokenChooser(Sampling(), [1], DECODABLE, CPU)
@@ -313,4 +323,7 @@ def test_mlx_repetition_penalty_acts_on_raw_logits_through_see_logits():
     assert sampler(processor(mx.array([1]), row) - mx.logsumexp(row, axis=-1, keepdims=True)).item() == 2
     # Without it the penalty acts on log-probabilities (-0.13 -> -0.17 still beats -2.1).
     assert make_sampler(sampling, [1], DECODABLE)(logprobs).item() == 1
-    assert mlx_sampling.logits_processors(make_sampler(Sampling(temperature=1.0, presence_penalty=1.0), [], DECODABLE)) == []
+    assert (
+        mlx_sampling.logits_processors(make_sampler(Sampling(temperature=1.0, presence_penalty=1.0), [], DECODABLE))
+        == []
+    )

@@ -42,8 +42,14 @@ def wait_ready(process: subprocess.Popen, port: int, timeout: float, output) -> 
 
 @contextlib.contextmanager
 def server_process(
-    model: Path, log_dir: Path, backend: str, grace: float, max_batch: int = 1, release_on_shutdown: bool = False,
-    drain_delay: float = 0.0, gate: str | None = None,
+    model: Path,
+    log_dir: Path,
+    backend: str,
+    grace: float,
+    max_batch: int = 1,
+    release_on_shutdown: bool = False,
+    drain_delay: float = 0.0,
+    gate: str | None = None,
 ):
     """The server as a real process, its streams held after their first token (gated_server.py)."""
     port = free_port()
@@ -135,7 +141,10 @@ def test_with_a_drain_delay_sigterm_turns_ready_503_first_and_keeps_serving(tiny
     """Behind a load balancer: on SIGTERM /ready fails at once, so its health checks take the
     server out, while requests that still arrive are served. (The delay is an hour: the test ends
     it with a second signal, which exits at once.)"""
-    with server_process(tiny_path, tmp_path / "logs", "torch", grace=5, drain_delay=3600, gate="open") as (process, port):
+    with server_process(tiny_path, tmp_path / "logs", "torch", grace=5, drain_delay=3600, gate="open") as (
+        process,
+        port,
+    ):
         assert get(port, "/ready") == (200, {"ready": True, "status": "ok", "draining": False})
         process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 60
@@ -145,7 +154,9 @@ def test_with_a_drain_delay_sigterm_turns_ready_503_first_and_keeps_serving(tiny
         assert get(port, "/ready") == (503, {"ready": False, "status": "ok", "draining": True})
         assert get(port, "/health")[0] == 200  # alive: a liveness probe must not restart it
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        connection.request("POST", "/generate", body=json.dumps({"prompt": "Once upon", "max_tokens": 5, "ignore_eos": True}))
+        connection.request(
+            "POST", "/generate", body=json.dumps({"prompt": "Once upon", "max_tokens": 5, "ignore_eos": True})
+        )
         response = connection.getresponse()
         assert response.status == 200 and json.loads(response.read())["tokens_used"] == 5
         process.send_signal(signal.SIGTERM)

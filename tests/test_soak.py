@@ -31,7 +31,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
 from conftest import write_mlx_adapter
 from test_isolation import BROKEN_REGEXES, BROKEN_SCHEMAS, FAILS_LATER
 from test_request_log import read_log
@@ -54,12 +53,24 @@ def soak_adapters(tiny_path, tmp_path_factory) -> Path:
 def serving(model: Path, runtime: str, log_dir: Path, adapters: Path):
     port = free_port()
     env = {
-        **os.environ, "PHI2_MODEL": str(model), "PHI2_BACKEND": runtime, "PORT": str(port), "LOG_DIR": str(log_dir),
-        "ADAPTER_PATH": "", "ADAPTERS_DIR": str(adapters), "SERVED_MODEL_NAME": "soak", "MAX_BATCH": "4",
-        "WRITE_TIMEOUT": "2", "BODY_TIMEOUT": "5", "IDLE_TIMEOUT": "10", "REQUEST_TIMEOUT": "120",
+        **os.environ,
+        "PHI2_MODEL": str(model),
+        "PHI2_BACKEND": runtime,
+        "PORT": str(port),
+        "LOG_DIR": str(log_dir),
+        "ADAPTER_PATH": "",
+        "ADAPTERS_DIR": str(adapters),
+        "SERVED_MODEL_NAME": "soak",
+        "MAX_BATCH": "4",
+        "WRITE_TIMEOUT": "2",
+        "BODY_TIMEOUT": "5",
+        "IDLE_TIMEOUT": "10",
+        "REQUEST_TIMEOUT": "120",
         "PROMPT_CACHE_BYTES": str(32 << 20),  # full within seconds: then memory must stay level
     }
-    process = subprocess.Popen([sys.executable, "phi2_server.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [sys.executable, "phi2_server.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         wait_ready(process, port, 120, lambda: process.stderr.read().decode())
         yield process, port
@@ -130,11 +141,21 @@ class Traffic:
 
     async def run(self, session: aiohttp.ClientSession, until: float) -> None:
         kinds = [
-            (self.generate, 8), (self.stream, 8), (self.chat_stream, 6), (self.choices, 4), (self.dropped, 5),
-            (self.heavy_logprobs, 2), (self.adapter, 3), (self.grammar, 4), (self.broken_grammar, 3),
-            (self.bad_input, 5), (self.megabyte, 1), (self.unparseable_header, 2), (self.stops_reading, 1),
+            (self.generate, 8),
+            (self.stream, 8),
+            (self.chat_stream, 6),
+            (self.choices, 4),
+            (self.dropped, 5),
+            (self.heavy_logprobs, 2),
+            (self.adapter, 3),
+            (self.grammar, 4),
+            (self.broken_grammar, 3),
+            (self.bad_input, 5),
+            (self.megabyte, 1),
+            (self.unparseable_header, 2),
+            (self.stops_reading, 1),
         ]
-        functions, weights = zip(*kinds)
+        functions, weights = zip(*kinds, strict=False)
         while time.monotonic() < until:
             kind = self.random.choices(functions, weights)[0]
             status = await kind(session)
@@ -149,14 +170,31 @@ class Traffic:
             return response.status
 
     async def generate(self, session):
-        return await self.post(session, "/generate", {"prompt": "The quick brown", "max_tokens": self.random.randint(1, 40), "temperature": 0.7}, {200})
+        return await self.post(
+            session,
+            "/generate",
+            {"prompt": "The quick brown", "max_tokens": self.random.randint(1, 40), "temperature": 0.7},
+            {200},
+        )
 
     async def stream(self, session):
-        body = {"prompt": "Once upon a time", "max_tokens": self.random.randint(1, 60), "ignore_eos": True, "logprobs": self.random.choice([None, 3])}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": self.random.randint(1, 60),
+            "ignore_eos": True,
+            "logprobs": self.random.choice([None, 3]),
+        }
         return await self.post(session, "/generate/stream", body, {200})
 
     async def chat_stream(self, session):
-        body = {"model": "soak", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30, "n": 2, "stream": True, "temperature": 1.0}
+        body = {
+            "model": "soak",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 30,
+            "n": 2,
+            "stream": True,
+            "temperature": 1.0,
+        }
         return await self.post(session, "/v1/chat/completions", body, {200})
 
     async def choices(self, session):
@@ -164,21 +202,43 @@ class Traffic:
         return await self.post(session, "/v1/completions", body, {200})
 
     async def heavy_logprobs(self, session):
-        body = {"messages": [{"role": "user", "content": "Hi"}], "n": 8, "max_tokens": 48, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}
+        body = {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "n": 8,
+            "max_tokens": 48,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "ignore_eos": True,
+        }
         return await self.post(session, "/v1/chat/completions", body, {200})
 
     async def adapter(self, session):
         if self.random.random() < 0.5:
-            return await self.post(session, "/generate", {"prompt": "Once upon", "max_tokens": 16, "adapter": "soak-a"}, {200})
-        return await self.post(session, "/v1/completions", {"model": "soak:soak-a", "prompt": "Once upon", "max_tokens": 16}, {200})
+            return await self.post(
+                session, "/generate", {"prompt": "Once upon", "max_tokens": 16, "adapter": "soak-a"}, {200}
+            )
+        return await self.post(
+            session, "/v1/completions", {"model": "soak:soak-a", "prompt": "Once upon", "max_tokens": 16}, {200}
+        )
 
     async def grammar(self, session):
         name = f"field_{next(self.names)}"  # a new schema each time: the cache misses
-        schema = {"type": "object", "properties": {name: {"type": "integer"}, "ok": {"type": "boolean"}}, "required": [name, "ok"], "additionalProperties": False}
+        schema = {
+            "type": "object",
+            "properties": {name: {"type": "integer"}, "ok": {"type": "boolean"}},
+            "required": [name, "ok"],
+            "additionalProperties": False,
+        }
         return await self.post(session, "/generate", {"prompt": "Hi", "json_schema": schema, "max_tokens": 40}, {200})
 
     async def broken_grammar(self, session):
-        choice = self.random.choice([*(("regex", r) for r in BROKEN_REGEXES[:2]), *(("json_schema", s) for s in BROKEN_SCHEMAS), ("json_schema", FAILS_LATER)])
+        choice = self.random.choice(
+            [
+                *(("regex", r) for r in BROKEN_REGEXES[:2]),
+                *(("json_schema", s) for s in BROKEN_SCHEMAS),
+                ("json_schema", FAILS_LATER),
+            ]
+        )
         body = {"prompt": "Hi", choice[0]: choice[1], "max_tokens": 40}
         if self.random.random() < 0.5:
             path = "/generate/stream"  # a failing grammar in a stream: 422 at compile time, or an error line
@@ -186,10 +246,16 @@ class Traffic:
         return await self.post(session, "/generate", body, {422})
 
     async def bad_input(self, session):
-        body, expect = self.random.choice([
-            (b"{not json", {400}), ('{"prompt": ' + "[" * 600 + "]" * 600 + "}", {400}), ({"prompt": "x", "max_tokens": -1}, {422}),
-            ({"prompt": "x", "temperature": "hot"}, {422}), ({"prompt": "x", "logit_bias": {"99999999": 5}}, {422}), ({"prompt": ""}, {422}),
-        ])
+        body, expect = self.random.choice(
+            [
+                (b"{not json", {400}),
+                ('{"prompt": ' + "[" * 600 + "]" * 600 + "}", {400}),
+                ({"prompt": "x", "max_tokens": -1}, {422}),
+                ({"prompt": "x", "temperature": "hot"}, {422}),
+                ({"prompt": "x", "logit_bias": {"99999999": 5}}, {422}),
+                ({"prompt": ""}, {422}),
+            ]
+        )
         return await self.post(session, "/generate", body, expect)
 
     async def megabyte(self, session):
@@ -217,14 +283,27 @@ class Traffic:
 
     async def stops_reading(self, session):
         """A stream whose client reads nothing: the server drops it after WRITE_TIMEOUT."""
-        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "n": 16, "max_tokens": 300, "ignore_eos": True,
-                           "logprobs": True, "top_logprobs": 20, "stream": True}).encode()
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "n": 16,
+                "max_tokens": 300,
+                "ignore_eos": True,
+                "logprobs": True,
+                "top_logprobs": 20,
+                "stream": True,
+            }
+        ).encode()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", self.port))
         request_id = self.headers()["X-Request-Id"]
-        await asyncio.get_running_loop().sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (request_id.encode(), len(body), body))
+        await asyncio.get_running_loop().sock_sendall(
+            sock,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s"
+            % (request_id.encode(), len(body), body),
+        )
         await asyncio.sleep(4)  # past WRITE_TIMEOUT, reading nothing
         sock.close()
         return None
@@ -249,15 +328,22 @@ async def test_soak(tiny_path, soak_adapters, tmp_path, runtime):
         deadline = time.monotonic() + 60
         probe.stop.set()
         probe.join(15)
-        while len(soak_lines(log_dir)) < len(traffic.sent) + len(probe.sent) + traffic.unparseable and time.monotonic() < deadline:
+        while (
+            len(soak_lines(log_dir)) < len(traffic.sent) + len(probe.sent) + traffic.unparseable
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.2)
 
     lines = soak_lines(log_dir)
     logged = [line["request_id"] for line in lines if line["path"] is not None]
     unlogged = Counter(traffic.sent + probe.sent) - Counter(logged)
-    unknown = [line for line in lines if line["path"] is not None and line["request_id"] not in set(traffic.sent + probe.sent)]
+    unknown = [
+        line for line in lines if line["path"] is not None and line["request_id"] not in set(traffic.sent + probe.sent)
+    ]
     twice = [rid for rid, n in Counter(logged).items() if n > 1]
-    assert not (unlogged or unknown or twice), f"not logged: {len(unlogged)}; logged but unknown: {unknown[:3]}; twice: {twice[:3]}"
+    assert not (unlogged or unknown or twice), (
+        f"not logged: {len(unlogged)}; logged but unknown: {unknown[:3]}; twice: {twice[:3]}"
+    )
     assert len(lines) - len(logged) == traffic.unparseable
     assert not [line for line in lines if line["status"] >= 500]
     assert not [s for s in traffic.statuses if s[1] >= 500]
@@ -275,5 +361,7 @@ async def test_soak(tiny_path, soak_adapters, tmp_path, runtime):
     threads_first, threads_last = max(s[1] for s in first), max(s[1] for s in last)
     assert rss_last <= rss_first * 1.15 + 64 * 1024, f"resident memory grew: {rss_first} KiB, then {rss_last} KiB"
     assert threads_last <= threads_first + 2, f"threads grew: {threads_first}, then {threads_last}"
-    print(f"soak {runtime}: {len(lines)} requests in {SOAK_SECONDS:.0f} s, /health p99 {p99:.1f} ms (max {latencies[-1]:.1f}), "
-          f"RSS {rss_first // 1024}->{rss_last // 1024} MiB, threads {threads_first}->{threads_last}")
+    print(
+        f"soak {runtime}: {len(lines)} requests in {SOAK_SECONDS:.0f} s, /health p99 {p99:.1f} ms (max {latencies[-1]:.1f}), "
+        f"RSS {rss_first // 1024}->{rss_last // 1024} MiB, threads {threads_first}->{threads_last}"
+    )

@@ -16,13 +16,15 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-
 from conftest import post
 
 SCHEMAS = {
     "object": {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     },
@@ -49,13 +51,19 @@ SCHEMAS = {
     "array": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
     "pattern": {
         "type": "object",
-        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}, "when": {"type": "string", "format": "date"}},
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+            "when": {"type": "string", "format": "date"},
+        },
         "required": ["code", "when"],
         "additionalProperties": False,
     },
     "numbers": {
         "type": "object",
-        "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1}, "count": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20}},
+        "properties": {
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "count": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20},
+        },
         "required": ["ratio", "count"],
         "additionalProperties": False,
     },
@@ -92,7 +100,14 @@ def test_every_completed_output_validates(server, name):
     schema = SCHEMAS[name]
     plain = {"prompt": "Once upon", "max_tokens": 12}
     _, alone = post(server, "/generate", plain)
-    calls = [lambda seed=seed: post(server, "/generate", {"prompt": "Alice: Hi", "json_schema": schema, "temperature": 1.0, "seed": seed, "max_tokens": 120}) for seed in range(3)]
+    calls = [
+        lambda seed=seed: post(
+            server,
+            "/generate",
+            {"prompt": "Alice: Hi", "json_schema": schema, "temperature": 1.0, "seed": seed, "max_tokens": 120},
+        )
+        for seed in range(3)
+    ]
     *constrained, beside = concurrently(*calls, lambda: post(server, "/generate", plain))
     assert beside[1]["text"] == alone["text"]  # the unconstrained neighbour is not affected
     completed = 0
@@ -109,8 +124,16 @@ def test_every_completed_output_validates(server, name):
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
 def test_response_format_json_schema(server, route):
     schema = SCHEMAS["object"]
-    body = {"max_tokens": 120, "temperature": 1.0, "seed": 7, "n": 3, "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}}
-    body.update({"messages": [{"role": "user", "content": "Who are you?"}]} if "chat" in route else {"prompt": "Who are you?"})
+    body = {
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}},
+    }
+    body.update(
+        {"messages": [{"role": "user", "content": "Who are you?"}]} if "chat" in route else {"prompt": "Who are you?"}
+    )
     status, answer = post(server, route, body)
     assert status == 200, answer
     for choice in answer["choices"]:
@@ -120,7 +143,16 @@ def test_response_format_json_schema(server, route):
 
 
 def test_json_mode_gives_an_object(server):
-    status, answer = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_object"}, "temperature": 0, "max_tokens": 300})
+    status, answer = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_object"},
+            "temperature": 0,
+            "max_tokens": 300,
+        },
+    )
     assert status == 200
     choice = answer["choices"][0]
     if choice["finish_reason"] == "stop":
@@ -138,8 +170,12 @@ def test_sdk_parse_with_a_pydantic_model(server):
     sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     for seed in range(3):
         reply = sdk.chat.completions.parse(
-            model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "Who are you?"}], response_format=Person,
-            max_tokens=300, temperature=1.0, seed=seed,
+            model=openai.NOT_GIVEN,
+            messages=[{"role": "user", "content": "Who are you?"}],
+            response_format=Person,
+            max_tokens=300,
+            temperature=1.0,
+            seed=seed,
         )
         person = reply.choices[0].message.parsed
         assert isinstance(person, Person) and 0 <= person.age <= 120
@@ -147,10 +183,17 @@ def test_sdk_parse_with_a_pydantic_model(server):
 
 def test_streamed_output_joins_to_the_same_json(server):
     schema = SCHEMAS["nested"]
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 150, "temperature": 1.0, "seed": 2,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 150,
+        "temperature": 1.0,
+        "seed": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    }
     _, whole = post(server, "/v1/chat/completions", body)
-    request = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode())
+    request = urllib.request.Request(
+        server.url + "/v1/chat/completions", data=json.dumps({**body, "stream": True}).encode()
+    )
     with urllib.request.urlopen(request) as response:
         events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
     chunks = [json.loads(e) for e in events[:-1]]
@@ -158,7 +201,12 @@ def test_streamed_output_joins_to_the_same_json(server):
     assert text == whole["choices"][0]["message"]["content"]
     assert whole["choices"][0]["finish_reason"] == "stop"
     validate(text, schema)
-    request = urllib.request.Request(server.url + "/generate/stream", data=json.dumps({"prompt": "Hi", "json_schema": schema, "temperature": 1.0, "seed": 2, "max_tokens": 150}).encode())
+    request = urllib.request.Request(
+        server.url + "/generate/stream",
+        data=json.dumps(
+            {"prompt": "Hi", "json_schema": schema, "temperature": 1.0, "seed": 2, "max_tokens": 150}
+        ).encode(),
+    )
     with urllib.request.urlopen(request) as response:
         lines = [json.loads(line) for line in response.read().decode().splitlines()]
     assert lines[-1]["finish_reason"] == "stop"
@@ -174,7 +222,11 @@ def test_greedy_under_a_schema_is_deterministic(server):
 
 def test_regex_on_the_native_api(server):
     for seed in range(3):
-        status, answer = post(server, "/generate", {"prompt": "Date:", "regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}", "temperature": 1.0, "seed": seed})
+        status, answer = post(
+            server,
+            "/generate",
+            {"prompt": "Date:", "regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}", "temperature": 1.0, "seed": seed},
+        )
         assert status == 200 and answer["finish_reason"] == "stop"
         assert re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", answer["text"])
 
@@ -182,21 +234,37 @@ def test_regex_on_the_native_api(server):
 def test_a_cut_short_output_says_length(server):
     """max_tokens ends a JSON text that cannot be complete yet: finish_reason says length."""
     schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 40}}, "required": ["story"]}
-    body = {"prompt": "x", "max_tokens": 5, "temperature": 1.0, "seed": 3, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    body = {
+        "prompt": "x",
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    }
     status, answer = post(server, "/v1/completions", body)
     assert status == 200
     assert answer["choices"][0]["finish_reason"] == "length"
     assert '{"story": "'.startswith(answer["choices"][0]["text"][:11])  # the start of the only object it may be
 
 
-@pytest.mark.parametrize("schema, reason", [
-    ({"type": 5}, "type must be a string"),
-    ({"$ref": "#/definitions/nope"}, "does not exist"),
-    ({"type": "integer", "minimum": 10, "maximum": 1}, "minimum"),
-    ({"type": "string", "format": "no-such-format"}, "format"),
-])
+@pytest.mark.parametrize(
+    "schema, reason",
+    [
+        ({"type": 5}, "type must be a string"),
+        ({"$ref": "#/definitions/nope"}, "does not exist"),
+        ({"type": "integer", "minimum": 10, "maximum": 1}, "minimum"),
+        ({"type": "string", "format": "no-such-format"}, "format"),
+    ],
+)
 def test_a_schema_that_cannot_compile_is_a_clear_error(server, schema, reason):
-    status, answer = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    status, answer = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        },
+    )
     assert status == 400, answer
     assert answer["error"]["param"] == "response_format.json_schema.schema"
     assert reason in answer["error"]["message"]
@@ -204,12 +272,15 @@ def test_a_schema_that_cannot_compile_is_a_clear_error(server, schema, reason):
     assert (status, answer["error"]["field"]) == (422, "json_schema")
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"regex": "(a"}, "regex"),
-    ({"regex": "a", "json_schema": {}}, "regex"),
-    ({"json_schema": {"type": "object"}, "stop": "}"}, "stop"),
-    ({"json_schema": {"type": "object"}, "ignore_eos": True}, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"regex": "(a"}, "regex"),
+        ({"regex": "a", "json_schema": {}}, "regex"),
+        ({"json_schema": {"type": "object"}, "stop": "}"}, "stop"),
+        ({"json_schema": {"type": "object"}, "ignore_eos": True}, "ignore_eos"),
+    ],
+)
 def test_what_a_constraint_cannot_combine_with(server, body, field):
     status, answer = post(server, "/generate", {"prompt": "Hi", **body})
     assert (status, answer["error"]["field"]) == (422, field), answer
@@ -225,15 +296,18 @@ def test_a_pathological_schema_is_bounded(server):
     if status == 422:
         assert answer["error"]["field"] == "json_schema"
     big_enum = {"enum": [f"value-{i}" for i in range(20_000)]}
-    status, answer = post(server, "/generate", {"prompt": "Hi", "json_schema": big_enum, "max_tokens": 20, "temperature": 1.0, "seed": 1})
+    status, answer = post(
+        server, "/generate", {"prompt": "Hi", "json_schema": big_enum, "max_tokens": 20, "temperature": 1.0, "seed": 1}
+    )
     assert status == 200 and (answer["finish_reason"] == "length" or json.loads(answer["text"]) in big_enum["enum"])
 
 
 async def test_a_compile_past_the_time_limit_is_refused(make_client, backend, monkeypatch):
     """A grammar still compiling at GRAMMAR_TIMEOUT_S: a clear 422 then, not a wait. The compile
     is held by an event (never a guess at how slow a schema is), released at the end."""
-    import phi2_server
     from fakes import WrappedBackend
+
+    import phi2_server
 
     release = threading.Event()
 

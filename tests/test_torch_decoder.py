@@ -9,7 +9,15 @@ from backends import Sampling, Sequence
 from backends.drive import drive
 from backends.torch_decoder import BatchedDecoder, supports
 
-PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq", "Alice: How are you today?\nBob:"]
+PROMPTS = [
+    "The quick brown",
+    "Once upon",
+    "日本語の",
+    "Hello world",
+    "def f(x):\n",
+    "zq",
+    "Alice: How are you today?\nBob:",
+]
 
 
 def alone(backend, prompt: str, n: int, sampling: Sampling = Sampling()) -> list[int]:
@@ -29,7 +37,7 @@ def test_the_tiny_model_takes_the_fast_path(torch_backend):
 
 @pytest.mark.parametrize("chunk", [3, 64])
 def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
-    requests = [(p, n, Sampling()) for p, n in zip(PROMPTS, [40, 7, 90, 1, 33, 60, 25])]
+    requests = [(p, n, Sampling()) for p, n in zip(PROMPTS, [40, 7, 90, 1, 33, 60, 25], strict=False)]
     decoder = BatchedDecoder(torch_backend.decoder_weights, 3, prefill_chunk=chunk)
     out = run_batch(decoder, requests, torch_backend)
     for i, (prompt, n, _) in enumerate(requests):
@@ -59,7 +67,11 @@ def test_long_generations_grow_the_cache(torch_backend):
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(torch_backend):
     sampled = Sampling(temperature=1.5, top_p=0.9, seed=42)
-    requests = [("Hello world", 30, sampled), ("Once upon", 30, Sampling()), ("zq", 30, Sampling(temperature=2.0, seed=1))]
+    requests = [
+        ("Hello world", 30, sampled),
+        ("Once upon", 30, Sampling()),
+        ("zq", 30, Sampling(temperature=2.0, seed=1)),
+    ]
     out = run_batch(BatchedDecoder(torch_backend.decoder_weights, 3), requests, torch_backend)
     assert out[0] == alone(torch_backend, "Hello world", 30, sampled)
     assert out[2] == alone(torch_backend, "zq", 30, Sampling(temperature=2.0, seed=1))

@@ -53,7 +53,15 @@ async def test_invalid_fields_are_422_naming_the_field(client, body, field):
 
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"not json", b"{", b'{"prompt": "a",}', b'{"prompt": NaN}', b'{"prompt": "x", "top_p": Infinity}', b"\xff\xfe"],
+    [
+        b"",
+        b"not json",
+        b"{",
+        b'{"prompt": "a",}',
+        b'{"prompt": NaN}',
+        b'{"prompt": "x", "top_p": Infinity}',
+        b"\xff\xfe",
+    ],
 )
 async def test_malformed_json_is_400(client, raw):
     response = await client.post("/generate", data=raw, headers={"Content-Type": "application/json"})
@@ -71,7 +79,9 @@ async def test_json_that_is_not_an_object_is_422(client, body):
 async def test_any_content_type_is_read_as_json(client):
     # curl -d sends application/x-www-form-urlencoded unless told otherwise.
     response = await client.post(
-        "/generate", data=b'{"prompt": "Hi", "max_tokens": 1}', headers={"Content-Type": "application/x-www-form-urlencoded"}
+        "/generate",
+        data=b'{"prompt": "Hi", "max_tokens": 1}',
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
     assert response.status == 200
 

@@ -58,7 +58,9 @@ async def test_requests_queue_in_arrival_order(make_client, backend):
     finished = []
 
     async def one(i):
-        response = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 5, "ignore_eos": True})
+        response = await client.post(
+            "/generate", json={"prompt": "The quick brown", "max_tokens": 5, "ignore_eos": True}
+        )
         assert response.status == 200
         finished.append(i)
 

@@ -10,6 +10,7 @@ Run (libraries installed with pip --target, never into the project venv):
 The driver runs every library (and every pathological case) in a fresh subprocess
 (`--worker LIB` / `--patho LIB CASE`), collects JSON lines and prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,17 +45,24 @@ SCHEMAS = {
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 5},
             "address": {
                 "type": "object",
-                "properties": {"street": {"type": "string"}, "city": {"type": "string"},
-                               "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "properties": {
+                    "street": {"type": "string"},
+                    "city": {"type": "string"},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
                 "required": ["street", "city", "zip"],
             },
             "orders": {
-                "type": "array", "minItems": 0, "maxItems": 3,
+                "type": "array",
+                "minItems": 0,
+                "maxItems": 3,
                 "items": {
                     "type": "object",
-                    "properties": {"sku": {"type": "string"},
-                                   "qty": {"type": "integer", "minimum": 1, "maximum": 99},
-                                   "kind": {"enum": ["book", "toy", "food"]}},
+                    "properties": {
+                        "sku": {"type": "string"},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                        "kind": {"enum": ["book", "toy", "food"]},
+                    },
                     "required": ["sku", "qty", "kind"],
                 },
             },
@@ -66,21 +74,33 @@ SCHEMAS = {
 }
 # (valid document, invalid document) -- serialised with json.dumps defaults: ", " and ": "
 SAMPLES = {
-    "flat": ({"name": "Al", "age": 42, "email": "al@example.com"},
-             {"name": "Al", "age": 200, "email": "al@example.com"}),
-    "nested": ({"id": 7, "status": "active", "tags": ["a", "b"],
-                "address": {"street": "1 Main St", "city": "Oslo", "zip": "01234"},
-                "orders": [{"sku": "X1", "qty": 2, "kind": "toy"}]},
-               {"id": 7, "status": "gone", "tags": ["a"],
-                "address": {"street": "1 Main St", "city": "Oslo", "zip": "01234"}, "orders": []}),
+    "flat": (
+        {"name": "Al", "age": 42, "email": "al@example.com"},
+        {"name": "Al", "age": 200, "email": "al@example.com"},
+    ),
+    "nested": (
+        {
+            "id": 7,
+            "status": "active",
+            "tags": ["a", "b"],
+            "address": {"street": "1 Main St", "city": "Oslo", "zip": "01234"},
+            "orders": [{"sku": "X1", "qty": 2, "kind": "toy"}],
+        },
+        {
+            "id": 7,
+            "status": "gone",
+            "tags": ["a"],
+            "address": {"street": "1 Main St", "city": "Oslo", "zip": "01234"},
+            "orders": [],
+        },
+    ),
     "regex": ("ABC-1234-abcd", "AB-1234-abcd"),
-    "jsonmode": ({"a": [1, {"b": None}], "c": "x", "d": {"e": {"f": [True]}}},
-                 [1, 2]),
+    "jsonmode": ({"a": [1, {"b": None}], "c": "x", "d": {"e": {"f": [True]}}}, [1, 2]),
 }
 INVALID = {
     "bad_ref": '{"type":"object","properties":{"a":{"$ref":"#/nope"}}}',
     "bad_type": '{"type": 5}',
-    "not_json": '{not json',
+    "not_json": "{not json",
     "bad_regex": '{"type":"string","pattern":"(unclosed"}',
     "min_gt_max": '{"type":"integer","minimum":10,"maximum":1}',
     "unknown_format": '{"type":"string","format":"foo"}',
@@ -103,9 +123,16 @@ def patho_schema(case: str):
     if case == "enum_200k":
         return {"enum": [f"v{i:06d}" for i in range(200000)]}
     if case == "recursive_ref":
-        return {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"},
-                "kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "required": ["v"]}},
-                "$ref": "#/$defs/n"}
+        return {
+            "$defs": {
+                "n": {
+                    "type": "object",
+                    "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+                    "required": ["v"],
+                }
+            },
+            "$ref": "#/$defs/n",
+        }
     if case == "enum_20k":
         return {"enum": [f"value_{i:05d}_{(i * 7919) % 100003:x}" for i in range(20000)]}
     if case == "regex_a_aa_b1000":
@@ -119,8 +146,18 @@ def patho_schema(case: str):
     raise KeyError(case)
 
 
-PATHO = ["deep_nest_30", "deep_nest_100", "recursive_ref", "enum_20k", "regex_a_aa_b1000", "regex_dfa_blowup",
-         "array_min1000", "str_len_100k", "regex_nested_counts", "enum_200k"]
+PATHO = [
+    "deep_nest_30",
+    "deep_nest_100",
+    "recursive_ref",
+    "enum_20k",
+    "regex_a_aa_b1000",
+    "regex_dfa_blowup",
+    "array_min1000",
+    "str_len_100k",
+    "regex_nested_counts",
+    "enum_200k",
+]
 
 
 def now():
@@ -132,18 +169,25 @@ def stats(xs):
     n = len(xs)
     if not n:
         return {}
-    return {"mean_ms": 1e3 * sum(xs) / n, "p50_ms": 1e3 * xs[n // 2],
-            "p99_ms": 1e3 * xs[min(n - 1, int(round(0.99 * (n - 1))))], "max_ms": 1e3 * xs[-1], "n": n}
+    return {
+        "mean_ms": 1e3 * sum(xs) / n,
+        "p50_ms": 1e3 * xs[n // 2],
+        "p99_ms": 1e3 * xs[min(n - 1, int(round(0.99 * (n - 1))))],
+        "max_ms": 1e3 * xs[-1],
+        "n": n,
+    }
 
 
 def load_tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
 def byte_vocab(tok):
     """token id -> raw bytes (GPT-2 byte-level decoding; added whitespace tokens are literal)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     u2b = {v: k for k, v in bytes_to_unicode().items()}
     added = {t.content for t in tok.added_tokens_decoder.values()}
     out = {}
@@ -155,32 +199,36 @@ def byte_vocab(tok):
 # ---------------------------------------------------------------- library adapters
 class Adapter:
     """Uniform interface. A 'compiled' object is whatever the library caches per schema."""
+
     name = "?"
     mlx_native = False
 
     def init(self, tok): ...
-    def compile_cold(self, schema_str, key): ...      # -> compiled (no cache)
-    def compile_cached(self, schema_str, key): ...    # -> compiled (from cache)
+    def compile_cold(self, schema_str, key): ...  # -> compiled (no cache)
+    def compile_cached(self, schema_str, key): ...  # -> compiled (from cache)
     def matcher(self, compiled): ...
-    def fill(self, m, bm, row=0): ...                 # bm: torch int32 (B, 1600)
+    def fill(self, m, bm, row=0): ...  # bm: torch int32 (B, 1600)
     def fill_batch(self, ms, bm): ...
     def apply_torch(self, logits, bm): ...
     def apply_mlx(self, logits_mx, bm_np): ...
-    def advance(self, m, t): ...                      # -> bool
+    def advance(self, m, t): ...  # -> bool
     def advance_batch(self, ms, toks): ...
     def accepting(self, m): ...
     def reset(self, m): ...
-    def eos_advances(self): return True               # may EOS be fed to the matcher?
+    def eos_advances(self):
+        return True  # may EOS be fed to the matcher?
 
 
 def apply_torch_generic(logits, bm):
     import torch
+
     bits = ((bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().view(bm.shape[0], -1)
     logits.masked_fill_(~bits[:, : logits.shape[1]], float("-inf"))
 
 
 def apply_mlx_generic(logits, bm_np):
     import mlx.core as mx
+
     m = mx.array(bm_np)
     bits = ((m[..., None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(m.shape[0], -1)[:, : logits.shape[-1]]
     out = mx.where(bits.astype(mx.bool_), logits, mx.array(float("-inf"), dtype=logits.dtype))
@@ -193,12 +241,14 @@ class XGR(Adapter):
 
     def init(self, tok):
         import xgrammar as xgr
+
         self.xgr = xgr
         self.ti = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB)  # stop_token_ids = eos
         self.gc = xgr.GrammarCompiler(self.ti, max_threads=2, cache_enabled=True, cache_limit_bytes=256 << 20)
         self.batch = xgr.BatchGrammarMatcher(max_threads=2)
         try:
             from xgrammar.kernels.apply_token_bitmask_mlx import apply_token_bitmask_mlx
+
             self._mlx = apply_token_bitmask_mlx
             self.mlx_native = True
         except Exception:
@@ -230,6 +280,7 @@ class XGR(Adapter):
 
     def apply_mlx(self, logits, bm_np):
         import mlx.core as mx
+
         out = self._mlx(mx.array(bm_np), logits, logits.shape[-1])
         mx.eval(out)
         return out
@@ -255,6 +306,7 @@ class LLG(Adapter):
         import llguidance as llg
         import llguidance.hf
         import llguidance.numpy as lnp
+
         self.llg, self.lnp = llg, lnp
         self.lt = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB)
         self.ex = llg.LLExecutor(num_threads=2)
@@ -281,13 +333,13 @@ class LLG(Adapter):
         m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
 
     def fill_batch(self, ms, bm):
-        self.ex.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(ms)], bm.data_ptr(), bm.shape[1] * 4,
-                                        bm.shape[0])
+        self.ex.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(ms)], bm.data_ptr(), bm.shape[1] * 4, bm.shape[0])
 
     def apply_torch(self, logits, bm):
         if self._torch_apply is None:
             try:
                 import llguidance.torch as lt
+
                 self._torch_apply = lt.apply_token_bitmask_inplace  # torch.compile'd kernel
                 self._torch_apply(logits.clone(), bm)
             except Exception as e:  # no C compiler etc.
@@ -298,8 +350,10 @@ class LLG(Adapter):
     def apply_mlx(self, logits, bm_np):
         try:
             import llguidance.mlx as lm
+
             out = lm.apply_token_bitmask(logits, bm_np)  # Metal kernel: only on Apple GPUs
             import mlx.core as mx
+
             mx.eval(out)
             self.mlx_native = True
             return out
@@ -310,7 +364,7 @@ class LLG(Adapter):
         return m.consume_token(t)
 
     def advance_batch(self, ms, toks):
-        return self.ex.consume_token_par(list(zip(ms, toks)))
+        return self.ex.consume_token_par(list(zip(ms, toks, strict=False)))
 
     def accepting(self, m):
         return m.is_accepting()
@@ -325,6 +379,7 @@ class OC(Adapter):
     def init(self, tok):
         import outlines_core as oc
         from outlines_core.json_schema import build_regex_from_schema
+
         self.oc, self.build = oc, build_regex_from_schema
         m = {}
         for i, b in byte_vocab(tok).items():
@@ -358,6 +413,7 @@ class OC(Adapter):
         if self._torch_apply is None:
             try:
                 from outlines_core.kernels.torch import apply_token_bitmask_inplace
+
                 self._torch_apply = apply_token_bitmask_inplace
                 self._torch_apply(logits.clone(), bm)
             except Exception as e:
@@ -367,8 +423,9 @@ class OC(Adapter):
 
     def apply_mlx(self, logits, bm_np):
         try:
-            from outlines_core.kernels.mlx import apply_token_bitmask
             import mlx.core as mx
+            from outlines_core.kernels.mlx import apply_token_bitmask
+
             out = apply_token_bitmask(logits, bm_np)  # Metal kernel: only on Apple GPUs
             mx.eval(out)
             self.mlx_native = True
@@ -384,7 +441,7 @@ class OC(Adapter):
             return False
 
     def advance_batch(self, ms, toks):
-        return [self.advance(m, t) for m, t in zip(ms, toks)]
+        return [self.advance(m, t) for m, t in zip(ms, toks, strict=False)]
 
     def accepting(self, m):
         return m.is_finished()
@@ -401,20 +458,28 @@ ADAPTERS = {"xgr": XGR, "llg": LLG, "oc": OC}
 
 def allowed_ids(bm_row):
     import numpy as np
+
     b = np.unpackbits(bm_row.numpy().view(np.uint8), bitorder="little")
     return np.nonzero(b)[0]
 
 
 # ---------------------------------------------------------------- worker: one library
 def worker(lib, args):
-    import numpy as np
     import torch
+
     torch.set_num_threads(1)
     res = {"lib": lib}
-    t = now(); tok = load_tokenizer(); res["hf_tokenizer_load_s"] = now() - t
-    t = now(); A = ADAPTERS[lib](); mod = {"xgr": "xgrammar", "llg": "llguidance", "oc": "outlines_core"}[lib]
-    __import__(mod); res["import_s"] = now() - t
-    t = now(); A.init(tok); res["init_s"] = now() - t
+    t = now()
+    tok = load_tokenizer()
+    res["hf_tokenizer_load_s"] = now() - t
+    t = now()
+    A = ADAPTERS[lib]()
+    mod = {"xgr": "xgrammar", "llg": "llguidance", "oc": "outlines_core"}[lib]
+    __import__(mod)
+    res["import_s"] = now() - t
+    t = now()
+    A.init(tok)
+    res["init_s"] = now() - t
     res["name"] = A.name
 
     bm1 = torch.full((1, VOCAB // 32), -1, dtype=torch.int32)
@@ -423,15 +488,27 @@ def worker(lib, args):
         s = json.dumps(sch)
         cold, first = [], []
         for _ in range(3):
-            t = now(); c = A.compile_cold(s, key); t1 = now()
-            m = A.matcher(c); A.fill(m, bm1); t2 = now()
-            cold.append(t1 - t); first.append(t2 - t)
+            t = now()
+            c = A.compile_cold(s, key)
+            t1 = now()
+            m = A.matcher(c)
+            A.fill(m, bm1)
+            t2 = now()
+            cold.append(t1 - t)
+            first.append(t2 - t)
         warm = []
         for _ in range(20):
-            t = now(); c = A.compile_cached(s, key); m = A.matcher(c); A.fill(m, bm1); warm.append(now() - t)
+            t = now()
+            c = A.compile_cached(s, key)
+            m = A.matcher(c)
+            A.fill(m, bm1)
+            warm.append(now() - t)
         compiled[key] = c
-        res["compile"][key] = {"cold_ms": 1e3 * min(cold), "cold_to_first_mask_ms": 1e3 * min(first),
-                               "cached_to_first_mask_ms": 1e3 * sorted(warm)[len(warm) // 2]}
+        res["compile"][key] = {
+            "cold_ms": 1e3 * min(cold),
+            "cold_to_first_mask_ms": 1e3 * min(first),
+            "cached_to_first_mask_ms": 1e3 * sorted(warm)[len(warm) // 2],
+        }
         # correctness: EOS not allowed at start; ids >= 50295 never allowed; valid doc accepted,
         # EOS allowed only at the end; invalid doc rejected
         ids = allowed_ids(bm1[0])
@@ -439,7 +516,9 @@ def worker(lib, args):
         good, bad = SAMPLES[key]
         for label, doc in (("valid", good), ("invalid", bad)):
             toks = tok(json.dumps(doc)).input_ids
-            m = A.matcher(c); ok = True; eos_mid = False
+            m = A.matcher(c)
+            ok = True
+            eos_mid = False
             for j, tid in enumerate(toks):
                 A.fill(m, bm1)
                 if j > 0 and EOS in allowed_ids(bm1[0]):
@@ -448,8 +527,12 @@ def worker(lib, args):
                     ok = False
                     break
             A.fill(m, bm1)
-            chk[label] = {"all_tokens_ok": ok, "accepting": bool(ok and A.accepting(m)),
-                          "eos_allowed_at_end": bool(ok and EOS in allowed_ids(bm1[0])), "eos_allowed_midway": eos_mid}
+            chk[label] = {
+                "all_tokens_ok": ok,
+                "accepting": bool(ok and A.accepting(m)),
+                "eos_allowed_at_end": bool(ok and EOS in allowed_ids(bm1[0])),
+                "eos_allowed_midway": eos_mid,
+            }
             if label == "valid" and ok and A.eos_advances():
                 chk[label]["eos_consumed"] = bool(A.advance(m, EOS))
         res["checks"][key] = chk
@@ -464,7 +547,8 @@ def worker(lib, args):
             res["invalid"][k] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:140]}"
 
     # per-token loop, batch 1
-    V = tok.get_vocab(); inv = {i: s for s, i in V.items()}
+    V = tok.get_vocab()
+    inv = {i: s for s, i in V.items()}
     boost = torch.zeros(VOCAB)
     for i, s in inv.items():
         if any(ch in s for ch in '"}],'):
@@ -473,10 +557,13 @@ def worker(lib, args):
     pool = torch.randn(64, VOCAB, generator=g) + boost
     try:
         import mlx.core as mx
+
         mx_pool = [mx.array(pool[i].numpy())[None] for i in range(8)]
     except Exception:
         mx_pool = None
-    t = now(); A.apply_torch(pool[:1].clone(), bm1); res["torch_apply_warmup_s"] = now() - t
+    t = now()
+    A.apply_torch(pool[:1].clone(), bm1)
+    res["torch_apply_warmup_s"] = now() - t
     res["steps"] = {}
     for key in SCHEMAS:
         m = A.matcher(A.compile_cached(json.dumps(SCHEMAS[key]), key))
@@ -485,23 +572,43 @@ def worker(lib, args):
         logits = torch.empty(1, VOCAB)
         for step in range(args.steps):
             logits.copy_(pool[step % 64])
-            t = now(); A.fill(m, bm1); t1 = now(); A.apply_torch(logits, bm1); t2 = now()
+            t = now()
+            A.fill(m, bm1)
+            t1 = now()
+            A.apply_torch(logits, bm1)
+            t2 = now()
             tid = int(logits.argmax())
             t3 = now()
             if tid == EOS:
                 ok = A.advance(m, tid) if A.eos_advances() else True
-                A.reset(m); done += 1
+                A.reset(m)
+                done += 1
             else:
                 ok = A.advance(m, tid)
             t4 = now()
             if not ok:
                 raise RuntimeError(f"{lib}/{key}: allowed token {tid} rejected at step {step}")
-            lg = pool[step % 64][None].clone(); t5 = now(); apply_torch_generic(lg, bm1); tg.append(now() - t5)
+            lg = pool[step % 64][None].clone()
+            t5 = now()
+            apply_torch_generic(lg, bm1)
+            tg.append(now() - t5)
             if mx_pool is not None:
-                t5 = now(); A.apply_mlx(mx_pool[step % 8], bm1.numpy()); tm.append(now() - t5)
-            tf.append(t1 - t); ta.append(t2 - t1); tv.append(t4 - t3); tot.append((t1 - t) + (t2 - t1) + (t4 - t3))
-        res["steps"][key] = {"total": stats(tot), "fill": stats(tf), "apply_torch": stats(ta), "advance": stats(tv),
-                             "apply_mlx": stats(tm), "apply_torch_generic_eager": stats(tg), "docs_completed": done}
+                t5 = now()
+                A.apply_mlx(mx_pool[step % 8], bm1.numpy())
+                tm.append(now() - t5)
+            tf.append(t1 - t)
+            ta.append(t2 - t1)
+            tv.append(t4 - t3)
+            tot.append((t1 - t) + (t2 - t1) + (t4 - t3))
+        res["steps"][key] = {
+            "total": stats(tot),
+            "fill": stats(tf),
+            "apply_torch": stats(ta),
+            "advance": stats(tv),
+            "apply_mlx": stats(tm),
+            "apply_torch_generic_eager": stats(tg),
+            "docs_completed": done,
+        }
     res["mlx_native_kernel_used"] = A.mlx_native
 
     # batch of B matchers (mixed schemas), batched API where it exists
@@ -515,7 +622,11 @@ def worker(lib, args):
     done = 0
     for step in range(args.batch_steps):
         logitsB.copy_(torch.roll(pool, step, 0)[:B] if B <= 64 else pool.repeat(B // 64 + 1, 1)[:B])
-        t = now(); A.fill_batch(ms, bmB); t1 = now(); A.apply_torch(logitsB, bmB); t2 = now()
+        t = now()
+        A.fill_batch(ms, bmB)
+        t1 = now()
+        A.apply_torch(logitsB, bmB)
+        t2 = now()
         toks = logitsB.argmax(1).tolist()
         t3 = now()
         eos_rows = [i for i, x in enumerate(toks) if x == EOS]
@@ -525,13 +636,23 @@ def worker(lib, args):
         else:
             oks = A.advance_batch(ms, toks)
         for i in eos_rows:
-            A.reset(ms[i]); done += 1
+            A.reset(ms[i])
+            done += 1
         t4 = now()
         if not all(oks):
             raise RuntimeError(f"{lib}: batch advance rejected an allowed token at step {step}")
-        tf.append(t1 - t); ta.append(t2 - t1); tv.append(t4 - t3); tot.append(t4 - t3 + t2 - t)
-    res["batch"] = {"B": B, "total": stats(tot), "fill": stats(tf), "apply_torch": stats(ta),
-                    "advance": stats(tv), "docs_completed": done}
+        tf.append(t1 - t)
+        ta.append(t2 - t1)
+        tv.append(t4 - t3)
+        tot.append(t4 - t3 + t2 - t)
+    res["batch"] = {
+        "B": B,
+        "total": stats(tot),
+        "fill": stats(tf),
+        "apply_torch": stats(ta),
+        "advance": stats(tv),
+        "docs_completed": done,
+    }
     res["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(res))
 
@@ -539,20 +660,28 @@ def worker(lib, args):
 # ---------------------------------------------------------------- worker: one pathological case
 def patho(lib, case):
     import torch
+
     tok = load_tokenizer()
-    A = ADAPTERS[lib](); A.init(tok)
+    A = ADAPTERS[lib]()
+    A.init(tok)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     s = json.dumps(patho_schema(case))
     bm = torch.full((1, VOCAB // 32), -1, dtype=torch.int32)
     t = now()
     try:
-        c = A.compile_cold(s, case); t1 = now()
-        m = A.matcher(c); A.fill(m, bm)
+        c = A.compile_cold(s, case)
+        t1 = now()
+        m = A.matcher(c)
+        A.fill(m, bm)
         out = {"status": "ok", "compile_ms": 1e3 * (t1 - t), "to_first_mask_ms": 1e3 * (now() - t)}
         if lib == "llg" and m.is_error():
             out = {"status": "error", "ms": 1e3 * (now() - t), "msg": m.get_error().splitlines()[0][:140]}
     except Exception as e:
-        out = {"status": "error", "ms": 1e3 * (now() - t), "msg": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:140] if str(e).strip() else ''}"}
+        out = {
+            "status": "error",
+            "ms": 1e3 * (now() - t),
+            "msg": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:140] if str(e).strip() else ''}",
+        }
     out["rss_delta_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
     print("RESULT " + json.dumps(out))
 
@@ -562,8 +691,9 @@ def run_sub(argv, timeout):
     env = dict(os.environ)
     t = now()
     try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__)] + argv, capture_output=True, text=True,
-                           timeout=timeout, env=env)
+        p = subprocess.run(
+            [sys.executable, os.path.abspath(__file__)] + argv, capture_output=True, text=True, timeout=timeout, env=env
+        )
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "ms": 1e3 * (now() - t)}
     for line in p.stdout.splitlines():
@@ -589,19 +719,47 @@ def table(results, patho_res):
         row(f"{k}: cold→first mask (ms)", [f"{r['compile'][k]['cold_to_first_mask_ms']:.1f}" for r in libs])
         row(f"{k}: cached→first mask (ms)", [f"{r['compile'][k]['cached_to_first_mask_ms']:.2f}" for r in libs])
     for k in SCHEMAS:
-        row(f"{k}: B=1 fill+apply+advance mean/p50/p99 (ms)",
-            [f"{f(r['steps'][k]['total'])}/{f(r['steps'][k]['total'], 'p50_ms')}/{f(r['steps'][k]['total'], 'p99_ms')}" for r in libs])
-        row(f"{k}: B=1 fill p99 / max (ms)", [f"{f(r['steps'][k]['fill'], 'p99_ms')} / {f(r['steps'][k]['fill'], 'max_ms')}" for r in libs])
-        row(f"{k}: B=1 fill / torch apply / advance mean (ms)",
-            [f"{f(r['steps'][k]['fill'])} / {f(r['steps'][k]['apply_torch'])} / {f(r['steps'][k]['advance'])}" for r in libs])
-        row(f"{k}: B=1 mlx apply mean (ms)", [f(r['steps'][k]['apply_mlx']) for r in libs])
-        row(f"{k}: B=1 generic eager torch apply mean (ms)", [f(r['steps'][k]['apply_torch_generic_eager']) for r in libs])
-        row(f"{k}: docs completed in B=1 run", [str(r['steps'][k]['docs_completed']) for r in libs])
-    row("B=64 step mean/p50/p99 (ms)", [f"{f(r['batch']['total'])}/{f(r['batch']['total'], 'p50_ms')}/{f(r['batch']['total'], 'p99_ms')}" for r in libs])
-    row("B=64 fill p99 / max (ms)", [f"{f(r['batch']['fill'], 'p99_ms')} / {f(r['batch']['fill'], 'max_ms')}" for r in libs])
-    row("B=64 fill / torch apply / advance mean (ms)", [f"{f(r['batch']['fill'])} / {f(r['batch']['apply_torch'])} / {f(r['batch']['advance'])}" for r in libs])
+        row(
+            f"{k}: B=1 fill+apply+advance mean/p50/p99 (ms)",
+            [
+                f"{f(r['steps'][k]['total'])}/{f(r['steps'][k]['total'], 'p50_ms')}/{f(r['steps'][k]['total'], 'p99_ms')}"
+                for r in libs
+            ],
+        )
+        row(
+            f"{k}: B=1 fill p99 / max (ms)",
+            [f"{f(r['steps'][k]['fill'], 'p99_ms')} / {f(r['steps'][k]['fill'], 'max_ms')}" for r in libs],
+        )
+        row(
+            f"{k}: B=1 fill / torch apply / advance mean (ms)",
+            [
+                f"{f(r['steps'][k]['fill'])} / {f(r['steps'][k]['apply_torch'])} / {f(r['steps'][k]['advance'])}"
+                for r in libs
+            ],
+        )
+        row(f"{k}: B=1 mlx apply mean (ms)", [f(r["steps"][k]["apply_mlx"]) for r in libs])
+        row(
+            f"{k}: B=1 generic eager torch apply mean (ms)",
+            [f(r["steps"][k]["apply_torch_generic_eager"]) for r in libs],
+        )
+        row(f"{k}: docs completed in B=1 run", [str(r["steps"][k]["docs_completed"]) for r in libs])
+    row(
+        "B=64 step mean/p50/p99 (ms)",
+        [
+            f"{f(r['batch']['total'])}/{f(r['batch']['total'], 'p50_ms')}/{f(r['batch']['total'], 'p99_ms')}"
+            for r in libs
+        ],
+    )
+    row(
+        "B=64 fill p99 / max (ms)",
+        [f"{f(r['batch']['fill'], 'p99_ms')} / {f(r['batch']['fill'], 'max_ms')}" for r in libs],
+    )
+    row(
+        "B=64 fill / torch apply / advance mean (ms)",
+        [f"{f(r['batch']['fill'])} / {f(r['batch']['apply_torch'])} / {f(r['batch']['advance'])}" for r in libs],
+    )
     row("torch apply kernel warm-up (s)", [f"{r['torch_apply_warmup_s']:.2f}" for r in libs])
-    row("B=64 docs completed", [str(r['batch']['docs_completed']) for r in libs])
+    row("B=64 docs completed", [str(r["batch"]["docs_completed"]) for r in libs])
     row("mlx kernel", ["native" if r["mlx_native_kernel_used"] else "generic mx (lib's is Metal-only)" for r in libs])
     for k in SCHEMAS:
         row(f"{k}: checks", [json.dumps(r["checks"][k], separators=(",", ":")) for r in libs])
@@ -650,9 +808,23 @@ def main():
         return patho(*args.patho)
     results, pres = [], {}
     for lib in args.libs.split(","):
-        r = {"status": "skipped"} if args.no_main else run_sub(
-            ["--worker", lib, "--steps", str(args.steps), "--batch", str(args.batch),
-             "--batch-steps", str(args.batch_steps)], 600)
+        r = (
+            {"status": "skipped"}
+            if args.no_main
+            else run_sub(
+                [
+                    "--worker",
+                    lib,
+                    "--steps",
+                    str(args.steps),
+                    "--batch",
+                    str(args.batch),
+                    "--batch-steps",
+                    str(args.batch_steps),
+                ],
+                600,
+            )
+        )
         r.setdefault("lib", lib)
         results.append(r)
         print(lib, "done", r.get("status", "ok"), r.get("msg", ""), file=sys.stderr, flush=True)

@@ -39,9 +39,17 @@ def fail(message: str) -> None:
 
 
 def compose(*args: str) -> str:
-    tool = ["docker", "compose"] if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0 else ["docker-compose"]
-    done = subprocess.run([*tool, "-p", PROJECT, "-f", str(ROOT / "docker-compose.replicas.yml"), *args], capture_output=True, text=True,
-                          env={**os.environ, "DOCKER_PORT": str(PORT), "HAPROXY_STATS_PORT": str(STATS_PORT)})
+    tool = (
+        ["docker", "compose"]
+        if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+        else ["docker-compose"]
+    )
+    done = subprocess.run(
+        [*tool, "-p", PROJECT, "-f", str(ROOT / "docker-compose.replicas.yml"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DOCKER_PORT": str(PORT), "HAPROXY_STATS_PORT": str(STATS_PORT)},
+    )
     if done.returncode != 0:
         fail(f"compose {' '.join(args)}: {done.stderr[-500:]}")
     return done.stdout
@@ -63,7 +71,7 @@ def up() -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{STATS_PORT}/stats;csv", timeout=5) as response:
         lines = response.read().decode().splitlines()
     header = lines[0].lstrip("# ").split(",")
-    rows = [dict(zip(header, line.split(","))) for line in lines[1:] if line.startswith("phi2,replica")]
+    rows = [dict(zip(header, line.split(","), strict=False)) for line in lines[1:] if line.startswith("phi2,replica")]
     return sum(row["status"] == "UP" for row in rows)
 
 
@@ -82,17 +90,26 @@ def wait(what: str, predicate, timeout: float = 180) -> float:
 
 
 def generate(body: dict, headers: dict | None = None) -> tuple[int, dict]:
-    request = urllib.request.Request(URL + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        URL + "/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, {"X-Request-Id header": response.headers.get("X-Request-Id"), **json.loads(response.read())}
+            return response.status, {
+                "X-Request-Id header": response.headers.get("X-Request-Id"),
+                **json.loads(response.read()),
+            }
     except urllib.error.HTTPError as error:
         # What answered matters when it fails: a replica's JSON error, or HAProxy's own page.
         return error.code, {"body": error.read()[:160].decode(errors="replace")}
 
 
 def logged(container: str) -> list[dict]:
-    done = subprocess.run(["docker", "exec", container, "cat", "/var/log/phi2-server/requests.log"], capture_output=True, text=True)
+    done = subprocess.run(
+        ["docker", "exec", container, "cat", "/var/log/phi2-server/requests.log"], capture_output=True, text=True
+    )
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
@@ -118,7 +135,7 @@ class Load:
                 self.errors.append(f"{status} sent at {sent:.2f}: {answer.get('body', '')!r}")
                 self.ok_after[sent] = False
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for thread in self._threads:
             thread.start()
         return self
@@ -156,7 +173,12 @@ def run() -> None:
     print(f"ok  spread: {load.counts['ok']} requests, {shares[0]} and {shares[1]} in the two replicas' request logs")
     status, answer = generate({"prompt": "Once upon", "max_tokens": 4}, {"X-Request-Id": "ci-replicas-1"})
     ids = [r.get("request_id") for c in (first, second) for r in logged(c)]
-    if status != 200 or answer.get("X-Request-Id header") != "ci-replicas-1" or answer.get("request_id") != "ci-replicas-1" or "ci-replicas-1" not in ids:
+    if (
+        status != 200
+        or answer.get("X-Request-Id header") != "ci-replicas-1"
+        or answer.get("request_id") != "ci-replicas-1"
+        or "ci-replicas-1" not in ids
+    ):
         fail(f"X-Request-Id: status {status}, answer {answer}")
     print("ok  X-Request-Id passes through the balancer to the replica's answer and request log")
 
@@ -175,8 +197,10 @@ def run() -> None:
         fail(f"SIGTERM: the replica exited with status {code}; {out} replicas in rotation once it stopped")
     if load.counts["failed"]:
         fail(f"SIGTERM and restart under load: {dict(load.counts)}; {load.errors[:5]}")
-    print(f"ok  SIGTERM under load: {load.counts['ok']} requests, 0 failed; the replica drained and exited 0 in {stopped_in:.1f} s, "
-          f"was back in rotation {back_in:.1f} s after its start")
+    print(
+        f"ok  SIGTERM under load: {load.counts['ok']} requests, 0 failed; the replica drained and exited 0 in {stopped_in:.1f} s, "
+        f"was back in rotation {back_in:.1f} s after its start"
+    )
 
     # 3. SIGKILL one replica under load: only what was in flight on it may fail.
     with Load() as load:
@@ -188,14 +212,19 @@ def run() -> None:
         failed_after = load.counts["failed"] - failed_before
     if load.counts["failed"] > THREADS or failed_after:
         fail(f"SIGKILL under load: {dict(load.counts)} ({failed_after} after it left the rotation); {load.errors[:5]}")
-    print(f"ok  SIGKILL under load: {load.counts['ok']} requests, {load.counts['failed']} failed (at most the {THREADS} in flight may); "
-          f"out of rotation {out_in:.1f} s after the kill (checks: inter 1 s, fall 2), none failed after that")
+    print(
+        f"ok  SIGKILL under load: {load.counts['ok']} requests, {load.counts['failed']} failed (at most the {THREADS} in flight may); "
+        f"out of rotation {out_in:.1f} s after the kill (checks: inter 1 s, fall 2), none failed after that"
+    )
     docker("start", second)
     wait("the killed replica back", lambda: up() == 2)
 
     # 4. Streams in flight on a replica that gets SIGTERM end with their final line.
     def stream(results: list, index: int) -> None:
-        request = urllib.request.Request(URL + "/generate/stream", data=json.dumps({"prompt": "Once upon", "max_tokens": 400, "ignore_eos": True}).encode())
+        request = urllib.request.Request(
+            URL + "/generate/stream",
+            data=json.dumps({"prompt": "Once upon", "max_tokens": 400, "ignore_eos": True}).encode(),
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             results[index] = [line for line in response.read().decode().splitlines() if line]
 

@@ -100,17 +100,19 @@ def parity(dtype: str) -> dict:
         result["max_abs_logit_diff_vs_transformers"] = float((fast[:decodable] - reference[:decodable]).abs().max())
         # The CUDA-graph decoder's prefill: one unpadded piece, the Triton rotary/cache kernel, flash attention.
         fast = BatchedDecoder(backend.decoder_weights, 1).logits_after(ids[0].tolist())
-        result["max_abs_logit_diff_vs_transformers_fused_prefill"] = float((fast[:decodable] - reference[:decodable]).abs().max())
+        result["max_abs_logit_diff_vs_transformers_fused_prefill"] = float(
+            (fast[:decodable] - reference[:decodable]).abs().max()
+        )
         result["logit_scale"] = float(reference.abs().max())
     single = BatchedDecoder(backend.decoder_weights, 1)
     alone = decode_alone(backend, prompts, n, single)
     batched = decode_together(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 8))
-    same = sum(a == b for a, b in zip(alone, batched))
-    first = [next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(alone, batched)]
+    same = sum(a == b for a, b in zip(alone, batched, strict=False))
+    first = [next((t for t, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None) for a, b in zip(alone, batched, strict=False)]
     result.update(sequences=len(prompts), tokens=n, identical=same, first_divergence=first)
     if dtype == "bfloat16" and "compile" not in SKIP:
         compiled = decode_alone(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 1, compile=True))
-        result["compiled_identical_to_eager"] = sum(a == b for a, b in zip(alone, compiled))
+        result["compiled_identical_to_eager"] = sum(a == b for a, b in zip(alone, compiled, strict=False))
     del backend, single
     torch.cuda.empty_cache()
     return result
@@ -124,7 +126,9 @@ def adapter_parity() -> dict:
     from bench import write_random_adapters
 
     folder = tempfile.mkdtemp(prefix="adapters-")
-    backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="float32", adapters_dir=folder, warmup=False))
+    backend = load_backend(
+        "torch", LoadOptions(model="random:phi-2", device="cuda", dtype="float32", adapters_dir=folder, warmup=False)
+    )
     adapters = [backend.adapters.get(name) for name in write_random_adapters(backend, folder, 3)]
     prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
     chosen = [None if i % 4 == 0 else adapters[i % 4 - 1] for i in range(8)]
@@ -132,15 +136,21 @@ def adapter_parity() -> dict:
 
     def sequences(decoder, pairs):
         decoder.clear()
-        ids = drive(decoder, [Sequence(i, backend.encode(p), Sampling(), n, adapter=a) for i, (p, a) in enumerate(pairs)]).ids
+        ids = drive(
+            decoder, [Sequence(i, backend.encode(p), Sampling(), n, adapter=a) for i, (p, a) in enumerate(pairs)]
+        ).ids
         return [ids[i] for i in range(len(pairs))]
 
     single = BatchedDecoder(backend.decoder_weights, 1)
-    alone = [sequences(single, [pair])[0] for pair in zip(prompts, chosen)]
-    together = sequences(BatchedDecoder(backend.decoder_weights, 8), list(zip(prompts, chosen)))
+    alone = [sequences(single, [pair])[0] for pair in zip(prompts, chosen, strict=False)]
+    together = sequences(BatchedDecoder(backend.decoder_weights, 8), list(zip(prompts, chosen, strict=False)))
     base = sequences(BatchedDecoder(backend.decoder_weights, 8), [(p, None) for p in prompts])
-    result = {"sequences": 8, "tokens": n, "identical_batched_vs_alone": sum(a == b for a, b in zip(alone, together)),
-              "adapter_changes_ids": sum(a != b for a, b, c in zip(together, base, chosen) if c is not None)}
+    result = {
+        "sequences": 8,
+        "tokens": n,
+        "identical_batched_vs_alone": sum(a == b for a, b in zip(alone, together, strict=False)),
+        "adapter_changes_ids": sum(a != b for a, b, c in zip(together, base, chosen, strict=False) if c is not None),
+    }
     ids = backend.encode(PROMPT)
     fast = BatchedDecoder(backend.decoder_weights, 1, cuda_graphs=False).logits_after(ids, adapters[0])
     with torch.no_grad():
@@ -164,14 +174,24 @@ def constrained_parity() -> dict:
     prompts = [PROMPT[: 10 + 9 * i] for i in range(8)]
 
     def decode(decoder):
-        sequences = [Sequence(i, backend.encode(p), Sampling(constraint=constraint.matcher() if i % 2 == 0 else None), 64) for i, p in enumerate(prompts)]
+        sequences = [
+            Sequence(i, backend.encode(p), Sampling(constraint=constraint.matcher() if i % 2 == 0 else None), 64)
+            for i, p in enumerate(prompts)
+        ]
         ids = drive(decoder, sequences).ids
         return [ids[i] for i in range(len(prompts))]
 
     chained = decode(BatchedDecoder(backend.decoder_weights, 8))
     unchained = decode(BatchedDecoder(backend.decoder_weights, 8, cuda_graphs=False))
-    result = {"sequences": 8, "constrained": 4, "tokens": 64, "identical_chained_vs_unchained": sum(a == b for a, b in zip(chained, unchained))}
-    result["sampled_outputs"] = constrained_outputs_check(backend, backend.encode("Alice: Describe yourself as a JSON record.\nBob:"))
+    result = {
+        "sequences": 8,
+        "constrained": 4,
+        "tokens": 64,
+        "identical_chained_vs_unchained": sum(a == b for a, b in zip(chained, unchained, strict=False)),
+    }
+    result["sampled_outputs"] = constrained_outputs_check(
+        backend, backend.encode("Alice: Describe yourself as a JSON record.\nBob:")
+    )
     return result  # its model is freed on return (main empties the cache)
 
 
@@ -180,7 +200,11 @@ def speed() -> dict:
     model = backend.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth()
-    result = {"weight_bytes": weight_bytes, "copy_bandwidth_bytes_s": bandwidth, "limit_tok_s": bandwidth / weight_bytes}
+    result = {
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_bytes_s": bandwidth,
+        "limit_tok_s": bandwidth / weight_bytes,
+    }
     ids = torch.tensor([backend.encode(PROMPT)[:16]], device="cuda")
     n = 128
     for name, kwargs in [("generate_dynamic", {}), ("generate_static", {"cache_implementation": "static"})]:
@@ -188,9 +212,15 @@ def speed() -> dict:
             continue
         try:
             started = time.perf_counter()
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)  # warm-up / compile
+            model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs
+            )  # warm-up / compile
             warm = time.perf_counter() - started
-            seconds = timed_cuda(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs))
+            seconds = timed_cuda(
+                lambda: model.generate(
+                    ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs
+                )
+            )
             result[name] = {"tok_s": n / seconds, "first_call_s": warm}
         except Exception as exc:  # reported, not fatal: the fast path is what this checks
             result[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -236,12 +266,18 @@ def profile_step(backend) -> dict:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in kernels)
-    gemm = sum(e.device_time for e in kernels if any(t in e.name.lower() for t in ("gemm", "gemv", "cutlass", "nvjet", "sm90")))
+    gemm = sum(
+        e.device_time for e in kernels if any(t in e.name.lower() for t in ("gemm", "gemv", "cutlass", "nvjet", "sm90"))
+    )
     top = {}
     for e in kernels:
         top[e.name[:60]] = top.get(e.name[:60], 0) + e.device_time
-    return {"kernels": len(kernels), "gpu_ms": total / 1000, "gemm_ms": gemm / 1000,
-            "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:12]}
+    return {
+        "kernels": len(kernels),
+        "gpu_ms": total / 1000,
+        "gemm_ms": gemm / 1000,
+        "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:12],
+    }
 
 
 def quant_parity(method: str) -> dict:
@@ -258,9 +294,9 @@ def quant_parity(method: str) -> dict:
     result = {
         "quantize_s": seconds,
         "weight_bytes": sum(q.nbytes for q in quantized),
-        "tokens_same_as_bf16": sum(a == b for x, y in zip(reference, batched) for a, b in zip(x, y)),
+        "tokens_same_as_bf16": sum(a == b for x, y in zip(reference, batched, strict=False) for a, b in zip(x, y, strict=False)),
         "tokens": len(prompts) * n,
-        "batched_identical_to_alone": sum(a == b for a, b in zip(alone, batched)),
+        "batched_identical_to_alone": sum(a == b for a, b in zip(alone, batched, strict=False)),
     }
     del backend, quantized
     torch.cuda.empty_cache()
@@ -275,14 +311,34 @@ def run_bench(*arguments: str, env: dict | None = None, timeout: int = 500) -> s
     return done.stdout
 
 
-def serve_and_bench(out: Path, compile: bool, quantize: str = "", concurrency: str = "1,8,32,64", max_batch: int = 64, latency: bool = False) -> dict:
+def serve_and_bench(
+    out: Path,
+    compile: bool,
+    quantize: str = "",
+    concurrency: str = "1,8,32,64",
+    max_batch: int = 64,
+    latency: bool = False,
+) -> dict:
     out = out / f"serve-compile{int(compile)}{'-' + quantize if quantize else ''}-batch{max_batch}"
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PHI2_COMPILE": str(int(compile)), "PHI2_MODEL": "random:phi-2", "MAX_BATCH": str(max_batch), "MAX_QUEUE": "1024",
-           "LOG_DIR": str(out.parent / f"logs-{out.name}"), "ADAPTER_PATH": "", "PHI2_QUANTIZE": quantize}
+    env = {
+        **os.environ,
+        "PHI2_COMPILE": str(int(compile)),
+        "PHI2_MODEL": "random:phi-2",
+        "MAX_BATCH": str(max_batch),
+        "MAX_QUEUE": "1024",
+        "LOG_DIR": str(out.parent / f"logs-{out.name}"),
+        "ADAPTER_PATH": "",
+        "PHI2_QUANTIZE": quantize,
+    }
     port = 8321
     started = time.perf_counter()
-    server = subprocess.Popen([sys.executable, str(ROOT / "phi2_server.py"), "--port", str(port)], env=env, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "phi2_server.py"), "--port", str(port)],
+        env=env,
+        stdout=open(out / "server.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     import urllib.request
 
     ready = None
@@ -309,8 +365,24 @@ def serve_and_bench(out: Path, compile: bool, quantize: str = "", concurrency: s
         result["bench_table"], result["worker"] = "", {}
         for level in concurrency.split(","):  # one level at a time: the worker's stats per level
             before = worker_stats()
-            command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", level,
-                       "--max-tokens", "128", "--runs", "3", "--prompt", PROMPT, "--label", label, "--json", str(out / f"bench-{level}.json")]
+            command = [
+                sys.executable,
+                str(ROOT / "bench.py"),
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--concurrency",
+                level,
+                "--max-tokens",
+                "128",
+                "--runs",
+                "3",
+                "--prompt",
+                PROMPT,
+                "--label",
+                label,
+                "--json",
+                str(out / f"bench-{level}.json"),
+            ]
             bench = subprocess.run(command, capture_output=True, text=True, timeout=600)
             say(bench.stdout)
             say(bench.stderr[-3000:])
@@ -318,14 +390,32 @@ def serve_and_bench(out: Path, compile: bool, quantize: str = "", concurrency: s
             after = worker_stats()
             steps = max(after["decode_steps"] - before["decode_steps"], 1)
             result["worker"][level] = {
-                "decode_steps": steps, "tokens_per_step": (after["tokens_generated"] - before["tokens_generated"]) / steps,
+                "decode_steps": steps,
+                "tokens_per_step": (after["tokens_generated"] - before["tokens_generated"]) / steps,
                 "decode_ms_per_step": 1000 * (after["decode_seconds"] - before["decode_seconds"]) / steps,
                 "busy_ms_per_step": 1000 * (after["busy_seconds"] - before["busy_seconds"]) / steps,
             }
             say("worker", level, result["worker"][level])
         if latency:  # a 1,044-token prompt's TTFT, then 63 streams' inter-token latency as such prompts arrive
-            command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--latency", "--streams", "63",
-                       "--max-tokens", "512", "--long-prompt-tokens", "1044", "--rounds", "5", "--prompt", PROMPT, "--json", str(out / "latency.json")]
+            command = [
+                sys.executable,
+                str(ROOT / "bench.py"),
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--latency",
+                "--streams",
+                "63",
+                "--max-tokens",
+                "512",
+                "--long-prompt-tokens",
+                "1044",
+                "--rounds",
+                "5",
+                "--prompt",
+                PROMPT,
+                "--json",
+                str(out / "latency.json"),
+            ]
             bench = subprocess.run(command, capture_output=True, text=True, timeout=300)
             say(bench.stdout)
             say(bench.stderr[-3000:])
@@ -338,15 +428,34 @@ def serve_and_bench(out: Path, compile: bool, quantize: str = "", concurrency: s
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
-    parser.add_argument("--skip", default="", help="comma list to skip: parity,speed,serve0,serve1,compile,generate_dynamic,generate_static")
-    parser.add_argument("--only", default="", help="comma list of sections to run instead: parity,speed,serve0,serve1,scale,quant,serve_quant,prompt_cache,adapters,constrained")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma list to skip: parity,speed,serve0,serve1,compile,generate_dynamic,generate_static",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma list of sections to run instead: parity,speed,serve0,serve1,scale,quant,serve_quant,prompt_cache,adapters,constrained",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     only = set(filter(None, args.only.split(",")))
     if only:  # every section not named is skipped
-        skip |= {"parity", "speed", "serve0", "serve1", "scale", "quant", "serve_quant", "prompt_cache", "adapters", "constrained"} - only
+        skip |= {
+            "parity",
+            "speed",
+            "serve0",
+            "serve1",
+            "scale",
+            "quant",
+            "serve_quant",
+            "prompt_cache",
+            "adapters",
+            "constrained",
+        } - only
     SKIP.update(skip)
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
@@ -365,7 +474,9 @@ def main() -> int:
     if "scale" not in skip:
         # Issue 18's workloads through HTTP: 1, 64 and 256 clients against MAX_BATCH=128, then the
         # long-prompt TTFT and the inter-token latency of 63 streams while long prompts arrive.
-        RESULTS["serve_scale"] = serve_and_bench(out, True, concurrency="1,64,256", max_batch=int(os.environ.get("SCALE_MAX_BATCH", "128")), latency=True)
+        RESULTS["serve_scale"] = serve_and_bench(
+            out, True, concurrency="1,64,256", max_batch=int(os.environ.get("SCALE_MAX_BATCH", "128")), latency=True
+        )
     if "quant" not in skip:
         # Weight-only int8/int4 (PHI2_QUANTIZE): kernels, logits against bfloat16, greedy ids;
         # then (serve_quant) a served model at 1 and 64 clients beside bfloat16 in the same run.
@@ -382,20 +493,38 @@ def main() -> int:
         # without, one client, then 8 at once.
         for clients in ("1", "8"):
             RESULTS[f"prompt_cache_shared_{clients}"] = run_bench(
-                "--shared-prefix", clients, "--prefix-tokens", "1000", "--max-tokens", "16", "--rounds", "5",
-                env={"PHI2_MODEL": "random:phi-2", "MAX_BATCH": "16"}, timeout=560,  # two servers on one GPU: 16 slots each
+                "--shared-prefix",
+                clients,
+                "--prefix-tokens",
+                "1000",
+                "--max-tokens",
+                "16",
+                "--rounds",
+                "5",
+                env={"PHI2_MODEL": "random:phi-2", "MAX_BATCH": "16"},
+                timeout=560,  # two servers on one GPU: 16 slots each
             )
     if "adapters" not in skip:
         RESULTS["adapter_parity"] = adapter_parity()
         torch.cuda.empty_cache()
         say("adapter parity", RESULTS["adapter_parity"])
-        RESULTS["adapter_speed"] = run_bench("--adapters", "--max-tokens", "128", "--runs", "4", env={"PHI2_MODEL": "random:phi-2"})
+        RESULTS["adapter_speed"] = run_bench(
+            "--adapters", "--max-tokens", "128", "--runs", "4", env={"PHI2_MODEL": "random:phi-2"}
+        )
     if "constrained" not in skip:
         RESULTS["constrained_parity"] = constrained_parity()
         torch.cuda.empty_cache()
         say("constrained parity", RESULTS["constrained_parity"])
         RESULTS["constrained_speed"] = run_bench(
-            "--constrained", "--concurrency", "1,64", "--max-tokens", "128", "--runs", "4", env={"PHI2_MODEL": "random:phi-2"}, timeout=560
+            "--constrained",
+            "--concurrency",
+            "1,64",
+            "--max-tokens",
+            "128",
+            "--runs",
+            "4",
+            env={"PHI2_MODEL": "random:phi-2"},
+            timeout=560,
         )
     (out / "results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     say(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("serve")}, indent=1, default=str))

@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 import torch  # noqa: E402
+from check import copy_bandwidth, profile_step, say, timed_cuda  # noqa: E402
 
 from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
 from backends.drive import drive  # noqa: E402
 from backends.torch_decoder import BatchedDecoder  # noqa: E402
-from check import copy_bandwidth, profile_step, say, timed_cuda  # noqa: E402
 
 SHAPES = ["random:phi-2", "random:llama-3.2-1b", "random:qwen2.5-1.5b", "random:phi-3-mini"]
 PROMPTS = [[5 + (i * 37 + j * 11) % 580 for i in range(12 + 7 * j)] for j in range(8)]
@@ -55,9 +55,9 @@ def save(out: Path) -> None:
 
 def reference_ids(model, prompt: list[int], n: int, decodable: int) -> list[int]:
     """Greedy ids from transformers' forward, token by token with its own cache."""
-    from transformers import DynamicCache
-
     import inspect
+
+    from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     # transformers 5.24 takes `cache=`; older 5.x (the GPU image's 5.17) only `past_key_values=`.
@@ -68,7 +68,9 @@ def reference_ids(model, prompt: list[int], n: int, decodable: int) -> list[int]
         for _ in range(n):
             ids.append(int(out.logits[0, -1, :decodable].argmax()))
             position = torch.tensor([[len(prompt) + len(ids) - 1]], device="cuda")
-            out = model(torch.tensor([[ids[-1]]], device="cuda"), use_cache=True, position_ids=position, **{cache_kw: cache})
+            out = model(
+                torch.tensor([[ids[-1]]], device="cuda"), use_cache=True, position_ids=position, **{cache_kw: cache}
+            )
     return ids
 
 
@@ -89,14 +91,22 @@ def parity(name: str, model: str, dtype: str) -> dict:
     if dtype == "float32":
         reference = [reference_ids(backend.model, p, n, weights.decodable) for p in PROMPTS[:4]]
         result["equals_transformers"] = sum(alone[i] == reference[i] for i in range(4))
-        result["same_prefix_lengths"] = [next((j for j, (a, b) in enumerate(zip(alone[i], reference[i])) if a != b), n) for i in range(4)]
-        for label, options in (("torch-ops eager", dict(fused=False, cuda_graphs=False)), ("torch-ops graphs", dict(fused=False)),
-                               ("triton graphs", dict(fused=True)), ("triton no chaining", dict(fused=True, cuda_graphs=True))):
+        result["same_prefix_lengths"] = [
+            next((j for j, (a, b) in enumerate(zip(alone[i], reference[i], strict=False)) if a != b), n) for i in range(4)
+        ]
+        for label, options in (
+            ("torch-ops eager", dict(fused=False, cuda_graphs=False)),
+            ("torch-ops graphs", dict(fused=False)),
+            ("triton graphs", dict(fused=True)),
+            ("triton no chaining", dict(fused=True, cuda_graphs=True)),
+        ):
             decoder = BatchedDecoder(weights, 1, **options)
             if label == "triton no chaining":
                 decoder._can_chain = lambda launched: False
             got = [drive(decoder, [Sequence(0, p, Sampling(), n)]).ids[0] for p in PROMPTS[:4]]
-            result[f"same_prefix {label}"] = [next((j for j, (a, b) in enumerate(zip(got[i], reference[i])) if a != b), n) for i in range(4)]
+            result[f"same_prefix {label}"] = [
+                next((j for j, (a, b) in enumerate(zip(got[i], reference[i], strict=False)) if a != b), n) for i in range(4)
+            ]
     say(name, dtype, result)
     return result
 
@@ -105,12 +115,13 @@ def extras(family: str, path: Path, folder: Path) -> dict:
     """A tiny family in float32 on the GPU: an adapter in a batch (the Triton step, CUDA graphs)
     against transformers with it merged, and int8 weights (the torch-ops step, graphed):
     logits near the full-precision ones, batched equal to alone."""
+    from backends.adapters import merge_lora_into_torch
     from bench import write_random_adapters
 
-    from backends.adapters import merge_lora_into_torch
-
     result = {}
-    backend = load_backend("torch", LoadOptions(model=str(path), device="cuda", dtype="float32", adapters_dir=str(folder), warmup=False))
+    backend = load_backend(
+        "torch", LoadOptions(model=str(path), device="cuda", dtype="float32", adapters_dir=str(folder), warmup=False)
+    )
     (name,) = write_random_adapters(backend, str(folder), 1, layers=2, scale=2.0)
     adapter = backend.adapters.get(name)
     merged = load_backend("torch", LoadOptions(model=str(path), device="cuda", dtype="float32", warmup=False))
@@ -118,17 +129,25 @@ def extras(family: str, path: Path, folder: Path) -> dict:
     n = 30
     sequences = [Sequence(i, p, Sampling(), n, adapter=adapter if i % 2 else None) for i, p in enumerate(PROMPTS[:4])]
     together = drive(BatchedDecoder(backend.decoder_weights, 4), sequences).ids
-    expected = [reference_ids((merged if i % 2 else backend).model, PROMPTS[i], n, backend.decoder_weights.decodable) for i in range(4)]
+    expected = [
+        reference_ids((merged if i % 2 else backend).model, PROMPTS[i], n, backend.decoder_weights.decodable)
+        for i in range(4)
+    ]
     result["adapter_rows_equal_merged"] = sum(together[i] == expected[i] for i in range(4))
     full = BatchedDecoder(backend.decoder_weights, 1).logits_after(PROMPTS[2])
     for method in ("int8",):  # tinygemm's int4 wants input widths of 128 multiples: the tiny families' are 64
-        quantized = load_backend("torch", LoadOptions(model=str(path), device="cuda", dtype="float32", quantize=method, warmup=False))
+        quantized = load_backend(
+            "torch", LoadOptions(model=str(path), device="cuda", dtype="float32", quantize=method, warmup=False)
+        )
         weights = quantized.decoder_weights
         got = BatchedDecoder(weights, 1).logits_after(PROMPTS[2])
         batched = drive(BatchedDecoder(weights, 8), [Sequence(i, p, Sampling(), 20) for i, p in enumerate(PROMPTS)]).ids
         alone = [drive(BatchedDecoder(weights, 1), [Sequence(0, p, Sampling(), 20)]).ids[0] for p in PROMPTS]
-        result[method] = {"fused": BatchedDecoder(weights, 1).fused, "relative_logit_error": float((got - full).norm() / full.norm()),
-                          "batched_equals_alone": sum(batched[i] == alone[i] for i in range(8))}
+        result[method] = {
+            "fused": BatchedDecoder(weights, 1).fused,
+            "relative_logit_error": float((got - full).norm() / full.norm()),
+            "batched_equals_alone": sum(batched[i] == alone[i] for i in range(8)),
+        }
     say(family, "extras", result)
     return result
 
@@ -140,16 +159,33 @@ def speed(shape: str, static: bool) -> dict:
     # Bytes a batch-1 step reads: every weight once (a tied embedding counts once: the output head).
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     if not model.config.tie_word_embeddings:
-        weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()  # read a row, not all
+        weight_bytes -= (
+            model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+        )  # read a row, not all
     bandwidth = copy_bandwidth()
-    result = {"weight_bytes_per_token": weight_bytes, "copy_bandwidth_bytes_s": bandwidth, "limit_tok_s": bandwidth / weight_bytes,
-              "context_length": backend.info.context_length}
+    result = {
+        "weight_bytes_per_token": weight_bytes,
+        "copy_bandwidth_bytes_s": bandwidth,
+        "limit_tok_s": bandwidth / weight_bytes,
+        "context_length": backend.info.context_length,
+    }
     ids = torch.tensor([PROMPTS[1][:16]], device="cuda")
     n = 128
     if static:
         try:
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, cache_implementation="static")
-            seconds = timed_cuda(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, cache_implementation="static"))
+            model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, cache_implementation="static"
+            )
+            seconds = timed_cuda(
+                lambda: model.generate(
+                    ids,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                    cache_implementation="static",
+                )
+            )
             result["generate_static_tok_s"] = n / seconds
         except Exception as exc:
             result["generate_static_tok_s"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -177,11 +213,22 @@ def serve(shape: str, out: Path) -> dict:
 
     logs = out / f"server-{shape.split(':')[1]}"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PHI2_MODEL": shape, "MAX_BATCH": "64", "MAX_QUEUE": "1024", "LOG_DIR": str(logs), "ADAPTER_PATH": ""}
+    env = {
+        **os.environ,
+        "PHI2_MODEL": shape,
+        "MAX_BATCH": "64",
+        "MAX_QUEUE": "1024",
+        "LOG_DIR": str(logs),
+        "ADAPTER_PATH": "",
+    }
     port = 8322
     started = time.perf_counter()
-    server = subprocess.Popen([sys.executable, str(ROOT / "phi2_server.py"), "--port", str(port)], env=env,
-                              stdout=open(logs / "server.log", "w"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "phi2_server.py"), "--port", str(port)],
+        env=env,
+        stdout=open(logs / "server.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     ready = None
     while time.perf_counter() - started < 300 and server.poll() is None:
         try:
@@ -194,11 +241,30 @@ def serve(shape: str, out: Path) -> dict:
     result = {"startup_to_ready_s": ready}
     if ready is not None:
         for level, extra in (("1", []), ("64", ["--distinct"])):
-            command = [sys.executable, str(ROOT / "bench.py"), "--url", f"http://127.0.0.1:{port}", "--concurrency", level, "--max-tokens", "128",
-                       "--runs", "3", "--label", shape, "--json", str(logs / f"bench-{level}.json"), *extra]
+            command = [
+                sys.executable,
+                str(ROOT / "bench.py"),
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--concurrency",
+                level,
+                "--max-tokens",
+                "128",
+                "--runs",
+                "3",
+                "--label",
+                shape,
+                "--json",
+                str(logs / f"bench-{level}.json"),
+                *extra,
+            ]
             bench = subprocess.run(command, capture_output=True, text=True, timeout=400)
             say(bench.stdout, bench.stderr[-1500:])
-            result[f"clients_{level}"] = json.loads((logs / f"bench-{level}.json").read_text()) if (logs / f"bench-{level}.json").exists() else bench.stderr[-500:]
+            result[f"clients_{level}"] = (
+                json.loads((logs / f"bench-{level}.json").read_text())
+                if (logs / f"bench-{level}.json").exists()
+                else bench.stderr[-500:]
+            )
     server.terminate()
     server.wait(60)
     say(shape, "server", result)
@@ -208,10 +274,18 @@ def serve(shape: str, out: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu-results")
-    parser.add_argument("--only", default="", help="comma list: parity, extras (adapters, int8/int4 on the tiny families), and/or shapes (random:... or their names)")
-    parser.add_argument("--skip-static", action="store_true", help="no transformers static generate (its compile takes ~30 s a shape)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma list: parity, extras (adapters, int8/int4 on the tiny families), and/or shapes (random:... or their names)",
+    )
+    parser.add_argument(
+        "--skip-static", action="store_true", help="no transformers static generate (its compile takes ~30 s a shape)"
+    )
     parser.add_argument("--no-serve", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="per shape only where a batch-1 step's GPU time goes (kernels, GEMMs)")
+    parser.add_argument(
+        "--profile", action="store_true", help="per shape only where a batch-1 step's GPU time goes (kernels, GEMMs)"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

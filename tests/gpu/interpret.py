@@ -23,8 +23,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends import torch_decoder  # noqa: E402
+from backends import (  # noqa: E402
+    LoadOptions,
+    Sampling,
+    Sequence,
+    load_backend,
+    torch_decoder,  # noqa: E402
+)
 from backends.drive import drive  # noqa: E402
 from backends.torch_decoder import BatchedDecoder  # noqa: E402
 
@@ -48,7 +53,10 @@ def cuda_like(decoder: BatchedDecoder) -> BatchedDecoder:
 
 def decode(decoder, backend, samplings, adapters=(None,) * 4, tokens: int = 16) -> list[list[int]]:
     decoder.clear()
-    sequences = [Sequence(i, backend.encode(p), s, tokens, adapter=a) for i, (p, s, a) in enumerate(zip(PROMPTS, samplings, adapters))]
+    sequences = [
+        Sequence(i, backend.encode(p), s, tokens, adapter=a)
+        for i, (p, s, a) in enumerate(zip(PROMPTS, samplings, adapters, strict=False))
+    ]
     ids = drive(decoder, sequences).ids
     return [ids[i] for i in range(len(PROMPTS))]
 
@@ -77,15 +85,28 @@ def main() -> int:
 
 def check_model(name: str, model: str, root: Path) -> None:
     folder = tempfile.mkdtemp(prefix="adapters-", dir=root)
-    backend = load_backend("torch", LoadOptions(model=model, device="cpu", dtype="float32", adapters_dir=folder, warmup=False))
+    backend = load_backend(
+        "torch", LoadOptions(model=model, device="cpu", dtype="float32", adapters_dir=folder, warmup=False)
+    )
     from bench import write_random_adapters
 
     w = backend.decoder_weights
     from backends import triton_decode
 
     arch = w.arch
-    check(f"{name}: the kernels run for the model's shapes",
-          triton_decode.works(w.device, w.embed.dtype, torch_decoder.heads_of(arch), w.hidden, w.inner, arch.parallel, arch.qk_norm, arch.gated))
+    check(
+        f"{name}: the kernels run for the model's shapes",
+        triton_decode.works(
+            w.device,
+            w.embed.dtype,
+            torch_decoder.heads_of(arch),
+            w.hidden,
+            w.inner,
+            arch.parallel,
+            arch.qk_norm,
+            arch.gated,
+        ),
+    )
 
     # Prefill: one piece from position 0, one after cached columns (both attention choices), padded pieces.
     ids = backend.encode(" ".join(PROMPTS) * 3)
@@ -97,17 +118,28 @@ def check_model(name: str, model: str, root: Path) -> None:
         fused._grow(len(ids) + 8)
         fused.use_graphs = True
         one, _ = fused._prefill([(0, ids, 0)], lora_rows=[-1])
-        check(f"{name}: prefill, one piece", torch.allclose(one[0], reference[0], atol=1e-5), f"{(one[0] - reference[0]).abs().max():.1e}")
+        check(
+            f"{name}: prefill, one piece",
+            torch.allclose(one[0], reference[0], atol=1e-5),
+            f"{(one[0] - reference[0]).abs().max():.1e}",
+        )
         for threshold in (0, 10**9):
             torch_decoder.LOWER_RIGHT_FROM = threshold
             fused._prefill([(1, ids[:10], 0)], lora_rows=[-1])
             rest, _ = fused._prefill([(1, ids[10:], 10)], lora_rows=[-1])
-            check(f"{name}: prefill after cached columns ({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
-                  torch.allclose(rest[0], reference[0], atol=1e-5), f"{(rest[0] - reference[0]).abs().max():.1e}")
+            check(
+                f"{name}: prefill after cached columns ({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
+                torch.allclose(rest[0], reference[0], atol=1e-5),
+                f"{(rest[0] - reference[0]).abs().max():.1e}",
+            )
         torch_decoder.LOWER_RIGHT_FROM = 768
         fused.use_graphs = False
         padded, _ = fused._prefill([(2, ids, 0), (3, ids[:50], 0)], lora_rows=[-1, -1])
-        check(f"{name}: prefill, padded pieces", torch.allclose(padded, reference, atol=1e-5), f"{(padded - reference).abs().max():.1e}")
+        check(
+            f"{name}: prefill, padded pieces",
+            torch.allclose(padded, reference, atol=1e-5),
+            f"{(padded - reference).abs().max():.1e}",
+        )
 
     # Decode: greedy with adapters, fused against the torch-ops step, long enough to pass the
     # tiny families' sliding windows (16, 32) and longrope's switch (64).
@@ -116,16 +148,28 @@ def check_model(name: str, model: str, root: Path) -> None:
     greedy = [Sampling()] * 4
     unfused = decode(BatchedDecoder(w, 4, cuda_graphs=False), backend, greedy, chosen, tokens=60)
     got = decode(cuda_like(BatchedDecoder(w, 4, cuda_graphs=False, fused=True)), backend, greedy, chosen, tokens=60)
-    check(f"{name}: greedy decode with adapters, fused = torch ops", got == unfused, f"{sum(a == b for a, b in zip(got, unfused))}/4")
+    check(
+        f"{name}: greedy decode with adapters, fused = torch ops",
+        got == unfused,
+        f"{sum(a == b for a, b in zip(got, unfused, strict=False))}/4",
+    )
 
     # Sampled rows, under a grammar or not: drawn on the device, the same in a batch as alone.
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     constraint = backend.constraint("json_schema", json.dumps(schema))
 
     def samplings_of() -> list[Sampling]:  # a sequence walks its grammar with a matcher of its own
-        return [Sampling(temperature=0.9, seed=1, constraint=constraint.matcher()), Sampling(temperature=1.0, top_k=20, seed=2),
-                Sampling(constraint=constraint.matcher()), Sampling(temperature=1.0, top_p=0.8, min_p=0.01, seed=5, constraint=constraint.matcher())]
+        return [
+            Sampling(temperature=0.9, seed=1, constraint=constraint.matcher()),
+            Sampling(temperature=1.0, top_k=20, seed=2),
+            Sampling(constraint=constraint.matcher()),
+            Sampling(temperature=1.0, top_p=0.8, min_p=0.01, seed=5, constraint=constraint.matcher()),
+        ]
 
     samplings = samplings_of()
     draws = []
@@ -139,7 +183,9 @@ def check_model(name: str, model: str, root: Path) -> None:
     for i in range(4):
         decoder.clear()
         alone.append(drive(decoder, [Sequence(i, backend.encode(PROMPTS[i]), samplings[i], 24)]).ids[i])
-    check(f"{name}: sampled rows: batched = alone", together == alone, f"{sum(a == b for a, b in zip(together, alone))}/4")
+    check(
+        f"{name}: sampled rows: batched = alone", together == alone, f"{sum(a == b for a, b in zip(together, alone, strict=False))}/4"
+    )
     for i in (0, 2, 3):
         text = backend.decode(together[i])
         check(f"{name}: constrained row {i} follows the schema so far", text.startswith('{"name": "'), repr(text[:40]))

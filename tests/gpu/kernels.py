@@ -78,16 +78,26 @@ def attention_sweep() -> list[dict]:
     hidden, heads, head_dim, rot, inner = 2560, 32, 80, 32, 10240
     defaults = dict(td.ATTENTION)
     rows_out = []
-    configs = [dict(BLOCK_N=bn, num_warps=wp, work=2048) for bn in (16, 32) for wp in (1, 2)] + [dict(BLOCK_N=16, num_warps=None, work=2048)]
+    configs = [dict(BLOCK_N=bn, num_warps=wp, work=2048) for bn in (16, 32) for wp in (1, 2)] + [
+        dict(BLOCK_N=16, num_warps=None, work=2048)
+    ]
     for rows, context in ((1, 128), (1, 1044), (64, 128), (64, 1044), (128, 160)):
         layers = 8
         length = context + 2
-        caches = [(torch.randn(rows, heads, length, head_dim, device="cuda", dtype=torch.bfloat16),
-                   torch.randn(rows, heads, length, head_dim, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
+        caches = [
+            (
+                torch.randn(rows, heads, length, head_dim, device="cuda", dtype=torch.bfloat16),
+                torch.randn(rows, heads, length, head_dim, device="cuda", dtype=torch.bfloat16),
+            )
+            for _ in range(layers)
+        ]
         y = torch.randn(rows, 3 * hidden + inner, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         b_out = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-        cos, sin = torch.randn(length, rot, device="cuda", dtype=torch.bfloat16), torch.randn(length, rot, device="cuda", dtype=torch.bfloat16)
+        cos, sin = (
+            torch.randn(length, rot, device="cuda", dtype=torch.bfloat16),
+            torch.randn(length, rot, device="cuda", dtype=torch.bfloat16),
+        )
         positions = torch.full((rows,), context, device="cuda", dtype=torch.long)
         active = torch.ones(rows, device="cuda", dtype=torch.long)
         nbytes = rows * context * heads * head_dim * 2 * 2
@@ -103,20 +113,53 @@ def attention_sweep() -> list[dict]:
                 keys = k_cache[:, :, :span].reshape(rows * heads, -1, head_dim)
                 values = v_cache[:, :, :span].reshape(rows * heads, -1, head_dim)
                 bias = torch.zeros(rows * heads, 1, keys.shape[1], device="cuda", dtype=torch.bfloat16)
-                scores = torch.baddbmm(bias, q.reshape(rows * heads, 1, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5)
+                scores = torch.baddbmm(
+                    bias, q.reshape(rows * heads, 1, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5
+                )
                 attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(rows, hidden)
-                torch.cat((attention, F.gelu(y[:, 3 * hidden:], approximate="tanh")), dim=-1)
+                torch.cat((attention, F.gelu(y[:, 3 * hidden :], approximate="tanh")), dim=-1)
 
         seconds = graph_time(reference) / layers
-        rows_out.append({"rows": rows, "context": context, "kernel": f"unfused (span {span})", "us": seconds * 1e6, "TB_s": nbytes / seconds / 1e12})
+        rows_out.append(
+            {
+                "rows": rows,
+                "context": context,
+                "kernel": f"unfused (span {span})",
+                "us": seconds * 1e6,
+                "TB_s": nbytes / seconds / 1e12,
+            }
+        )
         for config in configs:
             td.ATTENTION.update(config)
             try:
-                seconds = graph_time(lambda: [td.attention_block(y, x, cos, sin, positions, active, k, v, b_out, hidden, head_dim, rot) for k, v in caches]) / layers
-                rows_out.append({"rows": rows, "context": context, "kernel": json.dumps(config), "us": seconds * 1e6, "TB_s": nbytes / seconds / 1e12,
-                                 "splits": td.splits_for(rows, heads)})
+                seconds = (
+                    graph_time(
+                        lambda: [
+                            td.attention_block(y, x, cos, sin, positions, active, k, v, b_out, hidden, head_dim, rot)
+                            for k, v in caches
+                        ]
+                    )
+                    / layers
+                )
+                rows_out.append(
+                    {
+                        "rows": rows,
+                        "context": context,
+                        "kernel": json.dumps(config),
+                        "us": seconds * 1e6,
+                        "TB_s": nbytes / seconds / 1e12,
+                        "splits": td.splits_for(rows, heads),
+                    }
+                )
             except Exception as exc:
-                rows_out.append({"rows": rows, "context": context, "kernel": json.dumps(config), "error": f"{type(exc).__name__}: {exc}"[:200]})
+                rows_out.append(
+                    {
+                        "rows": rows,
+                        "context": context,
+                        "kernel": json.dumps(config),
+                        "error": f"{type(exc).__name__}: {exc}"[:200],
+                    }
+                )
         del caches
         torch.cuda.empty_cache()
     td.ATTENTION.update(defaults)
@@ -162,8 +205,14 @@ def step_speed(backend, batches=(1, 8, 64, 128), prompt_tokens: int = 16) -> lis
             decoder._drain()
             torch.cuda.synchronize()
             seconds = time.perf_counter() - started
-            row = {"batch": batch, "prompt_tokens": prompt_tokens, "fused": fused, "compiled": compiled,
-                   "step_ms": seconds / steps * 1000, "tok_s": batch * steps / seconds}
+            row = {
+                "batch": batch,
+                "prompt_tokens": prompt_tokens,
+                "fused": fused,
+                "compiled": compiled,
+                "step_ms": seconds / steps * 1000,
+                "tok_s": batch * steps / seconds,
+            }
             say(row)
             out.append(row)
             del decoder
@@ -187,8 +236,13 @@ def profile(backend, batch: int, fused: bool) -> dict:
     top = {}
     for e in kernels:
         top[e.name[:50]] = top.get(e.name[:50], 0) + e.device_time
-    return {"batch": batch, "fused": fused, "kernels": len(kernels), "gpu_ms": sum(e.device_time for e in kernels) / 1000,
-            "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:8]}
+    return {
+        "batch": batch,
+        "fused": fused,
+        "kernels": len(kernels),
+        "gpu_ms": sum(e.device_time for e in kernels) / 1000,
+        "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:8],
+    }
 
 
 def prefill_profile(backend, tokens: int = 1044) -> dict:
@@ -229,8 +283,11 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
     top = {}
     for e in kernels:
         top[e.name[:50]] = top.get(e.name[:50], 0) + e.device_time
-    result["profile_chunk_2048"] = {"kernels": len(kernels), "gpu_ms": sum(e.device_time for e in kernels) / 1000,
-                                   "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:12]}
+    result["profile_chunk_2048"] = {
+        "kernels": len(kernels),
+        "gpu_ms": sum(e.device_time for e in kernels) / 1000,
+        "top": sorted(((round(v / 1000, 3), k) for k, v in top.items()), reverse=True)[:12],
+    }
     return result
 
 
@@ -268,8 +325,11 @@ def parity(dtype: str) -> dict:
 
     def decode(decoder, chosen):
         decoder.clear()
-        ids = __import__("backends.drive", fromlist=["drive"]).drive(
-            decoder, [Sequence(i, backend.encode(prompts[i]), Sampling(), 48) for i in chosen]).ids
+        ids = (
+            __import__("backends.drive", fromlist=["drive"])
+            .drive(decoder, [Sequence(i, backend.encode(prompts[i]), Sampling(), 48) for i in chosen])
+            .ids
+        )
         return [ids[i] for i in chosen]
 
     fused8 = BatchedDecoder(backend.decoder_weights, 8, fused=True)
@@ -294,18 +354,24 @@ def parity(dtype: str) -> dict:
 
     def sample(decoder, chosen):
         decoder.clear()
-        ids = __import__("backends.drive", fromlist=["drive"]).drive(
-            decoder, [Sequence(i, backend.encode(prompts[i]), samplings[i], 48) for i in chosen]).ids
+        ids = (
+            __import__("backends.drive", fromlist=["drive"])
+            .drive(decoder, [Sequence(i, backend.encode(prompts[i]), samplings[i], 48) for i in chosen])
+            .ids
+        )
         return [ids[i] for i in chosen]
 
     sampled_together = sample(fused8, range(8))
     sampled_alone = [sample(fused1, [i])[0] for i in range(8)]
-    greedy_like = sum(a == b for a, b in zip(sampled_together, together))
-    result = {"sampled_batched_vs_alone_identical": sum(a == b for a, b in zip(sampled_together, sampled_alone)),
-              "sampled_equal_to_greedy": greedy_like,
-              "batched_vs_alone_identical": sum(a == b for a, b in zip(together, alone)),
-              "fused_vs_unfused_identical": sum(a == b for a, b in zip(together, unfused)),
-              "step_logits_max_abs_diff": diff, "logit_scale": float(logits["unfused"].abs().max())}
+    greedy_like = sum(a == b for a, b in zip(sampled_together, together, strict=False))
+    result = {
+        "sampled_batched_vs_alone_identical": sum(a == b for a, b in zip(sampled_together, sampled_alone, strict=False)),
+        "sampled_equal_to_greedy": greedy_like,
+        "batched_vs_alone_identical": sum(a == b for a, b in zip(together, alone, strict=False)),
+        "fused_vs_unfused_identical": sum(a == b for a, b in zip(together, unfused, strict=False)),
+        "step_logits_max_abs_diff": diff,
+        "logit_scale": float(logits["unfused"].abs().max()),
+    }
     del backend
     torch.cuda.empty_cache()
     return result
@@ -341,7 +407,9 @@ def main() -> int:
             RESULTS[f"parity_{dtype}"] = section(f"parity_{dtype}", lambda: parity(dtype))
             say(dtype, RESULTS[f"parity_{dtype}"])
     if wanted("step") or wanted("profile") or wanted("prefill") or wanted("attention") or wanted("continued"):
-        backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False))
+        backend = load_backend(
+            "torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False)
+        )
         weight_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
         RESULTS["limit_tok_s"] = RESULTS["bandwidth"]["copy_bytes_s"] / weight_bytes
         if wanted("attention"):
@@ -357,7 +425,9 @@ def main() -> int:
                 say(p)
         if wanted("step"):
             RESULTS["steps"] = section("steps", lambda: step_speed(backend)) or []
-            RESULTS["steps_long"] = section("steps_long", lambda: step_speed(backend, batches=(1, 32), prompt_tokens=1044)) or []
+            RESULTS["steps_long"] = (
+                section("steps_long", lambda: step_speed(backend, batches=(1, 32), prompt_tokens=1044)) or []
+            )
         if wanted("continued"):
             RESULTS["continued"] = section("continued", lambda: continued(backend))
         if wanted("prefill"):
