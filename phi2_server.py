@@ -1,16 +1,36 @@
 """phi2-server: a small local REST server for Phi-2 (and causal LMs of the same families).
 
-HTTP only: configuration, routes, validation, middleware, startup and shutdown. The model
-lives behind `backends` (MLX or PyTorch) and is driven by one generation worker thread
+HTTP only: configuration, routes, validation, wire formats, middleware, startup and shutdown.
+The model lives behind `backends` (MLX or PyTorch) and is driven by one generation worker thread
 (`backends.engine`); handlers hand requests to it and stream its tokens back.
 
     python phi2_server.py --help
+
+Routes, their handlers, and the section (`# -- ...`) each is in:
+
+    GET  /health                health                probes and model facts
+    GET  /ready                 ready                 probes and model facts
+    GET  /model/info            model_info            probes and model facts
+    POST /generate              generate              the native API
+    POST /generate/stream       generate_stream       the native API
+    GET  /v1/models             v1_models             OpenAI-compatible API: models
+    GET  /v1/models/{model}     v1_model              OpenAI-compatible API: models
+    POST /v1/completions        v1_completions        OpenAI-compatible API: /v1/completions
+    POST /v1/chat/completions   v1_chat_completions   OpenAI-compatible API: /v1/chat/completions
+    GET  /metrics               metrics               metrics
+    GET  /openapi.json          openapi               OpenAPI: the document
+
+A generating handler is parse -> generations -> `submit` -> `answer(request, tickets, wire)`:
+one answer loop for every API, streamed or whole, and one `Wire` object per wire format
+("answers"). Every request passes the middleware in `create_app`: request log, CORS preflight,
+JSON errors, access (API keys, rate limits).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import dataclasses
 import hashlib
 import hmac
@@ -53,12 +73,13 @@ from backends import (
     Sampling,
     StepLogprobs,
     load_backend,
+    mean_logprob,
     select_backend,
 )
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
-from backends.text import TextOffsets, token_string
 
+VERSION = "0.9.0"
 log = logging.getLogger("phi2_server")
 T = TypeVar("T")
 
@@ -81,16 +102,19 @@ class Settings:
 
     model: str = setting(
         "microsoft/phi-2",
-        "the model: a Hugging Face hub id, a local checkpoint directory, `tiny` (the offline demo model) or `random:phi-2` (Phi-2's architecture, random weights)",
+        "the model: a Hugging Face hub id, a local checkpoint directory, `tiny` (the offline demo model) or "
+        "`random:phi-2` (Phi-2's architecture, random weights)",
     )
     backend: str = setting("auto", "runtime: auto (MLX on macOS arm64, else Torch), mlx or torch")
     adapter_path: str = setting(
         DEFAULT_ADAPTER_PATH,
-        "the default mlx-lm LoRA adapter: requests that name no adapter get it; empty for none (the default path may be absent)",
+        "the default mlx-lm LoRA adapter: requests that name no adapter get it; empty for none (the default path may "
+        "be absent)",
     )
     adapters_dir: str = setting(
         DEFAULT_ADAPTERS_DIR,
-        "a folder of mlx-lm LoRA adapter folders that requests choose by name (model base:name on /v1, adapter natively)",
+        "a folder of mlx-lm LoRA adapter folders that requests choose by name (model base:name on /v1, adapter "
+        "natively)",
     )
     max_adapters: int = setting(
         8, "adapters kept loaded (least recently used out first), and the most that decode at once"
@@ -109,7 +133,8 @@ class Settings:
     max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
     max_model_len: int = setting(
         0,
-        "the most tokens of context (prompt and completion) a request may use (0: the model's window; on CUDA, at most what MAX_BATCH full-context KV slots fit)",
+        "the most tokens of context (prompt and completion) a request may use (0: the model's window; on CUDA, at "
+        "most what MAX_BATCH full-context KV slots fit)",
     )
     prompt_cache: bool = setting(
         True, "reuse the KV of prompts (and replies) computed before, for requests that start alike (0: off)"
@@ -122,19 +147,22 @@ class Settings:
     )
     max_request_tokens: int = setting(
         16384,
-        "most tokens one request may ask for in all: its sequences (prompts x n or best_of) times max_tokens (0: no limit)",
+        "most tokens one request may ask for in all: its sequences (prompts x n or best_of) times max_tokens (0: no "
+        "limit)",
     )
     request_timeout: float = setting(600.0, "seconds a request may take, queue wait included (0: no limit)")
     idle_timeout: float = setting(
         60.0,
-        "seconds a connection may stay silent: before its request's headers are complete, and between requests (keep-alive)",
+        "seconds a connection may stay silent: before its request's headers are complete, and between requests "
+        "(keep-alive)",
     )
     body_timeout: float = setting(
         30.0, "seconds a request's body may take to arrive once its headers have; longer gets 408 (0: no limit)"
     )
     write_timeout: float = setting(
         30.0,
-        "seconds an answer may wait for its client to read; then the connection is closed and its generation ends (0: no limit)",
+        "seconds an answer may wait for its client to read; then the connection is closed and its generation ends "
+        "(0: no limit)",
     )
     stream_buffer: int = setting(
         1024, "tokens a stream may have waiting for a client that does not read; then its generation ends"
@@ -142,7 +170,8 @@ class Settings:
     shutdown_grace: float = setting(10.0, "seconds in-flight generations get to finish on SIGTERM/SIGINT")
     drain_delay: float = setting(
         0.0,
-        "seconds after SIGTERM/SIGINT during which /ready answers 503 and requests are still served, before the grace period (behind a load balancer: more than its health checks take to mark the server down)",
+        "seconds after SIGTERM/SIGINT during which /ready answers 503 and requests are still served, before the "
+        "grace period (behind a load balancer: more than its health checks take to mark the server down)",
     )
     log_prompts: bool = setting(True, "write the first 100 characters of each prompt to the request log (0: never)")
     log_max_bytes: int = setting(10 * 1024 * 1024, "request log size in bytes before it rotates")
@@ -154,7 +183,8 @@ class Settings:
     rate_limit: int = setting(0, "requests a minute per key, or per client address without keys (0: no limit)")
     served_model_name: str = setting(
         "",
-        "the model's names on the OpenAI API, comma-separated aliases (empty: PHI2_MODEL); the first is the one /v1/models lists first",
+        "the model's names on the OpenAI API, comma-separated aliases (empty: PHI2_MODEL); the first is the one "
+        "/v1/models lists first",
     )
     cors_origins: str = setting("", "browser origins allowed to call the API, comma-separated, or * (empty: no CORS)")
 
@@ -252,7 +282,23 @@ RECEIVED_AT: web.RequestKey[float] = web.RequestKey("received_at")
 CACHE_NAMESPACE: web.RequestKey[str] = web.RequestKey("cache_namespace")
 
 
-# -- request validation -----------------------------------------------------------------------
+# -- the native request schema -----------------------------------------------------------------
+
+
+def closed(schema: dict) -> dict:
+    """`schema` as `check` enforces it, said in the schema itself: an object with properties
+    takes no field beyond them, at every depth (so /openapi.json publishes the same contract).
+    Marks `schema` in place and returns it."""
+    if "properties" in schema:
+        schema.setdefault("additionalProperties", False)
+        for value in schema["properties"].values():
+            closed(value)
+    if isinstance(schema.get("items"), dict):
+        closed(schema["items"])
+    for option in schema.get("anyOf", ()):
+        closed(option)
+    return schema
+
 
 MAX_STOP = 4
 # Sampling beyond temperature and top_p, on both APIs (vLLM's names; the order they apply in:
@@ -298,58 +344,69 @@ CACHE_SALT = {
     "default": None,
     "description": "reuse cached prompts only of requests with this salt (and API key)",
 }
-GENERATE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["prompt"],
-    "additionalProperties": False,
-    "properties": {
-        "prompt": {"type": "string", "minLength": 1},
-        "max_tokens": {"type": "integer", "minimum": 1, "default": 128},
-        "temperature": {"type": "number", "minimum": 0, "default": 0.0},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
-        "stop": {
-            "anyOf": [
-                {"type": "string", "minLength": 1, "maxLength": 256},
-                {
-                    "type": "array",
-                    "maxItems": MAX_STOP,
-                    "items": {"type": "string", "minLength": 1, "maxLength": 256},
-                },
-            ],
-            "default": [],
+GENERATE_SCHEMA: dict[str, Any] = closed(
+    {
+        "type": "object",
+        "required": ["prompt"],
+        "additionalProperties": False,
+        "properties": {
+            "prompt": {"type": "string", "minLength": 1},
+            "max_tokens": {"type": "integer", "minimum": 1, "default": 128},
+            "temperature": {"type": "number", "minimum": 0, "default": 0.0},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+            "stop": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1, "maxLength": 256},
+                    {
+                        "type": "array",
+                        "maxItems": MAX_STOP,
+                        "items": {"type": "string", "minLength": 1, "maxLength": 256},
+                    },
+                ],
+                "default": [],
+            },
+            "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1, "default": None},
+            # Keep generating past end-of-text: benchmarks need a fixed token count.
+            "ignore_eos": {"type": "boolean", "default": False},
+            **SAMPLING_PROPERTIES,
+            "logprobs": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "maximum": MAX_LOGPROBS,
+                "default": None,
+                "description": "report each generated token's logprob and this many most likely alternatives",
+            },
+            "json_schema": {
+                "type": ["object", "null"],
+                "default": None,
+                "description": (
+                    "constrain the text to JSON valid against this JSON Schema "
+                    '({} or {"type": "object"}: any JSON object)'
+                ),
+            },
+            "regex": {
+                "type": ["string", "null"],
+                "minLength": 1,
+                "maxLength": 4096,
+                "default": None,
+                "description": "constrain the text to match this regular expression",
+            },
+            "cache_salt": CACHE_SALT,
+            "adapter": {
+                "type": ["string", "null"],
+                "maxLength": 128,
+                "default": None,
+                "description": (
+                    'a LoRA adapter: a folder name in ADAPTERS_DIR; "" for the base model; absent or null: '
+                    "the default (ADAPTER_PATH)"
+                ),
+            },
         },
-        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1, "default": None},
-        # Keep generating past end-of-text: benchmarks need a fixed token count.
-        "ignore_eos": {"type": "boolean", "default": False},
-        **SAMPLING_PROPERTIES,
-        "logprobs": {
-            "type": ["integer", "null"],
-            "minimum": 0,
-            "maximum": MAX_LOGPROBS,
-            "default": None,
-            "description": "report each generated token's logprob and this many most likely alternatives",
-        },
-        "json_schema": {
-            "type": ["object", "null"],
-            "default": None,
-            "description": 'constrain the text to JSON valid against this JSON Schema ({} or {"type": "object"}: any JSON object)',
-        },
-        "regex": {
-            "type": ["string", "null"],
-            "minLength": 1,
-            "maxLength": 4096,
-            "default": None,
-            "description": "constrain the text to match this regular expression",
-        },
-        "cache_salt": CACHE_SALT,
-        "adapter": {
-            "type": ["string", "null"],
-            "maxLength": 128,
-            "default": None,
-            "description": 'a LoRA adapter: a folder name in ADAPTERS_DIR; "" for the base model; absent or null: the default (ADAPTER_PATH)',
-        },
-    },
-}
+    }
+)
+
+
+# -- validation: the schema checker, bodies read off the loop ----------------------------------
 
 
 class Invalid(Exception):
@@ -381,7 +438,9 @@ def check(value: Any, schema: dict, field: str) -> Any:
             except Invalid as exc:
                 errors.append(exc)
         fitting = [
-            e for e, option in zip(errors, schema["anyOf"], strict=False) if "type" in option and _type_ok(value, option["type"])
+            e
+            for e, option in zip(errors, schema["anyOf"], strict=False)
+            if "type" in option and _type_ok(value, option["type"])
         ]
         if len(fitting) == 1 and "x-error" not in schema:  # the value is of that option's kind: its error says most
             raise fitting[0]
@@ -868,7 +927,7 @@ async def add_headers(request: web.Request, response: web.StreamResponse) -> Non
         response.headers["Vary"] = "Origin"
 
 
-# -- handlers ---------------------------------------------------------------------------------
+# -- probes and model facts: /health, /ready, /model/info --------------------------------------
 
 
 def engine_ready(request: web.Request) -> Engine:
@@ -944,7 +1003,7 @@ async def adapters_info(backend: Backend) -> dict:
     }
 
 
-# -- generation, shared by the native and the OpenAI routes -------------------------------------
+# -- generations: one record a choice, tokenized, checked and submitted ------------------------
 
 
 @dataclass(frozen=True)
@@ -978,94 +1037,6 @@ def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None
         frequency_penalty=params["frequency_penalty"],
         logit_bias=tuple(sorted((int(token), float(bias)) for token, bias in params["logit_bias"].items())),
     )
-
-
-GRAMMAR_TIMEOUT_S = 10.0  # a grammar that takes longer to compile (queue wait included) is refused
-GRAMMAR_WORKERS = 2  # compiles at once
-GRAMMAR_BACKLOG = 8  # compiles in flight (running or queued); more get 503 at once
-
-
-class BoundedPool:
-    """A thread pool that takes at most `backlog` jobs in flight. A job whose caller stopped
-    waiting (a compile past its time limit) cannot be interrupted: it keeps its place until it
-    really ends, so a client sending slow grammars fills this pool, and only this one."""
-
-    def __init__(self, workers: int, backlog: int, name: str):
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
-        self._backlog = backlog
-        self._in_flight = 0
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable, *args) -> asyncio.Future | None:
-        """An awaitable of fn(*args) run on the pool, or None when the backlog is full."""
-        with self._lock:
-            if self._in_flight >= self._backlog:
-                return None
-            self._in_flight += 1
-
-        def job():
-            try:
-                return fn(*args)
-            finally:
-                with self._lock:
-                    self._in_flight -= 1
-
-        return asyncio.get_running_loop().run_in_executor(self._pool, job)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-async def compile_constraint(
-    request: web.Request, kind: str, spec: str, field: str, params: dict
-) -> tuple[Grammar, str]:
-    """A JSON Schema, JSON mode or a regex compiled for the model's tokenizer (off the loop,
-    cached by the backend), and the field it came from; what cannot be compiled is a 422 (400 on
-    /v1) naming the field. A grammar compiled before is taken from the cache at once, however
-    busy the compiler is."""
-    if params.get("ignore_eos"):
-        raise ApiError(
-            422,
-            "ignore_eos cannot be combined with a constraint: generation ends where the grammar does",
-            field="ignore_eos",
-        )
-    if params.get("stop"):
-        raise ApiError(
-            422,
-            f"stop cannot be combined with {field}: the output ends where the grammar is complete, and a stop sequence could cut it short",
-            field="stop",
-        )
-    backend = engine_ready(request).backend
-    request[LOG_FACTS]["grammar"] = field
-    grammar = backend.cached_constraint(kind, spec)
-    if grammar is not None:
-        return grammar, field
-    work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec)
-    if work is None:
-        raise ApiError(
-            503,
-            f"the grammar compiler is busy ({GRAMMAR_BACKLOG} compiles in flight); retry later",
-            field=field,
-            retry_after=5,
-        )
-    try:
-        return await asyncio.wait_for(work, GRAMMAR_TIMEOUT_S), field
-    except GrammarError as exc:
-        raise ApiError(422, f"{field} cannot be used: {exc}", field=field) from None
-    except TimeoutError:
-        raise ApiError(422, f"{field} did not compile within {GRAMMAR_TIMEOUT_S:.0f} s", field=field) from None
-
-
-async def native_constraint(request: web.Request, params: dict) -> tuple[Grammar | None, str | None]:
-    if params["json_schema"] is not None and params["regex"] is not None:
-        raise ApiError(422, "give json_schema or regex, not both", field="regex")
-    if params["json_schema"] is not None:
-        return await compile_constraint(
-            request, "json_schema", json.dumps(params["json_schema"]), "json_schema", params
-        )
-    if params["regex"] is not None:
-        return await compile_constraint(request, "regex", params["regex"], "regex", params)
-    return None, None
 
 
 async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation) -> list[int]:
@@ -1105,7 +1076,8 @@ def too_long(
     return ApiError(
         400,
         f"This model's maximum context length is {context} tokens. However, you requested {asked} tokens "
-        f"({prompt_tokens} in the {where}, {max_tokens or 0} in the completion). Please reduce the length of the {where} or completion.",
+        f"({prompt_tokens} in the {where}, {max_tokens or 0} in the completion). Please reduce the length of the "
+        f"{where} or completion.",
         field=gen.prompt_field,
         code="context_length_exceeded",
     )
@@ -1224,6 +1196,253 @@ async def submit(
         raise ApiError(503, f"not accepting requests: {exc}", retry_after=5) from None
 
 
+# -- grammars: compiled off the loop, bounded --------------------------------------------------
+
+
+GRAMMAR_TIMEOUT_S = 10.0  # a grammar that takes longer to compile (queue wait included) is refused
+GRAMMAR_WORKERS = 2  # compiles at once
+GRAMMAR_BACKLOG = 8  # compiles in flight (running or queued); more get 503 at once
+
+
+class BoundedPool:
+    """A thread pool that takes at most `backlog` jobs in flight. A job whose caller stopped
+    waiting (a compile past its time limit) cannot be interrupted: it keeps its place until it
+    really ends, so a client sending slow grammars fills this pool, and only this one."""
+
+    def __init__(self, workers: int, backlog: int, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._backlog = backlog
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args) -> asyncio.Future | None:
+        """An awaitable of fn(*args) run on the pool, or None when the backlog is full."""
+        with self._lock:
+            if self._in_flight >= self._backlog:
+                return None
+            self._in_flight += 1
+
+        def job():
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+
+        return asyncio.get_running_loop().run_in_executor(self._pool, job)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def compile_constraint(
+    request: web.Request, kind: str, spec: str, field: str, params: dict
+) -> tuple[Grammar, str]:
+    """A JSON Schema, JSON mode or a regex compiled for the model's tokenizer (off the loop,
+    cached by the backend), and the field it came from; what cannot be compiled is a 422 (400 on
+    /v1) naming the field. A grammar compiled before is taken from the cache at once, however
+    busy the compiler is."""
+    if params.get("ignore_eos"):
+        raise ApiError(
+            422,
+            "ignore_eos cannot be combined with a constraint: generation ends where the grammar does",
+            field="ignore_eos",
+        )
+    if params.get("stop"):
+        raise ApiError(
+            422,
+            f"stop cannot be combined with {field}: the output ends where the grammar is complete, and a stop "
+            "sequence could cut it short",
+            field="stop",
+        )
+    backend = engine_ready(request).backend
+    request[LOG_FACTS]["grammar"] = field
+    grammar = backend.cached_constraint(kind, spec)
+    if grammar is not None:
+        return grammar, field
+    work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec)
+    if work is None:
+        raise ApiError(
+            503,
+            f"the grammar compiler is busy ({GRAMMAR_BACKLOG} compiles in flight); retry later",
+            field=field,
+            retry_after=5,
+        )
+    try:
+        return await asyncio.wait_for(work, GRAMMAR_TIMEOUT_S), field
+    except GrammarError as exc:
+        raise ApiError(422, f"{field} cannot be used: {exc}", field=field) from None
+    except TimeoutError:
+        raise ApiError(422, f"{field} did not compile within {GRAMMAR_TIMEOUT_S:.0f} s", field=field) from None
+
+
+async def native_constraint(request: web.Request, params: dict) -> tuple[Grammar | None, str | None]:
+    if params["json_schema"] is not None and params["regex"] is not None:
+        raise ApiError(422, "give json_schema or regex, not both", field="regex")
+    if params["json_schema"] is not None:
+        return await compile_constraint(
+            request, "json_schema", json.dumps(params["json_schema"]), "json_schema", params
+        )
+    if params["regex"] is not None:
+        return await compile_constraint(request, "regex", params["regex"], "regex", params)
+    return None, None
+
+
+# -- answers: one loop, one wire format object per API -----------------------------------------
+# Every generating route ends in `answer(request, tickets, wire)`. The loop reads the choices'
+# events (text, a token's logprobs, the end); a `Wire` turns them into what its API sends. A
+# stream writes each event's chunk as it comes; a whole answer is a fold over the same events,
+# then `wire.body()`. A new API is a new Wire, not a new loop.
+
+
+async def json_answer(request: web.Request, build: Callable[[], dict], heavy: bool) -> web.Response:
+    """A whole answer. One with logprobs (megabytes with n 16 and top_logprobs 20) is built and
+    encoded on a pool: the loop would stop for a second or more otherwise."""
+    if not heavy:
+        return web.json_response(build())
+    text = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], lambda: json.dumps(build()))
+    return web.Response(text=text, content_type="application/json")
+
+
+@dataclass
+class Answer:
+    """One choice as it comes back: its text, its tokens' logprobs (both kept only for a whole
+    answer), its summary."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[StepLogprobs] = field(default_factory=list)
+    summary: Summary | None = None
+
+
+class Wire:
+    """One API's wire format for one request. `add` takes each event in order; streaming, it
+    returns the text to send for it (keeping what state the format needs), between `opening()`
+    and `tail()`; whole, it keeps the event in `choices`, and `body()` builds the answer."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, request: web.Request, tickets: list[Ticket], streaming: bool):
+        self.request, self.tickets, self.streaming = request, tickets, streaming
+        self.backend: Backend = request.app[ENGINE].backend
+        self.choices = [Answer() for _ in tickets]
+
+    @property
+    def heavy(self) -> bool:
+        """Whether the whole body is worth building and encoding on a pool (logprobs)."""
+        return False
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.summary is not None for choice in self.choices)
+
+    def summaries(self) -> list[Summary]:
+        return [choice.summary for choice in self.choices]
+
+    def add(self, index: int, event: Event) -> str:
+        choice = self.choices[index]
+        if isinstance(event, Summary):
+            choice.summary = event
+        elif not self.streaming:
+            (choice.text if isinstance(event, str) else choice.logprobs).append(event)
+        return self.chunk(index, event) if self.streaming else ""
+
+    def opening(self) -> str:
+        """What a stream starts with, sent with its headers."""
+        return ""
+
+    def chunk(self, index: int, event: Event) -> str:
+        raise NotImplementedError
+
+    def tail(self) -> str:
+        """What a stream ends with, once every choice has ended."""
+        return ""
+
+    def body(self) -> dict:
+        raise NotImplementedError
+
+
+async def answer(request: web.Request, tickets: list[Ticket], wire: Wire) -> web.StreamResponse:
+    """Answer with the tickets' events in `wire`'s format, streamed or whole. Every ticket is
+    cancelled on the way out (a no-op when finished; it stops the worker when the client went
+    away). A whole answer whose generation did not finish is an error answer (`raise_unfinished`);
+    a stream says so in its own format."""
+    response = None
+    if wire.streaming:
+        response = web.StreamResponse(headers={"Content-Type": wire.content_type, "Cache-Control": "no-cache"})
+        response.enable_chunked_encoding()
+    started = time.perf_counter()
+    try:
+        while not wire.finished:
+            chunks = [wire.add(index, event) for index, event in await next_events(tickets)]
+            if response is not None:
+                if wire.finished:
+                    chunks.append(wire.tail())
+                await send(request, response, tickets, wire, chunks, started)
+        note_summary(request, combined(wire.summaries()))
+        if response is not None:
+            async with write_deadline(request):
+                await response.write_eof()
+            return response
+        for summary in wire.summaries():
+            raise_unfinished(request, summary)
+        return await json_answer(request, wire.body, wire.heavy)
+    except ConnectionResetError:
+        if response is None:
+            raise
+        request[LOG_FACTS]["client_closed"] = True
+        return response
+    except TimeoutError:
+        if response is None:
+            raise
+        stalled(request)
+        return response
+    finally:
+        for ticket in tickets:
+            ticket.cancel()
+
+
+async def send(
+    request: web.Request,
+    response: web.StreamResponse,
+    tickets: list[Ticket],
+    wire: Wire,
+    chunks: list[str],
+    started: float,
+) -> None:
+    """One write of a stream, within WRITE_TIMEOUT."""
+    async with write_deadline(request):
+        if not response.prepared:
+            # Headers go out with the first events, so a queued request has not answered yet
+            # and a client sees one consistent first byte.
+            chunks.insert(0, wire.opening())
+            await response.prepare(request)
+            request[LOG_FACTS]["ttfb_ms"] = round((time.perf_counter() - started) * 1000, 2)
+        data = "".join(chunks)
+        if data:
+            for ticket in tickets:  # the worker may end a stream whose client stopped reading
+                ticket.writing = True
+            await response.write(data.encode())
+            for ticket in tickets:
+                ticket.writing = False
+
+
+def write_deadline(request: web.Request):
+    """WRITE_TIMEOUT around a write: a client that stops reading blocks it once the socket's
+    buffers are full (and the worker ends its generation once STREAM_BUFFER tokens wait)."""
+    return asyncio.timeout(request.app[SETTINGS].write_timeout or None)
+
+
+def stalled(request: web.Request) -> None:
+    """The client stopped reading for WRITE_TIMEOUT: drop the connection (what is buffered for it
+    is discarded) and log it as a client that left."""
+    request[LOG_FACTS].update(
+        client_closed=True,
+        error=f"the client stopped reading for WRITE_TIMEOUT ({request.app[SETTINGS].write_timeout:g} s)",
+    )
+    if request.transport is not None:
+        request.transport.abort()
+
+
 def combined(summaries: list[Summary]) -> Summary:
     """One summary for the request log and metrics: the choices' tokens added up."""
     first = summaries[0]
@@ -1262,117 +1481,7 @@ def raise_unfinished(request: web.Request, summary: Summary) -> None:
         raise ApiError(503, "the server is shutting down", retry_after=5)
 
 
-async def json_answer(request: web.Request, build: Callable[[], dict], heavy: bool) -> web.Response:
-    """A whole answer. One with logprobs (megabytes with n 16 and top_logprobs 20) is built and
-    encoded on a pool: the loop would stop for a second or more otherwise."""
-    if not heavy:
-        return web.json_response(build())
-    text = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], lambda: json.dumps(build()))
-    return web.Response(text=text, content_type="application/json")
-
-
-@dataclass
-class Answer:
-    """One choice as it comes back: its text, its tokens' logprobs, its summary."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list[StepLogprobs] = field(default_factory=list)
-    summary: Summary | None = None
-
-
-async def collect(request: web.Request, tickets: list[Ticket]) -> list[Answer]:
-    """Every choice whole; an unfinished generation is an error answer."""
-    answers = [Answer() for _ in tickets]
-    try:
-        while any(a.summary is None for a in answers):
-            for index, event in await next_events(tickets):
-                answer = answers[index]
-                if isinstance(event, str):
-                    answer.text.append(event)
-                elif isinstance(event, StepLogprobs):
-                    answer.logprobs.append(event)
-                else:
-                    answer.summary = event
-        note_summary(request, combined([a.summary for a in answers]))
-        for answer in answers:
-            raise_unfinished(request, answer.summary)
-        return answers
-    finally:
-        for ticket in tickets:
-            ticket.cancel()  # no-op when finished; stops the worker when the client went away
-
-
-async def stream(
-    request: web.Request,
-    tickets: list[Ticket],
-    content_type: str,
-    render: Callable[[int, Event], str],
-    first: str = "",
-    last: Callable[[list[Summary]], str] = lambda summaries: "",
-) -> web.StreamResponse:
-    """Write each choice's events as the worker sends them (`render(index, event)`), then `last`
-    once every choice has ended; stop if the client goes."""
-    facts = request[LOG_FACTS]
-    response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
-    response.enable_chunked_encoding()
-    started = time.perf_counter()
-    summaries: dict[int, Summary] = {}
-    try:
-        while True:
-            chunks = [] if response.prepared else [first]
-            for index, event in await next_events(tickets):
-                if isinstance(event, Summary):
-                    summaries[index] = event
-                chunks.append(render(index, event))
-            done = len(summaries) == len(tickets)
-            if done:
-                chunks.append(last([summaries[i] for i in range(len(tickets))]))
-            async with write_deadline(request):
-                if not response.prepared:
-                    # Headers go out with the first text, so a queued request has not answered yet
-                    # and a client sees one consistent first byte.
-                    await response.prepare(request)
-                    facts["ttfb_ms"] = round((time.perf_counter() - started) * 1000, 2)
-                data = "".join(chunks)
-                if data:
-                    for ticket in tickets:  # the worker may end a stream whose client stopped reading
-                        ticket.writing = True
-                    await response.write(data.encode())
-                    for ticket in tickets:
-                        ticket.writing = False
-                if done:
-                    note_summary(request, combined([summaries[i] for i in range(len(tickets))]))
-                    await response.write_eof()
-                    return response
-    except ConnectionResetError:
-        facts["client_closed"] = True
-        return response
-    except TimeoutError:
-        stalled(request)
-        return response
-    finally:
-        for ticket in tickets:
-            ticket.cancel()
-
-
-def write_deadline(request: web.Request):
-    """WRITE_TIMEOUT around a write: a client that stops reading blocks it once the socket's
-    buffers are full (and the worker ends its generation once STREAM_BUFFER tokens wait)."""
-    return asyncio.timeout(request.app[SETTINGS].write_timeout or None)
-
-
-def stalled(request: web.Request) -> None:
-    """The client stopped reading for WRITE_TIMEOUT: drop the connection (what is buffered for it
-    is discarded) and log it as a client that left."""
-    request[LOG_FACTS].update(
-        client_closed=True,
-        error=f"the client stopped reading for WRITE_TIMEOUT ({request.app[SETTINGS].write_timeout:g} s)",
-    )
-    if request.transport is not None:
-        request.transport.abort()
-
-
-# -- native API ---------------------------------------------------------------------------------
+# -- the native API: /generate, /generate/stream -----------------------------------------------
 
 
 def native_params(body: Any) -> tuple[Any, dict]:
@@ -1422,60 +1531,63 @@ def native_logprobs(backend: Backend, scores: list[StepLogprobs]) -> list[dict]:
     return [{**entry(s.token.token, s.token.logprob), "top": [entry(t, lp) for t, lp in s.token.top]} for s in scores]
 
 
-async def generate(request: web.Request) -> web.Response:
-    body, params = await read_body(request, native_params)
-    tickets = await submit(
-        request,
-        [native_generation(params, body, await native_constraint(request, params))],
-        params["adapter"],
-        params["cache_salt"],
-    )
-    (answer,) = await collect(request, tickets)
-    backend = request.app[ENGINE].backend
+class NativeWire(Wire):
+    """/generate's body {text, ...summary}, and /generate/stream's NDJSON: `{"token": ...}` lines
+    as text is decoded, then one `{"done": true, ...summary}` line. With logprobs, each line
+    carries those of the tokens whose text it brings (a token that brings no text of its own,
+    such as end-of-text, comes in a line of its own before the end)."""
 
-    def build() -> dict:
-        out = {"text": "".join(answer.text), **summary_fields(request, answer.summary, backend)}
-        if params["logprobs"] is not None:
-            out["logprobs"] = native_logprobs(backend, answer.logprobs)
+    content_type = "application/x-ndjson"
+
+    def __init__(self, request: web.Request, tickets: list[Ticket], streaming: bool, params: dict):
+        super().__init__(request, tickets, streaming)
+        self.logprobs = params["logprobs"] is not None
+        self.pending: list[StepLogprobs] = []
+
+    @property
+    def heavy(self) -> bool:
+        return self.logprobs
+
+    def line(self, text: str) -> str:
+        out: dict[str, Any] = {"token": text}
+        if self.logprobs:
+            out["logprobs"] = native_logprobs(self.backend, self.pending)
+            self.pending.clear()
+        return json.dumps(out, ensure_ascii=False) + "\n"
+
+    def chunk(self, index: int, event: Event) -> str:
+        if isinstance(event, StepLogprobs):
+            self.pending.append(event)
+            return ""
+        if isinstance(event, str):
+            return self.line(event)
+        rest = self.line("") if self.pending else ""
+        return rest + json.dumps({"done": True, **summary_fields(self.request, event, self.backend)}) + "\n"
+
+    def body(self) -> dict:
+        (choice,) = self.choices
+        out = {"text": "".join(choice.text), **summary_fields(self.request, choice.summary, self.backend)}
+        if self.logprobs:
+            out["logprobs"] = native_logprobs(self.backend, choice.logprobs)
         return out
 
-    return await json_answer(request, build, heavy=params["logprobs"] is not None)
+
+async def native_answer(request: web.Request, streaming: bool) -> web.StreamResponse:
+    body, params = await read_body(request, native_params)
+    generation = native_generation(params, body, await native_constraint(request, params))
+    tickets = await submit(request, [generation], params["adapter"], params["cache_salt"])
+    return await answer(request, tickets, NativeWire(request, tickets, streaming, params))
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    return await native_answer(request, streaming=False)
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    """NDJSON: `{"token": ...}` lines as text is decoded, then one `{"done": true, ...}` line.
-    With logprobs, each line carries those of the tokens whose text it brings (a token that
-    brings no text of its own, such as end-of-text, comes in a line of its own before the end)."""
-    body, params = await read_body(request, native_params)
-    tickets = await submit(
-        request,
-        [native_generation(params, body, await native_constraint(request, params))],
-        params["adapter"],
-        params["cache_salt"],
-    )
-    backend = request.app[ENGINE].backend
-    pending: list[StepLogprobs] = []
-
-    def line(text: str) -> str:
-        out = {"token": text}
-        if params["logprobs"] is not None:
-            out["logprobs"] = native_logprobs(backend, pending)
-            pending.clear()
-        return json.dumps(out, ensure_ascii=False) + "\n"
-
-    def render(index: int, event: Event) -> str:
-        if isinstance(event, StepLogprobs):
-            pending.append(event)
-            return ""
-        if isinstance(event, str):
-            return line(event)
-        rest = line("") if pending else ""
-        return rest + json.dumps({"done": True, **summary_fields(request, event, backend)}) + "\n"
-
-    return await stream(request, tickets, "application/x-ndjson", render)
+    return await native_answer(request, streaming=True)
 
 
-# -- OpenAI-compatible API ----------------------------------------------------------------------
+# -- OpenAI-compatible API: request schemas ----------------------------------------------------
 # The same worker, limits and log as the native routes; OpenAI's wire format and defaults.
 # Unset optional fields may come as null, and what a local server can ignore is accepted (user,
 # store, metadata, service_tier ...); a field that asks for what this server cannot do (tools,
@@ -1540,31 +1652,41 @@ RESPONSE_FORMAT = {
         },
     },
 }
-COMPLETIONS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["prompt"],
-    "properties": {
-        **OPENAI_COMMON,
-        "prompt": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": {"type": "string", "minLength": 1}},
-                TOKEN_IDS,
-                {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": TOKEN_IDS},
-            ],
-            "x-error": f"prompt must be a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either (none empty)",
+COMPLETIONS_SCHEMA: dict[str, Any] = closed(
+    {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            **OPENAI_COMMON,
+            "prompt": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": MAX_PROMPTS,
+                        "items": {"type": "string", "minLength": 1},
+                    },
+                    TOKEN_IDS,
+                    {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": TOKEN_IDS},
+                ],
+                "x-error": (
+                    "prompt must be a string, a list of token ids, or a list of up to "
+                    f"{MAX_PROMPTS} of either (none empty)"
+                ),
+            },
+            # OpenAI's default is 16, applied in v1_completions: a schema default here would count
+            # as asked for, and refuse a prompt that leaves less room instead of clipping to it.
+            # 0 scores the prompt alone (with echo).
+            "max_tokens": {"type": "integer", "minimum": 0},
+            "echo": {"type": "boolean", "default": False},
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+            "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+            "suffix": _unsupported(""),
+            "response_format": RESPONSE_FORMAT,
         },
-        # OpenAI's default is 16, applied in v1_completions: a schema default here would count
-        # as asked for, and refuse a prompt that leaves less room instead of clipping to it.
-        # 0 scores the prompt alone (with echo).
-        "max_tokens": {"type": "integer", "minimum": 0},
-        "echo": {"type": "boolean", "default": False},
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
-        "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
-        "suffix": _unsupported(""),
-        "response_format": RESPONSE_FORMAT,
-    },
-}
+    }
+)
 CONTENT_PART = {
     "type": "object",
     "required": ["type", "text"],
@@ -1587,27 +1709,32 @@ MESSAGE = {
     },
 }
 CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI has no default cap; a local server wants one
-CHAT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["messages"],
-    "properties": {
-        **OPENAI_COMMON,
-        "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
-        "max_completion_tokens": {"type": "integer", "minimum": 1},
-        "logprobs": {"type": "boolean", "default": False},
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-        "parallel_tool_calls": _ignored("boolean"),
-        "tools": _unsupported([]),
-        "tool_choice": _unsupported("none", "auto"),
-        "functions": _unsupported([]),
-        "function_call": _unsupported("none", "auto"),
-        "response_format": RESPONSE_FORMAT,
-        "modalities": _unsupported(["text"]),
-        "audio": _unsupported(),
-        "prediction": _unsupported(),
-        "web_search_options": _unsupported(),
-    },
-}
+CHAT_SCHEMA: dict[str, Any] = closed(
+    {
+        "type": "object",
+        "required": ["messages"],
+        "properties": {
+            **OPENAI_COMMON,
+            "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+            "max_completion_tokens": {"type": "integer", "minimum": 1},
+            "logprobs": {"type": "boolean", "default": False},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+            "parallel_tool_calls": _ignored("boolean"),
+            "tools": _unsupported([]),
+            "tool_choice": _unsupported("none", "auto"),
+            "functions": _unsupported([]),
+            "function_call": _unsupported("none", "auto"),
+            "response_format": RESPONSE_FORMAT,
+            "modalities": _unsupported(["text"]),
+            "audio": _unsupported(),
+            "prediction": _unsupported(),
+            "web_search_options": _unsupported(),
+        },
+    }
+)
+
+
+# -- OpenAI-compatible API: models, /v1/models -------------------------------------------------
 
 
 def served_names(request: web.Request) -> list[str]:
@@ -1629,12 +1756,55 @@ def model_named(request: web.Request, name: str | None) -> tuple[str, str | None
     if not colon or base not in names:
         raise ApiError(
             404,
-            f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))} and their adapters (name:adapter, GET /v1/models)",
+            f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))} and their adapters "
+            "(name:adapter, GET /v1/models)",
             field="model",
             code="model_not_found",
         )
     request[LOG_FACTS]["model_id"] = name
     return name, adapter
+
+
+async def v1_models(request: web.Request) -> web.Response:
+    """The served names, then `name:adapter` for every adapter there is now (ADAPTERS_DIR is read
+    again for each listing), with its config's facts (as vLLM lists LoRA modules: parent, root)."""
+    engine = engine_ready(request)
+    names = served_names(request)
+    cards = [model_card(engine, name) for name in names]
+    facts = await available_adapters(engine.backend)
+    cards += [adapter_card(engine, names[0], adapter) for adapter in facts]
+    return web.json_response({"object": "list", "data": cards})
+
+
+async def v1_model(request: web.Request) -> web.Response:
+    engine = engine_ready(request)
+    name, adapter = model_named(request, request.match_info["model"])
+    if not adapter:
+        return web.json_response(model_card(engine, name))
+    facts = await available_adapters(engine.backend)
+    found = next((f for f in facts if f.name == adapter), None)
+    if found is None:
+        raise ApiError(
+            404, f"The model {name!r} does not exist: no adapter {adapter!r}", field="model", code="model_not_found"
+        )
+    return web.json_response(adapter_card(engine, name.rpartition(":")[0], found))
+
+
+def model_card(engine: Engine, name: str) -> dict:
+    created = int(time.time() - (time.perf_counter() - engine.loaded_at))
+    return {"id": name, "object": "model", "created": created, "owned_by": "phi2-server"}
+
+
+def adapter_card(engine: Engine, base: str, facts: AdapterFacts) -> dict:
+    return {
+        **model_card(engine, f"{base}:{facts.name}"),
+        "parent": base,
+        "root": facts.path,
+        "adapter": facts.describe(),
+    }
+
+
+# -- OpenAI-compatible API: parameters, usage, logprobs, SSE -----------------------------------
 
 
 def openai_params(body: Any, schema: dict) -> dict:
@@ -1691,7 +1861,8 @@ def check_sequences(request: web.Request, gens: list[Generation]) -> None:
     if len(gens) > limit:
         raise ApiError(
             400,
-            f"this request asks for {len(gens)} sequences (prompts x choices); the server queues at most {limit} (MAX_QUEUE)",
+            f"this request asks for {len(gens)} sequences (prompts x choices); the server queues at most {limit} "
+            "(MAX_QUEUE)",
             field="n",
         )
 
@@ -1739,6 +1910,33 @@ def response_head(name: str, kind: str) -> dict:
     }
 
 
+# How OpenAI shows tokens: wire formatting, so here rather than in backends.
+
+
+def token_string(data: bytes) -> str:
+    """A token as text, as OpenAI shows it: the bytes of part of a character as `bytes:\\xNN`."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+class TextOffsets:
+    """Where each token's text starts in the decoded text, token after token (from `start`): a
+    token holding the end of a split character starts where that character does."""
+
+    def __init__(self, start: int = 0):
+        self.at = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def __call__(self, pieces: list[bytes]) -> list[int]:
+        offsets = []
+        for data in pieces:
+            offsets.append(self.at)
+            self.at += len(self._decoder.decode(data))
+        return offsets
+
+
 class CompletionLogprobs:
     """The legacy completions' logprobs of one choice ({tokens, token_logprobs, top_logprobs,
     text_offset}), built as its tokens come: `top_logprobs` holds the `k` most likely tokens and
@@ -1751,7 +1949,7 @@ class CompletionLogprobs:
         pieces = [self.backend.token_bytes(token) for token, _, _ in entries]
         offsets = self.offsets(pieces)
         tops = []
-        for (token, logprob, top), piece in zip(entries, pieces, strict=False):
+        for (_, logprob, top), piece in zip(entries, pieces, strict=True):
             if logprob is None:  # a prompt's first token: nothing predicts it
                 tops.append(None)
                 continue
@@ -1790,50 +1988,95 @@ def chat_logprobs(backend: Backend, scores: list[StepLogprobs], k: int) -> dict:
     return {"content": content, "refusal": None}
 
 
-def mean_logprob(answer: Answer) -> float:
-    """best_of's measure: the mean logprob of a choice's tokens (OpenAI: "the highest log
-    probability per token")."""
-    values = [s.token.logprob for s in answer.logprobs if s.token is not None]
-    return sum(values) / len(values) if values else -math.inf
+# -- OpenAI-compatible API: /v1/completions ----------------------------------------------------
 
 
-async def v1_models(request: web.Request) -> web.Response:
-    """The served names, then `name:adapter` for every adapter there is now (ADAPTERS_DIR is read
-    again for each listing), with its config's facts (as vLLM lists LoRA modules: parent, root)."""
-    engine = engine_ready(request)
-    names = served_names(request)
-    cards = [model_card(engine, name) for name in names]
-    facts = await available_adapters(engine.backend)
-    cards += [adapter_card(engine, names[0], adapter) for adapter in facts]
-    return web.json_response({"object": "list", "data": cards})
+class CompletionsWire(Wire):
+    """/v1/completions: a `text_completion` body, or its SSE chunks then `[DONE]`. Choices come
+    `copies` (best_of) a prompt; a whole answer keeps each prompt's `n` best by mean logprob."""
 
+    def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, texts: list[str]):
+        super().__init__(request, tickets, params["stream"])
+        self.n, self.echo, self.k = params["n"], params["echo"], params["logprobs"]
+        self.copies = params["best_of"] or self.n
+        self.texts = texts  # the prompts as text, where echo shows them or logprobs count offsets from them
+        self.prompts = len(tickets) // self.copies
+        self.envelope = response_head(name, "text_completion")
+        self.include_usage = bool(params["stream_options"].get("include_usage"))
+        self.pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
+        self.echoed: set[int] = set()
+        self.shapers: dict[int, CompletionLogprobs] = {}  # a streamed choice's: its text offsets run on
 
-async def v1_model(request: web.Request) -> web.Response:
-    engine = engine_ready(request)
-    name, adapter = model_named(request, request.match_info["model"])
-    if not adapter:
-        return web.json_response(model_card(engine, name))
-    facts = await available_adapters(engine.backend)
-    found = next((f for f in facts if f.name == adapter), None)
-    if found is None:
-        raise ApiError(
-            404, f"The model {name!r} does not exist: no adapter {adapter!r}", field="model", code="model_not_found"
-        )
-    return web.json_response(adapter_card(engine, name.rpartition(":")[0], found))
+    @property
+    def heavy(self) -> bool:
+        return self.k is not None or self.copies > self.n
 
+    def shaper(self, prompt: int) -> CompletionLogprobs:
+        return CompletionLogprobs(self.backend, self.k, 0 if self.echo else len(self.texts[prompt]))
 
-def model_card(engine: Engine, name: str) -> dict:
-    created = int(time.time() - (time.perf_counter() - engine.loaded_at))
-    return {"id": name, "object": "model", "created": created, "owned_by": "phi2-server"}
+    def sse_chunk(self, index: int, text: str, entries: list | None = None, finish: str | None = None) -> str:
+        logprobs = None
+        if self.k is not None and entries:
+            if index not in self.shapers:
+                self.shapers[index] = self.shaper(index // self.n)
+            logprobs = self.shapers[index].shape(entries)
+        payload = {
+            **self.envelope,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
+        return sse({**payload, "usage": None} if self.include_usage else payload)
 
+    def chunk(self, index: int, event: Event) -> str:
+        out = ""
+        if self.echo and index not in self.echoed:  # the prompt first, with its logprobs
+            self.echoed.add(index)
+            scores = [event] if isinstance(event, StepLogprobs) else []
+            prompt_ids = self.tickets[index].request.prompt_ids
+            out = self.sse_chunk(
+                index, self.texts[index // self.n], CompletionLogprobs.prompt_entries(prompt_ids, scores)
+            )
+        if isinstance(event, StepLogprobs):
+            self.pending[index].append(event)
+            return out
+        entries = CompletionLogprobs.token_entries(self.pending[index])
+        self.pending[index].clear()
+        if isinstance(event, str):
+            return out + self.sse_chunk(index, event, entries)
+        if event.finish_reason == "error":  # the SDKs raise on an error event
+            return out + sse_error(self.request, event)
+        return out + self.sse_chunk(index, "", entries, finish=event.finish_reason)
 
-def adapter_card(engine: Engine, base: str, facts: AdapterFacts) -> dict:
-    return {
-        **model_card(engine, f"{base}:{facts.name}"),
-        "parent": base,
-        "root": facts.path,
-        "adapter": facts.describe(),
-    }
+    def tail(self) -> str:
+        end = ""
+        if self.include_usage:
+            end = sse({**self.envelope, "choices": [], "usage": usage(self.summaries(), self.prompts)})
+        return end + sse("[DONE]")
+
+    def body(self) -> dict:
+        choices = []
+        for p in range(self.prompts):
+            group = list(zip(self.tickets, self.choices, strict=True))[p * self.copies : (p + 1) * self.copies]
+            if self.copies > self.n:
+                group = sorted(group, key=lambda pair: mean_logprob(pair[1].logprobs), reverse=True)[: self.n]
+            for j, (ticket, choice) in enumerate(group):
+                text = "".join(choice.text)
+                logprobs = None
+                if self.k is not None:
+                    entries = CompletionLogprobs.token_entries(choice.logprobs)
+                    if self.echo:
+                        entries = (
+                            CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, choice.logprobs) + entries
+                        )
+                    logprobs = self.shaper(p).shape(entries)
+                choices.append(
+                    {
+                        "index": p * self.n + j,
+                        "text": self.texts[p] + text if self.echo else text,
+                        "logprobs": logprobs,
+                        "finish_reason": choice.summary.finish_reason,
+                    }
+                )
+        return {**self.envelope, "choices": choices, "usage": usage(self.summaries(), self.prompts)}
 
 
 async def v1_completions(request: web.Request) -> web.StreamResponse:
@@ -1850,10 +2093,9 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "best_of cannot be streamed: the best choices are known only at the end", field="best_of")
     if params["max_tokens"] == 0 and not echo:
         raise ApiError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", field="max_tokens")
-    scored = k if k is not None else (0 if best_of > n else None)  # best_of ranks by logprob
     options = dict(
         stop=stop_tuple(params["stop"]),
-        logprobs=scored,
+        logprobs=k if k is not None else (0 if best_of > n else None),  # best_of ranks by logprob
         prompt_logprobs=k if echo else None,
         **await response_constraint(request, params),
     )
@@ -1861,84 +2103,11 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter, params["cache_salt"])
     backend = request.app[ENGINE].backend
-    # The prompts as text, where the answer shows them (echo) or counts offsets from them (logprobs).
     texts = [p if isinstance(p, str) else backend.decode(p) for p in prompts] if echo or k is not None else []
+    return await answer(request, tickets, CompletionsWire(request, tickets, params, name, texts))
 
-    if not params["stream"]:
-        answers = await collect(request, tickets)
-        pairs = list(zip(tickets, answers, strict=False))
 
-        def build() -> dict:
-            choices = []
-            for p in range(len(prompts)):
-                group = pairs[p * best_of : (p + 1) * best_of]
-                if best_of > n:
-                    group = sorted(group, key=lambda pair: mean_logprob(pair[1]), reverse=True)[:n]
-                for j, (ticket, answer) in enumerate(group):
-                    text = "".join(answer.text)
-                    logprobs = None
-                    if k is not None:
-                        entries = CompletionLogprobs.token_entries(answer.logprobs)
-                        if echo:
-                            entries = (
-                                CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, answer.logprobs) + entries
-                            )
-                        logprobs = CompletionLogprobs(backend, k, 0 if echo else len(texts[p])).shape(entries)
-                    choices.append(
-                        {
-                            "index": p * n + j,
-                            "text": texts[p] + text if echo else text,
-                            "logprobs": logprobs,
-                            "finish_reason": answer.summary.finish_reason,
-                        }
-                    )
-            return {
-                **response_head(name, "text_completion"),
-                "choices": choices,
-                "usage": usage([a.summary for a in answers], len(prompts)),
-            }
-
-        return await json_answer(request, build, heavy=scored is not None)
-
-    head = response_head(name, "text_completion")
-    include_usage = bool(params["stream_options"].get("include_usage"))
-    pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
-    echoed: set[int] = set()
-    shapers = (
-        {i: CompletionLogprobs(backend, k, 0 if echo else len(texts[i // n])) for i in range(len(tickets))}
-        if k is not None
-        else {}
-    )
-
-    def chunk(index: int, text: str, entries: list | None = None, finish: str | None = None) -> str:
-        logprobs = shapers[index].shape(entries) if k is not None and entries else None
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        payload = {**head, "choices": [choice]}
-        return sse({**payload, "usage": None} if include_usage else payload)
-
-    def render(index: int, event: Event) -> str:
-        out = ""
-        if echo and index not in echoed:  # the prompt first, with its logprobs
-            echoed.add(index)
-            prompt_ids = tickets[index].request.prompt_ids
-            scores = [event] if isinstance(event, StepLogprobs) else []
-            out = chunk(index, texts[index // n], CompletionLogprobs.prompt_entries(prompt_ids, scores))
-        if isinstance(event, StepLogprobs):
-            pending[index].append(event)
-            return out
-        entries = CompletionLogprobs.token_entries(pending[index])
-        pending[index].clear()
-        if isinstance(event, str):
-            return out + chunk(index, event, entries)
-        if event.finish_reason == "error":  # the SDKs raise on an error event
-            return out + sse_error(request, event)
-        return out + chunk(index, "", entries, finish=event.finish_reason)
-
-    def last(summaries: list[Summary]) -> str:
-        end = sse({**head, "choices": [], "usage": usage(summaries, len(prompts))}) if include_usage else ""
-        return end + sse("[DONE]")
-
-    return await stream(request, tickets, "text/event-stream", render, last=last)
+# -- OpenAI-compatible API: /v1/chat/completions -----------------------------------------------
 
 
 class LeadingSpace:
@@ -1968,87 +2137,85 @@ def chat_messages(params: dict) -> list[dict]:
     return messages
 
 
+class ChatWire(Wire):
+    """/v1/chat/completions: a `chat.completion` body, or `chat.completion.chunk`s (each choice's
+    role first) then `[DONE]`."""
+
+    def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, k: int | None):
+        super().__init__(request, tickets, params["stream"])
+        self.k = k
+        self.envelope = response_head(name, "chat.completion.chunk" if self.streaming else "chat.completion")
+        self.include_usage = bool(params["stream_options"].get("include_usage"))
+        self.trims = [LeadingSpace() for _ in tickets]
+        self.pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
+
+    @property
+    def heavy(self) -> bool:
+        return self.k is not None
+
+    def sse_chunk(self, index: int, delta: dict, finish: str | None = None) -> str:
+        logprobs = None
+        if self.k is not None and self.pending[index]:
+            logprobs = chat_logprobs(self.backend, self.pending[index], self.k)
+            self.pending[index].clear()
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        payload = {**self.envelope, "choices": [choice]}
+        return sse({**payload, "usage": None} if self.include_usage else payload)
+
+    def opening(self) -> str:
+        return "".join(self.sse_chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.tickets)))
+
+    def chunk(self, index: int, event: Event) -> str:
+        if isinstance(event, StepLogprobs):
+            self.pending[index].append(event)
+            return ""
+        if isinstance(event, str):
+            text = self.trims[index].strip(event)
+            return self.sse_chunk(index, {"content": text}) if text else ""  # its logprobs wait for text
+        if event.finish_reason == "error":  # the SDKs raise on an error event
+            return sse_error(self.request, event)
+        return self.sse_chunk(index, {}, finish=event.finish_reason)
+
+    def tail(self) -> str:
+        end = sse({**self.envelope, "choices": [], "usage": usage(self.summaries(), 1)}) if self.include_usage else ""
+        return end + sse("[DONE]")
+
+    def body(self) -> dict:
+        choices = [
+            {
+                "index": i,
+                "message": {
+                    "role": "assistant",
+                    "content": LeadingSpace().strip("".join(choice.text)),
+                    "refusal": None,
+                },
+                "logprobs": chat_logprobs(self.backend, choice.logprobs, self.k) if self.k is not None else None,
+                "finish_reason": choice.summary.finish_reason,
+            }
+            for i, choice in enumerate(self.choices)
+        ]
+        return {**self.envelope, "choices": choices, "usage": usage(self.summaries(), 1)}
+
+
 async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     params = await read_body(request, lambda body: openai_params(body, CHAT_SCHEMA))
     name, adapter = model_named(request, params["model"])
-    backend = engine_ready(request).backend
-    prompt = backend.chat_prompt(chat_messages(params))
-    n = params["n"]
+    prompt = engine_ready(request).backend.chat_prompt(chat_messages(params))
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
-    max_tokens = params["max_completion_tokens"] or params["max_tokens"]
     options = dict(
         stop=stop_tuple(params["stop"]) + prompt.stop,
         logprobs=k,
         prompt_field="messages",
         **await response_constraint(request, params),
     )
-    gens = openai_generations(params, prompt.text, n, max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
+    max_tokens = params["max_completion_tokens"] or params["max_tokens"]
+    gens = openai_generations(params, prompt.text, params["n"], max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter, params["cache_salt"])
-
-    if not params["stream"]:
-        answers = await collect(request, tickets)
-
-        def build() -> dict:
-            choices = [
-                {
-                    "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": LeadingSpace().strip("".join(answer.text)),
-                        "refusal": None,
-                    },
-                    "logprobs": chat_logprobs(backend, answer.logprobs, k) if k is not None else None,
-                    "finish_reason": answer.summary.finish_reason,
-                }
-                for i, answer in enumerate(answers)
-            ]
-            return {
-                **response_head(name, "chat.completion"),
-                "choices": choices,
-                "usage": usage([a.summary for a in answers], 1),
-            }
-
-        return await json_answer(request, build, heavy=k is not None)
-
-    head = response_head(name, "chat.completion.chunk")
-    include_usage = bool(params["stream_options"].get("include_usage"))
-    trims = [LeadingSpace() for _ in tickets]
-    pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
-
-    def chunk(index: int, delta: dict, finish: str | None = None) -> str:
-        logprobs = None
-        if k is not None and pending[index]:
-            logprobs = chat_logprobs(backend, pending[index], k)
-            pending[index].clear()
-        payload = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-        return sse({**payload, "usage": None} if include_usage else payload)
-
-    def render(index: int, event: Event) -> str:
-        if isinstance(event, StepLogprobs):
-            pending[index].append(event)
-            return ""
-        if isinstance(event, str):
-            text = trims[index].strip(event)
-            return chunk(index, {"content": text}) if text else ""  # its logprobs wait for text
-        if event.finish_reason == "error":  # the SDKs raise on an error event
-            return sse_error(request, event)
-        return chunk(index, {}, finish=event.finish_reason)
-
-    def last(summaries: list[Summary]) -> str:
-        end = sse({**head, "choices": [], "usage": usage(summaries, 1)}) if include_usage else ""
-        return end + sse("[DONE]")
-
-    first = "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(len(tickets)))
-    return await stream(request, tickets, "text/event-stream", render, first=first, last=last)
+    return await answer(request, tickets, ChatWire(request, tickets, params, name, k))
 
 
 # -- metrics (Prometheus, through prometheus-client) ------------------------------------------------
-
-VERSION = "0.9.0"
-
-# No `_created` series: they double every counter and histogram, and no dashboard here uses them.
-prometheus_client.disable_created_metrics()
 
 
 class EngineCollector(Collector):
@@ -2167,7 +2334,7 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-# -- OpenAPI description of the native API, built from the schemas the validation uses ---------------
+# -- OpenAPI: the native answers' schemas (the requests' are the validation's own) -------------
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -2202,7 +2369,10 @@ READY_SCHEMA = {
         "status": {"enum": ["loading", "ok", "error"]},
         "draining": {
             "type": "boolean",
-            "description": "shutting down: requests are still served for DRAIN_DELAY seconds, but a load balancer should send no more",
+            "description": (
+                "shutting down: requests are still served for DRAIN_DELAY seconds, but a load balancer "
+                "should send no more"
+            ),
         },
     },
 }
@@ -2306,7 +2476,9 @@ TOKEN_LOGPROB = {
 }
 NATIVE_LOGPROBS = {
     "type": "array",
-    "description": "with logprobs: one entry a generated token (end-of-text included), and its most likely alternatives",
+    "description": (
+        "with logprobs: one entry a generated token (end-of-text included), and its most likely alternatives"
+    ),
     "items": {
         **TOKEN_LOGPROB,
         "properties": {**TOKEN_LOGPROB["properties"], "top": {"type": "array", "items": TOKEN_LOGPROB}},
@@ -2327,6 +2499,9 @@ GENERATE_RESPONSE_SCHEMA = {
     ],
     "properties": {"text": {"type": "string"}, **SUMMARY_PROPERTIES, "logprobs": NATIVE_LOGPROBS},
 }
+# -- OpenAPI: the /v1 answers' schemas ---------------------------------------------------------
+
+
 # The /v1 answers, as far as this server fills them (OpenAI's own description has the rest).
 OPENAI_ERROR_SCHEMA = {
     "type": "object",
@@ -2455,6 +2630,9 @@ CHAT_RESPONSE_SCHEMA = {
 }
 
 
+# -- OpenAPI: the document, /openapi.json ------------------------------------------------------
+
+
 def openapi_document() -> dict:
     def answers(ok: dict, *errors: int, media: str = "application/json", error: dict = ERROR_SCHEMA) -> dict:
         out = {"200": {"description": "OK", "content": {media: {"schema": ok}}}}
@@ -2487,7 +2665,10 @@ def openapi_document() -> dict:
         "info": {
             "title": "phi2-server",
             "version": VERSION,
-            "description": "The native API, and the OpenAI-compatible /v1 routes as far as this server fills OpenAI's shapes (request fields: what is accepted; null counts as absent on /v1).",
+            "description": (
+                "The native API, and the OpenAI-compatible /v1 routes as far as this server fills "
+                "OpenAI's shapes (request fields: what is accepted; null counts as absent on /v1)."
+            ),
         },
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {
@@ -2569,7 +2750,7 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[OPENAPI])
 
 
-# -- application ------------------------------------------------------------------------------
+# -- application: the app factory, the worker's start and stop ---------------------------------
 
 
 def model_loader(settings: Settings) -> Callable[[], Backend]:
@@ -2620,6 +2801,7 @@ async def stop_worker(app: web.Application) -> None:
 def create_app(settings: Settings | None = None, load: Callable[[], Backend] | None = None) -> web.Application:
     """The application; `load` builds the backend on the worker thread (tests inject one)."""
     settings = settings or Settings()
+    process_setup()
     middlewares = [request_log, cors_preflight, json_errors, access]  # outermost first
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
@@ -2657,6 +2839,9 @@ def describe_load_error(exc: BaseException, settings: Settings) -> str:
         f"PHI2_MODEL={settings.model!r} could not be loaded ({type(exc).__name__}: {exc}); "
         "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
     )
+
+
+# -- serving: the HTTP server, its protocol errors, signals, main ------------------------------
 
 
 class ProtocolErrorLog(AbstractAccessLogger):
@@ -2731,11 +2916,18 @@ class QuietRequestHandler(RequestHandler):
         return super().handle_error(request, status, exc, message)
 
 
-aiohttp.web_server.RequestHandler = QuietRequestHandler
-
-
 HTTP_LOG = logging.getLogger("phi2_server.http")
-HTTP_LOG.addFilter(ClientErrorsQuietly())
+
+
+def process_setup() -> None:
+    """What serving an app changes for the whole process, done when one is made (idempotent):
+    no Prometheus `_created` series (they double every counter and histogram, and no dashboard
+    here uses them); aiohttp's parse errors answered and logged quietly (`QuietRequestHandler`,
+    `ClientErrorsQuietly`)."""
+    prometheus_client.disable_created_metrics()
+    aiohttp.web_server.RequestHandler = QuietRequestHandler
+    if not any(isinstance(f, ClientErrorsQuietly) for f in HTTP_LOG.filters):
+        HTTP_LOG.addFilter(ClientErrorsQuietly())
 
 
 def runner_options(app: web.Application) -> dict[str, Any]:

@@ -12,6 +12,7 @@ Heavy imports (torch, mlx) happen only inside the runtime modules.
 from __future__ import annotations
 
 import importlib.util
+import math
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,6 +148,13 @@ class StepLogprobs:
 
     token: TokenLogprob | None  # None only where the engine passes on a prompt's logprobs alone (max_tokens 0)
     prompt: tuple[TokenLogprob, ...] | None = None  # with the first token, if prompt logprobs were asked for
+
+
+def mean_logprob(scores: list[StepLogprobs]) -> float:
+    """A sequence's mean logprob a generated token: best_of's ranking (OpenAI: "the highest log
+    probability per token"); -inf for a sequence without a token."""
+    values = [s.token.logprob for s in scores if s.token is not None]
+    return sum(values) / len(values) if values else -math.inf
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import codecs
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -91,30 +90,6 @@ class TokenizerMethods:
 
     def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
         return self.text.chat_prompt(messages)
-
-
-def token_string(data: bytes) -> str:
-    """A token as text, as OpenAI shows it: the bytes of part of a character as `bytes:\\xNN`."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
-
-class TextOffsets:
-    """Where each token's text starts in the decoded text, token after token (from `start`): a
-    token holding the end of a split character starts where that character does."""
-
-    def __init__(self, start: int = 0):
-        self.at = start
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def __call__(self, pieces: list[bytes]) -> list[int]:
-        offsets = []
-        for data in pieces:
-            offsets.append(self.at)
-            self.at += len(self._decoder.decode(data))
-        return offsets
 
 
 @dataclass(frozen=True)
