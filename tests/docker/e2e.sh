@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End to end, the Docker image as the README runs it: hadolint, `make docker-build`,
-# `make docker-run` with the tiny checkpoint mounted, the README's curl examples and their
+# `make docker-run` with the tiny checkpoint mounted, the curl examples of docs/api.md and their
 # answers, non-root user, HEALTHCHECK, request log volume, `make docker-stop`, then compose.
 # Uses whichever daemon `docker` reaches (.ci/run points DOCKER_HOST at podman). With none it
 # skips (exit 0), except under CI=true, where a skip is a failure. DOCKER_BUILD_ARGS is
@@ -52,7 +52,7 @@ echo "== make docker-run with the tiny checkpoint"
 chmod -R a+rX "$WORK/tiny"  # the weights are written 0600; the container's user (uid 1000) reads them
 timeout 300 make docker-run MODEL_DIR="$WORK/tiny"
 
-echo "== the README's examples"
+echo "== the examples of docs/api.md"
 curl -s "$URL/health" >"$WORK/health"
 curl -s "$URL/ready" >"$WORK/ready"
 curl -s "$URL/model/info" >"$WORK/info"
