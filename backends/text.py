@@ -34,6 +34,9 @@ class TokenizerText:
         tokenizer.model_max_length = 1 << 62
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        # A cache of this instance's own: functools.lru_cache on the method would be one cache
+        # for every instance, keyed by self, keeping each tokenizer alive after its backend is gone.
+        self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -41,8 +44,7 @@ class TokenizerText:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    @functools.lru_cache(maxsize=65536)
-    def token_bytes(self, token_id: int) -> bytes:
+    def _token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a special token: its own text; an id past the
         tokenizer's vocabulary: none). A byte-level token may hold part of a character."""
         if not 0 <= token_id < self.vocab_size:
