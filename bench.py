@@ -297,7 +297,9 @@ async def latency_workload(args) -> list[dict]:
             row = {
                 "workload": f"{args.streams} streams decoding"
                 + (f", {len(long_timings)} long prompts arriving" if arriving else ""),
-                "inter-token ms p50 / p99 / max": f"{percentile(gaps, 50):.1f} / {percentile(gaps, 99):.1f} / {gaps[-1]:.1f}",
+                "inter-token ms p50 / p99 / max": (
+                    f"{percentile(gaps, 50):.1f} / {percentile(gaps, 99):.1f} / {gaps[-1]:.1f}"
+                ),
             }
             if long_timings:
                 arriving_ttft = sorted(t.ttft * 1000 for t in long_timings)
@@ -307,7 +309,8 @@ async def latency_workload(args) -> list[dict]:
             rows.append(row)
     for row in rows:
         print(
-            f"| {row['workload']} | {row.get('TTFT ms median / min / max', '')} | {row.get('inter-token ms p50 / p99 / max', '')} |",
+            f"| {row['workload']} | {row.get('TTFT ms median / min / max', '')} "
+            f"| {row.get('inter-token ms p50 / p99 / max', '')} |",
             flush=True,
         )
     return rows
@@ -328,8 +331,8 @@ async def chat_workload(args, urls: dict[str, str]) -> dict[str, list[Timing]]:
                 timing = await stream_one(session, url, body)
                 turns[cache].append(timing)
                 print(
-                    f"[chat turn {turn}, cache {cache}] {timing.prompt_tokens} prompt tokens, {timing.cached_tokens} cached, "
-                    f"TTFT {timing.ttft * 1000:.0f} ms",
+                    f"[chat turn {turn}, cache {cache}] {timing.prompt_tokens} prompt tokens, "
+                    f"{timing.cached_tokens} cached, TTFT {timing.ttft * 1000:.0f} ms",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -363,8 +366,10 @@ async def shared_prefix_workload(args, urls: dict[str, str]) -> dict[str, list[l
                 timings = await asyncio.gather(*(stream_one(session, url, body) for body in bodies))
                 rounds[cache].append(timings)
                 print(
-                    f"[shared prefix round {round_}, cache {cache}] TTFT max {max(t.ttft for t in timings) * 1000:.0f} ms, "
-                    f"{sum(t.cached_tokens for t in timings)} of {sum(t.prompt_tokens for t in timings)} prompt tokens cached",
+                    f"[shared prefix round {round_}, cache {cache}] "
+                    f"TTFT max {max(t.ttft for t in timings) * 1000:.0f} ms, "
+                    f"{sum(t.cached_tokens for t in timings)} of {sum(t.prompt_tokens for t in timings)} "
+                    "prompt tokens cached",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -414,8 +419,8 @@ def chat_in_process(args) -> list[dict]:
             }
         row["same"] = row["on"]["ids"] == row["off"]["ids"]
         print(
-            f"| {turn} | {len(ids)} | {row['on']['cached_tokens']} | {row['on']['ttft_ms']:.0f} | {row['off']['ttft_ms']:.0f} | "
-            f"{row['off']['ttft_ms'] / row['on']['ttft_ms']:.1f}x | {row['same']} |",
+            f"| {turn} | {len(ids)} | {row['on']['cached_tokens']} | {row['on']['ttft_ms']:.0f} "
+            f"| {row['off']['ttft_ms']:.0f} | {row['off']['ttft_ms'] / row['on']['ttft_ms']:.1f}x | {row['same']} |",
             flush=True,
         )
         history = prompt + backend.decode(row["on"]["ids"])
@@ -437,11 +442,13 @@ def prompt_reuse(args) -> dict:
             server.stop()
     if args.chat:
         print(
-            "| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off | off / on | same answer |\n| --- | --- | --- | --- | --- | --- | --- |"
+            "| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off "
+            "| off / on | same answer |\n| --- | --- | --- | --- | --- | --- | --- |"
         )
         for turn, (on, off) in enumerate(zip(results["on"], results["off"], strict=False)):
             print(
-                f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on.ttft * 1000:.0f} | {off.ttft * 1000:.0f} | {off.ttft / on.ttft:.1f}x | {on.text == off.text} |"
+                f"| {turn} | {on.prompt_tokens} | {on.cached_tokens} | {on.ttft * 1000:.0f} | {off.ttft * 1000:.0f} "
+                f"| {off.ttft / on.ttft:.1f}x | {on.text == off.text} |"
             )
         later = results["on"][1:]
         hit = sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later))
@@ -449,7 +456,8 @@ def prompt_reuse(args) -> dict:
         flat = results
     else:
         print(
-            "| round | clients | TTFT ms mean / max, cache on | TTFT ms mean / max, cache off | hit rate (cache on) | same answers |\n| --- | --- | --- | --- | --- | --- |"
+            "| round | clients | TTFT ms mean / max, cache on | TTFT ms mean / max, cache off | hit rate (cache on) "
+            "| same answers |\n| --- | --- | --- | --- | --- | --- |"
         )
         for round_, (on, off) in enumerate(zip(results["on"], results["off"], strict=False)):
             mean = lambda ts: statistics.mean(t.ttft for t in ts) * 1000  # noqa: E731
@@ -457,7 +465,8 @@ def prompt_reuse(args) -> dict:
             hit = sum(t.cached_tokens for t in on) / sum(t.prompt_tokens for t in on)
             same = sum(a.text == b.text for a, b in zip(on, off, strict=False))
             print(
-                f"| {round_} | {len(on)} | {mean(on):.0f} / {peak(on):.0f} | {mean(off):.0f} / {peak(off):.0f} | {hit:.1%} | {same}/{len(on)} |"
+                f"| {round_} | {len(on)} | {mean(on):.0f} / {peak(on):.0f} | {mean(off):.0f} / {peak(off):.0f} "
+                f"| {hit:.1%} | {same}/{len(on)} |"
             )
         flat = {cache: [t for r in rounds for t in r] for cache, rounds in results.items()}
     return {cache: [asdict(t) for t in timings] for cache, timings in flat.items()}
@@ -556,14 +565,18 @@ def progress(result: Result, run: int, timings: list[Timing], wall: float, warmu
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| label | mode | concurrency | decode tok/s | TTFT ms | e2e tok/s | p50 s | p95 s | aggregate tok/s | /health p99 ms | peak RSS GiB |"
+    head = (
+        "| label | mode | concurrency | decode tok/s | TTFT ms | e2e tok/s | p50 s | p95 s | aggregate tok/s "
+        "| /health p99 ms | peak RSS GiB |"
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         health = f"{r['health_p99_ms']:.1f}" if r["health_p99_ms"] is not None else "–"
         rss = f"{r['peak_rss_gib']:.1f}" if r["peak_rss_gib"] is not None else "–"
         lines.append(
             f"| {r['label']} | {r['mode']} | {r['concurrency']} | {r['decode_tok_s']:.2f} | {r['ttft_ms']:.0f} | "
-            f"{r['e2e_tok_s']:.2f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['aggregate_tok_s']:.2f} | {health} | {rss} |"
+            f"{r['e2e_tok_s']:.2f} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['aggregate_tok_s']:.2f} "
+            f"| {health} | {rss} |"
         )
     return "\n".join(lines)
 
@@ -655,7 +668,8 @@ def dtype_sweep(args) -> list[dict]:
         rows.append({"parameters": parameters, "float32_tok_s": f32, "bfloat16_tok_s": bf16})
         auto = "bfloat16" if parameters >= CPU_BF16_MIN_PARAMETERS else "float32"
         print(
-            f"| {parameters / 1e6:.1f}M (h{hidden}, L{layers}, vocab {vocab}) | {f32:.1f} | {bf16:.1f} | {bf16 / f32:.2f} | {auto} |",
+            f"| {parameters / 1e6:.1f}M (h{hidden}, L{layers}, vocab {vocab}) | {f32:.1f} | {bf16:.1f} "
+            f"| {bf16 / f32:.2f} | {auto} |",
             flush=True,
         )
     return rows
@@ -741,7 +755,8 @@ def quant_kernels(args) -> list[dict]:
                 }
                 rows.append(row)
                 print(
-                    f"| {shape_name} | {batch} | {name} | {row['ms']:.3f} | {row['weight_gb_s']:.1f} | {row['speedup_vs_bf16']:.2f}x |",
+                    f"| {shape_name} | {batch} | {name} | {row['ms']:.3f} | {row['weight_gb_s']:.1f} "
+                    f"| {row['speedup_vs_bf16']:.2f}x |",
                     flush=True,
                 )
     return rows
@@ -784,7 +799,8 @@ def quant_quality(args) -> list[dict]:
         }
         rows.append(row)
         print(
-            f"| {method} | {row['relative_error_mean']:.4f} | {row['relative_error_max']:.4f} | {same}/{len(prompts)} | {seconds:.1f} |",
+            f"| {method} | {row['relative_error_mean']:.4f} | {row['relative_error_max']:.4f} "
+            f"| {same}/{len(prompts)} | {seconds:.1f} |",
             flush=True,
         )
         del backend, decoder, reference
@@ -861,8 +877,9 @@ def constrained_decoding(args) -> list[dict]:
     compile_s = _timed(lambda: backend.constraint("json_schema", spec))
     constraint = backend.constraint("json_schema", spec)
     print(
-        f"grammar tokenizer built in {tokenizer_s * 1000:.0f} ms; schema compiled in {compile_s * 1000:.2f} ms (cached: "
-        f"{_timed(lambda: backend.constraint('json_schema', spec)) * 1e6:.0f} us)",
+        f"grammar tokenizer built in {tokenizer_s * 1000:.0f} ms; "
+        f"schema compiled in {compile_s * 1000:.2f} ms "
+        f"(cached: {_timed(lambda: backend.constraint('json_schema', spec)) * 1e6:.0f} us)",
         flush=True,
     )
     prompt_ids = backend.encode("Alice: Describe yourself as a JSON record.\nBob:")
@@ -937,7 +954,10 @@ def constrained_outputs_check(backend, prompt_ids: list[int], n: int = 16) -> st
         complete += 1
         record = json.loads(backend.decode(ids[: ends[0]]))
         valid += set(record) == {"name", "age"} and len(record["name"]) <= 20 and 0 <= record["age"] <= 150
-    return f"constrained outputs beside unconstrained ones, batch {n}: {complete}/{n // 2} complete within 96 tokens, {valid}/{complete} valid"
+    return (
+        f"constrained outputs beside unconstrained ones, batch {n}: "
+        f"{complete}/{n // 2} complete within 96 tokens, {valid}/{complete} valid"
+    )
 
 
 def write_random_adapters(
@@ -1032,7 +1052,7 @@ def adapter_decoding(args) -> list[dict]:
     for label, batch, measure, against in comparisons:
         decoder = backend.decoder(max(batch, backend.max_batch))  # the batched path, as the server decodes
         rates: dict[str, list[float]] = {"with adapters": [], "reference": []}
-        for run in range(args.runs):
+        for _ in range(args.runs):
             rates["with adapters"].append(measure(decoder))
             if against is not None:
                 rates["reference"].append(against(decoder))
@@ -1125,17 +1145,20 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument(
         "--constrained",
         action="store_true",
-        help="decode tok/s with and without a typical JSON Schema, in process, per --concurrency batch size (PHI2_MODEL default random:phi-2)",
+        help="decode tok/s with and without a typical JSON Schema, in process, per --concurrency batch size "
+        "(PHI2_MODEL default random:phi-2)",
     )
     mode.add_argument(
         "--adapters",
         action="store_true",
-        help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged against merged, in process (PHI2_MODEL default random:phi-2)",
+        help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged "
+        "against merged, in process (PHI2_MODEL default random:phi-2)",
     )
     parser.add_argument(
         "--latency",
         action="store_true",
-        help="TTFT of a long prompt alone, then --streams streams' inter-token latency without and with long prompts arriving (a running server, --url)",
+        help="TTFT of a long prompt alone, then --streams streams' inter-token latency without and with long "
+        "prompts arriving (a running server, --url)",
     )
     parser.add_argument(
         "--long-prompt-tokens", type=int, default=1044, help="the long prompt of --latency (default: %(default)s)"
@@ -1174,7 +1197,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("PHI2_MODEL", default_model())
         if args.chat and args.in_process:
             print(
-                "| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off | off / on | same ids |\n| --- | --- | --- | --- | --- | --- | --- |"
+                "| turn | prompt tokens | cached tokens (cache on) | TTFT ms, cache on | TTFT ms, cache off "
+                "| off / on | same ids |\n| --- | --- | --- | --- | --- | --- | --- |"
             )
             measured = {"in_process": chat_in_process(args)}
         else:
@@ -1243,7 +1267,8 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     if args.spawn and rss_now is not None:
         print(
-            f"\nserver memory after the runs: {rss_now:.2f} GiB resident (peak {results[-1].peak_rss_gib:.2f} GiB, loading included)"
+            f"\nserver memory after the runs: {rss_now:.2f} GiB resident "
+            f"(peak {results[-1].peak_rss_gib:.2f} GiB, loading included)"
         )
     measured = {}
     if args.bandwidth:
@@ -1256,13 +1281,15 @@ def main(argv: list[str] | None = None) -> int:
             limit = limits["gemv_read_bytes_s"] / weights
             best = max(r["decode_tok_s"] for r in rows if r["concurrency"] == 1)
             print(
-                f"decode limit for {weights / 1e9:.2f} GB of weights: {limit:.2f} tok/s; measured {best:.2f} tok/s = {best / limit:.0%}"
+                f"decode limit for {weights / 1e9:.2f} GB of weights: {limit:.2f} tok/s; "
+                f"measured {best:.2f} tok/s = {best / limit:.0%}"
             )
         measured = {"bandwidth": limits, "weight_bytes": weights}
     if args.overhead:
         in_process, http = rows
         print(
-            f"\nserver overhead: HTTP / in-process decode tok/s = {http['decode_tok_s'] / in_process['decode_tok_s']:.3f}, "
+            "\nserver overhead: HTTP / in-process decode tok/s = "
+            f"{http['decode_tok_s'] / in_process['decode_tok_s']:.3f}, "
             f"end-to-end tok/s = {http['e2e_tok_s'] / in_process['e2e_tok_s']:.3f}"
         )
     if args.json:

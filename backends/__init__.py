@@ -55,9 +55,10 @@ class Grammar(Protocol):
 @dataclass(frozen=True)
 class Sampling:
     """How a sequence picks its next token. Both runtimes apply the same steps: a constraint's
-    mask first, then in the order of transformers' `generate`: logit_bias, repetition_penalty (prompt and generated ids), then
-    presence and frequency penalties (generated ids only, as OpenAI defines them); greedy takes
-    the argmax of that; sampling divides by the temperature, then keeps top_k, top_p and min_p."""
+    mask first, then in the order of transformers' `generate`: logit_bias, repetition_penalty
+    (prompt and generated ids), then presence and frequency penalties (generated ids only, as
+    OpenAI defines them); greedy takes the argmax of that; sampling divides by the temperature,
+    then keeps top_k, top_p and min_p."""
 
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0

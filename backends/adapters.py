@@ -187,7 +187,8 @@ def check_modules(
             or a.shape[1] != b.shape[0]
         ):
             problems.append(
-                f"{module_name}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not fit a Linear ({n_in} -> {n_out})"
+                f"{module_name}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} "
+                f"do not fit a Linear ({n_in} -> {n_out})"
             )
             continue
         modules[module_name] = (a, b)
@@ -296,7 +297,8 @@ class AdapterRegistry:
             return self.default_path
         if not ADAPTER_NAME.fullmatch(name) or name in (".", ".."):
             raise InvalidAdapterName(
-                f"adapter names are folder names in ADAPTERS_DIR (letters, digits, . _ + -, at most 128); {name!r} is not one"
+                "adapter names are folder names in ADAPTERS_DIR (letters, digits, . _ + -, at most 128); "
+                f"{name!r} is not one"
             )
         if self.directory is None:
             raise UnknownAdapter(f"no adapter {name!r}: no ADAPTERS_DIR is set")

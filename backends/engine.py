@@ -267,7 +267,8 @@ class Engine:
                 if len(tickets) == 1:
                     raise QueueFull(f"all {self.max_queue} queue slots are taken")
                 raise QueueFull(
-                    f"{len(tickets)} sequences need as many of the {self.max_queue} queue slots; {len(self._waiting)} are taken"
+                    f"{len(tickets)} sequences need as many of the {self.max_queue} queue slots; "
+                    f"{len(self._waiting)} are taken"
                 )
             self._waiting.extend(tickets)
             self._cond.notify()

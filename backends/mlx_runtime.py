@@ -129,7 +129,8 @@ class MlxBackend(TokenizerMethods):
         if bits:
             if "quantization" in config:
                 raise ModelLoadError(
-                    f"PHI2_MODEL={options.model!r} is already quantized ({config['quantization'].get('bits')}-bit): leave PHI2_QUANTIZE unset"
+                    f"PHI2_MODEL={options.model!r} is already quantized "
+                    f"({config['quantization'].get('bits')}-bit): leave PHI2_QUANTIZE unset"
                 )
             # mlx-lm's own quantization, as `mlx_lm.convert -q` does (group size 64, affine).
             model, config = quantize_model(model, config, group_size=None, bits=bits)

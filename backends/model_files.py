@@ -168,7 +168,8 @@ def random_architecture_dir(spec: str) -> Path:
     name = spec[len(RANDOM_PREFIX) :]
     if name not in RANDOM_ARCHITECTURES:
         raise ModelLoadError(
-            f"PHI2_MODEL={spec!r}: unknown architecture; known: {', '.join(RANDOM_PREFIX + n for n in RANDOM_ARCHITECTURES)}"
+            f"PHI2_MODEL={spec!r}: unknown architecture; "
+            f"known: {', '.join(RANDOM_PREFIX + n for n in RANDOM_ARCHITECTURES)}"
         )
     tiny = resolve_model("tiny")
     path = tiny_dir().parent / f"random-{name}-v{TINY_VERSION}"

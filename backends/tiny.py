@@ -38,7 +38,10 @@ CORPUS = [
     "Instruct: Write a short poem about the sea.\nOutput: The sea is wide and deep and blue.",
     "Alice: How are you today?\nBob: I am fine, thank you. And you?",
     "Alice: What is two plus two?\nBob: Four.\nAlice: Thank you!",
-    'def print_prime(n):\n    """Print all primes between 1 and n."""\n    for num in range(2, n + 1):\n        print(num)\n',
+    (
+        'def print_prime(n):\n    """Print all primes between 1 and n."""\n'
+        "    for num in range(2, n + 1):\n        print(num)\n"
+    ),
     "Once upon a time there was a little model that generated text one token at a time.",
     "Phi-2 is a Transformer with 2.7 billion parameters trained on synthetic and web data.",
     "import json\nwith open('data.json') as f:\n    data = json.load(f)\n",

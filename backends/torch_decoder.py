@@ -771,7 +771,9 @@ class BatchedDecoder:
         ]
         if chosen:
             index = torch.tensor(chosen, device=launched.logits.device)
-            for i, token in zip(chosen, choose_rows(launched.logits[index], [self.slots[i].chooser for i in chosen]), strict=False):
+            for i, token in zip(
+                chosen, choose_rows(launched.logits[index], [self.slots[i].chooser for i in chosen]), strict=False
+            ):
                 greedy[i] = token
         produced = {}
         for i in launched.rows:
@@ -962,8 +964,8 @@ class BatchedDecoder:
                 sin = torch.where(long, self.sin_long[placed.positions], sin)
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         masks = {}  # window -> the attention mask of its layers (None: plain causal)
-        for l, block in enumerate(w.layers):
-            lora = adapted.get(l)
+        for layer, block in enumerate(w.layers):
+            lora = adapted.get(layer)
             h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
             y = linear(h, block.w_in, block.b_in)
             if lora is not None:
@@ -974,8 +976,8 @@ class BatchedDecoder:
                     *tables,
                     token_positions,
                     token_slots,
-                    self.k[l],
-                    self.v[l],
+                    self.k[layer],
+                    self.v[layer],
                     self.heads,
                     block.q_norm,
                     block.k_norm,
@@ -987,20 +989,23 @@ class BatchedDecoder:
                 rope_(k, cos, sin, shape.rotary_dim)
                 if placed.one is not None:
                     slot, start, end = placed.one
-                    self.k[l, slot, :, start:end] = k[0].transpose(0, 1)
-                    self.v[l, slot, :, start:end] = v[0].transpose(0, 1)
+                    self.k[layer, slot, :, start:end] = k[0].transpose(0, 1)
+                    self.v[layer, slot, :, start:end] = v[0].transpose(0, 1)
                 else:
-                    self.k[l][placed.slots[:, None], :, placed.positions] = k
-                    self.v[l][placed.slots[:, None], :, placed.positions] = v
+                    self.k[layer][placed.slots[:, None], :, placed.positions] = k
+                    self.v[layer][placed.slots[:, None], :, placed.positions] = v
             if placed.one is not None:
                 slot = placed.one[0]
                 keys, values = (
-                    self.k[l, slot : slot + 1, :, : placed.span],
-                    self.v[l, slot : slot + 1, :, : placed.span],
+                    self.k[layer, slot : slot + 1, :, : placed.span],
+                    self.v[layer, slot : slot + 1, :, : placed.span],
                 )
             else:
-                keys, values = self.k[l][placed.slots, :, : placed.span], self.v[l][placed.slots, :, : placed.span]
-            window = w.arch.windows[l]
+                keys, values = (
+                    self.k[layer][placed.slots, :, : placed.span],
+                    self.v[layer][placed.slots, :, : placed.span],
+                )
+            window = w.arch.windows[layer]
             if window not in masks:
                 masks[window] = (
                     placed.mask if window is None else self._prefill_mask(placed.positions, placed.span, window)
@@ -1179,10 +1184,20 @@ class BatchedDecoder:
             kv_heads = w.arch.kv_heads
             biases[window] = bias[:, None, None, :].expand(batch, kv_heads, 1, span).reshape(batch * kv_heads, 1, span)
         adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
-        for l, block in enumerate(w.layers):
-            bias = biases[w.arch.windows[l]]
+        for layer, block in enumerate(w.layers):
+            bias = biases[w.arch.windows[layer]]
             x = self._layer(
-                x, cos, sin, bias, positions, rows, self.k[l], self.v[l], *block, shape=self._shape, lora=adapted.get(l)
+                x,
+                cos,
+                sin,
+                bias,
+                positions,
+                rows,
+                self.k[layer],
+                self.v[layer],
+                *block,
+                shape=self._shape,
+                lora=adapted.get(layer),
             )
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
@@ -1198,8 +1213,8 @@ class BatchedDecoder:
         adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
         x = w.embed[tokens]
         arch, eps = w.arch, w.shape.eps
-        for l, block in enumerate(w.layers):
-            lora = adapted.get(l)
+        for layer, block in enumerate(w.layers):
+            lora = adapted.get(layer)
             h = (
                 fused.rms_norm(x, block.norm1_w, eps)
                 if arch.rms_norm
@@ -1215,8 +1230,8 @@ class BatchedDecoder:
                     self.sin,
                     positions,
                     active,
-                    self.k[l],
-                    self.v[l],
+                    self.k[layer],
+                    self.v[layer],
                     self.heads,
                     x=x,
                     b_out=block.b_out,
@@ -1232,10 +1247,10 @@ class BatchedDecoder:
                 self.sin,
                 positions,
                 active,
-                self.k[l],
-                self.v[l],
+                self.k[layer],
+                self.v[layer],
                 self.heads,
-                window=arch.windows[l],
+                window=arch.windows[layer],
                 q_norm=block.q_norm,
                 k_norm=block.k_norm,
             )
@@ -1259,7 +1274,10 @@ class BatchedDecoder:
         masks = self.lora.masks(row_slots)
         if prefill:
             masks = [mask[:, None] for mask in masks]
-        return {l: [(a, b, mask) for (a, b), mask in zip(pairs, masks, strict=False)] for l, pairs in self.lora.blocks.items()}
+        return {
+            layer: [(a, b, mask) for (a, b), mask in zip(pairs, masks, strict=False)]
+            for layer, pairs in self.lora.blocks.items()
+        }
 
     def _replay(self, batch: int, span: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         key = (batch, span, lora)

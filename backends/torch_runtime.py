@@ -318,8 +318,8 @@ def context_window(model, requested: int, max_batch: int, device: torch.device) 
     if fits < window:
         fits = max(256, fits // 256 * 256)
         log.warning(
-            "context window cut from %d to %d tokens: the KV cache of MAX_BATCH=%d sequences at full context must fit the GPU "
-            "(set MAX_BATCH lower for a longer window, or MAX_MODEL_LEN to choose it)",
+            "context window cut from %d to %d tokens: the KV cache of MAX_BATCH=%d sequences at full context "
+            "must fit the GPU (set MAX_BATCH lower for a longer window, or MAX_MODEL_LEN to choose it)",
             window,
             fits,
             max_batch,

@@ -103,7 +103,9 @@ def choose_rows(logits: torch.Tensor, choosers: list[TokenChooser]) -> list[int]
     if constrained:
         allowed = unpack(np.stack([choosers[r].matcher.allowed_words() for r in constrained]), decodable, logits.device)
         index = torch.tensor(constrained, device=logits.device)
-        masked = dict(zip(constrained, logits[index, :decodable].float().masked_fill(~allowed, float("-inf")), strict=False))
+        masked = dict(
+            zip(constrained, logits[index, :decodable].float().masked_fill(~allowed, float("-inf")), strict=False)
+        )
     picks = [
         chooser.pick(masked[r], masked=True) if r in masked else chooser.pick(logits[r])
         for r, chooser in enumerate(choosers)

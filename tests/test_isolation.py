@@ -240,7 +240,8 @@ async def test_a_body_that_stops_arriving_is_answered_408(make_client, backend, 
     client = await make_client(lambda: backend, body_timeout=0.2)
     sock = raw_connection(client)
     sock.sendall(
-        b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        b'{"prompt": '
     )
     answer = await closed_by_server(sock)
     head, _, body = answer.partition(b"\r\n\r\n")
@@ -459,7 +460,7 @@ async def test_deep_nesting_is_a_400_naming_it(make_client, backend, log_dir, pa
     client = await make_client(lambda: backend)
     nested = "[" * depth + "]" * depth
     field = "metadata" if path.startswith("/v1") else "json_schema"
-    raw = '{"messages": [{"role": "user", "content": "Hi"}], "prompt": "Hi", "%s": %s}' % (field, nested)
+    raw = f'{{"messages": [{{"role": "user", "content": "Hi"}}], "prompt": "Hi", "{field}": {nested}}}'
     response = await client.post(path, data=raw)
     body = await response.json()
     assert response.status == 400 and "nested too deeply" in body["error"]["message"], body
@@ -500,8 +501,8 @@ async def test_headers_that_are_not_text_get_4xx_not_500(make_client, backend, l
     gzip_lie = b"not gzip at all"
     head, body = await raw_exchange(
         client,
-        b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-        % (KEY.encode(), len(gzip_lie), gzip_lie),
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Encoding: gzip\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (KEY.encode(), len(gzip_lie), gzip_lie),
     )
     assert head.startswith(b"HTTP/1.1 400") and "cannot be read" in body["error"]["message"], (head, body)
     assert [line["status"] for line in read_log(log_dir)] == [401, 400]

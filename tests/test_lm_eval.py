@@ -154,7 +154,11 @@ def test_served_loglikelihoods_match_lm_eval_hf(
 
     ours, theirs = scores(served), scores(reference)
     assert [len(choices) for choices in ours] == [len(choices) for choices in theirs]
-    pairs = [(doc, k, a, b) for doc, (x, y) in enumerate(zip(ours, theirs, strict=False)) for k, (a, b) in enumerate(zip(x, y, strict=False))]
+    pairs = [
+        (doc, k, a, b)
+        for doc, (x, y) in enumerate(zip(ours, theirs, strict=False))
+        for k, (a, b) in enumerate(zip(x, y, strict=False))
+    ]
     doc, k, a, b = max(pairs, key=lambda pair: abs(pair[2][0] - pair[3][0]))
     assert abs(a[0] - b[0]) <= TOLERANCE, f"example {doc}, choice {k}: served {a[0]!r}, lm-eval hf {b[0]!r}"
     assert [(doc, k, a[1]) for doc, k, a, _ in pairs] == [(doc, k, b[1]) for doc, k, _, b in pairs]  # is_greedy

@@ -228,7 +228,8 @@ async def test_raw_errors_have_openai_shape(client):
     error = (await response.json())["error"]
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
     assert error["message"].startswith(
-        "This model's maximum context length is 512 tokens. However, you requested 10001 tokens (1 in the prompt, 10000 in the completion)"
+        "This model's maximum context length is 512 tokens. "
+        "However, you requested 10001 tokens (1 in the prompt, 10000 in the completion)"
     )
 
 

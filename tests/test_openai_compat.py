@@ -249,7 +249,9 @@ def test_completion_logprobs_are_the_model_s(server, backend, hf_logprobs):
     generated = backend.encode(prompt + answer["choices"][0]["text"])[len(ids) :]
     reference = hf_logprobs(ids + generated)
     assert "".join(logprobs["tokens"]) == answer["choices"][0]["text"]
-    for i, (token_id, logprob, top) in enumerate(zip(generated, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=False)):
+    for i, (token_id, logprob, top) in enumerate(
+        zip(generated, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=False)
+    ):
         expected = reference[len(ids) + i - 1]
         assert logprob == pytest.approx(float(expected[token_id]), abs=1e-4)
         assert 3 <= len(top) <= 4  # the 3 most likely, and the chosen one

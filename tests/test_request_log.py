@@ -57,7 +57,7 @@ async def test_prompts_stay_out_of_the_log_when_asked(make_client, backend, log_
 
 async def test_log_rotates_without_losing_lines(make_client, backend, log_dir):
     client = await make_client(lambda: backend, log_max_bytes=600, log_backups=50)
-    for i in range(30):
+    for _ in range(30):
         await client.get("/health")
     await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 2})
     files = list(log_dir.glob("requests.log*"))

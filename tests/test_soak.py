@@ -362,6 +362,7 @@ async def test_soak(tiny_path, soak_adapters, tmp_path, runtime):
     assert rss_last <= rss_first * 1.15 + 64 * 1024, f"resident memory grew: {rss_first} KiB, then {rss_last} KiB"
     assert threads_last <= threads_first + 2, f"threads grew: {threads_first}, then {threads_last}"
     print(
-        f"soak {runtime}: {len(lines)} requests in {SOAK_SECONDS:.0f} s, /health p99 {p99:.1f} ms (max {latencies[-1]:.1f}), "
+        f"soak {runtime}: {len(lines)} requests in {SOAK_SECONDS:.0f} s, "
+        f"/health p99 {p99:.1f} ms (max {latencies[-1]:.1f}), "
         f"RSS {rss_first // 1024}->{rss_last // 1024} MiB, threads {threads_first}->{threads_last}"
     )

@@ -6,6 +6,7 @@ import base64
 import glob
 import json
 import os
+import re
 import sys
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -37,7 +38,10 @@ def bytes_to_unicode():
 
 
 B2U = bytes_to_unicode()
-enc = lambda b: "".join(B2U[x] for x in b)
+
+
+def enc(b):
+    return "".join(B2U[x] for x in b)
 
 
 def bpe(token: bytes, max_rank: int):
@@ -101,9 +105,8 @@ json.dump(
 )
 
 # sanity: must match tiktoken r50k semantics on text without >=2-space runs
-import re
-
-import tiktoken
+# (tiktoken is imported here, not at the top: the tokenizer above is saved even without it)
+import tiktoken  # noqa: E402
 
 te = tiktoken.Encoding(
     "p50k_trunc",

@@ -711,7 +711,10 @@ def table(results, patho_res):
     L = []
     L.append("| metric | " + " | ".join(r["name"] for r in libs) + " |")
     L.append("|---|" + "---|" * len(libs))
-    row = lambda name, vals: L.append(f"| {name} | " + " | ".join(vals) + " |")
+
+    def row(name, vals):
+        L.append(f"| {name} | " + " | ".join(vals) + " |")
+
     row("import (s)", [f"{r['import_s']:.2f}" for r in libs])
     row("tokenizer/compiler init (s)", [f"{r['init_s']:.2f}" for r in libs])
     for k in SCHEMAS:
@@ -722,7 +725,8 @@ def table(results, patho_res):
         row(
             f"{k}: B=1 fill+apply+advance mean/p50/p99 (ms)",
             [
-                f"{f(r['steps'][k]['total'])}/{f(r['steps'][k]['total'], 'p50_ms')}/{f(r['steps'][k]['total'], 'p99_ms')}"
+                f"{f(r['steps'][k]['total'])}/{f(r['steps'][k]['total'], 'p50_ms')}"
+                f"/{f(r['steps'][k]['total'], 'p99_ms')}"
                 for r in libs
             ],
         )
@@ -772,7 +776,7 @@ def table(results, patho_res):
         names = {k: v.name for k, v in ADAPTERS.items()}
         plibs = list(patho_res)
         L.append("")
-        L.append("| pathological schema (compile + first mask) | " + " | ".join(names[l] for l in plibs) + " |")
+        L.append("| pathological schema (compile + first mask) | " + " | ".join(names[lib] for lib in plibs) + " |")
         L.append("|---|" + "---|" * len(plibs))
         for case in patho_res[plibs[0]]:
             vals = []

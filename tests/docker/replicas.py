@@ -198,7 +198,8 @@ def run() -> None:
     if load.counts["failed"]:
         fail(f"SIGTERM and restart under load: {dict(load.counts)}; {load.errors[:5]}")
     print(
-        f"ok  SIGTERM under load: {load.counts['ok']} requests, 0 failed; the replica drained and exited 0 in {stopped_in:.1f} s, "
+        f"ok  SIGTERM under load: {load.counts['ok']} requests, 0 failed; "
+        f"the replica drained and exited 0 in {stopped_in:.1f} s, "
         f"was back in rotation {back_in:.1f} s after its start"
     )
 
@@ -213,7 +214,8 @@ def run() -> None:
     if load.counts["failed"] > THREADS or failed_after:
         fail(f"SIGKILL under load: {dict(load.counts)} ({failed_after} after it left the rotation); {load.errors[:5]}")
     print(
-        f"ok  SIGKILL under load: {load.counts['ok']} requests, {load.counts['failed']} failed (at most the {THREADS} in flight may); "
+        f"ok  SIGKILL under load: {load.counts['ok']} requests, {load.counts['failed']} failed "
+        f"(at most the {THREADS} in flight may); "
         f"out of rotation {out_in:.1f} s after the kill (checks: inter 1 s, fall 2), none failed after that"
     )
     docker("start", second)

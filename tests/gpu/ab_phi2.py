@@ -2,8 +2,11 @@ r"""Phi-2 at batch 1 and 64 on one H200: the decoder before the families work (8
 backends, copied as `oldbackends`) against the current one, alternating, in one process.
 
     mkdir -p abtest/oldbackends
-    for f in $(git ls-tree --name-only 813c117 backends/); do git show 813c117:$f > abtest/oldbackends/$(basename $f); done
-    sed -i 's/from backends\./from oldbackends./g; s/from backends import/from oldbackends import/g' abtest/oldbackends/*.py
+    for f in $(git ls-tree --name-only 813c117 backends/); do
+        git show 813c117:$f > abtest/oldbackends/$(basename $f)
+    done
+    sed -i 's/from backends\./from oldbackends./g; s/from backends import/from oldbackends import/g' \
+        abtest/oldbackends/*.py
     python3 tests/gpu/ab_phi2.py
 """
 
@@ -13,11 +16,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "abtest")]
-import oldbackends.torch_fast as old
-import torch
+# E402: these imports need the repository and abtest/ on sys.path, set just above.
+import oldbackends.torch_fast as old  # noqa: E402
+import torch  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend
-from backends.torch_decoder import BatchedDecoder
+from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends.torch_decoder import BatchedDecoder  # noqa: E402
 
 backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False))
 new_weights = backend.decoder_weights
@@ -43,7 +47,7 @@ def timed(make, batch):
 
 results = {}
 for batch in (1, 64):
-    for round_ in range(3):
+    for _ in range(3):
         for name, make in (
             ("before", lambda b: old.BatchedPhiDecoder(old_weights, b)),
             ("now", lambda b: BatchedDecoder(new_weights, b)),
@@ -53,5 +57,6 @@ for batch in (1, 64):
             torch.cuda.empty_cache()
 for (batch, name), values in sorted(results.items()):
     print(
-        f"batch {batch} {name}: step ms {[round(v, 3) for v in values]} -> median {sorted(values)[1]:.3f} ms = {batch * 1000 / sorted(values)[1]:.0f} tok/s"
+        f"batch {batch} {name}: step ms {[round(v, 3) for v in values]} -> median {sorted(values)[1]:.3f} ms "
+        f"= {batch * 1000 / sorted(values)[1]:.0f} tok/s"
     )

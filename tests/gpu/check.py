@@ -108,7 +108,10 @@ def parity(dtype: str) -> dict:
     alone = decode_alone(backend, prompts, n, single)
     batched = decode_together(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 8))
     same = sum(a == b for a, b in zip(alone, batched, strict=False))
-    first = [next((t for t, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None) for a, b in zip(alone, batched, strict=False)]
+    first = [
+        next((t for t, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        for a, b in zip(alone, batched, strict=False)
+    ]
     result.update(sequences=len(prompts), tokens=n, identical=same, first_divergence=first)
     if dtype == "bfloat16" and "compile" not in SKIP:
         compiled = decode_alone(backend, prompts, n, BatchedDecoder(backend.decoder_weights, 1, compile=True))
@@ -247,9 +250,9 @@ def speed() -> dict:
         name = f"fast_batch_{batch}" + ("" if fused is None else "_compiled_unfused" if compiled else "_eager_unfused")
         result[name] = {"step_ms": seconds / steps * 1000, "tok_s": batch * steps / seconds, "capture_s": capture}
         say(name, result[name])
-        del decoder
+        decoder = None  # freed before empty_cache; rebound, not deleted: the lambdas above name it
         torch.cuda.empty_cache()
-    del backend, model
+    backend = model = None  # freed before empty_cache; rebound, not deleted: the lambdas above name them
     torch.cuda.empty_cache()
     return result
 
@@ -294,7 +297,9 @@ def quant_parity(method: str) -> dict:
     result = {
         "quantize_s": seconds,
         "weight_bytes": sum(q.nbytes for q in quantized),
-        "tokens_same_as_bf16": sum(a == b for x, y in zip(reference, batched, strict=False) for a, b in zip(x, y, strict=False)),
+        "tokens_same_as_bf16": sum(
+            a == b for x, y in zip(reference, batched, strict=False) for a, b in zip(x, y, strict=False)
+        ),
         "tokens": len(prompts) * n,
         "batched_identical_to_alone": sum(a == b for a, b in zip(alone, batched, strict=False)),
     }
@@ -436,7 +441,8 @@ def main() -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma list of sections to run instead: parity,speed,serve0,serve1,scale,quant,serve_quant,prompt_cache,adapters,constrained",
+        help="comma list of sections to run instead: "
+        "parity,speed,serve0,serve1,scale,quant,serve_quant,prompt_cache,adapters,constrained",
     )
     args = parser.parse_args()
     out = Path(args.out)

@@ -92,7 +92,8 @@ def parity(name: str, model: str, dtype: str) -> dict:
         reference = [reference_ids(backend.model, p, n, weights.decodable) for p in PROMPTS[:4]]
         result["equals_transformers"] = sum(alone[i] == reference[i] for i in range(4))
         result["same_prefix_lengths"] = [
-            next((j for j, (a, b) in enumerate(zip(alone[i], reference[i], strict=False)) if a != b), n) for i in range(4)
+            next((j for j, (a, b) in enumerate(zip(alone[i], reference[i], strict=False)) if a != b), n)
+            for i in range(4)
         ]
         for label, options in (
             ("torch-ops eager", dict(fused=False, cuda_graphs=False)),
@@ -105,7 +106,8 @@ def parity(name: str, model: str, dtype: str) -> dict:
                 decoder._can_chain = lambda launched: False
             got = [drive(decoder, [Sequence(0, p, Sampling(), n)]).ids[0] for p in PROMPTS[:4]]
             result[f"same_prefix {label}"] = [
-                next((j for j, (a, b) in enumerate(zip(got[i], reference[i], strict=False)) if a != b), n) for i in range(4)
+                next((j for j, (a, b) in enumerate(zip(got[i], reference[i], strict=False)) if a != b), n)
+                for i in range(4)
             ]
     say(name, dtype, result)
     return result
@@ -277,7 +279,8 @@ def main() -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma list: parity, extras (adapters, int8/int4 on the tiny families), and/or shapes (random:... or their names)",
+        help="comma list: parity, extras (adapters, int8/int4 on the tiny families), "
+        "and/or shapes (random:... or their names)",
     )
     parser.add_argument(
         "--skip-static", action="store_true", help="no transformers static generate (its compile takes ~30 s a shape)"

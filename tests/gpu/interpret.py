@@ -1,6 +1,7 @@
 """The CUDA path's Triton kernels on a CPU, under Triton's interpreter: each against the torch
-code it replaces, on the tiny model and a tiny checkpoint of each other family, in float32. For working on backends/triton_decode.py
-without a GPU; tests/gpu/check.py and kernels.py are the measurements on one.
+code it replaces, on the tiny model and a tiny checkpoint of each other family, in float32. For
+working on backends/triton_decode.py without a GPU; tests/gpu/check.py and kernels.py are the
+measurements on one.
 
     python3 -m pip install --target /tmp/triton-interp triton==3.6.0 "numpy<2.3"
     PYTHONPATH=/tmp/triton-interp .venv/bin/python tests/gpu/interpret.py [llama ...]   # minutes
@@ -128,7 +129,8 @@ def check_model(name: str, model: str, root: Path) -> None:
             fused._prefill([(1, ids[:10], 0)], lora_rows=[-1])
             rest, _ = fused._prefill([(1, ids[10:], 10)], lora_rows=[-1])
             check(
-                f"{name}: prefill after cached columns ({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
+                f"{name}: prefill after cached columns "
+                f"({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
                 torch.allclose(rest[0], reference[0], atol=1e-5),
                 f"{(rest[0] - reference[0]).abs().max():.1e}",
             )
@@ -184,7 +186,9 @@ def check_model(name: str, model: str, root: Path) -> None:
         decoder.clear()
         alone.append(drive(decoder, [Sequence(i, backend.encode(PROMPTS[i]), samplings[i], 24)]).ids[i])
     check(
-        f"{name}: sampled rows: batched = alone", together == alone, f"{sum(a == b for a, b in zip(together, alone, strict=False))}/4"
+        f"{name}: sampled rows: batched = alone",
+        together == alone,
+        f"{sum(a == b for a, b in zip(together, alone, strict=False))}/4",
     )
     for i in (0, 2, 3):
         text = backend.decode(together[i])

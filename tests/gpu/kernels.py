@@ -65,7 +65,7 @@ def bandwidths() -> dict:
     total = torch.empty((), device="cuda", dtype=torch.float32)
     read = graph_time(lambda: torch.sum(src, dim=0, dtype=torch.float32, out=total), reps=5)
     nbytes = src.numel() * 2
-    del src, dst
+    src = dst = None  # freed before empty_cache; rebound, not deleted: the lambdas above name them
     torch.cuda.empty_cache()
     return {"copy_bytes_s": 2 * nbytes / copy, "read_bytes_s": nbytes / read}
 
@@ -160,7 +160,7 @@ def attention_sweep() -> list[dict]:
                         "error": f"{type(exc).__name__}: {exc}"[:200],
                     }
                 )
-        del caches
+        caches = None  # freed before empty_cache; rebound, not deleted: the lambdas above name it
         torch.cuda.empty_cache()
     td.ATTENTION.update(defaults)
     return rows_out
@@ -263,7 +263,7 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
         result[f"chunk_{chunk}_first_token_ms"] = [round(t * 1000, 2) for t in times]
     pieces = []  # the prompt in 512-token pieces, as when streams are decoding
     with torch.inference_mode():
-        for round_ in range(3):
+        for _ in range(3):
             row = []
             for at in range(0, tokens, 512):
                 torch.cuda.synchronize()
@@ -365,14 +365,16 @@ def parity(dtype: str) -> dict:
     sampled_alone = [sample(fused1, [i])[0] for i in range(8)]
     greedy_like = sum(a == b for a, b in zip(sampled_together, together, strict=False))
     result = {
-        "sampled_batched_vs_alone_identical": sum(a == b for a, b in zip(sampled_together, sampled_alone, strict=False)),
+        "sampled_batched_vs_alone_identical": sum(
+            a == b for a, b in zip(sampled_together, sampled_alone, strict=False)
+        ),
         "sampled_equal_to_greedy": greedy_like,
         "batched_vs_alone_identical": sum(a == b for a, b in zip(together, alone, strict=False)),
         "fused_vs_unfused_identical": sum(a == b for a, b in zip(together, unfused, strict=False)),
         "step_logits_max_abs_diff": diff,
         "logit_scale": float(logits["unfused"].abs().max()),
     }
-    del backend
+    backend = None  # freed before empty_cache; rebound, not deleted: decode() and sample() name it
     torch.cuda.empty_cache()
     return result
 
