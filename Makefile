@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+RUFF := $(VENV)/bin/ruff
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 REQUIREMENTS := requirements-$(if $(filter Darwin,$(shell uname -s)),mac,linux).txt
 
@@ -20,12 +21,13 @@ HAPROXY_STATS_PORT ?= 8404
 REPLICAS_PROJECT ?= phi2-replicas
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
-.PHONY: help install run demo test bench bench-overhead clean docker-build docker-run docker-stop docker-logs docker-replicas docker-replicas-stop
+.PHONY: help install run demo test lint bench bench-overhead clean docker-build docker-run docker-stop docker-logs docker-replicas docker-replicas-stop
 
 help:
 	@echo "make demo     serve the tiny offline demo model on http://127.0.0.1:8000"
 	@echo "make run      serve PHI2_MODEL (default microsoft/phi-2)"
 	@echo "make test     run the test suite"
+	@echo "make lint     ruff check and ruff format --check (ruff.toml)"
 	@echo "make bench    start a server on a free port, benchmark it (BENCH_ARGS), stop it"
 	@echo "make bench-overhead  the same request in-process and over HTTP, and the ratio"
 	@echo "make install  create $(VENV) with $(REQUIREMENTS)"
@@ -58,6 +60,11 @@ demo: install
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q
+
+# ruff.toml holds the rules; `$(RUFF) format .` applies the formatting this checks.
+lint: $(VENV)/.dev
+	$(RUFF) check .
+	$(RUFF) format --check .
 
 # PHI2_MODEL defaults to Phi-2 when it is in the Hugging Face cache, else the tiny demo model;
 # PHI2_MODEL=random:phi-2 is Phi-2's architecture with random weights (see BENCHMARKS.md).
