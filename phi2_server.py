@@ -1591,7 +1591,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 # The same worker, limits and log as the native routes; OpenAI's wire format and defaults.
 # Unset optional fields may come as null, and what a local server can ignore is accepted (user,
 # store, metadata, service_tier ...); a field that asks for what this server cannot do (tools,
-# audio, response_format other than text) is a 400 that names it. README, "OpenAI API".
+# audio, response_format other than text) is a 400 that names it. docs/api.md, "OpenAI-compatible API".
 
 MAX_CHOICES = 16  # n and best_of: each choice is a sequence of its own in the batch
 MAX_PROMPTS = 64  # prompts in one completions request (lm-eval sends a batch of them)

@@ -1,4 +1,4 @@
-"""Replicas behind HAProxy, run and broken on purpose (issue 19; README, "Deploying"):
+"""Replicas behind HAProxy, run and broken on purpose (issue 19; docs/deploying.md):
 `make docker-replicas N=2` with the tiny model, then
 
 1. spread: requests reach both replicas (each replica's own request log shows its share);
