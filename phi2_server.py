@@ -978,7 +978,7 @@ async def model_info(request: web.Request) -> web.Response:
             "quantization": info.quantization,
             "load_time_s": round(engine.load_time_s, 3),
             "context_length": info.context_length,
-            "stats": {**engine.stats, "waiting": engine.waiting, "active": engine.active},
+            "stats": {**dataclasses.asdict(engine.stats), "waiting": engine.waiting, "active": engine.active},
             "prompt_cache": dataclasses.asdict(engine.prompt_cache_usage()),
             **info.extra,
         }
@@ -2241,24 +2241,24 @@ class EngineCollector(Collector):
         )
         outcomes = CounterMetricFamily("phi2_generations", "Generations ended, by outcome.", labels=["outcome"])
         for outcome in ("completed", "cancelled", "timeouts", "errors"):
-            outcomes.add_metric([outcome], stats[outcome])
+            outcomes.add_metric([outcome], getattr(stats, outcome))
         yield outcomes
         yield CounterMetricFamily(
-            "phi2_decode_steps", "Decode steps of the generation worker.", value=stats["decode_steps"]
+            "phi2_decode_steps", "Decode steps of the generation worker.", value=stats.decode_steps
         )
-        yield CounterMetricFamily("phi2_decode_seconds", "Time inside decode steps.", value=stats["decode_seconds"])
+        yield CounterMetricFamily("phi2_decode_seconds", "Time inside decode steps.", value=stats.decode_seconds)
         yield GaugeMetricFamily("phi2_queue_waiting", "Requests waiting for a batch slot.", value=engine.waiting)
         yield GaugeMetricFamily("phi2_active_sequences", "Sequences being generated.", value=engine.active)
         yield GaugeMetricFamily("phi2_max_batch", "Batch slots of the worker.", value=engine.max_batch)
         yield CounterMetricFamily(
             "phi2_prompt_cache_hit_tokens",
             "Prompt tokens whose KV came from the prompt cache.",
-            value=stats["prompt_tokens_cached"],
+            value=stats.prompt_tokens_cached,
         )
         yield CounterMetricFamily(
             "phi2_prompt_cache_miss_tokens",
             "Prompt tokens prefilled (not in the prompt cache).",
-            value=stats["prompt_tokens_computed"],
+            value=stats.prompt_tokens_computed,
         )
         usage = engine.prompt_cache_usage()
         yield GaugeMetricFamily("phi2_prompt_cache_bytes", "Bytes of KV the prompt cache holds.", value=usage.bytes)

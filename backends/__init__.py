@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from backends.adapters import Adapter, AdapterRegistry
+    from pathlib import Path
+
+    from backends.adapters import Adapter, AdapterFacts
     from backends.text import ChatPrompt
 
 BACKEND_NAMES = ("auto", "mlx", "torch")
@@ -226,11 +228,33 @@ class Decoder(Protocol):
     def prompt_cache_usage(self) -> PromptCacheUsage: ...
 
 
+class Adapters(Protocol):
+    """The LoRA adapters a backend offers requests, as the HTTP layer sees them
+    (`backends.adapters.AdapterRegistry` is the one implementation, shared by both runtimes)."""
+
+    directory: Path | None  # ADAPTERS_DIR: its folders are adapters requests choose by name
+    default_name: str | None  # ADAPTER_PATH's folder name: the adapter of requests that name none
+    max_loaded: int  # adapters held loaded at once (MAX_ADAPTERS), least recently used dropped
+
+    def available(self) -> list[AdapterFacts]:
+        """Every adapter there is now (ADAPTERS_DIR read again), the default first. Reads files."""
+        ...
+
+    def loaded(self) -> list[str]:
+        """The names of the adapters loaded now, least recently used first."""
+        ...
+
+    def get(self, name: str) -> Adapter:
+        """The adapter `name`, loaded if it is not (reads files); raises `UnknownAdapter` for a
+        name there is none of, `AdapterError` for a broken one or a name that leads elsewhere."""
+        ...
+
+
 class Backend(Protocol):
     info: ModelInfo
     eos_token_ids: frozenset[int]
     max_batch: int  # the batch size its decoder serves (MAX_BATCH, or the runtime's default)
-    adapters: AdapterRegistry  # the LoRA adapters requests may name, loaded on first use
+    adapters: Adapters  # the LoRA adapters requests may name, loaded on first use
 
     def encode(self, text: str) -> list[int]: ...
 

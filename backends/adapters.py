@@ -427,23 +427,6 @@ class SlotTable:
         return any(self.users)
 
 
-def merge_lora_into_torch(model, path: Path) -> int:
-    """Merge an mlx-lm LoRA adapter into a transformers model in place; return layers changed
-    (the reference the per-request adapters are tested against)."""
-    import torch
-    from safetensors.torch import load_file
-
-    config = read_config(path)
-    scale, _, _, _ = lora_settings(config)
-    modules = check_modules(config, load_file(str(path / WEIGHTS_FILE)), torch_linears(model), block_count(model))
-    with torch.no_grad():
-        for name, (a, b) in modules.items():
-            target = model.get_submodule(name)
-            delta = scale * (a.double() @ b.double()).T  # (out, in), like the weight
-            target.weight += delta.to(device=target.weight.device, dtype=target.weight.dtype)
-    return len(modules)
-
-
 def torch_linears(model) -> dict[str, tuple[int, int]]:
     """(in, out) of each Linear inside the model's blocks, by module name."""
     import torch

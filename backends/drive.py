@@ -4,7 +4,9 @@ The server's loop is the engine's (`backends.engine`), which adds what HTTP need
 cancellation, detokenizing, stop strings, timeouts. Tests, `bench.py --in-process` and the GPU
 check only need "feed these sequences through this decoder as slots free up, and collect the
 ids", done the way the engine does it: admission in arrival order into free slots before a
-step, removal once a sequence has its tokens (end-of-text does not end it here).
+step, at most `adapter_slots` distinct adapters at once (a sequence that needs one more waits,
+and so does everything behind it), removal once a sequence has its tokens (end-of-text does not
+end it here). The runtimes' warm-ups decode through it too.
 """
 
 from __future__ import annotations
@@ -44,10 +46,21 @@ def drive(
     stop_after = stop_after or {}
     waiting = list(sequences)
     active: dict[int, int] = {}  # sequence id -> tokens it ends at
+    adapters: dict[int, str] = {}  # sequence id -> its adapter's key, for those with one
     out = Driven(ids={s.id: [] for s in sequences})
+
+    def fits(sequence: Sequence) -> bool:
+        if sequence.adapter is None or sequence.adapter.key in adapters.values():
+            return True
+        return len(set(adapters.values())) < decoder.adapter_slots
+
     for step in range(max_steps):
-        while waiting and arrive_at.get(waiting[0].id, 0) <= step and len(active) < decoder.capacity:
+        while (
+            waiting and arrive_at.get(waiting[0].id, 0) <= step and len(active) < decoder.capacity and fits(waiting[0])
+        ):
             sequence = waiting.pop(0)
+            if sequence.adapter is not None:
+                adapters[sequence.id] = sequence.adapter.key
             out.cached[sequence.id] = decoder.add(sequence)
             active[sequence.id] = min(sequence.max_new_tokens, stop_after.get(sequence.id, sequence.max_new_tokens))
         if not active and not waiting:
@@ -65,5 +78,6 @@ def drive(
             if len(out.ids[seq_id]) == active[seq_id]:
                 decoder.remove(seq_id)
                 del active[seq_id]
+                adapters.pop(seq_id, None)
                 out.finished.append(seq_id)
     raise RuntimeError(f"not finished after {max_steps} steps: sequences {sorted(active)} still decoding")

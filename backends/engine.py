@@ -19,6 +19,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from backends import Backend, Decoder, Detokenizer, PromptCacheUsage, Sampling, Sequence, StepLogprobs
 from backends.adapters import Adapter
@@ -36,11 +37,18 @@ class QueueFull(Exception):
     """Every wait slot is taken; the client should retry later."""
 
 
+# Why a generation ended: its token budget, a stop sequence or end-of-text, its client left,
+# REQUEST_TIMEOUT, the server's shutdown, or a failure (`Summary.error` says which).
+FinishReason = Literal["length", "stop", "cancelled", "timeout", "shutdown", "error"]
+ErrorKind = Literal["grammar"]  # a failure of the request's own input (the HTTP layer answers 4xx)
+Status = Literal["loading", "ok", "error"]  # the engine's: loading the model, serving, or failed to load
+
+
 @dataclass(frozen=True)
 class Summary:
     tokens_used: int  # every id the model generated, a final end-of-text token included
     prompt_tokens: int
-    finish_reason: str  # length | stop | cancelled | timeout | shutdown | error
+    finish_reason: FinishReason
     ttft_ms: float | None
     total_ms: float
     tokens_per_second: float  # decode rate after the first token (or tokens / total time)
@@ -48,7 +56,7 @@ class Summary:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache (not prefilled)
     # With finish_reason "error": "grammar" when the request's own grammar failed (the client's
     # input: the HTTP layer answers 4xx), else None (the server's fault: 5xx).
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
 
     def timings(self) -> dict:
         return {
@@ -56,6 +64,23 @@ class Summary:
             "total_ms": round(self.total_ms, 2),
             "tokens_per_second": round(self.tokens_per_second, 2),
         }
+
+
+@dataclass
+class EngineStats:
+    """What the worker has done since it started (written by the worker thread; readers on the
+    event loop read a value at a time: each is a plain number)."""
+
+    completed: int = 0
+    cancelled: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    tokens_generated: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0  # inside the decoder's step
+    busy_seconds: float = 0.0  # the worker's whole loop while sequences run
+    prompt_tokens_cached: int = 0  # prompt tokens taken from the prompt cache
+    prompt_tokens_computed: int = 0  # prompt tokens prefilled
 
 
 @dataclass(frozen=True)
@@ -73,7 +98,8 @@ class Request:
     cache_namespace: str = ""  # whose prompt cache entries it shares (Sequence.cache_namespace)
 
 
-Event = "str | StepLogprobs | Summary"  # text, a token's logprobs (before its text), the end
+# What a ticket's handler receives, in order: text, a token's logprobs (before its text), the end.
+Event = str | StepLogprobs | Summary
 
 
 class Ticket:
@@ -200,23 +226,12 @@ class Engine:
         self.stream_buffer = stream_buffer
         self.max_batch = max_batch
         self.prompt_cache_bytes = prompt_cache_bytes  # None: the device's default; 0: off
-        self.status = "loading"  # loading | ok | error
+        self.status: Status = "loading"
         self.backend: Backend | None = None
         self.load_error: BaseException | None = None
         self.load_time_s: float | None = None
         self.loaded_at: float | None = None  # time.perf_counter() when loading finished
-        self.stats = {
-            "completed": 0,
-            "cancelled": 0,
-            "timeouts": 0,
-            "errors": 0,
-            "tokens_generated": 0,
-            "decode_steps": 0,
-            "decode_seconds": 0.0,  # inside the decoder's step
-            "busy_seconds": 0.0,  # the worker's whole loop while sequences run
-            "prompt_tokens_cached": 0,  # prompt tokens taken from the prompt cache
-            "prompt_tokens_computed": 0,  # prompt tokens prefilled
-        }
+        self.stats = EngineStats()
         self._load = load
         self._on_load_done = on_load_done or (lambda: None)
         self._cond = threading.Condition()
@@ -251,9 +266,6 @@ class Engine:
         """What the worker's decoder holds in its prompt cache (read from any thread)."""
         decoder = self._decoder
         return decoder.prompt_cache_usage() if decoder is not None else PromptCacheUsage()
-
-    def submit(self, request: Request) -> Ticket:
-        return self.submit_all([request])[0]
 
     def submit_all(self, requests: list[Request]) -> list[Ticket]:
         """Queue requests together, all or none: their tickets share one inbox of (index, event)."""
@@ -384,8 +396,8 @@ class Engine:
             try:
                 step_started = time.perf_counter()
                 tokens = decoder.step()
-                self.stats["decode_seconds"] += time.perf_counter() - step_started
-                self.stats["decode_steps"] += 1
+                self.stats.decode_seconds += time.perf_counter() - step_started
+                self.stats.decode_steps += 1
             except Exception as exc:
                 log.exception("decode step failed")
                 # The message names no request's data: a batch's neighbours read it too.
@@ -402,7 +414,7 @@ class Engine:
             for seq_id, token in tokens.items():
                 self._advance(decoder, backend, seq_id, token, now, scores.get(seq_id))
             self._remove_finished(decoder)
-            self.stats["busy_seconds"] += time.perf_counter() - started
+            self.stats.busy_seconds += time.perf_counter() - started
 
     def _new_decoder(self, backend: Backend) -> Decoder:
         return backend.decoder(self.max_batch, prompt_cache_bytes=self.prompt_cache_bytes)
@@ -501,8 +513,8 @@ class Engine:
             log.exception("could not start a sequence")
             self._finish_unstarted(ticket, "error", f"generation failed: {exc}")
             return
-        self.stats["prompt_tokens_cached"] += cached
-        self.stats["prompt_tokens_computed"] += len(request.prompt_ids) - cached
+        self.stats.prompt_tokens_cached += cached
+        self.stats.prompt_tokens_computed += len(request.prompt_ids) - cached
         self._running[seq_id] = _Running(ticket, StopText(backend.detokenizer(), request.stop), cached)
 
     def _retire_ended(self, decoder: Decoder, abort_reason: str | None) -> None:
@@ -541,7 +553,7 @@ class Engine:
         running.count += 1
         running.first_at = running.first_at or now
         running.last_at = now
-        self.stats["tokens_generated"] += 1
+        self.stats.tokens_generated += 1
         if token in backend.eos_token_ids and not running.ticket.request.ignore_eos:
             self._finish(seq_id, "stop", decoder)
             return
@@ -565,11 +577,11 @@ class Engine:
     def _finish(
         self,
         seq_id: int,
-        reason: str,
+        reason: FinishReason,
         decoder: Decoder | None,
         error: str | None = None,
         flush: bool = True,
-        error_kind: str | None = None,
+        error_kind: ErrorKind | None = None,
     ) -> None:
         running = self._running.pop(seq_id)
         if flush and reason in ("stop", "length"):
@@ -596,11 +608,11 @@ class Engine:
                 log.exception("could not remove sequence %d", seq_id)
         self._finished.clear()
 
-    def _finish_unstarted(self, ticket: Ticket, reason: str, error: str | None = None) -> None:
+    def _finish_unstarted(self, ticket: Ticket, reason: FinishReason, error: str | None = None) -> None:
         self._complete(ticket, reason, 0, None, None, error)
 
     def _complete(
-        self, ticket, reason, count, first_at, last_at, error, cached: int = 0, error_kind: str | None = None
+        self, ticket, reason, count, first_at, last_at, error, cached: int = 0, error_kind: ErrorKind | None = None
     ) -> None:
         now = time.perf_counter()
         request = ticket.request
@@ -622,7 +634,7 @@ class Engine:
         )
         key = {"cancelled": "cancelled", "timeout": "timeouts", "error": "errors"}.get(reason, "completed")
         with self._stats_lock:
-            self.stats[key] += 1
+            setattr(self.stats, key, getattr(self.stats, key) + 1)
         ticket._emit(ticket.summary)
 
     @staticmethod

@@ -187,14 +187,11 @@ class MlxBackend(TokenizerMethods):
 
     def warm_up(self) -> None:
         """A few steps through each decoder, so the first request pays for no kernel builds."""
+        from backends.drive import drive
+
         prompt = self.encode("Hello") or [0]
         for decoder in (self.decoder(1), self.decoder(2)):
-            for i in range(decoder.capacity):
-                decoder.add(Sequence(i, prompt, Sampling(), 4))
-            for _ in range(4):  # a batch's first tokens come on its third step
-                decoder.step()
-            for i in range(decoder.capacity):
-                decoder.remove(i)
+            drive(decoder, [Sequence(i, prompt, Sampling(), 4) for i in range(decoder.capacity)])
 
     def _model_vocab(self) -> int:
         head = getattr(self.model, "lm_head", None)

@@ -261,6 +261,7 @@ class TorchBackend(TokenizerMethods):
         return DecoderWeights(self.model, self.undecodable_from, self.info.context_length)
 
     def warm_up(self, max_batch: int = 1) -> None:
+        from backends.drive import drive
         from backends.torch_decoder import BatchedDecoder
 
         decoder = self.decoder(max_batch)
@@ -268,10 +269,7 @@ class TorchBackend(TokenizerMethods):
         # The same prompt twice: the second takes its prefix from the prompt cache and prefills
         # one token, a shape the first request that hits the cache should not pay for.
         for sequence_id in (0, 1):
-            decoder.add(Sequence(sequence_id, prompt, Sampling(), 2))
-            decoder.step()
-            decoder.step()
-            decoder.remove(sequence_id)
+            drive(decoder, [Sequence(sequence_id, prompt, Sampling(), 2)])
         if isinstance(decoder, BatchedDecoder):
             decoder.capture()  # CUDA graphs for the short lengths (nothing on the CPU)
 
@@ -286,10 +284,7 @@ class TorchBackend(TokenizerMethods):
         return out.logits[0] if every_position else out.logits[0, -1]
 
     def new_cache(self):
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            return DynamicCache()
+        return DynamicCache(config=self.model.config)
 
 
 # What the batched decoder's KV cache may take of the GPU memory left after the weights (and

@@ -207,7 +207,7 @@ async def test_short_request_finishes_while_a_long_one_runs(make_client, runtime
     first = json.loads(await long.content.readline())["token"]
     short = await generate(client, {"prompt": "The quick brown", "max_tokens": 50})
     assert short["text"] == " fox jumps over the lazy dog." and short["finish_reason"] == "stop"
-    assert engine.stats["completed"] == 1 and engine.active == 1  # the long one is still going
+    assert engine.stats.completed == 1 and engine.active == 1  # the long one is still going
     gate.release()
     lines = [json.loads(line) for line in (await long.read()).splitlines()]
     text = first + "".join(line["token"] for line in lines[:-1])
@@ -229,12 +229,12 @@ async def test_cancelled_stream_frees_its_slot(make_client, runtime_backend):
     streams[0].close()  # hang up mid-stream
     result = await third  # admitted into the freed slot while the other stream is still held
     assert result["text"] == " fox jumps over the lazy dog."
-    assert engine.stats["cancelled"] == 1 and engine.stats["completed"] == 1 and engine.active == 1
+    assert engine.stats.cancelled == 1 and engine.stats.completed == 1 and engine.active == 1
     gate.release()
     lines = [json.loads(line) for line in (await streams[1].read()).splitlines()]
     assert lines[-1]["finish_reason"] == "length" and lines[-1]["tokens_used"] == LONG["max_tokens"]
     await wait_until(lambda: engine.active == 0)
-    cancelled_tokens = engine.stats["tokens_generated"] - LONG["max_tokens"] - result["tokens_used"]
+    cancelled_tokens = engine.stats.tokens_generated - LONG["max_tokens"] - result["tokens_used"]
     assert cancelled_tokens == 1  # the cancelled stream got its first token, then nothing
 
 

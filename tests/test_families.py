@@ -18,9 +18,9 @@ import jsonschema
 import pytest
 import torch
 from conftest import engine_of
+from lora_reference import merge_lora_into_torch
 
 from backends import LoadOptions, Sampling, Sequence, load_backend
-from backends.adapters import merge_lora_into_torch
 from backends.drive import drive
 from backends.tiny import TINY_FAMILIES, write_tiny_family
 from backends.torch_decoder import BatchedDecoder
@@ -219,3 +219,33 @@ async def test_the_server_batches_a_family(make_client, family_backend):
     responses = await asyncio.gather(*(client.post("/generate", json=body) for body in bodies))
     assert [r.status for r in responses] == [200] * 8
     assert isinstance(engine_of(client)._decoder, BatchedDecoder)
+
+
+def test_drive_keeps_to_the_decoders_adapter_slots(family_paths, tmp_path):
+    """drive() admits as the engine does: with one adapter slot, a sequence of a second adapter
+    waits until the first adapter's sequences are done, though the batch has room; and each
+    sequence's ids are those it gets alone."""
+    adapters = tmp_path / "adapters"
+    path = family_paths["llama"]
+    backend = load_backend(
+        "torch", LoadOptions(model=str(path), dtype="float32", adapters_dir=str(adapters), warmup=False)
+    )
+    write_adapter(backend, adapters / "one")
+    write_adapter(backend, adapters / "two", scale=3.0)
+    one, two = backend.adapters.get("one"), backend.adapters.get("two")
+    sequences = [Sequence(i, prompt_of(10 + i), Sampling(), 6, adapter=(one, one, two)[i]) for i in range(3)]
+    decoder = BatchedDecoder(backend.decoder_weights, 3, adapter_slots=1)
+    steps, added_at = [0], {}  # the step each sequence joined the batch at
+    add = decoder.add
+
+    def recording_add(sequence):
+        added_at[sequence.id] = steps[0]
+        return add(sequence)
+
+    decoder.add = recording_add
+    driven = drive(decoder, sequences, on_tokens=lambda step, tokens: steps.__setitem__(0, step + 1))
+    assert added_at[0] == added_at[1] == 0  # the same adapter: together
+    assert added_at[2] >= 6  # the second adapter waited for the first's sequences to finish
+    for sequence in sequences:
+        alone = drive(BatchedDecoder(backend.decoder_weights, 1), [sequence]).ids[sequence.id]
+        assert driven.ids[sequence.id] == alone

@@ -117,7 +117,7 @@ async def test_a_grammar_failing_mid_generation_ends_only_its_sequence(make_clie
         gate.release()
         assert await neighbour == reference  # its text unchanged
     await wait_idle(engine)
-    assert engine.stats["errors"] == 4
+    assert engine.stats.errors == 4
     assert not [line for line in read_log(log_dir) if line["status"] >= 500]
 
 
@@ -285,8 +285,8 @@ async def test_a_stream_whose_client_stops_reading_stops_being_generated(make_cl
     engine = engine_of(client)
     sock = send_stalled(client)
     # No write timeout here: only the buffer can end the choices that the socket cannot take.
-    await wait_until(lambda: engine.stats["completed"] + engine.stats["cancelled"] == 16)
-    assert engine.stats["cancelled"] >= 1 and engine.stats["tokens_generated"] < 16 * 480
+    await wait_until(lambda: engine.stats.completed + engine.stats.cancelled == 16)
+    assert engine.stats.cancelled >= 1 and engine.stats.tokens_generated < 16 * 480
     response = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 4})
     assert response.status == 200  # its neighbours are served meanwhile
     sock.close()
@@ -310,7 +310,7 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(ma
     line = await stalled_line("/v1/chat/completions")  # while the client still reads nothing
     assert line["status"] == 499 and "WRITE_TIMEOUT" in line["error"], line
     await wait_idle(engine)
-    assert engine.stats["tokens_generated"] < 16 * 480
+    assert engine.stats.tokens_generated < 16 * 480
     await dropped(sock)
     # A whole answer waits for its reader just as long.
     sock = raw_connection(client, rcvbuf=4096)

@@ -170,5 +170,5 @@ def test_served_loglikelihoods_match_lm_eval_hf(
     calls = [line for line in read_log(log_dir) if line["path"] == "/v1/completions"]
     assert [line["status"] for line in calls] == [200] * math.ceil(prompts / batch_size)
     stats = server.app[ENGINE].stats
-    assert stats["prompt_tokens_computed"] + stats["prompt_tokens_cached"] > prompts
-    assert stats["tokens_generated"] >= prompts
+    assert stats.prompt_tokens_computed + stats.prompt_tokens_cached > prompts
+    assert stats.tokens_generated >= prompts

@@ -241,5 +241,5 @@ async def test_sse_disconnect_stops_generation(make_client, backend):
     await response.content.readline()
     response.close()  # the gate holds the generation until the worker has seen the client go
     await wait_idle(engine)
-    assert engine.stats["cancelled"] == 1
-    assert engine.stats["tokens_generated"] == 1
+    assert engine.stats.cancelled == 1
+    assert engine.stats.tokens_generated == 1

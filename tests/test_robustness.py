@@ -49,7 +49,7 @@ async def test_32_concurrent_streams_complete_while_health_answers(make_client, 
         await asyncio.sleep(0.01)
     results = await asyncio.gather(*tasks)
     assert len(results) == 32
-    assert engine.stats["completed"] == 32
+    assert engine.stats.completed == 32
 
 
 async def test_disconnect_storm_leaves_the_worker_idle_and_leaks_nothing(make_client, backend):
@@ -68,8 +68,8 @@ async def test_disconnect_storm_leaves_the_worker_idle_and_leaks_nothing(make_cl
 
     await asyncio.gather(*(drop_after_first_token() for _ in range(12)))
     await wait_idle(engine)
-    assert engine.stats["cancelled"] == 12
-    assert engine.stats["tokens_generated"] == 1 + 12  # none after a client left
+    assert engine.stats.cancelled == 12
+    assert engine.stats.tokens_generated == 1 + 12  # none after a client left
     await wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before)
     # Only the app's bounded tokenizer pool may have grown (to its 2 threads).
     assert all(name.startswith("tokenizer_") for name in worker_threads() - threads_before)
@@ -90,7 +90,7 @@ async def test_a_queued_request_whose_client_leaves_leaves_the_queue(make_client
     await asyncio.gather(queued, return_exceptions=True)
     await wait_until(lambda: engine.waiting == 0)
     assert engine.active == engine.max_batch  # the running streams go on
-    assert engine.stats["cancelled"] == 1
+    assert engine.stats.cancelled == 1
     for response in running:
         response.close()
     await wait_until(lambda: engine.active == 0)
@@ -132,7 +132,7 @@ async def test_request_timeout_ends_streams_and_answers_504(make_client, backend
     assert response.status == 504
     assert (await response.json())["error"]["type"] == "timeout"
     await wait_idle(engine)
-    assert engine.stats["timeouts"] == 2
+    assert engine.stats.timeouts == 2
     assert (await client.get("/health")).status == 200
 
 

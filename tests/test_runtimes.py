@@ -52,10 +52,9 @@ def test_merged_adapter_reproduces_mlx_lora_logits(tiny_path, adapter_path):
     # The tests' reference, W += scale * (A @ B).T on Torch, against mlx-lm's own LoRALinear computing x @ A @ B.
     import mlx.core as mx
     import torch
+    from lora_reference import merge_lora_into_torch
     from mlx_lm import load as mlx_load
     from transformers import AutoModelForCausalLM
-
-    from backends.adapters import merge_lora_into_torch
 
     merged = AutoModelForCausalLM.from_pretrained(tiny_path).eval()
     merge_lora_into_torch(merged, adapter_path)

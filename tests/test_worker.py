@@ -28,8 +28,8 @@ async def test_stream_disconnect_stops_generation(make_client, backend):
     assert "token" in first
     response.close()  # hang up mid-stream: the gate holds the stream until the worker sees it
     await wait_idle(engine)
-    assert engine.stats["cancelled"] == 1
-    assert engine.stats["tokens_generated"] == 1
+    assert engine.stats.cancelled == 1
+    assert engine.stats.tokens_generated == 1
 
 
 async def test_non_streaming_disconnect_stops_generation(make_client, backend):
@@ -41,8 +41,8 @@ async def test_non_streaming_disconnect_stops_generation(make_client, backend):
     task.cancel()  # the client gives up: its connection closes
     await asyncio.gather(task, return_exceptions=True)
     await wait_idle(engine)
-    assert engine.stats["cancelled"] == 1
-    assert engine.stats["tokens_generated"] == 1
+    assert engine.stats.cancelled == 1
+    assert engine.stats.tokens_generated == 1
     gate.release()
     ok = await client.post("/generate", json={"prompt": "The quick brown", "max_tokens": 3})
     assert ok.status == 200

@@ -117,8 +117,8 @@ def extras(family: str, path: Path, folder: Path) -> dict:
     """A tiny family in float32 on the GPU: an adapter in a batch (the Triton step, CUDA graphs)
     against transformers with it merged, and int8 weights (the torch-ops step, graphed):
     logits near the full-precision ones, batched equal to alone."""
-    from backends.adapters import merge_lora_into_torch
     from bench import write_random_adapters
+    from tests.lora_reference import merge_lora_into_torch
 
     result = {}
     backend = load_backend(
