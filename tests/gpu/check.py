@@ -126,7 +126,7 @@ def adapter_parity() -> dict:
     unmerged product equals the adapter merged into transformers' weights."""
     import tempfile
 
-    from bench import write_random_adapters
+    from benchmarks.adapters import write_random_adapters
 
     folder = tempfile.mkdtemp(prefix="adapters-")
     backend = load_backend(
@@ -170,7 +170,7 @@ def adapter_parity() -> dict:
 def constrained_parity() -> dict:
     """Constrained greedy rows chain on the GPU: their masks are applied after the forward pass
     that the previous step's tokens fed on the device. The ids must equal an unchained decode's."""
-    from bench import TYPICAL_SCHEMA, constrained_outputs_check
+    from benchmarks.constrained import TYPICAL_SCHEMA, constrained_outputs_check
 
     backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="float32", warmup=False))
     constraint = backend.constraint("json_schema", json.dumps(TYPICAL_SCHEMA))

@@ -117,7 +117,7 @@ def extras(family: str, path: Path, folder: Path) -> dict:
     """A tiny family in float32 on the GPU: an adapter in a batch (the Triton step, CUDA graphs)
     against transformers with it merged, and int8 weights (the torch-ops step, graphed):
     logits near the full-precision ones, batched equal to alone."""
-    from bench import write_random_adapters
+    from benchmarks.adapters import write_random_adapters
     from tests.lora_reference import merge_lora_into_torch
 
     result = {}

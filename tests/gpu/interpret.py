@@ -89,7 +89,7 @@ def check_model(name: str, model: str, root: Path) -> None:
     backend = load_backend(
         "torch", LoadOptions(model=model, device="cpu", dtype="float32", adapters_dir=folder, warmup=False)
     )
-    from bench import write_random_adapters
+    from benchmarks.adapters import write_random_adapters
 
     w = backend.decoder_weights
     from backends import triton_decode
