@@ -130,5 +130,6 @@ def chat_in_process(args) -> list[dict]:
             f"| {row['off']['ttft_ms']:.0f} | {row['off']['ttft_ms'] / row['on']['ttft_ms']:.1f}x | {row['same']} |",
             flush=True,
         )
+        rows.append(row)
         history = prompt + backend.decode(row["on"]["ids"])
     return rows
