@@ -407,6 +407,11 @@ GENERATE_SCHEMA: dict[str, Any] = closed(
 
 
 # -- validation: the schema checker, bodies read off the loop ----------------------------------
+# `check` interprets the subset of JSON Schema the request schemas use, rather than jsonschema
+# (which the tests use to hold the published schemas to it, tests/test_wire.py and
+# test_openapi.py): its errors name the field as the APIs' error bodies do, it makes integral
+# floats integers where an integer is asked for, and a list of 500,000 token ids is checked at
+# once (`_plain_ints`), not item by item.
 
 
 class Invalid(Exception):
