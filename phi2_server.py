@@ -1025,6 +1025,16 @@ class Generation:
     grammar: Grammar | None = None  # compiled; `submit` gives the sequence a matcher of its own
     grammar_field: str | None = None  # the field that gave it (what a failing grammar's error names)
 
+    def request(self, prompt_ids: list[int], max_tokens: int, **context: Any) -> Request:
+        """The engine's request for this generation: every field the two records share comes from
+        here (so a field added to both flows through), the tokenized prompt, the `max_tokens` the
+        limits left, and what the HTTP request adds (`context`: its time, adapter, namespace)."""
+        shared = {f.name: getattr(self, f.name) for f in fields(Request) if f.name in GENERATION_FIELDS}
+        return Request(**{**shared, "prompt_ids": prompt_ids, "max_tokens": max_tokens, **context})
+
+
+GENERATION_FIELDS = frozenset(f.name for f in fields(Generation))
+
 
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -1160,16 +1170,11 @@ async def submit(
         elif max_tokens > room:
             raise too_long(request, gen, len(prompt_ids), max_tokens, context)
         jobs.append(
-            Request(
-                prompt_ids=prompt_ids,
-                max_tokens=max_tokens,
-                sampling=gen.sampling,
-                stop=gen.stop,
+            gen.request(
+                prompt_ids,
+                max_tokens,
                 received_at=received_at,
                 timeout_s=settings.request_timeout or None,
-                ignore_eos=gen.ignore_eos,
-                logprobs=gen.logprobs,
-                prompt_logprobs=gen.prompt_logprobs,
                 adapter=loaded,
                 cache_namespace=namespace,
             )

@@ -97,6 +97,22 @@ class Request:
     adapter: Adapter | None = None  # the LoRA adapter to decode with, loaded (None: the base model)
     cache_namespace: str = ""  # whose prompt cache entries it shares (Sequence.cache_namespace)
 
+    def sequence(self, seq_id: int) -> Sequence:
+        """What the decoder sees of this request. Logprobs are computed for the larger of the two
+        asks; a prompt scored alone (max_tokens 0) still computes its first token: its logits end
+        the prefill."""
+        logprobs = self.logprobs if self.prompt_logprobs is None else max(self.logprobs or 0, self.prompt_logprobs)
+        return Sequence(
+            seq_id,
+            self.prompt_ids,
+            self.sampling,
+            max(self.max_tokens, 1),
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            adapter=self.adapter,
+            cache_namespace=self.cache_namespace,
+        )
+
 
 # What a ticket's handler receives, in order: text, a token's logprobs (before its text), the end.
 Event = str | StepLogprobs | Summary
@@ -492,22 +508,7 @@ class Engine:
         request = ticket.request
         seq_id = next(self._ids)
         try:
-            logprobs = (
-                request.logprobs
-                if request.prompt_logprobs is None
-                else max(request.logprobs or 0, request.prompt_logprobs)
-            )
-            # A prompt scored alone (max_tokens 0) still computes its first token: its logits end the prefill.
-            sequence = Sequence(
-                seq_id,
-                request.prompt_ids,
-                request.sampling,
-                max(request.max_tokens, 1),
-                logprobs,
-                request.prompt_logprobs,
-                request.adapter,
-                request.cache_namespace,
-            )
+            sequence = request.sequence(seq_id)
             cached = decoder.add(sequence)
         except Exception as exc:
             log.exception("could not start a sequence")
