@@ -17,6 +17,8 @@ Routes, their handlers, and the section (`# -- ...`) each is in:
     GET  /v1/models/{model}     v1_model              OpenAI-compatible API: models
     POST /v1/completions        v1_completions        OpenAI-compatible API: /v1/completions
     POST /v1/chat/completions   v1_chat_completions   OpenAI-compatible API: /v1/chat/completions
+    POST /tokenize              tokenize              tokenizer
+    POST /detokenize            detokenize            tokenizer
     GET  /metrics               metrics               metrics
     GET  /openapi.json          openapi               OpenAPI: the document
 
@@ -663,7 +665,8 @@ OPENAI_ERROR_TYPES = {
 
 
 def is_openai(request: web.Request) -> bool:
-    return request.path.startswith("/v1/")
+    """Whether errors come in OpenAI's shape: /v1, and the vLLM tokenizer routes."""
+    return request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS
 
 
 def error_payload(request: web.Request, error: ApiError) -> tuple[int, dict]:
@@ -2225,6 +2228,90 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     return await answer(request, tickets, ChatWire(request, tickets, params, name, k))
 
 
+# -- tokenizer: /tokenize, /detokenize (vLLM's shapes) ------------------------------------------
+# The ids a prompt or a chat is generated from, exactly as the generating routes tokenize it: a
+# chat through the model's chat template with its generation prompt, and no special token added
+# beyond what the template writes. llama.cpp's `content` is accepted for `prompt`. Errors come in
+# OpenAI's shape, as vLLM's do.
+
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+MAX_TOKENIZE_CHARS = 4_000_000  # a prompt's text: beyond any context window this server serves
+TOKENIZE_SCHEMA: dict[str, Any] = closed(
+    {
+        "type": "object",
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {"type": "string", "maxLength": MAX_TOKENIZE_CHARS},
+            "content": {
+                "type": "string",
+                "maxLength": MAX_TOKENIZE_CHARS,
+                "description": "llama.cpp's name for prompt",
+            },
+            "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+            "add_generation_prompt": {
+                "enum": [True],
+                "x-unsupported": True,
+                "default": True,
+                "description": "a chat is tokenized as generation sees it: with the assistant's turn opened",
+            },
+            "add_special_tokens": {
+                "enum": [False],
+                "x-unsupported": True,
+                "default": False,
+                "description": "this server's prompts get no special tokens added",
+            },
+            "return_token_strs": {"type": "boolean", "default": False},
+        },
+    }
+)
+DETOKENIZE_SCHEMA: dict[str, Any] = closed(
+    {
+        "type": "object",
+        "required": ["tokens"],
+        "properties": {"model": {"type": "string"}, "tokens": {**TOKEN_IDS, "minItems": 0}},
+    }
+)
+
+
+def tokenize_params(body: Any) -> dict:
+    params = parse(without_nulls(body), TOKENIZE_SCHEMA)
+    given = [name for name in ("prompt", "content", "messages") if params[name] is not None]
+    if len(given) != 1:
+        raise ApiError(400, "give exactly one of prompt (or content) and messages", field="prompt")
+    return params
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{tokens, count, max_model_len} (and token_strs with return_token_strs), as vLLM answers."""
+    params = await read_body(request, tokenize_params)
+    model_named(request, params["model"])
+    backend = engine_ready(request).backend
+    if params["messages"] is not None:
+        text = backend.chat_prompt(chat_messages(params)).text
+    else:
+        text = params["prompt"] if params["prompt"] is not None else params["content"]
+    loop = asyncio.get_running_loop()
+    tokens = await loop.run_in_executor(request.app[TOKENIZER_POOL], backend.encode, text)
+    out: dict[str, Any] = {"count": len(tokens), "max_model_len": backend.info.context_length, "tokens": tokens}
+    if params["return_token_strs"]:
+        out["token_strs"] = [token_string(backend.token_bytes(t)) for t in tokens]
+    return web.json_response(out)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{prompt}: the text of `tokens`, special tokens skipped, as generation decodes it."""
+    params = await read_body(request, lambda body: parse(without_nulls(body), DETOKENIZE_SCHEMA))
+    model_named(request, params["model"])
+    backend = engine_ready(request).backend
+    tokens = params["tokens"]
+    if tokens and (min(tokens) < 0 or max(tokens) >= backend.vocab_size):
+        raise ApiError(
+            400, f"tokens holds an id outside the vocabulary (0 to {backend.vocab_size - 1})", field="tokens"
+        )
+    text = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], backend.decode, tokens)
+    return web.json_response({"prompt": text})
+
+
 # -- metrics (Prometheus, through prometheus-client) ------------------------------------------------
 
 
@@ -2667,6 +2754,16 @@ def openapi_document() -> dict:
             }
         }
 
+    def tokenizer_post(summary: str, request: dict, response: dict) -> dict:
+        return {
+            "post": {
+                "summary": summary,
+                **guarded,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                "responses": answers(response, 400, 401, 404, 413, 429, 503, error=OPENAI_ERROR_SCHEMA),
+            }
+        }
+
     guarded = {"security": [{}, {"bearer": []}]}  # a key is needed when PHI2_API_KEY is set
     generation_errors = (400, 401, 413, 422, 429, 500, 503, 504)
     stream_line = 'One JSON object per line: {"token": text} as text is decoded, then {"done": true, ...the summary}.'
@@ -2752,6 +2849,29 @@ def openapi_document() -> dict:
                 "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, COMPLETION_RESPONSE_SCHEMA
             ),
             "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, CHAT_RESPONSE_SCHEMA),
+            "/tokenize": tokenizer_post(
+                "The ids a prompt or a chat is generated from (vLLM)",
+                TOKENIZE_SCHEMA,
+                {
+                    "type": "object",
+                    "required": ["count", "max_model_len", "tokens"],
+                    "properties": {
+                        "count": {"type": "integer"},
+                        "max_model_len": {"type": "integer"},
+                        "tokens": {"type": "array", "items": {"type": "integer"}},
+                        "token_strs": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+            ),
+            "/detokenize": tokenizer_post(
+                "The text of token ids (vLLM)",
+                DETOKENIZE_SCHEMA,
+                {
+                    "type": "object",
+                    "required": ["prompt"],
+                    "properties": {"prompt": {"type": "string"}},
+                },
+            ),
         },
     }
 
@@ -2839,6 +2959,8 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.router.add_get("/v1/models/{model:.+}", v1_model)  # an id may hold slashes (microsoft/phi-2)
     app.router.add_post("/v1/completions", v1_completions)
     app.router.add_post("/v1/chat/completions", v1_chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     return app
 
 
