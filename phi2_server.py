@@ -17,6 +17,8 @@ Routes, their handlers, and the section (`# -- ...`) each is in:
     GET  /v1/models/{model}     v1_model              OpenAI-compatible API: models
     POST /v1/completions        v1_completions        OpenAI-compatible API: /v1/completions
     POST /v1/chat/completions   v1_chat_completions   OpenAI-compatible API: /v1/chat/completions
+    POST /v1/messages           v1_messages           Anthropic Messages API
+    POST /v1/messages/count_tokens  v1_count_tokens   Anthropic Messages API
     POST /tokenize              tokenize              tokenizer
     POST /detokenize            detokenize            tokenizer
     GET  /metrics               metrics               metrics
@@ -672,6 +674,9 @@ def is_openai(request: web.Request) -> bool:
 def error_payload(request: web.Request, error: ApiError) -> tuple[int, dict]:
     """(status, body): the native shape, or OpenAI's on /v1 routes (where invalid input is a 400)."""
     status = error.status
+    if is_anthropic(request):
+        status = 400 if status == 422 else status
+        return status, anthropic_error(request, status, error.message)
     if is_openai(request):
         status = 400 if status == 422 else status
         kind = OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -867,10 +872,10 @@ async def access(request: web.Request, handler) -> web.StreamResponse:
                 code="rate_limit_exceeded",
                 retry_after=math.ceil(wait),
             )
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        given = presented_key(request)
         # A header's bytes that are not UTF-8 come as surrogates: compared as the same bytes.
-        given_bytes = given.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not key_matches(given_bytes, keys):
+        given_bytes = (given or "").encode("utf-8", "surrogateescape")
+        if given is None or not key_matches(given_bytes, keys):
             failures.take(client, time.monotonic())
             raise ApiError(
                 401,
@@ -892,6 +897,16 @@ async def access(request: web.Request, handler) -> web.StreamResponse:
                 retry_after=math.ceil(wait),
             )
     return await handler(request)
+
+
+def presented_key(request: web.Request) -> str | None:
+    """The key a request presents: `Authorization: Bearer <key>`, or Anthropic's `x-api-key`
+    (its SDK's header) where there is no Authorization header."""
+    if "Authorization" in request.headers:
+        scheme, _, given = request.headers["Authorization"].partition(" ")
+        return given.strip() if scheme.lower() == "bearer" else None
+    given = request.headers.get("x-api-key")
+    return given.strip() if given is not None else None
 
 
 def is_preflight(request: web.Request) -> bool:
@@ -917,7 +932,9 @@ async def cors_preflight(request: web.Request, handler) -> web.StreamResponse:
             status=204,
             headers={
                 "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Request-Id",
+                "Access-Control-Allow-Headers": (
+                    "Authorization, Content-Type, X-Request-Id, X-Api-Key, Anthropic-Version"
+                ),
                 "Access-Control-Max-Age": "600",
             },
         )
@@ -2228,6 +2245,208 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     return await answer(request, tickets, ChatWire(request, tickets, params, name, k))
 
 
+# -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
+# Anthropic's request and answer shapes over the same worker, limits and log; its SSE event
+# sequence when streamed; its error shape (`anthropic_error`). A key comes as `x-api-key` or as
+# `Authorization: Bearer`. Tools are not accepted yet (a 400 naming the field), nor images,
+# documents, thinking, or an assistant message last (a prefill). docs/api.md, "Anthropic".
+
+ANTHROPIC_PATHS = ("/v1/messages",)  # and what is under it
+TEXT_BLOCK = {
+    "type": "object",
+    "required": ["type", "text"],
+    "x-check-first": "type",
+    "properties": {
+        "type": {"enum": ["text"], "x-unsupported": True},
+        "text": {"type": "string"},
+        "cache_control": _ignored("object"),
+        "citations": {"type": ["array", "null"], "description": "accepted and ignored"},
+    },
+}
+ANTHROPIC_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]}
+ANTHROPIC_INPUT = {
+    "model": {"type": "string"},
+    "messages": {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {"role": {"enum": ["user", "assistant"]}, "content": ANTHROPIC_CONTENT},
+        },
+    },
+    "system": ANTHROPIC_CONTENT,
+    "tools": _unsupported([]),
+    "tool_choice": _unsupported(),
+    "thinking": _unsupported(),
+}
+MESSAGES_SCHEMA: dict[str, Any] = closed(
+    {
+        "type": "object",
+        "required": ["model", "max_tokens", "messages"],
+        "properties": {
+            **ANTHROPIC_INPUT,
+            "max_tokens": {"type": "integer", "minimum": 1},
+            "stop_sequences": {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1}},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1, "default": 1.0},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+            "top_k": {"type": "integer", "minimum": 0, "default": 0},
+            "stream": {"type": "boolean", "default": False},
+            "metadata": _ignored("object"),
+            "service_tier": _ignored("string"),
+            "cache_control": _ignored("object"),  # the prompt cache here is automatic
+            "inference_geo": _ignored("string"),
+            "user_profile_id": _ignored("string"),
+            "workspace_id": _ignored("string"),
+            "output_config": _unsupported(),
+            "cache_salt": CACHE_SALT,
+        },
+    }
+)
+COUNT_TOKENS_SCHEMA: dict[str, Any] = closed(
+    {"type": "object", "required": ["model", "messages"], "properties": ANTHROPIC_INPUT}
+)
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic(request: web.Request) -> bool:
+    return request.path.startswith(ANTHROPIC_PATHS)
+
+
+def anthropic_error(request: web.Request, status: int, message: str) -> dict:
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": request.get(REQUEST_ID)}
+
+
+def anthropic_text(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "".join(block["text"] for block in content)
+
+
+def anthropic_chat(params: dict) -> list[dict]:
+    """The request as the chat messages `Backend.chat_prompt` renders."""
+    messages = [{"role": "system", "content": anthropic_text(params["system"])}] if params["system"] else []
+    messages += [{"role": m["role"], "content": anthropic_text(m["content"])} for m in params["messages"]]
+    if params["messages"][-1]["role"] == "assistant":
+        field = f"messages[{len(params['messages']) - 1}]"
+        raise ApiError(400, f"{field}: a final assistant message (a prefill) is not supported", field=field)
+    return messages
+
+
+def anthropic_stop_reason(summary: Summary, stop_sequences: tuple[str, ...]) -> str:
+    if summary.finish_reason == "length":
+        return "max_tokens"
+    if summary.stop_sequence is not None and summary.stop_sequence in stop_sequences:
+        return "stop_sequence"
+    return "end_turn"  # end-of-text, or the chat format's own end of turn
+
+
+def anthropic_usage(summary: Summary) -> dict:
+    """Anthropic's counts: `input_tokens` are the prompt tokens computed, the cached ones apart."""
+    return {
+        "input_tokens": summary.prompt_tokens - summary.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": summary.cached_tokens,
+        "output_tokens": summary.tokens_used,
+    }
+
+
+def sse_event(kind: str, payload: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+
+class AnthropicWire(Wire):
+    """A `message` body; streamed, message_start, one text block's start, deltas and stop, then
+    message_delta (stop reason, usage) and message_stop; a failure is an `error` event."""
+
+    def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, stop: tuple[str, ...]):
+        super().__init__(request, tickets, params["stream"])
+        self.stop_sequences = stop
+        self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name}
+        self.trim = LeadingSpace()
+
+    def opening(self) -> str:
+        prompt_tokens = len(self.tickets[0].request.prompt_ids)
+        usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+        start = {**self.message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
+        return (
+            sse_event("message_start", {"message": start})
+            + sse_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            + sse_event("ping", {})
+        )
+
+    def chunk(self, index: int, item: Event) -> str:
+        if isinstance(item, StepLogprobs):
+            return ""
+        if isinstance(item, str):
+            text = self.trim.strip(item)
+            return (
+                sse_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+                if text
+                else ""
+            )
+        if item.finish_reason in ("error", "timeout"):
+            status = 400 if grammar_failed(item) else 504 if item.finish_reason == "timeout" else 500
+            return sse_event(
+                "error", {"error": anthropic_error(self.request, status, item.error or item.finish_reason)["error"]}
+            )
+        delta = {"stop_reason": anthropic_stop_reason(item, self.stop_sequences), "stop_sequence": item.stop_sequence}
+        if delta["stop_reason"] != "stop_sequence":
+            delta["stop_sequence"] = None
+        return (
+            sse_event("content_block_stop", {"index": 0})
+            + sse_event("message_delta", {"delta": delta, "usage": anthropic_usage(item)})
+            + sse_event("message_stop", {})
+        )
+
+    def body(self) -> dict:
+        (choice,) = self.choices
+        reason = anthropic_stop_reason(choice.summary, self.stop_sequences)
+        return {
+            **self.message,
+            "content": [{"type": "text", "text": LeadingSpace().strip("".join(choice.text))}],
+            "stop_reason": reason,
+            "stop_sequence": choice.summary.stop_sequence if reason == "stop_sequence" else None,
+            "usage": anthropic_usage(choice.summary),
+        }
+
+
+async def v1_messages(request: web.Request) -> web.StreamResponse:
+    params = await read_body(request, lambda body: parse(without_nulls(body), MESSAGES_SCHEMA))
+    name, adapter = model_named(request, params["model"])
+    prompt = engine_ready(request).backend.chat_prompt(anthropic_chat(params))
+    stop = tuple(params["stop_sequences"] or ())
+    defaults = {key: schema["default"] for key, schema in SAMPLING_PROPERTIES.items()}
+    generation = Generation(
+        prompt=prompt.text,
+        max_tokens=params["max_tokens"],
+        max_tokens_given=True,
+        sampling=sampling_of({**defaults, "top_k": params["top_k"]}, params["temperature"], params["top_p"], None),
+        stop=stop + prompt.stop,
+        prompt_field="messages",
+    )
+    tickets = await submit(request, [generation], adapter, params["cache_salt"])
+    return await answer(request, tickets, AnthropicWire(request, tickets, params, name, stop))
+
+
+async def v1_count_tokens(request: web.Request) -> web.Response:
+    """{input_tokens}: the prompt's tokens as /v1/messages would compute them."""
+    params = await read_body(request, lambda body: parse(without_nulls(body), COUNT_TOKENS_SCHEMA))
+    model_named(request, params["model"])
+    backend = engine_ready(request).backend
+    text = backend.chat_prompt(anthropic_chat(params)).text
+    tokens = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], backend.encode, text)
+    return web.json_response({"input_tokens": len(tokens)})
+
+
 # -- tokenizer: /tokenize, /detokenize (vLLM's shapes) ------------------------------------------
 # The ids a prompt or a chat is generated from, exactly as the generating routes tokenize it: a
 # chat through the model's chat template with its generation prompt, and no special token added
@@ -2727,6 +2946,54 @@ CHAT_RESPONSE_SCHEMA = {
 }
 
 
+# -- OpenAPI: the Anthropic answers' schemas ---------------------------------------------------
+
+
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+        "request_id": {"type": ["string", "null"]},
+    },
+}
+ANTHROPIC_MESSAGE_SCHEMA = {
+    "type": "object",
+    "required": ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "message"},
+        "role": {"const": "assistant"},
+        "model": {"type": "string"},
+        "content": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+            },
+        },
+        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence"]},
+        "stop_sequence": {"type": ["string", "null"]},
+        "usage": {
+            "type": "object",
+            "required": ["input_tokens", "output_tokens"],
+            "properties": {
+                "input_tokens": {"type": "integer"},
+                "output_tokens": {"type": "integer"},
+                "cache_creation_input_tokens": {"type": "integer"},
+                "cache_read_input_tokens": {"type": "integer"},
+            },
+        },
+    },
+}
+
+
 # -- OpenAPI: the document, /openapi.json ------------------------------------------------------
 
 
@@ -2744,6 +3011,23 @@ def openapi_document() -> dict:
         ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error=OPENAI_ERROR_SCHEMA)
         ok["200"]["content"]["text/event-stream"] = {
             "schema": {"type": "string", "description": "with stream: Server-Sent Events of chunks, then data: [DONE]"}
+        }
+        return {
+            "post": {
+                "summary": summary,
+                **guarded,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                "responses": ok,
+            }
+        }
+
+    def anthropic_post(summary: str, request: dict, response: dict) -> dict:
+        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error=ANTHROPIC_ERROR_SCHEMA)
+        ok["200"]["content"]["text/event-stream"] = {
+            "schema": {
+                "type": "string",
+                "description": "with stream: Anthropic's events (message_start ... message_stop)",
+            }
         }
         return {
             "post": {
@@ -2849,6 +3133,14 @@ def openapi_document() -> dict:
                 "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, COMPLETION_RESPONSE_SCHEMA
             ),
             "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, CHAT_RESPONSE_SCHEMA),
+            "/v1/messages": anthropic_post(
+                "A message (Anthropic's Messages API)", MESSAGES_SCHEMA, ANTHROPIC_MESSAGE_SCHEMA
+            ),
+            "/v1/messages/count_tokens": anthropic_post(
+                "The input tokens of a message (Anthropic)",
+                COUNT_TOKENS_SCHEMA,
+                {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}},
+            ),
             "/tokenize": tokenizer_post(
                 "The ids a prompt or a chat is generated from (vLLM)",
                 TOKENIZE_SCHEMA,
@@ -2959,6 +3251,8 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.router.add_get("/v1/models/{model:.+}", v1_model)  # an id may hold slashes (microsoft/phi-2)
     app.router.add_post("/v1/completions", v1_completions)
     app.router.add_post("/v1/chat/completions", v1_chat_completions)
+    app.router.add_post("/v1/messages", v1_messages)
+    app.router.add_post("/v1/messages/count_tokens", v1_count_tokens)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     return app

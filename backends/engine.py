@@ -57,6 +57,8 @@ class Summary:
     # With finish_reason "error": "grammar" when the request's own grammar failed (the client's
     # input: the HTTP layer answers 4xx), else None (the server's fault: 5xx).
     error_kind: ErrorKind | None = None
+    # With finish_reason "stop": the stop sequence that ended the text (None: end-of-text).
+    stop_sequence: str | None = None
 
     def timings(self) -> dict:
         return {
@@ -182,6 +184,7 @@ class StopText:
         self._detokenizer = detokenizer
         self._stop = stop
         self._pending = ""
+        self.matched: str | None = None  # the stop sequence that ended the text, once one has
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Text that is safe to emit now, and whether a stop sequence was hit."""
@@ -189,9 +192,10 @@ class StopText:
         if not self._stop:
             text, self._pending = self._pending, ""
             return text, False
-        hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self._pending.find(s), s) for s in self._stop) if i >= 0]
         if hits:
-            text, self._pending = self._pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            text, self._pending = self._pending[:at], ""
             return text, True
         keep = max(self._partial_match(s) for s in self._stop)
         cut = len(self._pending) - keep
@@ -202,6 +206,7 @@ class StopText:
         text, self._pending = self._pending + self._detokenizer.flush(), ""
         for s in self._stop:  # a stop sequence completed by the held-back bytes
             if s in text:
+                self.matched = s
                 return text[: text.find(s)]
         return text
 
@@ -590,7 +595,15 @@ class Engine:
             if rest:
                 running.ticket._emit(rest)
         self._complete(
-            running.ticket, reason, running.count, running.first_at, running.last_at, error, running.cached, error_kind
+            running.ticket,
+            reason,
+            running.count,
+            running.first_at,
+            running.last_at,
+            error,
+            running.cached,
+            error_kind,
+            stop_sequence=running.text.matched if reason == "stop" else None,
         )
         if decoder is not None:
             self._finished.append(seq_id)  # removed from the decoder once the step's ends are out
@@ -613,7 +626,16 @@ class Engine:
         self._complete(ticket, reason, 0, None, None, error)
 
     def _complete(
-        self, ticket, reason, count, first_at, last_at, error, cached: int = 0, error_kind: ErrorKind | None = None
+        self,
+        ticket,
+        reason,
+        count,
+        first_at,
+        last_at,
+        error,
+        cached: int = 0,
+        error_kind: ErrorKind | None = None,
+        stop_sequence: str | None = None,
     ) -> None:
         now = time.perf_counter()
         request = ticket.request
@@ -632,6 +654,7 @@ class Engine:
             error=error,
             cached_tokens=cached,
             error_kind=error_kind,
+            stop_sequence=stop_sequence,
         )
         key = {"cancelled": "cancelled", "timeout": "timeouts", "error": "errors"}.get(reason, "completed")
         with self._stats_lock:
