@@ -560,3 +560,42 @@ async def test_options_needs_a_key_but_a_cors_preflight_does_not(make_client, ba
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
     assert (await client.options("/generate", headers=preflight)).status == 204
     assert (await client.options("/generate", headers={**preflight, "Origin": "https://evil.example"})).status == 401
+
+
+async def test_the_tokenizer_and_anthropic_routes_hurt_no_neighbour(make_client, backend, max_batch, log_dir):
+    """Broken and hostile bodies on the routes added since (/tokenize, /detokenize, /v1/messages,
+    count_tokens) while a neighbour is in flight on the same worker and key: each gets a 4xx in
+    its API's shape, the biggest allowed tokenize is answered, and the neighbour's text is the
+    one it gets alone."""
+    reference = await neighbour_text(await make_client(lambda: backend))
+    gate = Gate(after=1, held=unconstrained)
+    client = await make_client(lambda: GatedBackend(backend, gate))
+    engine = engine_of(client)
+    if max_batch > 1:
+        neighbour = asyncio.create_task(neighbour_text(client))
+        await wait_until(lambda: gate.holding == 1)
+    hello = [{"role": "user", "content": "Hi"}]
+    broken = [
+        ("/tokenize", {"prompt": "a" * 4_000_001}),
+        ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}),
+        ("/detokenize", {"tokens": [2**62]}),
+        ("/detokenize", {"tokens": list(range(10)) + [-5]}),
+        ("/v1/messages", {"model": "x" * 10_000, "max_tokens": 4, "messages": hello}),
+        ("/v1/messages", {"model": backend.info.model, "max_tokens": 10**9, "messages": hello}),
+        ("/v1/messages", {"model": backend.info.model, "max_tokens": 4, "messages": hello, "stop_sequences": [""]}),
+        ("/v1/messages", {"model": backend.info.model, "max_tokens": 4, "messages": hello, "system": [{"x": 1}]}),
+        ("/v1/messages/count_tokens", {"model": backend.info.model, "messages": []}),
+    ]
+    for path, body in broken:
+        response = await client.post(path, json=body)
+        answer = await response.json()
+        assert 400 <= response.status < 500, (path, response.status, answer)
+        assert ("type" in answer and answer["type"] == "error") if "messages" in path else "param" in answer["error"]
+    big = await client.post("/tokenize", json={"prompt": "ab " * 330_000})  # near MAX_BODY_BYTES (1 MiB)
+    assert big.status == 200 and (await big.json())["count"] > 0
+    if max_batch > 1:
+        assert not neighbour.done() and gate.holding == 1  # still in flight beside all of them
+        gate.release()
+        assert await neighbour == reference
+    await wait_idle(engine)
+    assert not [line for line in read_log(log_dir) if line["status"] >= 500]
