@@ -15,6 +15,7 @@ in count and time, on the host's loopback only. Exit status 1 on any failure.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import subprocess
@@ -113,6 +114,22 @@ def logged(container: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
+def balancer_log(request_id: str) -> str:
+    """HAProxy's log line for one request (httplog: the server, the retries as +N, the timers)."""
+    lines = [line for line in balancer_lines() if request_id in line]
+    return lines[-1] if lines else "(no line)"
+
+
+def balancer_lines() -> list[str]:
+    done = subprocess.run(["docker", "logs", *compose("ps", "-q", "balancer").split()], capture_output=True, text=True)
+    return (done.stdout + done.stderr).splitlines()
+
+
+def servers_changed() -> str:
+    """The balancer's record of replicas going up and down, for a failure's message."""
+    return "\n".join(line for line in balancer_lines() if "Server phi2/" in line)
+
+
 class Load:
     """THREADS clients sending short non-streaming requests until stopped; failures are counted."""
 
@@ -121,18 +138,22 @@ class Load:
         self.errors: list[str] = []
         self.ok_after: dict[float, bool] = {}
         self._stop = threading.Event()
+        self._sent = itertools.count()
         self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(THREADS)]
 
     def _client(self) -> None:
         while not self._stop.is_set():
-            sent = time.monotonic()
+            sent, request_id = time.monotonic(), f"ci-load-{next(self._sent)}"
             try:
-                status, answer = generate({"prompt": "Once upon", "max_tokens": 16})
+                status, answer = generate({"prompt": "Once upon", "max_tokens": 16}, {"X-Request-Id": request_id})
             except OSError as exc:
                 status, answer = f"{type(exc).__name__}", {}
             self.counts["ok" if status == 200 else "failed"] += 1
             if status != 200:
-                self.errors.append(f"{status} sent at {sent:.2f}: {answer.get('body', '')!r}")
+                # The balancer's log line for it says which replica answered, after how many retries.
+                self.errors.append(
+                    f"{status} sent at {sent:.2f}: {answer.get('body', '')!r}; balancer: {balancer_log(request_id)}"
+                )
                 self.ok_after[sent] = False
 
     def __enter__(self) -> Load:
@@ -196,7 +217,7 @@ def run() -> None:
     if code != "0" or out != 1:
         fail(f"SIGTERM: the replica exited with status {code}; {out} replicas in rotation once it stopped")
     if load.counts["failed"]:
-        fail(f"SIGTERM and restart under load: {dict(load.counts)}; {load.errors[:5]}")
+        fail(f"SIGTERM and restart under load: {dict(load.counts)}; {load.errors[:5]}\n{servers_changed()}")
     print(
         f"ok  SIGTERM under load: {load.counts['ok']} requests, 0 failed; "
         f"the replica drained and exited 0 in {stopped_in:.1f} s, "
