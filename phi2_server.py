@@ -17,6 +17,7 @@ Routes, their handlers, and the section (`# -- ...`) each is in:
     GET  /v1/models/{model}     v1_model              OpenAI-compatible API: models
     POST /v1/completions        v1_completions        OpenAI-compatible API: /v1/completions
     POST /v1/chat/completions   v1_chat_completions   OpenAI-compatible API: /v1/chat/completions
+    POST /v1/responses          v1_responses          OpenAI Responses API
     POST /v1/messages           v1_messages           Anthropic Messages API
     POST /v1/messages/count_tokens  v1_count_tokens   Anthropic Messages API
     POST /tokenize              tokenize              tokenizer
@@ -82,6 +83,7 @@ from backends import (
 )
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
+from backends.tools import Piece, ToolCallParser
 
 VERSION = "0.9.0"
 log = logging.getLogger("phi2_server")
@@ -1044,6 +1046,7 @@ class Generation:
     prompt_field: str = "prompt"  # the field a prompt too long for the context names
     grammar: Grammar | None = None  # compiled; `submit` gives the sequence a matcher of its own
     grammar_field: str | None = None  # the field that gave it (what a failing grammar's error names)
+    keep_tokens: tuple[tuple[int, str], ...] = ()  # tags the reply's text keeps (Request.keep_tokens)
 
     def request(self, prompt_ids: list[int], max_tokens: int, **context: Any) -> Request:
         """The engine's request for this generation: every field the two records share comes from
@@ -1723,21 +1726,62 @@ CONTENT_PART = {
     "properties": {"type": {"enum": ["text"], "x-unsupported": True}, "text": {"type": "string"}},
     "x-check-first": "type",
 }
+FUNCTION_CALL = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string"},
+        "arguments": {"type": "string", "description": "a JSON object, as text"},
+    },
+}
+TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {"id": {"type": "string"}, "type": {"enum": ["function"]}, "function": FUNCTION_CALL},
+}
 MESSAGE = {
     "type": "object",
     "required": ["role"],
     "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool", "function"]},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART}]},
         "name": {"type": "string"},
+        "tool_calls": {"type": "array", "items": TOOL_CALL},
+        "tool_call_id": {"type": "string", "description": "a tool message: the call it answers"},
+        "function_call": FUNCTION_CALL,  # the deprecated single call of an assistant message
+        # What a reasoning server returns: clients send it back as it is (it is not rendered).
+        "reasoning_content": _ignored("string"),
         # What OpenAI puts in the assistant messages it returns: clients send them back as they are.
         "refusal": _ignored("string"),
         "annotations": {"type": "array", "items": {}, "description": "accepted and ignored"},
         "audio": _unsupported(),
-        "tool_calls": _unsupported([]),
-        "function_call": _unsupported(),
     },
 }
+FUNCTION = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 64},
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "a JSON Schema of the arguments; absent: any object"},
+        "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
+    },
+}
+TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {"type": {"enum": ["function"], "x-unsupported": True}, "function": FUNCTION},
+    "x-check-first": "type",
+}
+NAMED_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+    },
+}
+MAX_TOOLS = 128  # OpenAI's limit
 CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI has no default cap; a local server wants one
 CHAT_SCHEMA: dict[str, Any] = closed(
     {
@@ -1749,11 +1793,23 @@ CHAT_SCHEMA: dict[str, Any] = closed(
             "max_completion_tokens": {"type": "integer", "minimum": 1},
             "logprobs": {"type": "boolean", "default": False},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-            "parallel_tool_calls": _ignored("boolean"),
-            "tools": _unsupported([]),
-            "tool_choice": _unsupported("none", "auto"),
-            "functions": _unsupported([]),
-            "function_call": _unsupported("none", "auto"),
+            "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": TOOL},
+            "tool_choice": {
+                "anyOf": [{"enum": ["none", "auto", "required"]}, NAMED_TOOL],
+                "x-error": (
+                    'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+                ),
+            },
+            "parallel_tool_calls": {"type": "boolean", "default": True},
+            # The deprecated forms of tools and tool_choice.
+            "functions": {"type": "array", "maxItems": MAX_TOOLS, "items": FUNCTION},
+            "function_call": {
+                "anyOf": [
+                    {"enum": ["none", "auto"]},
+                    {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                ],
+                "x-error": 'function_call must be "none", "auto" or {"name": ...}',
+            },
             "response_format": RESPONSE_FORMAT,
             "modalities": _unsupported(["text"]),
             "audio": _unsupported(),
@@ -2140,43 +2196,149 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
 # -- OpenAI-compatible API: /v1/chat/completions -----------------------------------------------
 
 
-class LeadingSpace:
-    """Chat replies start at their first visible character (after "Bob:" comes a space)."""
-
-    def __init__(self):
-        self.started = False
-
-    def strip(self, text: str) -> str:
-        if not self.started:
-            text = text.lstrip()
-            self.started = bool(text)
-        return text
-
-
 def chat_messages(params: dict) -> list[dict]:
-    messages = []
+    """The request's messages as `Backend.chat_prompt` takes them: content as text; an
+    assistant's `tool_calls` (or deprecated `function_call`) with arguments that parse to an
+    object; a `tool` result answering a call made before it. What does not hold is a 400 naming
+    the field."""
+    messages, calls = [], set()
     for i, m in enumerate(params["messages"]):
         content = m.get("content")
+        role = m["role"]
         if content is None:
-            if m["role"] != "assistant":  # an assistant turn that only called tools has none
+            if role != "assistant":  # an assistant turn that only called tools has none
                 raise ApiError(400, f"messages[{i}].content is required", field=f"messages[{i}].content")
             content = ""
-        messages.append(
-            {"role": m["role"], "content": content if isinstance(content, str) else "".join(p["text"] for p in content)}
-        )
+        message: dict[str, Any] = {
+            "role": "tool" if role == "function" else role,
+            "content": content if isinstance(content, str) else "".join(p["text"] for p in content),
+        }
+        tool_calls = m.get("tool_calls") or ([{"function": m["function_call"]}] if m.get("function_call") else [])
+        if tool_calls and role != "assistant":
+            raise ApiError(
+                400, f"messages[{i}].tool_calls is for assistant messages", field=f"messages[{i}].tool_calls"
+            )
+        if tool_calls:
+            message["tool_calls"] = []
+            for j, call in enumerate(tool_calls):
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                try:
+                    arguments = json.loads(call["function"].get("arguments") or "{}")
+                except json.JSONDecodeError as exc:
+                    raise ApiError(400, f"{where} is not JSON: {exc}", field=where) from None
+                if not isinstance(arguments, dict):
+                    raise ApiError(400, f"{where} must be a JSON object", field=where)
+                call_id = call.get("id") or f"call_{i}_{j}"
+                calls.add(call_id)
+                message["tool_calls"].append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {**call["function"], "arguments": json.dumps(arguments)},
+                    }
+                )
+        if role in ("tool", "function"):
+            call_id = m.get("tool_call_id")
+            if role == "tool" and call_id is None:
+                raise ApiError(400, f"messages[{i}].tool_call_id is required", field=f"messages[{i}].tool_call_id")
+            if call_id is not None and call_id not in calls:
+                raise ApiError(
+                    400,
+                    f"messages[{i}].tool_call_id {call_id!r} answers no tool call made before it",
+                    field=f"messages[{i}].tool_call_id",
+                )
+            message.update({k: v for k, v in (("tool_call_id", call_id), ("name", m.get("name"))) if v is not None})
+        messages.append(message)
     return messages
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools as the answer needs them: what the model may call, whether it must."""
+
+    tools: list[dict]  # {name, description, parameters}: rendered into the prompt
+    choice: str  # "auto", "required" or one function's name ("none": no ToolUse at all)
+    parallel: bool
+
+    @property
+    def callable(self) -> list[dict]:
+        return (
+            self.tools if self.choice in ("auto", "required") else [t for t in self.tools if t["name"] == self.choice]
+        )
+
+
+def chat_tools(params: dict) -> ToolUse | None:
+    """`tools`/`tool_choice` (or the deprecated `functions`/`function_call`), checked. None where
+    nothing may be called: no tools, or tool_choice "none" (the tools are then not rendered
+    either, so the model has nothing to call; docs/api.md, "Tool calls")."""
+    if params["tools"] is not None and params["functions"] is not None:
+        raise ApiError(400, "give tools or functions, not both", field="functions")
+    if params["tool_choice"] is not None and params["function_call"] is not None:
+        raise ApiError(400, "give tool_choice or function_call, not both", field="function_call")
+    given = "tools" if params["functions"] is None else "functions"
+    tools = [t["function"] for t in params["tools"] or []] or list(params["functions"] or [])
+    choice = params["tool_choice"] if params["function_call"] is None else params["function_call"]
+    choice_field = "tool_choice" if params["function_call"] is None else "function_call"
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or choice)["name"]
+    names = [t["name"] for t in tools]
+    if len(set(names)) < len(names):
+        raise ApiError(400, f"{given} names a function twice", field=given)
+    if choice not in (None, "none", "auto", "required") and choice not in names:
+        raise ApiError(400, f"{choice_field} names {choice!r}, which is not one of the {given}", field=choice_field)
+    if choice == "required" and not tools:
+        raise ApiError(400, f'{choice_field} "required" needs {given}', field=choice_field)
+    if not tools or choice == "none":
+        return None
+    return ToolUse(
+        [{k: t[k] for k in ("name", "description", "parameters") if k in t} for t in tools],
+        choice or "auto",
+        # A named function is called once; function_call (deprecated) was always one call.
+        params["parallel_tool_calls"] and choice_field == "tool_choice" and choice in (None, "auto", "required"),
+    )
+
+
+async def tool_constraint(request: web.Request, params: dict, use: ToolUse) -> dict:
+    """The grammar of the calls (Generation's grammar and grammar_field): the whole reply with
+    `required` or a named function, lazy with `auto` (armed when the model opens a call)."""
+    if params["response_format"] is not None and params["response_format"]["type"] != "text":
+        raise ApiError(
+            400, "response_format cannot be combined with tools here; give one or the other", field="response_format"
+        )
+    backend = engine_ready(request).backend
+    spec = backend.tool_grammar(use.callable, use.parallel, lazy=use.choice == "auto")
+    checks = params if use.choice != "auto" else {}  # auto: text may end at a stop sequence as usual
+    grammar, field = await compile_constraint(request, "tool_calls", spec, "tools", checks)
+    return {"grammar": grammar, "grammar_field": field}
 
 
 class ChatWire(Wire):
     """/v1/chat/completions: a `chat.completion` body, or `chat.completion.chunk`s (each choice's
-    role first) then `[DONE]`."""
+    role first) then `[DONE]`. Each choice's text goes through a `ToolCallParser`: content,
+    `reasoning_content` and `tool_calls` (a call streamed as its id and name, then its arguments)."""
 
-    def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, k: int | None):
+    def __init__(
+        self,
+        request: web.Request,
+        tickets: list[Ticket],
+        params: dict,
+        name: str,
+        k: int | None,
+        use: ToolUse | None,
+        thinking: bool,
+    ):
         super().__init__(request, tickets, params["stream"])
         self.k = k
         self.envelope = response_head(name, "chat.completion.chunk" if self.streaming else "chat.completion")
         self.include_usage = bool(params["stream_options"].get("include_usage"))
-        self.trims = [LeadingSpace() for _ in tickets]
+        self.parser = lambda: ToolCallParser(
+            self.backend.tool_format,
+            None if use is None else {t["name"] for t in use.tools},
+            reasoning=self.backend.reasoning,
+            thinking=thinking,
+        )
+        self.parsers = [self.parser() for _ in tickets]
+        self.calls = [0 for _ in tickets]  # tool calls streamed so far, per choice
         self.pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
 
     @property
@@ -2185,7 +2347,7 @@ class ChatWire(Wire):
 
     def sse_chunk(self, index: int, delta: dict, finish: str | None = None) -> str:
         logprobs = None
-        if self.k is not None and self.pending[index]:
+        if self.k is not None and self.pending[index] and "tool_calls" not in delta:
             logprobs = chat_logprobs(self.backend, self.pending[index], self.k)
             self.pending[index].clear()
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -2195,61 +2357,498 @@ class ChatWire(Wire):
     def opening(self) -> str:
         return "".join(self.sse_chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.tickets)))
 
+    def pieces(self, index: int, pieces: list[Piece]) -> str:
+        out = []
+        for piece in pieces:
+            if piece.kind == "call":
+                at, self.calls[index] = self.calls[index], self.calls[index] + 1
+                head = {
+                    "index": at,
+                    "id": call_id(),
+                    "type": "function",
+                    "function": {"name": piece.call.name, "arguments": ""},
+                }
+                out.append(self.sse_chunk(index, {"tool_calls": [head]}))
+                arguments = {"index": at, "function": {"arguments": piece.call.arguments}}
+                out.append(self.sse_chunk(index, {"tool_calls": [arguments]}))
+            else:
+                out.append(
+                    self.sse_chunk(index, {"content" if piece.kind == "content" else "reasoning_content": piece.text})
+                )
+        return "".join(out)
+
     def chunk(self, index: int, event: Event) -> str:
         if isinstance(event, StepLogprobs):
             self.pending[index].append(event)
             return ""
         if isinstance(event, str):
-            text = self.trims[index].strip(event)
-            return self.sse_chunk(index, {"content": text}) if text else ""  # its logprobs wait for text
+            return self.pieces(index, self.parsers[index].feed(event))  # logprobs wait for text
         if event.finish_reason == "error":  # the SDKs raise on an error event
             return sse_error(self.request, event)
-        return self.sse_chunk(index, {}, finish=event.finish_reason)
+        rest = self.pieces(index, self.parsers[index].finish())
+        return rest + self.sse_chunk(index, {}, finish=chat_finish(event, self.parsers[index]))
 
     def tail(self) -> str:
         end = sse({**self.envelope, "choices": [], "usage": usage(self.summaries(), 1)}) if self.include_usage else ""
         return end + sse("[DONE]")
 
     def body(self) -> dict:
-        choices = [
-            {
-                "index": i,
-                "message": {
-                    "role": "assistant",
-                    "content": LeadingSpace().strip("".join(choice.text)),
-                    "refusal": None,
-                },
-                "logprobs": chat_logprobs(self.backend, choice.logprobs, self.k) if self.k is not None else None,
-                "finish_reason": choice.summary.finish_reason,
-            }
-            for i, choice in enumerate(self.choices)
-        ]
+        choices = []
+        for i, choice in enumerate(self.choices):
+            parser = self.parser()
+            pieces = parser.feed("".join(choice.text)) + parser.finish()
+            content = "".join(p.text for p in pieces if p.kind == "content")
+            reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
+            calls = [
+                {"id": call_id(), "type": "function", "function": {"name": p.call.name, "arguments": p.call.arguments}}
+                for p in pieces
+                if p.kind == "call"
+            ]
+            message = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": chat_logprobs(self.backend, choice.logprobs, self.k) if self.k is not None else None,
+                    "finish_reason": chat_finish(choice.summary, parser),
+                }
+            )
         return {**self.envelope, "choices": choices, "usage": usage(self.summaries(), 1)}
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def chat_finish(summary: Summary, parser: ToolCallParser) -> str:
+    """ "tool_calls" for a reply that called and then ended as it chose to; a call cut short by
+    max_tokens is "length" (its part is dropped: never given out as a call)."""
+    return "tool_calls" if parser.calls and summary.finish_reason == "stop" else summary.finish_reason
 
 
 async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     params = await read_body(request, lambda body: openai_params(body, CHAT_SCHEMA))
     name, adapter = model_named(request, params["model"])
-    prompt = engine_ready(request).backend.chat_prompt(chat_messages(params))
+    backend = engine_ready(request).backend
+    use = chat_tools(params)
+    prompt = backend.chat_prompt(chat_messages(params), use and use.tools)
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
+    constraint = await (tool_constraint(request, params, use) if use else response_constraint(request, params))
     options = dict(
         stop=stop_tuple(params["stop"]) + prompt.stop,
         logprobs=k,
         prompt_field="messages",
-        **await response_constraint(request, params),
+        keep_tokens=backend.tool_tokens() if use or backend.reasoning else (),
+        **constraint,
     )
     max_tokens = params["max_completion_tokens"] or params["max_tokens"]
     gens = openai_generations(params, prompt.text, params["n"], max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter, params["cache_salt"])
-    return await answer(request, tickets, ChatWire(request, tickets, params, name, k))
+    return await answer(request, tickets, ChatWire(request, tickets, params, name, k, use, prompt.thinking))
+
+
+# -- OpenAI Responses API: /v1/responses (stateless) --------------------------------------------
+# OpenAI's newer API over the same answer loop: `input` (a string, or message, function_call and
+# function_call_output items) and `instructions` become chat messages; tools, tool_choice and
+# text.format work as on /v1/chat/completions. Stateless: nothing is stored (`store` is
+# accepted and means nothing here), so `previous_response_id` is a 400 naming it: send the
+# conversation's items again instead. docs/api.md, "Responses API".
+
+INPUT_PART = {
+    "type": "object",
+    "required": ["type"],
+    "x-check-first": "type",
+    "properties": {
+        "type": {"enum": ["input_text", "output_text", "text"], "x-unsupported": True},
+        "text": {"type": "string"},
+        "annotations": {"type": "array", "items": {}, "description": "accepted and ignored"},
+        "logprobs": {"type": "array", "items": {}, "description": "accepted and ignored"},
+    },
+}
+INPUT_ITEM = {
+    "type": "object",
+    "x-check-first": "type",
+    "properties": {
+        "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"], "x-unsupported": True},
+        "role": {"enum": ["user", "system", "developer", "assistant"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": INPUT_PART}]},
+        "id": {"type": "string"},
+        "status": {"type": "string"},
+        "call_id": {"type": "string", "description": "function_call, function_call_output: the call"},
+        "name": {"type": "string", "description": "function_call: the function called"},
+        "arguments": {"type": "string", "description": "function_call: a JSON object, as text"},
+        "output": {"type": "string", "description": "function_call_output: what the function returned"},
+        "summary": {"type": "array", "items": {}, "description": "reasoning: accepted and ignored"},
+        "encrypted_content": _ignored("string"),
+    },
+}
+RESPONSE_TOOL = {
+    "type": "object",
+    "required": ["type", "name"],
+    "x-check-first": "type",
+    "properties": {
+        "type": {"enum": ["function"], "x-unsupported": True},
+        "name": {"type": "string", "minLength": 1, "maxLength": 64},
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "a JSON Schema of the arguments; absent: any object"},
+        "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
+    },
+}
+TEXT_FORMAT = {
+    "type": "object",
+    "required": ["type"],
+    "x-check-first": "type",
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "name": {"type": "string"},
+        "description": {"type": "string"},
+        "schema": {"type": "object", "description": "a JSON Schema; absent: any JSON object"},
+        "strict": {"type": "boolean", "description": "accepted: the output always follows the schema"},
+    },
+}
+RESPONSES_SCHEMA: dict[str, Any] = closed(
+    {
+        "type": "object",
+        "required": ["input"],
+        "properties": {
+            "model": {"type": "string"},
+            "input": {
+                "anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": INPUT_ITEM}]
+            },
+            "instructions": {"type": "string"},
+            "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": RESPONSE_TOOL},
+            "tool_choice": {
+                "anyOf": [
+                    {"enum": ["none", "auto", "required"]},
+                    {
+                        "type": "object",
+                        "required": ["type", "name"],
+                        "properties": {"type": {"enum": ["function"]}, "name": {"type": "string"}},
+                    },
+                ],
+                "x-error": 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+            },
+            "parallel_tool_calls": {"type": "boolean", "default": True},
+            "max_output_tokens": {"type": "integer", "minimum": 1},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1.0},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+            "seed": GENERATE_SCHEMA["properties"]["seed"],
+            **SAMPLING_PROPERTIES,
+            "text": {
+                "type": "object",
+                "properties": {"format": TEXT_FORMAT, "verbosity": _ignored("string")},
+                "default": {},
+            },
+            "stream": {"type": "boolean", "default": False},
+            "store": {"type": "boolean", "description": "accepted: nothing is stored (stateless)"},
+            "previous_response_id": {
+                **_unsupported(),
+                "description": "stateless: send the conversation's items in input instead",
+            },
+            "truncation": {"enum": ["disabled"], "x-unsupported": True},
+            "reasoning": _ignored("object"),
+            "include": {"type": "array", "items": {}, "description": "accepted and ignored"},
+            "metadata": _ignored("object"),
+            "user": _ignored("string"),
+            "service_tier": _ignored("string"),
+            "prompt_cache_key": _ignored("string"),
+            "safety_identifier": _ignored("string"),
+            "stream_options": _ignored("object"),
+            "background": _unsupported(False),
+            "conversation": _unsupported(),
+            "prompt": _unsupported(),
+            "top_logprobs": _unsupported(0),
+            "cache_salt": CACHE_SALT,
+        },
+    }
+)
+
+
+def responses_chat(params: dict) -> list[dict]:
+    """`instructions` and `input` as the chat messages `chat_messages` checks: function_call
+    items (consecutive ones together) as an assistant's tool_calls, function_call_output items
+    as tool results, reasoning items left out."""
+    messages = [{"role": "system", "content": params["instructions"]}] if params["instructions"] else []
+    items = [{"role": "user", "content": params["input"]}] if isinstance(params["input"], str) else params["input"]
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        needs = {
+            "message": ("role", "content"),
+            "function_call": ("call_id", "name", "arguments"),
+            "function_call_output": ("call_id", "output"),
+            "reasoning": (),
+        }
+        for key in needs[kind]:
+            if key not in item:
+                raise ApiError(400, f"input[{i}].{key} is required", field=f"input[{i}].{key}")
+        if kind == "message":
+            content = item["content"]
+            text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+            messages.append({"role": item["role"], "content": text})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    if not any(m["role"] not in ("system", "developer") for m in messages):
+        raise ApiError(400, "input holds no message to answer", field="input")
+    try:
+        return chat_messages({"messages": messages})
+    except ApiError as exc:  # name the field of this API: input[i], not messages[i]
+        raise ApiError(
+            400, exc.message.replace("messages[", "input["), field=(exc.field or "input").replace("messages[", "input[")
+        ) from None
+
+
+def responses_tools(params: dict) -> ToolUse | None:
+    choice = params["tool_choice"]
+    return chat_tools(
+        {
+            "tools": [{"function": pick(t, "name", "description", "parameters")} for t in params["tools"] or []]
+            or None,
+            "functions": None,
+            "tool_choice": {"function": {"name": choice["name"]}} if isinstance(choice, dict) else choice,
+            "function_call": None,
+            "parallel_tool_calls": params["parallel_tool_calls"],
+        }
+    )
+
+
+class ResponsesWire(Wire):
+    """A `response` object; streamed, its events (`response.created`, each output item's
+    `output_item.added`, text deltas or function-call arguments, `output_item.done`, then
+    `response.completed`, or `response.incomplete` at max_output_tokens), each with its
+    `sequence_number`. The items are built once, as the pieces come, for both."""
+
+    def __init__(
+        self, request: web.Request, tickets: list[Ticket], params: dict, name: str, use: ToolUse | None, thinking: bool
+    ):
+        super().__init__(request, tickets, params["stream"])
+        self.params = params
+        self.parser = ToolCallParser(
+            self.backend.tool_format,
+            None if use is None else {t["name"] for t in use.tools},
+            reasoning=self.backend.reasoning,
+            thinking=thinking,
+        )
+        self.response = {
+            "id": f"resp_{uuid.uuid4().hex}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": name,
+            "instructions": params["instructions"],
+            "max_output_tokens": params["max_output_tokens"],
+            "parallel_tool_calls": params["parallel_tool_calls"],
+            "previous_response_id": None,
+            "store": False,
+            "temperature": params["temperature"],
+            "top_p": params["top_p"],
+            "text": {"format": (params["text"] or {}).get("format") or {"type": "text"}},
+            "tool_choice": params["tool_choice"] or ("auto" if params["tools"] else "none"),
+            "tools": params["tools"] or [],
+            "truncation": "disabled",
+            "metadata": params["metadata"] or {},
+            "user": None,
+            "reasoning": {"effort": None, "summary": None},
+        }
+        self.output: list[dict] = []
+        self.open: dict | None = None  # the message item whose text is streaming
+        self.events = 0
+        self.thought = ""  # reasoning not given out yet
+        self.start()
+
+    def event(self, kind: str, **payload) -> str:
+        self.events += 1
+        body = {"type": kind, "sequence_number": self.events - 1, **payload}
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n" if self.streaming else ""
+
+    def snapshot(self, status: str, **more) -> dict:
+        return {
+            **self.response,
+            "status": status,
+            "output": self.output,
+            "error": None,
+            "incomplete_details": None,
+            "usage": None,
+            **more,
+        }
+
+    def opening(self) -> str:
+        return self.head
+
+    def start(self) -> None:
+        """The stream's first events, numbered first (the answer loop asks for the opening only
+        once the first events are in), with nothing in the output yet."""
+        head = self.snapshot("in_progress")
+        self.head = self.event("response.created", response=head) + self.event("response.in_progress", response=head)
+
+    def close_message(self) -> str:
+        item, self.open = self.open, None
+        if item is None:
+            return ""
+        at, part = len(self.output) - 1, item["content"][0]
+        item["status"] = "completed"
+        ids = {"item_id": item["id"], "output_index": at, "content_index": 0}
+        return (
+            self.event("response.output_text.done", **ids, text=part["text"], logprobs=[])
+            + self.event("response.content_part.done", **ids, part=part)
+            + self.event("response.output_item.done", output_index=at, item=item)
+        )
+
+    def add_item(self, item: dict) -> str:
+        out = self.close_message()
+        self.output.append(item)
+        return out + self.event(
+            "response.output_item.added",
+            output_index=len(self.output) - 1,
+            item=dict(item, **({"content": []} if item["type"] == "message" else {})),
+        )
+
+    def pieces(self, pieces: list[Piece], final: bool = False) -> str:
+        out = ""
+        for piece in pieces:
+            if piece.kind != "reasoning":
+                out += self.think()
+            if piece.kind == "content":
+                if self.open is None:
+                    item = {
+                        "type": "message",
+                        "id": f"msg_{uuid.uuid4().hex}",
+                        "status": "in_progress",
+                        "role": "assistant",
+                        "content": [],
+                    }
+                    out += self.add_item(item)
+                    self.open = item
+                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                    item["content"].append(part)
+                    ids = {"item_id": item["id"], "output_index": len(self.output) - 1, "content_index": 0}
+                    out += self.event("response.content_part.added", **ids, part=dict(part))
+                self.open["content"][0]["text"] += piece.text
+                ids = {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+                out += self.event("response.output_text.delta", **ids, delta=piece.text, logprobs=[])
+            elif piece.kind == "reasoning":  # given out as one item once the thought ends
+                self.thought += piece.text
+                continue
+            else:
+                call = piece.call
+                item = {
+                    "type": "function_call",
+                    "id": f"fc_{uuid.uuid4().hex}",
+                    "call_id": call_id(),
+                    "name": call.name,
+                    "arguments": "",
+                    "status": "in_progress",
+                }
+                out += self.add_item(item)
+                at = len(self.output) - 1
+                item.update(arguments=call.arguments, status="completed")
+                out += self.event(
+                    "response.function_call_arguments.delta", item_id=item["id"], output_index=at, delta=call.arguments
+                )
+                out += self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=at,
+                    name=call.name,
+                    arguments=call.arguments,
+                )
+                out += self.event("response.output_item.done", output_index=at, item=item)
+        return out + (self.think() if final else "")
+
+    def think(self) -> str:
+        """The reasoning so far as its output item (a reasoning model's <think> text)."""
+        if not self.thought:
+            return ""
+        content = [{"type": "reasoning_text", "text": self.thought}]
+        item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": content}
+        self.thought = ""
+        added = self.add_item(item)
+        return added + self.event("response.output_item.done", output_index=len(self.output) - 1, item=item)
+
+    def chunk(self, index: int, event: Event) -> str:
+        if isinstance(event, StepLogprobs):
+            return ""
+        if isinstance(event, str):
+            return self.pieces(self.parser.feed(event))
+        if event.finish_reason == "error" or event.finish_reason not in ("stop", "length"):
+            error = {
+                "code": "invalid_prompt" if grammar_failed(event) else "server_error",
+                "message": event.error or event.finish_reason,
+            }
+            return self.close_message() + self.event("response.failed", response=self.snapshot("failed", error=error))
+        out = self.pieces(self.parser.finish(), final=True) + self.close_message()
+        final = self.final(event)
+        return out + self.event(f"response.{final['status']}", response=final)
+
+    def final(self, summary: Summary) -> dict:
+        incomplete = summary.finish_reason == "length"
+        return self.snapshot(
+            "incomplete" if incomplete else "completed",
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            usage={
+                "input_tokens": summary.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": summary.cached_tokens},
+                "output_tokens": summary.tokens_used,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": summary.prompt_tokens + summary.tokens_used,
+            },
+        )
+
+    def body(self) -> dict:
+        (choice,) = self.choices
+        self.pieces(self.parser.feed("".join(choice.text)) + self.parser.finish(), final=True)
+        self.close_message()
+        return self.final(choice.summary)
+
+
+async def v1_responses(request: web.Request) -> web.StreamResponse:
+    params = await read_body(request, lambda body: parse(without_nulls(body), RESPONSES_SCHEMA))
+    name, adapter = model_named(request, params["model"])
+    backend = engine_ready(request).backend
+    use = responses_tools(params)
+    prompt = backend.chat_prompt(responses_chat(params), use and use.tools)
+    text_format = (params["text"] or {}).get("format") or {"type": "text"}
+    as_chat = {**params, "stop": None, "ignore_eos": False, "response_format": None}
+    constraint: dict = {}
+    if use and text_format["type"] != "text":
+        raise ApiError(
+            400, "text.format cannot be combined with tools here; give one or the other", field="text.format"
+        )
+    if use:
+        constraint = await tool_constraint(request, as_chat, use)
+    elif text_format["type"] == "json_object":
+        grammar, field = await compile_constraint(request, "json_object", "", "text.format", as_chat)
+        constraint = {"grammar": grammar, "grammar_field": field}
+    elif text_format["type"] == "json_schema":
+        schema = json.dumps(text_format.get("schema", {"type": "object"}))
+        grammar, field = await compile_constraint(request, "json_schema", schema, "text.format.schema", as_chat)
+        constraint = {"grammar": grammar, "grammar_field": field}
+    options = dict(
+        stop=prompt.stop,
+        prompt_field="input",
+        keep_tokens=backend.tool_tokens() if use or backend.reasoning else (),
+        **constraint,
+    )
+    gens = openai_generations(as_chat, prompt.text, 1, params["max_output_tokens"], CHAT_DEFAULT_MAX_TOKENS, **options)
+    tickets = await submit(request, gens, adapter, params["cache_salt"])
+    return await answer(request, tickets, ResponsesWire(request, tickets, params, name, use, prompt.thinking))
 
 
 # -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
 # Anthropic's request and answer shapes over the same worker, limits and log; its SSE event
 # sequence when streamed; its error shape (`anthropic_error`). A key comes as `x-api-key` or as
-# `Authorization: Bearer`. Tools are not accepted yet (a 400 naming the field), nor images,
-# documents, thinking, or an assistant message last (a prefill). docs/api.md, "Anthropic".
+# `Authorization: Bearer`. Tools as on the chat route (`anthropic_tools`, `tool_use` blocks out);
+# images, documents, thinking, or an assistant message last (a prefill) are a 400 naming the
+# field. docs/api.md, "Anthropic".
 
 ANTHROPIC_PATHS = ("/v1/messages",)  # and what is under it
 TEXT_BLOCK = {
@@ -2263,7 +2862,52 @@ TEXT_BLOCK = {
         "citations": {"type": ["array", "null"], "description": "accepted and ignored"},
     },
 }
-ANTHROPIC_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]}
+# A message's blocks: text, and the tool calls (`tool_use`) and results (`tool_result`) of a
+# conversation with tools. Each type's own required fields are checked in `anthropic_chat`.
+CONTENT_BLOCK = {
+    "type": "object",
+    "required": ["type"],
+    "x-check-first": "type",
+    "properties": {
+        "type": {"enum": ["text", "tool_use", "tool_result"], "x-unsupported": True},
+        "text": {"type": "string"},
+        "id": {"type": "string", "description": "tool_use: the call's id"},
+        "name": {"type": "string", "description": "tool_use: the tool called"},
+        "input": {"type": "object", "description": "tool_use: the call's arguments"},
+        "tool_use_id": {"type": "string", "description": "tool_result: the call it answers"},
+        "content": {
+            "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}],
+            "description": "tool_result: what the tool returned",
+        },
+        "is_error": {"type": "boolean", "description": "tool_result: the tool failed (said in its text)"},
+        "cache_control": _ignored("object"),
+        "citations": {"type": ["array", "null"], "description": "accepted and ignored"},
+    },
+}
+ANTHROPIC_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_BLOCK}]}
+ANTHROPIC_TOOL = {
+    "type": "object",
+    "required": ["name", "input_schema"],
+    "x-check-first": "type",  # a server tool (bash, web search ...) is named as such
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 64},
+        "description": {"type": "string"},
+        "input_schema": {"type": "object", "description": "a JSON Schema of the input"},
+        "type": {"enum": ["custom"], "x-unsupported": True},
+        "cache_control": _ignored("object"),
+        "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
+    },
+}
+ANTHROPIC_TOOL_CHOICE = {
+    "type": "object",
+    "required": ["type"],
+    "x-check-first": "type",
+    "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]},
+        "name": {"type": "string"},
+        "disable_parallel_tool_use": {"type": "boolean"},
+    },
+}
 ANTHROPIC_INPUT = {
     "model": {"type": "string"},
     "messages": {
@@ -2275,9 +2919,9 @@ ANTHROPIC_INPUT = {
             "properties": {"role": {"enum": ["user", "assistant"]}, "content": ANTHROPIC_CONTENT},
         },
     },
-    "system": ANTHROPIC_CONTENT,
-    "tools": _unsupported([]),
-    "tool_choice": _unsupported(),
+    "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]},
+    "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": ANTHROPIC_TOOL},
+    "tool_choice": ANTHROPIC_TOOL_CHOICE,
     "thinking": _unsupported(),
 }
 MESSAGES_SCHEMA: dict[str, Any] = closed(
@@ -2328,17 +2972,69 @@ def anthropic_error(request: web.Request, status: int, message: str) -> dict:
 
 
 def anthropic_text(content: str | list[dict]) -> str:
-    return content if isinstance(content, str) else "".join(block["text"] for block in content)
+    return content if isinstance(content, str) else "".join(block.get("text", "") for block in content)
 
 
 def anthropic_chat(params: dict) -> list[dict]:
-    """The request as the chat messages `Backend.chat_prompt` renders."""
+    """The request as OpenAI-shaped chat messages (what `chat_messages` checks and
+    `Backend.chat_prompt` renders): an assistant's `tool_use` blocks as its tool_calls, a user's
+    `tool_result` blocks as tool messages before the rest of its text."""
     messages = [{"role": "system", "content": anthropic_text(params["system"])}] if params["system"] else []
-    messages += [{"role": m["role"], "content": anthropic_text(m["content"])} for m in params["messages"]]
+    for i, m in enumerate(params["messages"]):
+        blocks = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]
+        for j, block in enumerate(blocks):
+            where = f"messages[{i}].content[{j}]"
+            needs = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+            for key in needs[block["type"]]:
+                if key not in block:
+                    raise ApiError(400, f"{where}.{key} is required", field=f"{where}.{key}")
+            if block["type"] != "text" and (block["type"] == "tool_use") != (m["role"] == "assistant"):
+                raise ApiError(400, f"{where}: a {block['type']} block is not for the {m['role']}", field=where)
+        text = "".join(b["text"] for b in blocks if b["type"] == "text")
+        results = [b for b in blocks if b["type"] == "tool_result"]
+        messages += [
+            {"role": "tool", "tool_call_id": b["tool_use_id"], "content": anthropic_text(b.get("content") or "")}
+            for b in results
+        ]
+        calls = [
+            {"id": b["id"], "function": {"name": b["name"], "arguments": json.dumps(b["input"])}}
+            for b in blocks
+            if b["type"] == "tool_use"
+        ]
+        if calls:
+            messages.append({"role": "assistant", "content": text, "tool_calls": calls})
+        elif text or not results:
+            messages.append({"role": m["role"], "content": text})
     if params["messages"][-1]["role"] == "assistant":
         field = f"messages[{len(params['messages']) - 1}]"
         raise ApiError(400, f"{field}: a final assistant message (a prefill) is not supported", field=field)
-    return messages
+    return chat_messages({"messages": messages})
+
+
+def anthropic_tools(params: dict) -> ToolUse | None:
+    """Anthropic's tools and tool_choice as the chat route's (auto, any: required, tool: named,
+    none: no tools at all)."""
+    choice = params["tool_choice"] or {"type": "auto"}
+    tools = [
+        {"function": {"name": t["name"], **pick(t, "description"), "parameters": t["input_schema"]}}
+        for t in params["tools"] or []
+    ]
+    mapped = {"auto": "auto", "any": "required", "none": "none", "tool": {"function": {"name": choice.get("name")}}}
+    if choice["type"] == "tool" and choice.get("name") is None:
+        raise ApiError(400, "tool_choice.name is required with type tool", field="tool_choice.name")
+    return chat_tools(
+        {
+            "tools": tools or None,
+            "functions": None,
+            "tool_choice": mapped[choice["type"]] if tools or choice["type"] != "auto" else None,
+            "function_call": None,
+            "parallel_tool_calls": not choice.get("disable_parallel_tool_use", False),
+        }
+    )
+
+
+def pick(mapping: dict, *keys: str) -> dict:
+    return {k: mapping[k] for k in keys if k in mapping}
 
 
 def anthropic_stop_reason(summary: Summary, stop_sequences: tuple[str, ...]) -> str:
@@ -2364,67 +3060,129 @@ def sse_event(kind: str, payload: dict) -> str:
 
 
 class AnthropicWire(Wire):
-    """A `message` body; streamed, message_start, one text block's start, deltas and stop, then
-    message_delta (stop reason, usage) and message_stop; a failure is an `error` event."""
+    """A `message` body; streamed, message_start, then each block's start, deltas and stop (a
+    text block at once without tools; with tools, blocks as the reply's text and calls come:
+    `tool_use` with its input as one `input_json_delta`), then message_delta (stop reason,
+    usage) and message_stop; a failure is an `error` event."""
 
-    def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, stop: tuple[str, ...]):
+    def __init__(
+        self,
+        request: web.Request,
+        tickets: list[Ticket],
+        params: dict,
+        name: str,
+        stop: tuple[str, ...],
+        use: ToolUse | None,
+    ):
         super().__init__(request, tickets, params["stream"])
         self.stop_sequences = stop
         self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name}
-        self.trim = LeadingSpace()
-
-    def opening(self) -> str:
+        self.tools = use is not None
+        self.parser = lambda: ToolCallParser(
+            self.backend.tool_format, None if use is None else {t["name"] for t in use.tools}
+        )
+        self.stream_parser = self.parser()
+        self.blocks = 0  # blocks started
+        self.open: str | None = None  # the type of the block open now
+        # Made now, before any event: the answer loop asks for the opening with the first events.
         prompt_tokens = len(self.tickets[0].request.prompt_ids)
         usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
         start = {**self.message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
-        return (
-            sse_event("message_start", {"message": start})
-            + sse_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            + sse_event("ping", {})
-        )
+        self.head = sse_event("message_start", {"message": start}) + ("" if self.tools else self.start_block("text"))
+
+    def opening(self) -> str:
+        return self.head
+
+    def start_block(self, kind: str, **fields) -> str:
+        out = self.stop_block()
+        block = {"type": "text", "text": ""} if kind == "text" else {"type": kind, **fields, "input": {}}
+        out += sse_event("content_block_start", {"index": self.blocks, "content_block": block})
+        if self.blocks == 0:
+            out += sse_event("ping", {})
+        self.blocks, self.open = self.blocks + 1, kind
+        return out
+
+    def stop_block(self) -> str:
+        if self.open is None:
+            return ""
+        self.open = None
+        return sse_event("content_block_stop", {"index": self.blocks - 1})
+
+    def pieces(self, pieces: list[Piece]) -> str:
+        out = ""
+        for piece in pieces:
+            if piece.kind == "call":
+                out += self.start_block("tool_use", id=tool_use_id(), name=piece.call.name)
+                delta = {"type": "input_json_delta", "partial_json": piece.call.arguments}
+                out += sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
+                out += self.stop_block()
+            elif piece.text:
+                if self.open != "text":
+                    out += self.start_block("text")
+                delta = {"type": "text_delta", "text": piece.text}
+                out += sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
+        return out
 
     def chunk(self, index: int, item: Event) -> str:
         if isinstance(item, StepLogprobs):
             return ""
         if isinstance(item, str):
-            text = self.trim.strip(item)
-            return (
-                sse_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
-                if text
-                else ""
-            )
+            return self.pieces(self.stream_parser.feed(item))
         if item.finish_reason in ("error", "timeout"):
             status = 400 if grammar_failed(item) else 504 if item.finish_reason == "timeout" else 500
             return sse_event(
                 "error", {"error": anthropic_error(self.request, status, item.error or item.finish_reason)["error"]}
             )
-        delta = {"stop_reason": anthropic_stop_reason(item, self.stop_sequences), "stop_sequence": item.stop_sequence}
-        if delta["stop_reason"] != "stop_sequence":
-            delta["stop_sequence"] = None
+        out = self.pieces(self.stream_parser.finish())
+        if self.blocks == 0:  # an empty reply: one empty text block, as without tools
+            out += self.start_block("text")
+        delta = self.stop_fields(item, self.stream_parser)
         return (
-            sse_event("content_block_stop", {"index": 0})
+            out
+            + self.stop_block()
             + sse_event("message_delta", {"delta": delta, "usage": anthropic_usage(item)})
             + sse_event("message_stop", {})
         )
 
+    def stop_fields(self, summary: Summary, parser: ToolCallParser) -> dict:
+        reason = anthropic_stop_reason(summary, self.stop_sequences)
+        if parser.calls and summary.finish_reason == "stop":
+            reason = "tool_use"
+        return {"stop_reason": reason, "stop_sequence": summary.stop_sequence if reason == "stop_sequence" else None}
+
     def body(self) -> dict:
         (choice,) = self.choices
-        reason = anthropic_stop_reason(choice.summary, self.stop_sequences)
+        parser = self.parser()
+        content = []
+        for piece in parser.feed("".join(choice.text)) + parser.finish():
+            if piece.kind == "call":
+                arguments = json.loads(piece.call.arguments)
+                content.append({"type": "tool_use", "id": tool_use_id(), "name": piece.call.name, "input": arguments})
+            elif content and content[-1]["type"] == "text":
+                content[-1]["text"] += piece.text
+            else:
+                content.append({"type": "text", "text": piece.text})
         return {
             **self.message,
-            "content": [{"type": "text", "text": LeadingSpace().strip("".join(choice.text))}],
-            "stop_reason": reason,
-            "stop_sequence": choice.summary.stop_sequence if reason == "stop_sequence" else None,
+            "content": content or [{"type": "text", "text": ""}],
+            **self.stop_fields(choice.summary, parser),
             "usage": anthropic_usage(choice.summary),
         }
+
+
+def tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
 async def v1_messages(request: web.Request) -> web.StreamResponse:
     params = await read_body(request, lambda body: parse(without_nulls(body), MESSAGES_SCHEMA))
     name, adapter = model_named(request, params["model"])
-    prompt = engine_ready(request).backend.chat_prompt(anthropic_chat(params))
+    backend = engine_ready(request).backend
+    use = anthropic_tools(params)
+    prompt = backend.chat_prompt(anthropic_chat(params), use and use.tools)
     stop = tuple(params["stop_sequences"] or ())
     defaults = {key: schema["default"] for key, schema in SAMPLING_PROPERTIES.items()}
+    checks = {"stop": params["stop_sequences"], "response_format": None, **params}
     generation = Generation(
         prompt=prompt.text,
         max_tokens=params["max_tokens"],
@@ -2432,9 +3190,11 @@ async def v1_messages(request: web.Request) -> web.StreamResponse:
         sampling=sampling_of({**defaults, "top_k": params["top_k"]}, params["temperature"], params["top_p"], None),
         stop=stop + prompt.stop,
         prompt_field="messages",
+        keep_tokens=backend.tool_tokens() if use else (),
+        **(await tool_constraint(request, checks, use) if use else {}),
     )
     tickets = await submit(request, [generation], adapter, params["cache_salt"])
-    return await answer(request, tickets, AnthropicWire(request, tickets, params, name, stop))
+    return await answer(request, tickets, AnthropicWire(request, tickets, params, name, stop, use))
 
 
 async def v1_count_tokens(request: web.Request) -> web.Response:
@@ -2442,7 +3202,8 @@ async def v1_count_tokens(request: web.Request) -> web.Response:
     params = await read_body(request, lambda body: parse(without_nulls(body), COUNT_TOKENS_SCHEMA))
     model_named(request, params["model"])
     backend = engine_ready(request).backend
-    text = backend.chat_prompt(anthropic_chat(params)).text
+    use = anthropic_tools(params)
+    text = backend.chat_prompt(anthropic_chat(params), use and use.tools).text
     tokens = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], backend.encode, text)
     return web.json_response({"input_tokens": len(tokens)})
 
@@ -2467,6 +3228,7 @@ TOKENIZE_SCHEMA: dict[str, Any] = closed(
                 "description": "llama.cpp's name for prompt",
             },
             "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+            "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": TOOL, "description": "rendered with messages"},
             "add_generation_prompt": {
                 "enum": [True],
                 "x-unsupported": True,
@@ -2497,6 +3259,8 @@ def tokenize_params(body: Any) -> dict:
     given = [name for name in ("prompt", "content", "messages") if params[name] is not None]
     if len(given) != 1:
         raise ApiError(400, "give exactly one of prompt (or content) and messages", field="prompt")
+    if params["tools"] and params["messages"] is None:
+        raise ApiError(400, "tools are rendered with messages, not with a prompt", field="tools")
     return params
 
 
@@ -2506,7 +3270,8 @@ async def tokenize(request: web.Request) -> web.Response:
     model_named(request, params["model"])
     backend = engine_ready(request).backend
     if params["messages"] is not None:
-        text = backend.chat_prompt(chat_messages(params)).text
+        tools = [t["function"] for t in params["tools"] or []]  # as chat renders them with tool_choice auto
+        text = backend.chat_prompt(chat_messages(params), tools or None).text
     else:
         text = params["prompt"] if params["prompt"] is not None else params["content"]
     loop = asyncio.get_running_loop()
@@ -2916,11 +3681,37 @@ CHAT_RESPONSE_SCHEMA = {
                 "required": ["index", "message", "logprobs", "finish_reason"],
                 "properties": {
                     "index": {"type": "integer"},
-                    "finish_reason": FINISH_REASON,
+                    "finish_reason": {"enum": [*FINISH_REASON["enum"], "tool_calls"]},
                     "message": {
                         "type": "object",
                         "required": ["role", "content"],
-                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": {
+                                "type": ["string", "null"],
+                                "description": "null when the reply only called tools",
+                            },
+                            "reasoning_content": {"type": "string", "description": "a reasoning model's <think> text"},
+                            "tool_calls": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["id", "type", "function"],
+                                    "properties": {
+                                        "id": {"type": "string"},
+                                        "type": {"const": "function"},
+                                        "function": {
+                                            "type": "object",
+                                            "required": ["name", "arguments"],
+                                            "properties": {
+                                                "name": {"type": "string"},
+                                                "arguments": {"type": "string", "description": "JSON object text"},
+                                            },
+                                        },
+                                    },
+                                },
+                            },
+                        },
                     },
                     "logprobs": {
                         "type": ["object", "null"],
@@ -2942,6 +3733,47 @@ CHAT_RESPONSE_SCHEMA = {
             },
         },
         "usage": USAGE_SCHEMA,
+    },
+}
+
+
+OUTPUT_ITEM = {
+    "type": "object",
+    "required": ["type", "id"],
+    "properties": {
+        "type": {"enum": ["message", "function_call", "reasoning"]},
+        "id": {"type": "string"},
+        "status": {"type": "string"},
+        "role": {"const": "assistant"},
+        "content": {"type": "array", "items": {"type": "object", "required": ["type", "text"]}},
+        "call_id": {"type": "string"},
+        "name": {"type": "string"},
+        "arguments": {"type": "string", "description": "JSON object text"},
+        "summary": {"type": "array"},
+    },
+}
+RESPONSE_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "response"},
+        "created_at": {"type": "integer"},
+        "status": {"enum": ["completed", "incomplete", "failed"]},
+        "incomplete_details": {"type": ["object", "null"]},
+        "model": {"type": "string"},
+        "output": {"type": "array", "items": OUTPUT_ITEM},
+        "usage": {
+            "type": "object",
+            "required": ["input_tokens", "output_tokens", "total_tokens"],
+            "properties": {
+                "input_tokens": {"type": "integer"},
+                "output_tokens": {"type": "integer"},
+                "total_tokens": {"type": "integer"},
+                "input_tokens_details": {"type": "object"},
+                "output_tokens_details": {"type": "object"},
+            },
+        },
     },
 }
 
@@ -2973,12 +3805,26 @@ ANTHROPIC_MESSAGE_SCHEMA = {
         "content": {
             "type": "array",
             "items": {
-                "type": "object",
-                "required": ["type", "text"],
-                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                    {
+                        "type": "object",
+                        "required": ["type", "id", "name", "input"],
+                        "properties": {
+                            "type": {"const": "tool_use"},
+                            "id": {"type": "string"},
+                            "name": {"type": "string"},
+                            "input": {"type": "object"},
+                        },
+                    },
+                ]
             },
         },
-        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence"]},
+        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
         "stop_sequence": {"type": ["string", "null"]},
         "usage": {
             "type": "object",
@@ -3133,6 +3979,9 @@ def openapi_document() -> dict:
                 "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, COMPLETION_RESPONSE_SCHEMA
             ),
             "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, CHAT_RESPONSE_SCHEMA),
+            "/v1/responses": openai_post(
+                "A response (OpenAI's Responses API, stateless)", RESPONSES_SCHEMA, RESPONSE_SCHEMA
+            ),
             "/v1/messages": anthropic_post(
                 "A message (Anthropic's Messages API)", MESSAGES_SCHEMA, ANTHROPIC_MESSAGE_SCHEMA
             ),
@@ -3251,6 +4100,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.router.add_get("/v1/models/{model:.+}", v1_model)  # an id may hold slashes (microsoft/phi-2)
     app.router.add_post("/v1/completions", v1_completions)
     app.router.add_post("/v1/chat/completions", v1_chat_completions)
+    app.router.add_post("/v1/responses", v1_responses)
     app.router.add_post("/v1/messages", v1_messages)
     app.router.add_post("/v1/messages/count_tokens", v1_count_tokens)
     app.router.add_post("/tokenize", tokenize)

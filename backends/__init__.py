@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from backends.adapters import Adapter, AdapterFacts
     from backends.text import ChatPrompt
+    from backends.tools import ToolFormat
 
 BACKEND_NAMES = ("auto", "mlx", "torch")
 
@@ -46,6 +47,11 @@ class Constraint(Protocol):
     def allowed_words(self): ...
 
     def consume(self, token: int) -> None: ...
+
+    def constrains(self) -> bool:
+        """Whether its mask is more than every token now (a lazy tool grammar: once armed); a
+        decoder may then skip the mask for that step."""
+        ...
 
 
 class Grammar(Protocol):
@@ -270,13 +276,28 @@ class Backend(Protocol):
         vocabulary may be larger; its extra ids are never generated)."""
         ...
 
-    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
-        """Chat messages ({role, content: str}) as a prompt, with the stops its format needs."""
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> ChatPrompt:
+        """Chat messages ({role, content: str}; an assistant's `tool_calls`, `tool` results) as a
+        prompt, with the stops its format needs; `tools` (OpenAI function tools) rendered by the
+        chat template, or by the default tools block where it knows none (backends.tools)."""
+        ...
+
+    tool_format: ToolFormat  # how this model writes tool calls (read from its chat template)
+    reasoning: bool  # its tokenizer has <think> and </think>: replies may reason first
+
+    def tool_tokens(self) -> tuple[tuple[int, str], ...]:
+        """(id, text) of the tool-call and reasoning tags that are single tokens (Request.keep_tokens)."""
+        ...
+
+    def tool_grammar(self, tools: list[dict], parallel: bool, lazy: bool) -> str:
+        """The spec of a `tool_calls` grammar (`constraint("tool_calls", spec)`) for calls to
+        `tools` ({name, parameters} each): the whole reply, or lazy, armed when a call opens."""
         ...
 
     def constraint(self, kind: str, spec: str) -> Grammar:
         """A grammar for this model's tokenizer: kind `json_schema` (spec: the schema as JSON),
-        `json_object` (any JSON object) or `regex`. Compiled once (cached); GrammarError if not.
+        `json_object` (any JSON object), `regex` or `tool_calls` (spec: `tool_grammar`'s).
+        Compiled once (cached); GrammarError if not.
         Slow for a large grammar (seconds): call it on a pool, never on the event loop."""
         ...
 

@@ -23,6 +23,7 @@ from typing import Literal
 
 from backends import Backend, Decoder, Detokenizer, PromptCacheUsage, Sampling, Sequence, StepLogprobs
 from backends.adapters import Adapter
+from backends.text import KeepTokens
 
 log = logging.getLogger("phi2_server.engine")
 
@@ -98,6 +99,8 @@ class Request:
     prompt_logprobs: int | None = None  # the same for the prompt, with the first token's event
     adapter: Adapter | None = None  # the LoRA adapter to decode with, loaded (None: the base model)
     cache_namespace: str = ""  # whose prompt cache entries it shares (Sequence.cache_namespace)
+    # Special tokens whose text the reply keeps (tool-call tags: Backend.tool_tokens), (id, text).
+    keep_tokens: tuple[tuple[int, str], ...] = ()
 
     def sequence(self, seq_id: int) -> Sequence:
         """What the decoder sees of this request. Logprobs are computed for the larger of the two
@@ -521,7 +524,10 @@ class Engine:
             return
         self.stats.prompt_tokens_cached += cached
         self.stats.prompt_tokens_computed += len(request.prompt_ids) - cached
-        self._running[seq_id] = _Running(ticket, StopText(backend.detokenizer(), request.stop), cached)
+        detokenizer = backend.detokenizer()
+        if request.keep_tokens:
+            detokenizer = KeepTokens(backend.detokenizer, dict(request.keep_tokens))
+        self._running[seq_id] = _Running(ticket, StopText(detokenizer, request.stop), cached)
 
     def _retire_ended(self, decoder: Decoder, abort_reason: str | None) -> None:
         """Remove sequences whose client left, whose time is up, or that an abort ends."""

@@ -41,12 +41,13 @@ import llguidance.hf
 import numpy as np
 
 from backends import GrammarError
+from backends.tools import COMPACT_JSON, Trigger
 
 GRAMMAR_CACHE = 256  # compiled grammars kept per tokenizer
 GRAMMAR_CACHE_TEXT = 1_000_000  # characters of grammar text they may hold together (a 3,000-property schema: ~90k)
 # Compact JSON (", " and ": ", no other whitespace): a model cannot pad the output with
 # whitespace until max_tokens, and the text reads as usual.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = COMPACT_JSON
 ANY_OBJECT = '{"type": "object"}'  # JSON mode: any JSON object (OpenAI's json_object)
 ERROR_CHARS = 300  # of llguidance's reason, in an error message
 
@@ -67,20 +68,34 @@ def reason(text: str) -> str:
 
 
 class Grammar:
-    """A compiled grammar for one tokenizer: the matcher every sequence copies, and its first mask."""
+    """A compiled grammar for one tokenizer: the matcher every sequence copies, and its first mask.
+    With a `trigger`, a lazy grammar: each sequence's matcher waits, unconstrained, until the
+    model opens a tool call (`LazyMatcher`)."""
 
-    def __init__(self, prototype: llguidance.LLMatcher, first_mask: np.ndarray, vocab: int, size: int):
+    def __init__(
+        self,
+        prototype: llguidance.LLMatcher,
+        first_mask: np.ndarray,
+        vocab: int,
+        size: int,
+        trigger: Trigger | None = None,
+        tokenizer: llguidance.LLTokenizer | None = None,
+    ):
         self._prototype = prototype
         self._first_mask = first_mask
         self._lock = threading.Lock()  # copies are taken from any thread; the prototype never moves
         self.vocab = vocab
         self.size = size  # characters of grammar text: what the cache counts
+        self.trigger = trigger
+        self._tokenizer = tokenizer
 
     def matcher(self) -> Matcher:
         """A sequence's own walk through the grammar. Made off the generation thread (the HTTP
         layer makes one per sequence with the compile): a copy of a large grammar takes a while."""
         with self._lock:
             copy = self._prototype.deep_copy()
+        if self.trigger is not None:
+            return LazyMatcher(copy, self.vocab, self._first_mask, self.trigger, self._tokenizer)
         return Matcher(copy, self.vocab, self._first_mask)
 
 
@@ -130,6 +145,95 @@ class Matcher:
     def _fail(self, text: str) -> None:
         self.error = reason(text)
 
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (a lazy one only once armed)."""
+        return True
+
+    def constrains(self) -> bool:
+        """`active`, once the last token is consumed (a lazy grammar may arm on it)."""
+        return True
+
+
+class LazyMatcher(Matcher):
+    """A tool-call grammar that constrains nothing until the model opens a call (tool_choice
+    `auto`): then the grammar takes over from the opening tag, so the call always parses and
+    its arguments follow their schema, while the text before it is the model's own.
+
+    Armed by a trigger token (a tag that is one token), by a tag's text spread over several
+    tokens, or by a bare call's brace at the reply's start. The grammar begins at the tag:
+    what the reply holds from the tag on is fed to it (re-tokenized where the tag began inside
+    a token), then it masks every step. A token that completes a text tag mid-token with bytes
+    the grammar refuses fails this sequence alone, like any grammar."""
+
+    WINDOW = 256  # bytes of dormant text kept to find a tag spread over tokens
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab: int,
+        first_mask: np.ndarray,
+        trigger: Trigger,
+        tokenizer: llguidance.LLTokenizer,
+    ):
+        super().__init__(matcher, vocab, first_mask)
+        self._trigger = trigger
+        self._tokenizer = tokenizer
+        self._armed = False
+        self._text = b""  # the reply so far, its last WINDOW bytes, while dormant
+        self._at_start = bool(trigger.at_start)  # only whitespace so far
+        self._next = (_ready(np.full((1, self.words), -1, dtype=np.int32)), 0)
+
+    @property
+    def active(self) -> bool:
+        return self._armed
+
+    def constrains(self) -> bool:
+        self._next[0].result()  # the step that consumed the last token (its worker may arm the grammar)
+        return self._armed
+
+    def consume(self, token: int) -> None:
+        self._consume(token)
+        if self._armed:
+            self._next = (_masks.submit(lambda: self._fill()[None]), 0)
+        else:
+            self._next = (_ready(np.full((1, self.words), -1, dtype=np.int32)), 0)
+
+    def _consume(self, token: int) -> None:
+        if self._armed:
+            super()._consume(token)
+            return
+        if token in self._trigger.ids:
+            self._arm([token])
+            return
+        self._text = (self._text + self._tokenizer.decode_bytes([token]))[-self.WINDOW :]
+        if self._at_start:
+            stripped = self._text.lstrip()
+            if stripped:
+                self._at_start = False
+                if any(stripped.startswith(t.encode()) for t in self._trigger.at_start):
+                    self._arm(self._tokenizer.tokenize_bytes(stripped))
+                    return
+        found = [at for at in (self._text.find(t.encode()) for t in self._trigger.texts) if at >= 0]
+        if found:
+            self._arm(self._tokenizer.tokenize_bytes(self._text[min(found) :]))
+
+    def _arm(self, tokens: list[int]) -> None:
+        self._armed = True
+        for token in tokens:
+            super()._consume(token)
+
+    def _fill(self) -> np.ndarray:
+        if not self._armed:
+            return np.full(self.words, -1, dtype=np.int32)
+        return super()._fill()
+
+
+def _ready(value) -> Future:
+    done: Future = Future()
+    done.set_result(value)
+    return done
+
 
 def advance_together(matchers: list[Matcher], tokens: list[int]) -> None:
     """Consume a token in each matcher, and compute all their next masks, in one task on a
@@ -140,9 +244,12 @@ def advance_together(matchers: list[Matcher], tokens: list[int]) -> None:
         for matcher, token in zip(matchers, tokens, strict=False):
             matcher._consume(token)
         words = np.zeros((len(matchers), matchers[0].words), dtype=np.int32)
-        live = [(m._matcher, i) for i, m in enumerate(matchers) if m.error is None]
+        live = [(m._matcher, i) for i, m in enumerate(matchers) if m.error is None and m.active]
         if live:
             _rows.unsafe_compute_mask_ptr(live, words.ctypes.data, words.shape[1] * 4, len(matchers))
+        for i, m in enumerate(matchers):
+            if not m.active:  # a lazy grammar not armed yet: every token
+                words[i] = -1
         for matcher in matchers:
             matcher._check()
         return words
@@ -196,6 +303,7 @@ class Grammars:
         return grammar
 
     def _compile(self, kind: str, spec: str) -> Grammar:
+        trigger = None
         try:
             if kind == "json_schema":
                 json.loads(spec)  # its own error names the position
@@ -204,13 +312,19 @@ class Grammars:
                 text = llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
             elif kind == "regex":
                 text = llguidance.LLMatcher.grammar_from_regex(spec)
+            elif kind == "tool_calls":  # backends.tools: Lark text, and a trigger if lazy
+                tool_spec = json.loads(spec)
+                text = tool_spec["lark"]
+                trigger = (
+                    Trigger(**{k: tuple(v) for k, v in tool_spec["trigger"].items()}) if tool_spec["trigger"] else None
+                )
             else:
                 raise GrammarError(f"unknown grammar kind {kind!r}")
         except (ValueError, TypeError) as exc:
             raise GrammarError(str(exc)) from None
         prototype = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=LIMITS)
         first_mask = self._probe(prototype)
-        return Grammar(prototype, first_mask, self.vocab, len(text))
+        return Grammar(prototype, first_mask, self.vocab, len(text), trigger, self.tokenizer)
 
     def _probe(self, prototype: llguidance.LLMatcher) -> np.ndarray:
         """The grammar's first mask, once it is known to allow some token and to survive taking

@@ -241,3 +241,176 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# Tiny instruction models that call tools, for the tests of tool_choice "auto": each memorizes a
+# few dialogues (rendered through its own chat template, with tools) and answers them greedily
+# as written below, in its family's tool-call format. Beyond those dialogues, gibberish.
+TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city now",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+TOOL_CALL_ID = "call_1"
+TOOL_DIALOGUES = [  # (messages, the reply's calls as (name, arguments), or its text)
+    ([{"role": "user", "content": "What is the weather in Paris?"}], [("get_weather", {"city": "Paris"})]),
+    (
+        [{"role": "user", "content": "What is the weather in Paris and in Rome?"}],
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})],
+    ),
+    (
+        [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": TOOL_CALL_ID,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": TOOL_CALL_ID, "content": "22 C and sunny"},
+        ],
+        "It is 22 C and sunny in Paris.",
+    ),
+    ([{"role": "user", "content": "Say hello."}], "Hello! How can I help you today?"),
+    # A reply that reasons first, in <think> tags (tokens of the hermes tokenizer only).
+    (
+        [{"role": "user", "content": "Think, then greet me."}],
+        "<think>\nA greeting is asked for.\n</think>\n\nHello there!",
+    ),
+]
+# ChatML with Hermes-style tools, as Qwen2.5's template writes them (shortened).
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
+    '</tools>\nCall a function as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n{%- endif %}'
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}\n<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>"
+    "{%- elif m.tool_calls %}\n<|im_start|>assistant\n{{ m.content }}"
+    '{%- for c in m.tool_calls %}<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>"
+    "{%- else %}\n<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}"
+)
+# Llama 3.1's JSON tool calls (its template, shortened): tools in the user turn, a call as bare
+# JSON with "parameters"; <|python_tag|> is its tag for code (and, here, for calls too).
+LLAMA3_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{%- elif m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    '{%- for c in m.tool_calls %}{"name": "{{ c.function.name }}", "parameters": '
+    "{{ c.function.arguments | tojson }}}{%- endfor %}<|eot_id|>"
+    "{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    '{%- if tools and loop.first %}Functions (answer with {"name": ..., "parameters": ...}):\n'
+    "{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}{%- endif %}{{ m.content }}<|eot_id|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+    "{#- <|python_tag|> #}"
+)
+TOOL_FAMILIES = {
+    # format: (config class, chat template, end of turn, special tokens, plain added tokens)
+    "hermes": (
+        "Qwen2Config",
+        HERMES_TEMPLATE,
+        "<|im_end|>",
+        ["<|im_start|>", "<|im_end|>"],
+        ["<tool_call>", "</tool_call>", "<think>", "</think>"],
+    ),
+    "llama3": (
+        "LlamaConfig",
+        LLAMA3_TEMPLATE,
+        "<|eot_id|>",
+        ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"],
+        [],
+    ),
+}
+TOOLS_CONTEXT = 1024
+TOOLS_TRAIN_STEPS = 150
+
+
+def tool_reply(format: str, reply) -> str:
+    """The text a dialogue's reply is in `format`: its calls (hermes tags; llama3 JSON joined
+    by "; "), or its text."""
+    if isinstance(reply, str):
+        return reply
+    if format == "hermes":
+        return "".join(
+            f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+            for name, arguments in reply
+        )
+    return "; ".join(json.dumps({"name": name, "parameters": arguments}) for name, arguments in reply)
+
+
+def write_tiny_tools(path: str | Path, format: str) -> Path:
+    """A tiny model of TOOL_FAMILIES[format] that has memorized TOOL_DIALOGUES, written to `path`."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    config_class, template, end, special, plain = TOOL_FAMILIES[format]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(),
+        eos_token=end,
+        bos_token=EOS_TOKEN,
+        unk_token=EOS_TOKEN,
+        additional_special_tokens=special,
+        clean_up_tokenization_spaces=False,
+        model_max_length=TOOLS_CONTEXT,
+    )
+    tokenizer.add_tokens(plain)
+    tokenizer.chat_template = template
+    eos_id = tokenizer.convert_tokens_to_ids(end)
+    tools = [{"type": "function", "function": TOOL}]
+    pairs = []
+    for messages, reply in TOOL_DIALOGUES:
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        pairs.append(
+            (
+                tokenizer.encode(prompt, add_special_tokens=False),
+                tokenizer.encode(tool_reply(format, reply), add_special_tokens=False) + [eos_id],
+            )
+        )
+    # Tied embeddings: mlx-lm reads an absent tie_word_embeddings as tied for Qwen2, transformers as untied.
+    settings = {**FAMILY_COMMON, "max_position_embeddings": TOOLS_CONTEXT, "tie_word_embeddings": True}
+    config = getattr(transformers, config_class)(
+        **settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32"
+    )
+    config.initializer_range = 0.02
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same sums in the same order on every run
+    try:
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(config)
+        width = max(len(p) + len(r) for p, r in pairs)
+        inputs = torch.full((len(pairs), width), eos_id)
+        labels = torch.full((len(pairs), width), -100)  # only the replies are learned
+        for row, (prompt, reply) in enumerate(pairs):
+            inputs[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+            labels[row, len(prompt) : len(prompt) + len(reply)] = torch.tensor(reply)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+        model.train()
+        for _ in range(TOOLS_TRAIN_STEPS):
+            loss = model(input_ids=inputs, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model.eval()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    # mlx-lm reads rope_theta at the top level, where transformers 5 writes null (see above).
+    config_file = path / "config.json"
+    data = json.loads(config_file.read_text())
+    data["rope_theta"] = data["rope_parameters"]["rope_theta"]
+    config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path

@@ -1077,6 +1077,13 @@ class BatchedDecoder:
         then, with graphs, feed the next step on the device and start copying the tokens to the host."""
         for draw in (False, True):  # constrained rows: greedy ones, then sampled ones
             rows = [i for i in launched.masked if self.slots[i].sampled == draw]
+            # A lazy tool grammar not armed yet masks nothing: its row takes the plain greedy
+            # token (already there) or a plain draw, with no mask copied or applied.
+            dormant = [i for i in rows if not self.slots[i].chooser.matcher.constrains()]
+            if dormant:
+                rows = [i for i in rows if i not in dormant]
+                if draw:
+                    launched.greedy.index_copy_(0, *self._draw(dormant, launched.logits))
             if rows:
                 index, packed = self._masks_to_device(rows)
                 allowed = unpack_on_device(packed, self.weights.decodable)

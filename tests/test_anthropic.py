@@ -104,7 +104,14 @@ def test_keys_come_as_x_api_key_or_bearer(live_server, backend, tiny_path):
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+        (
+            {
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                "tool_choice": {"type": "tool", "name": "g"},
+            },
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "type"),
         ({"messages": [*HELLO, {"role": "assistant", "content": "Sure"}]}, "messages[1]"),
         ({"extra_body": {"temperature": 1.5}}, "temperature"),

@@ -154,10 +154,11 @@ def test_sampling_with_a_seed_is_reproducible(sdk):
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
             "response_format.json_schema.schema",
         ),
-        ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+        ({"extra_body": {"tools": [{"type": "custom", "custom": {"name": "f"}}]}}, "tools[0].type"),
         ({"extra_body": {"wat": 1}}, "wat"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
     ],
 )
 def test_bad_requests_raise_bad_request_error(sdk, kwargs, param):
