@@ -472,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         "(PHI2_MODEL default random:phi-2)",
     )
     mode.add_argument(
+        "--tool-calls",
+        action="store_true",
+        help="decode tok/s of plain text, of a tool call under its grammar, and under a dormant lazy tool grammar, "
+        "in process, per --concurrency batch size (PHI2_MODEL default random:phi-2)",
+    )
+    mode.add_argument(
         "--adapters",
         action="store_true",
         help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged "
@@ -554,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
             args.constrained,
             "| batch | temperature | unconstrained tok/s | with the schema tok/s | with / without |",
             "constrained:constrained_decoding",
+        ),
+        (
+            args.tool_calls,
+            "| batch | temperature | plain tok/s | a tool call tok/s (/ plain) | auto, no call tok/s (/ plain) |",
+            "constrained:tool_call_decoding",
         ),
         (
             args.adapters,

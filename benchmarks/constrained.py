@@ -121,3 +121,77 @@ def constrained_outputs_check(backend, prompt_ids: list[int], n: int = 16) -> st
         f"constrained outputs beside unconstrained ones, batch {n}: "
         f"{complete}/{n // 2} complete within 96 tokens, {valid}/{complete} valid"
     )
+
+
+# A tool whose one argument is long free text, so that a call keeps generating for the whole run
+# (random weights would otherwise close it early), as TYPICAL_SCHEMA does for response_format.
+NOTE_TOOL = {
+    "name": "save_note",
+    "parameters": {
+        "type": "object",
+        "properties": {"title": {"type": "string", "maxLength": 40}, "body": {"type": "string", "minLength": 4000}},
+        "required": ["title", "body"],
+        "additionalProperties": False,
+    },
+}
+
+
+def tool_call_decoding(args) -> list[dict]:
+    """Decode tok/s of plain text, of a tool call under its grammar (tool_choice required), and of
+    text under a dormant lazy grammar (tool_choice auto, no call opened), same decoder,
+    alternating runs, per batch size (--concurrency); greedy and sampled."""
+    from backends import Sampling, Sequence
+    from backends.drive import drive
+
+    os.environ.setdefault("PHI2_MODEL", "random:phi-2")
+    backend = load_in_process()
+    time_call(lambda: backend.grammars.tokenizer)  # built once a model, outside the timings
+    forced_spec = backend.tool_grammar([NOTE_TOOL], False, lazy=False)
+    lazy_spec = backend.tool_grammar([NOTE_TOOL], False, lazy=True)
+    compile_s = time_call(lambda: backend.constraint("tool_calls", forced_spec))
+    grammars = {
+        "required": backend.constraint("tool_calls", forced_spec),
+        "auto": backend.constraint("tool_calls", lazy_spec),
+    }
+    print(f"tool grammar compiled in {compile_s * 1000:.2f} ms; format {backend.tool_format.name}", flush=True)
+    prompt = backend.chat_prompt([{"role": "user", "content": "Save a note about the sea."}], [NOTE_TOOL])
+    prompt_ids = backend.encode(prompt.text)
+    rows = []
+    for batch in [int(b) for b in args.concurrency.split(",")]:
+        decoder = backend.decoder(batch)
+        for temperature in (0.0, 1.0):
+            rates: dict[str, list[float]] = {"plain": [], "required": [], "auto": []}
+            for run in range(args.runs):
+                for variant in rates:  # alternating, so drift on a noisy machine hits all three
+                    grammar = grammars.get(variant)
+                    sequences = [
+                        Sequence(
+                            i,
+                            prompt_ids,
+                            Sampling(temperature=temperature, seed=run, constraint=grammar and grammar.matcher()),
+                            args.max_tokens,
+                        )
+                        for i in range(batch)
+                    ]
+                    first: list[float] = []
+                    drive(decoder, sequences, on_tokens=lambda step, tokens: first or first.append(time.perf_counter()))
+                    elapsed = time.perf_counter() - first[0]
+                    if run > 0 or args.runs == 1:  # the first run warms up
+                        rates[variant].append(batch * (args.max_tokens - 1) / elapsed)
+            plain, required, auto = (statistics.median(rates[v]) for v in ("plain", "required", "auto"))
+            rows.append(
+                {
+                    "batch": batch,
+                    "temperature": temperature,
+                    "plain_tok_s": plain,
+                    "tool_call_tok_s": required,
+                    "auto_dormant_tok_s": auto,
+                    "compile_ms": compile_s * 1000,
+                }
+            )
+            print(
+                f"| {batch} | {temperature:g} | {plain:.1f} | {required:.1f} ({required / plain:.3f}) "
+                f"| {auto:.1f} ({auto / plain:.3f}) |",
+                flush=True,
+            )
+    return rows
