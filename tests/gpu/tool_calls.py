@@ -1,0 +1,83 @@
+"""Tool calls on a CUDA machine (issue 28): the tiny tool models' memorized dialogues, decoded by
+the CUDA decoder (graphs, the Triton step, masks on the device) in one batch, as the CPU suite
+checks them (tests/test_tools.py).
+
+    python3 tests/gpu/tool_calls.py
+
+In one batch of 8 rows: `auto` (a lazy grammar, armed mid-reply, or never for a text reply),
+`required` on tools the model never saw (validated), and plain rows beside them, greedy and
+sampled; each memorized reply must come out as written, each forced call must parse and follow
+its schema. Exit status 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Not this folder: its kernels.py would stand in for the `kernels` package transformers looks for.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends.drive import drive  # noqa: E402
+from backends.tiny import TOOL, TOOL_DIALOGUES, tool_reply, write_tiny_tools  # noqa: E402
+from backends.tools import ToolCallParser  # noqa: E402
+
+PICK = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def text_of(backend, ids: list[int]) -> str:
+    ends = [i for i, t in enumerate(ids) if t in backend.eos_token_ids]
+    return backend.decode(ids[: ends[0]] if ends else ids)
+
+
+def main() -> int:
+    failures = []
+    for fmt in ("hermes", "llama3"):
+        path = write_tiny_tools(Path(tempfile.mkdtemp()) / fmt, fmt)
+        backend = load_backend("torch", LoadOptions(model=str(path), dtype="float32", max_batch=8))
+        print(f"{fmt}: {backend.info.device}, format {backend.tool_format.name}", flush=True)
+        lazy = backend.constraint("tool_calls", backend.tool_grammar([TOOL], True, lazy=True))
+        forced = backend.constraint(
+            "tool_calls", backend.tool_grammar([{"name": "pick", "parameters": PICK}], False, lazy=False)
+        )
+        sequences, wanted = [], {}
+        for i, (messages, reply) in enumerate(TOOL_DIALOGUES[:4]):
+            prompt = backend.encode(backend.chat_prompt(messages, [TOOL]).text)
+            sequences.append(Sequence(i, prompt, Sampling(constraint=lazy.matcher()), 130))
+            wanted[i] = tool_reply(fmt, reply)
+        pick_prompt = backend.encode(backend.chat_prompt([{"role": "user", "content": "Pick."}], [TOOL]).text)
+        for j in range(4):
+            sampling = Sampling(temperature=0.0 if j % 2 == 0 else 1.0, seed=j, constraint=forced.matcher())
+            sequences.append(Sequence(4 + j, pick_prompt, sampling, 130))
+        out = drive(backend.decoder(8), sequences)
+        for i, text in wanted.items():
+            got = text_of(backend, out.ids[i])
+            ok = got == text
+            print(f"  auto {i}: {'ok' if ok else 'MISMATCH'} {got!r}", flush=True)
+            if not ok:
+                failures.append(f"{fmt} auto {i}: {got!r} != {text!r}")
+        for j in range(4):
+            got = text_of(backend, out.ids[4 + j])
+            parser = ToolCallParser(backend.tool_format, {"pick"})
+            calls = [p.call for p in parser.feed(got) + parser.finish() if p.kind == "call"]
+            arguments = json.loads(calls[0].arguments) if calls else None
+            ok = len(calls) == 1 and calls[0].name == "pick" and set(arguments) == {"n"} and 1 <= arguments["n"] <= 9
+            print(f"  required {j}: {'ok' if ok else 'INVALID'} {got!r}", flush=True)
+            if not ok:
+                failures.append(f"{fmt} required {j}: {got!r}")
+    print("PASS" if not failures else "FAIL:\n" + "\n".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
