@@ -2226,8 +2226,12 @@ def chat_messages(params: dict) -> list[dict]:
                     arguments = json.loads(call["function"].get("arguments") or "{}")
                 except json.JSONDecodeError as exc:
                     raise ApiError(400, f"{where} is not JSON: {exc}", field=where) from None
+                except RecursionError:  # text nested past the JSON depth any body may have
+                    raise ApiError(400, f"{where} is nested too deeply", field=where) from None
                 if not isinstance(arguments, dict):
                     raise ApiError(400, f"{where} must be a JSON object", field=where)
+                if too_deep(arguments):  # the body's own bound, for the JSON inside its text
+                    raise ApiError(400, f"{where} is nested past {MAX_JSON_DEPTH} levels", field=where)
                 call_id = call.get("id") or f"call_{i}_{j}"
                 calls.add(call_id)
                 message["tool_calls"].append(
@@ -2267,7 +2271,10 @@ class ToolUse:
         )
 
 
-def chat_tools(params: dict) -> ToolUse | None:
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def chat_tools(params: dict, flat: bool = False) -> ToolUse | None:
     """`tools`/`tool_choice` (or the deprecated `functions`/`function_call`), checked. None where
     nothing may be called: no tools, or tool_choice "none" (the tools are then not rendered
     either, so the model has nothing to call; docs/api.md, "Tool calls")."""
@@ -2282,6 +2289,12 @@ def chat_tools(params: dict) -> ToolUse | None:
     if isinstance(choice, dict):
         choice = (choice.get("function") or choice)["name"]
     names = [t["name"] for t in tools]
+    for i, name in enumerate(names):
+        # OpenAI's and Anthropic's rule (and '.', ':' that MCP names use): a name is written into
+        # the prompt and the call's JSON, so no tag or quote can hide in it.
+        if not TOOL_NAME.fullmatch(name):
+            where = f"{given}[{i}].function.name" if given == "tools" and not flat else f"{given}[{i}].name"
+            raise ApiError(400, f"{where} must be 1 to 64 of a-z, A-Z, 0-9, _, -, . or :", field=where)
     if len(set(names)) < len(names):
         raise ApiError(400, f"{given} names a function twice", field=given)
     if choice not in (None, "none", "auto", "required") and choice not in names:
@@ -2618,7 +2631,8 @@ def responses_tools(params: dict) -> ToolUse | None:
             "tool_choice": {"function": {"name": choice["name"]}} if isinstance(choice, dict) else choice,
             "function_call": None,
             "parallel_tool_calls": params["parallel_tool_calls"],
-        }
+        },
+        flat=True,
     )
 
 
@@ -3029,7 +3043,8 @@ def anthropic_tools(params: dict) -> ToolUse | None:
             "tool_choice": mapped[choice["type"]] if tools or choice["type"] != "auto" else None,
             "function_call": None,
             "parallel_tool_calls": not choice.get("disable_parallel_tool_use", False),
-        }
+        },
+        flat=True,
     )
 
 

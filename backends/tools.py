@@ -323,7 +323,7 @@ def parse_calls(payload: str, format: ToolFormat) -> list[ToolCall] | None:
                     return None
         else:
             items = [json.loads(payload)]
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past Python's parser
         return None
     calls = []
     for item in items:
@@ -333,7 +333,7 @@ def parse_calls(payload: str, format: ToolFormat) -> list[ToolCall] | None:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return None
         if not isinstance(arguments, dict):
             return None

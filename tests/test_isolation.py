@@ -564,7 +564,7 @@ async def test_options_needs_a_key_but_a_cors_preflight_does_not(make_client, ba
 
 async def test_the_tokenizer_and_anthropic_routes_hurt_no_neighbour(make_client, backend, max_batch, log_dir):
     """Broken and hostile bodies on the routes added since (/tokenize, /detokenize, /v1/messages,
-    count_tokens) while a neighbour is in flight on the same worker and key: each gets a 4xx in
+    count_tokens, tools, /v1/responses) while a neighbour is in flight on the same worker and key: each gets a 4xx in
     its API's shape, the biggest allowed tokenize is answered, and the neighbour's text is the
     one it gets alone."""
     reference = await neighbour_text(await make_client(lambda: backend))
@@ -585,6 +585,61 @@ async def test_the_tokenizer_and_anthropic_routes_hurt_no_neighbour(make_client,
         ("/v1/messages", {"model": backend.info.model, "max_tokens": 4, "messages": hello, "stop_sequences": [""]}),
         ("/v1/messages", {"model": backend.info.model, "max_tokens": 4, "messages": hello, "system": [{"x": 1}]}),
         ("/v1/messages/count_tokens", {"model": backend.info.model, "messages": []}),
+        # tool calls and the Responses API (issue 28)
+        (
+            "/v1/chat/completions",
+            {
+                "messages": hello,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/f"}}}],
+                "tool_choice": "required",
+            },
+        ),
+        ("/v1/chat/completions", {"messages": hello, "tools": [{"type": "function", "function": {"name": "f"}}] * 129}),
+        ("/v1/chat/completions", {"messages": [*hello, {"role": "tool", "tool_call_id": "x", "content": "y"}]}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    *hello,
+                    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]},
+                ]
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": backend.info.model,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": [{"type": "tool_result"}]}],
+            },
+        ),
+        ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "x", "output": "y"}]}),
+        ("/v1/responses", {"input": "Hi", "previous_response_id": "resp_1"}),
+        (
+            "/v1/responses",
+            {
+                "input": [
+                    {
+                        "type": "function_call",
+                        "call_id": "c",
+                        "name": "f",
+                        "arguments": '{"a": ' + "[" * 300 + "]" * 300 + "}",
+                    }
+                ]
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "Hi",
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "schema": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+                    }
+                },
+            },
+        ),
     ]
     for path, body in broken:
         response = await client.post(path, json=body)

@@ -275,6 +275,7 @@ def test_a_template_without_tools_gets_the_default_block(server, backend):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/x"}}}]}, "tools"),
         ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f</tool_call>"}}]}, "tools[0].function.name"),
         ({"tool_choice": "required", "tools": None}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"functions": [TOOL]}, "functions"),
