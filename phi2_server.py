@@ -2504,24 +2504,16 @@ RESPONSE_TOOL = {
     "type": "object",
     "required": ["type", "name"],
     "x-check-first": "type",
-    "properties": {
-        "type": {"enum": ["function"], "x-unsupported": True},
-        "name": {"type": "string", "minLength": 1, "maxLength": 64},
-        "description": {"type": "string"},
-        "parameters": {"type": "object", "description": "a JSON Schema of the arguments; absent: any object"},
-        "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
-    },
+    # The chat route's function, flat: {"type": "function", "name": ...}.
+    "properties": {"type": {"enum": ["function"], "x-unsupported": True}, **FUNCTION["properties"]},
 }
-TEXT_FORMAT = {
+TEXT_FORMAT = {  # response_format, flat: {"type": "json_schema", "schema": ...}
     "type": "object",
     "required": ["type"],
     "x-check-first": "type",
     "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema"]},
-        "name": {"type": "string"},
-        "description": {"type": "string"},
-        "schema": {"type": "object", "description": "a JSON Schema; absent: any JSON object"},
-        "strict": {"type": "boolean", "description": "accepted: the output always follows the schema"},
+        "type": RESPONSE_FORMAT["properties"]["type"],
+        **RESPONSE_FORMAT["properties"]["json_schema"]["properties"],
     },
 }
 RESPONSES_SCHEMA: dict[str, Any] = closed(
