@@ -166,8 +166,11 @@ def write_mlx_adapter(
     model, _ = load(str(model_path))
     model.freeze()
     parameters = {"rank": rank, "scale": scale, "dropout": 0.0}
-    linear_to_lora_layers(model, num_layers, parameters, use_dora=dora)
+    # Seeded before the LoRA layers are made: they draw lora_a from MLX's global key, which
+    # is seeded from the clock, so unseeded adapters differed from run to run (and now and
+    # then two of test_adapters' three gave the same text).
     mx.random.seed(3)
+    linear_to_lora_layers(model, num_layers, parameters, use_dora=dora)
     weights = dict(tree_flatten(model.trainable_parameters()))
     for name in weights:
         if name.endswith("lora_b"):  # zero at initialization: the adapter would change nothing
