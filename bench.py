@@ -478,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
         "in process, per --concurrency batch size (PHI2_MODEL default random:phi-2)",
     )
     mode.add_argument(
+        "--startup",
+        action="store_true",
+        help="start to ready and peak memory with PHI2_QUANTIZE (default int8): quantized at every start, the "
+        "first start storing the quantized weights, the next mapping them (spawns; PHI2_MODEL default random:phi-2)",
+    )
+    mode.add_argument(
         "--adapters",
         action="store_true",
         help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged "
@@ -571,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             "| comparison | with adapters tok/s | reference tok/s | ratio |",
             "adapters:adapter_decoding",
         ),
+        (args.startup, "| start | to ready | peak resident | resident when ready |", "startup:startup"),
     ]
     for wanted, header, where in studies:
         if wanted:

@@ -134,6 +134,11 @@ class Settings:
     quantize: str = setting(
         "", "quantize the weights at load: int8 or int4 on Torch, 4 or 8 (bits) on MLX (empty: as stored)"
     )
+    quantized_cache: bool = setting(
+        True,
+        "Torch: store PHI2_QUANTIZE's weights in PHI2_CACHE_DIR/quantized once and memory-map them at the next "
+        "start (0: quantize at every start)",
+    )
     max_body_bytes: int = setting(1024 * 1024, "largest request body in bytes; larger gets 413")
     max_queue: int = setting(64, "requests that may wait for a batch slot; more get 503")
     max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
@@ -249,6 +254,7 @@ class Settings:
             max_batch=self.max_batch,
             compile=None if self.compile == "auto" else _parse_bool(self.compile),
             quantize=self.quantize.strip().lower(),
+            quantized_cache=self.quantized_cache,
             max_context=self.max_model_len,
         )
 

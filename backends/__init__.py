@@ -327,6 +327,7 @@ class LoadOptions:
     max_adapters: int = 8  # adapters held loaded (LRU), and distinct adapters decoding at once
     compile: bool | None = None  # torch.compile the Phi fast path's step; None: on CUDA only
     quantize: str = ""  # PHI2_QUANTIZE: quantize the weights at load (each runtime says which values it takes)
+    quantized_cache: bool = True  # QUANTIZED_CACHE, Torch: store them once, map them at the next start
     max_context: int = 0  # MAX_MODEL_LEN: the most tokens of context served (0: the model's own window)
     warmup: bool = True
 

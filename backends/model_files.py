@@ -20,9 +20,13 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 HINT = "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
 
 
+def cache_root() -> Path:
+    """PHI2_CACHE_DIR: the demo and random checkpoints, and stored quantized weights."""
+    return Path(os.environ.get("PHI2_CACHE_DIR") or Path.home() / ".cache" / "phi2-server")
+
+
 def tiny_dir() -> Path:
-    root = os.environ.get("PHI2_CACHE_DIR") or Path.home() / ".cache" / "phi2-server"
-    return Path(root) / f"tiny-v{TINY_VERSION}"
+    return cache_root() / f"tiny-v{TINY_VERSION}"
 
 
 RANDOM_PREFIX = "random:"

@@ -134,7 +134,9 @@ class DecoderWeights:
     The model's own Linears are re-pointed at views of the fused matrices, so nothing is stored
     twice and transformers' forward still works on the same weights."""
 
-    def __init__(self, model, decodable: int, context: int):
+    def __init__(self, model, decodable: int, context: int, blocks: list[dict] | None = None):
+        """`blocks`: each layer's `Block` fields as stored by quant_store (quantized already), in
+        place of fusing the model's Linears (which are empty then)."""
         arch = Architecture.of(model.config)
         if arch is None:
             raise ValueError(f"{model.config.model_type} is not served by the general decoder")
@@ -162,8 +164,11 @@ class DecoderWeights:
             arch.gated,
             self.activation,
         )
-        with torch.no_grad():
-            self.layers = [self._block(layer) for layer in inner.layers]
+        if blocks is not None:
+            self.layers = [Block(**fields) for fields in blocks]
+        else:
+            with torch.no_grad():
+                self.layers = [self._block(layer) for layer in inner.layers]
         self.lora_matrices = lora_matrices(arch)
 
     def _block(self, layer) -> Block:

@@ -61,6 +61,17 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         raise NotImplementedError
 
+    def state(self) -> dict:
+        """Its tensors and sizes, as torch.load(weights_only=True) reads them back (quant_store)."""
+        return {"bits": self.bits, **vars(self)}
+
+    @staticmethod
+    def from_state(state: dict) -> QuantizedWeight:
+        state = dict(state)
+        weight = object.__new__({8: Int8Weight, 4: Int4Weight}[state.pop("bits")])
+        vars(weight).update(state)
+        return weight
+
 
 class Int8Weight(QuantizedWeight):
     bits, group_size = 8, None

@@ -107,6 +107,19 @@ def refuse_mlx_quantized(path: Path, spec: str) -> None:
         )
 
 
+def quantized_store(path: Path, options: LoadOptions, method: str, dtype: torch.dtype, device: str) -> Path | None:
+    """Where PHI2_QUANTIZE's weights are stored for the next start (QUANTIZED_CACHE), or None:
+    not quantized, or a model the general decoder does not serve (quantized at every start)."""
+    from transformers import AutoConfig
+
+    from backends import quant_store
+    from backends.architecture import Architecture
+
+    if not method or not options.quantized_cache or Architecture.of(AutoConfig.from_pretrained(path)) is None:
+        return None
+    return quant_store.stored_file(path, options.model, method, dtype, torch.device(device))
+
+
 def count_parameters(path: Path) -> int:
     """The model's parameter count, from its config alone (built on the meta device: no memory)."""
     from transformers import AutoConfig
@@ -148,7 +161,11 @@ class TorchBackend(TokenizerMethods):
         try:
             dtype = pick_dtype(options.dtype, device, lambda: count_parameters(path))
             tokenizer = AutoTokenizer.from_pretrained(path)
-            if is_random(options.model):
+            store = quantized_store(path, options, method, dtype, device)
+            restored = restore_quantized(path, store, dtype, device) if store and store.exists() else None
+            if restored:
+                model, stored_blocks, parameters = restored
+            elif is_random(options.model):
                 model = random_model(path, dtype, device)
             else:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
@@ -167,7 +184,8 @@ class TorchBackend(TokenizerMethods):
             max_loaded=options.max_adapters,
         )
         registry.load_default()
-        parameters = sum(p.numel() for p in model.parameters())
+        if not restored:
+            parameters, stored_blocks = sum(p.numel() for p in model.parameters()), None
         on_cuda = device.startswith("cuda")
         # Measured defaults (BENCHMARKS.md): a GPU serves 64 clients at once at full speed.
         max_batch = options.max_batch or (64 if on_cuda else 8)
@@ -182,7 +200,11 @@ class TorchBackend(TokenizerMethods):
         )
         backend = cls(model, tokenizer, info)
         backend.adapters, backend.max_adapters = registry, max(options.max_adapters, 1)
-        quantized = backend.quantize(method) if method else []  # adapters apply on top, unmerged
+        quantized = backend.quantize(method, stored_blocks) if method else []  # adapters apply on top, unmerged
+        if store and not restored:
+            from backends import quant_store
+
+            quant_store.save(store, model, backend.decoder_weights.layers, parameters)
         backend.info = dataclasses.replace(
             info,
             quantization=describe(method, quantized) if method else None,
@@ -200,12 +222,19 @@ class TorchBackend(TokenizerMethods):
             backend.warm_up(backend.max_batch)
         return backend
 
-    def quantize(self, method: str) -> list[QuantizedWeight]:
+    def quantize(self, method: str, stored_blocks: list[dict] | None = None) -> list[QuantizedWeight]:
         """Quantize the weights in place: the general decoder's fused matrices (it then serves at
-        any batch size), else every Linear but the output head (torch_quant)."""
+        any batch size), else every Linear but the output head (torch_quant). `stored_blocks`:
+        the decoder's blocks as an earlier start stored them (quantized already)."""
         from backends import torch_decoder
 
-        if torch_decoder.supports(self.model):
+        if stored_blocks is not None:
+            weights = torch_decoder.DecoderWeights(
+                self.model, self.undecodable_from, self.info.context_length, stored_blocks
+            )
+            self.__dict__["decoder_weights"] = weights  # the cached property, set
+            quantized = [getattr(block, name) for block in weights.layers for name in block.matrices()]
+        elif torch_decoder.supports(self.model):
             quantized = self.decoder_weights.quantize(self.model, method)
         else:
             quantized = quantize_linears(self.model, method)
@@ -339,13 +368,28 @@ def _load_safetensors(path: Path) -> dict:
     return load_file(str(path))
 
 
-def random_model(path: Path, dtype: torch.dtype, device: str):
-    """The architecture in `path`/config.json with random weights, built without a CPU copy."""
+def meta_model(path: Path, dtype: torch.dtype):
+    """The architecture in `path`/config.json on the meta device: shapes, no memory."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def rebuild_rotary(model, device: str) -> None:
+    """A model built on the meta device has no rotary frequencies (non-persistent buffers, in no
+    checkpoint): build its rotary modules again on `device`."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            fresh = type(module)(config=model.config).to(device)
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, name.rpartition(".")[2], fresh)
+
+
+def random_model(path: Path, dtype: torch.dtype, device: str):
+    """The architecture in `path`/config.json with random weights, built without a CPU copy."""
+    model = meta_model(path, dtype)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gave a tied output head storage of its own
     generator = torch.Generator(device=device).manual_seed(0)
@@ -355,13 +399,32 @@ def random_model(path: Path, dtype: torch.dtype, device: str):
                 parameter.fill_(1.0 if name.endswith("weight") else 0.0)
             else:
                 parameter.normal_(0.0, 0.02, generator=generator)
-    # to_empty leaves non-persistent buffers (the rotary frequencies) as garbage: rebuild them.
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            fresh = type(module)(config=config).to(device)
-            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            setattr(parent, name.rpartition(".")[2], fresh)
+    rebuild_rotary(model, device)  # to_empty left them as garbage
     return model.eval()
+
+
+def restore_quantized(path: Path, file: Path, dtype: torch.dtype, device: str):
+    """The model and its decoder blocks from quantized weights stored by an earlier start
+    (backends/quant_store.py), with no full-precision copy; None when the file does not load."""
+    import pickle
+
+    from transformers import GenerationConfig
+
+    from backends import quant_store
+
+    try:
+        model = meta_model(path, dtype)
+        blocks, parameters = quant_store.restore(file, model, torch.device(device))
+    except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+        log.warning("stored quantized weights %s did not load (%s): quantizing again", file, exc)
+        return None
+    rebuild_rotary(model, device)
+    try:  # from_pretrained reads it too: the checkpoint's end-of-text ids
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
+    log.info("quantized weights mapped from %s", file)
+    return model.eval(), blocks, parameters
 
 
 class SingleSequenceDecoder:

@@ -21,6 +21,22 @@ from backends.tiny import write_tiny_checkpoint
 from phi2_server import ENGINE, LOAD_DONE, Settings, create_app, runner_options
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir(tmp_path_factory) -> Path:
+    """PHI2_CACHE_DIR of the session: what the runtimes store (quantized weights) stays in the
+    session's temporary folder, not the user's ~/.cache."""
+    import os
+
+    path = tmp_path_factory.mktemp("phi2-cache")
+    previous = os.environ.get("PHI2_CACHE_DIR")
+    os.environ["PHI2_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("PHI2_CACHE_DIR", None)
+    else:
+        os.environ["PHI2_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))

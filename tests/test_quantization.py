@@ -120,6 +120,102 @@ def test_torch_quantizes_the_fast_path_and_serves_it_at_any_batch_size(quantized
     )
 
 
+# -- quantized once, mapped at the next start (backends/quant_store.py) ----------------------------
+
+
+def stored_files(cache: Path) -> list[Path]:
+    return sorted((cache / "quantized").glob("*.pt"))
+
+
+def load_quantized(tiny_path, method: str, **options):
+    return load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize=method, **options))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_torch_stores_quantized_weights_once_and_the_next_start_maps_them(
+    method, tiny_path, tmp_path, monkeypatch, caplog
+):
+    from backends import torch_runtime
+
+    monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path))
+    first = load_quantized(tiny_path, method)
+    [stored] = stored_files(tmp_path)
+    assert method in stored.name
+
+    # The next start never builds the full-precision model: from_pretrained would.
+    def no_full_precision(*args, **kwargs):
+        raise AssertionError("the stored quantized weights were not used")
+
+    monkeypatch.setattr(torch_runtime.AutoModelForCausalLM, "from_pretrained", no_full_precision)
+    with caplog.at_level("INFO", logger="phi2_server.torch"):
+        second = load_quantized(tiny_path, method)
+    assert f"quantized weights mapped from {stored}" in caplog.text
+    assert stored_files(tmp_path) == [stored]  # read, not written again
+    assert second.info.quantization == first.info.quantization
+    assert second.info.extra == first.info.extra  # parameters and weight bytes as quantized
+    block = second.decoder_weights.layers[0]
+    assert isinstance(block.w_in, type(first.decoder_weights.layers[0].w_in))
+    assert (
+        block.norm1_w.untyped_storage().data_ptr()
+        == dict(second.model.named_parameters())["model.layers.0.input_layernorm.weight"].untyped_storage().data_ptr()
+    )  # the model's norms and the decoder's are one tensor again
+    assert not any(p.is_meta for p in second.model.parameters())
+    for prompt, rest in memorized(first)[:6]:
+        assert greedy(second, prompt, len(rest), max_batch=4) == greedy(first, prompt, len(rest), max_batch=4)
+
+
+def test_a_changed_checkpoint_gets_a_file_of_its_own(tiny_path, tmp_path, monkeypatch):
+    import shutil
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_path, checkpoint)
+    monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path / "cache"))
+    load_quantized(checkpoint, "int8", warmup=False)
+    [weights] = [f for f in checkpoint.iterdir() if f.suffix == ".safetensors"]
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # as a new download
+    load_quantized(checkpoint, "int8", warmup=False)
+    load_quantized(checkpoint, "int4", warmup=False)
+    assert len(stored_files(tmp_path / "cache")) == 3
+
+
+def test_a_broken_stored_file_is_quantized_again_and_replaced(tiny_path, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path))
+    first = load_quantized(tiny_path, "int8")
+    [stored] = stored_files(tmp_path)
+    stored.write_bytes(stored.read_bytes()[:1000])  # cut short, as a full disk leaves it
+    with caplog.at_level("WARNING"):
+        again = load_quantized(tiny_path, "int8")
+    assert "did not load" in caplog.text and "quantizing again" in caplog.text
+    prompt, rest = memorized(first)[0]
+    assert greedy(again, prompt, len(rest)) == greedy(first, prompt, len(rest))
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        load_quantized(tiny_path, "int8", warmup=False)
+    assert "quantized weights mapped from" in caplog.text  # the rewritten file is whole
+
+
+def test_quantized_cache_off_stores_nothing_and_an_unwritable_cache_is_no_error(
+    tiny_path, tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path / "off"))
+    load_quantized(tiny_path, "int8", quantized_cache=False, warmup=False)
+    assert not (tmp_path / "off").exists()
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path / "a-file"))  # a folder cannot be made under it
+    with caplog.at_level("WARNING"):
+        backend = load_quantized(tiny_path, "int8", warmup=False)
+    assert "could not store the quantized weights" in caplog.text
+    prompt, rest = memorized(backend)[0]
+    assert len(greedy(backend, prompt, 4)) == 4
+
+
+def test_the_setting_reaches_the_runtime():
+    from phi2_server import Settings
+
+    assert Settings.from_args([], {}).load_options().quantized_cache is True
+    assert Settings.from_args([], {"QUANTIZED_CACHE": "0"}).load_options().quantized_cache is False
+
+
 # -- adapters -------------------------------------------------------------------------------------
 
 
