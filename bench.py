@@ -7,8 +7,9 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --overhead               # both, back to back, and their ratio (make bench-overhead)
     python bench.py --dtype-sweep            # float32 against bfloat16 on this CPU, per model size
     python bench.py --quant-kernels          # int8/int4 weight-only kernels on Phi-2's shapes
-    python bench.py --quant-quality          # int8/int4 logits against bfloat16's (random:phi-2)
+    python bench.py --quant-quality          # int8/int4/w8a8 logits against float32's (random:phi-2)
     python bench.py --quant-agreement        # 8- and 4-bit greedy text against full precision (tiny)
+    python bench.py --startup                # PHI2_QUANTIZE's start to ready: quantizing, storing, mapping
     python bench.py --chat 4                 # a chat re-sending its history: prompt cache on, then off
     python bench.py --shared-prefix 4        # 4 clients sharing a system prompt: cache on, then off
     python bench.py --latency --url URL      # a long prompt's TTFT; streams' inter-token latency as long prompts arrive
@@ -458,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument(
         "--quant-quality",
         action="store_true",
-        help="int8/int4 logits against bfloat16's on PHI2_MODEL (default random:phi-2)",
+        help="int8/int4/w8a8 logits against float32's at every position (teacher-forced) on PHI2_MODEL "
+        "(default random:phi-2)",
     )
     mode.add_argument(
         "--quant-agreement",

@@ -132,7 +132,7 @@ class Settings:
     dtype: str = setting("auto", "Torch weights: auto (measured rule, see README), float32, bfloat16 or float16")
     compile: str = setting("auto", "Torch, Phi family: torch.compile the decode step (auto: on CUDA only)")
     quantize: str = setting(
-        "", "quantize the weights at load: int8 or int4 on Torch, 4 or 8 (bits) on MLX (empty: as stored)"
+        "", "quantize the weights at load: int8, int4 or w8a8 (CPU) on Torch, 4 or 8 (bits) on MLX (empty: as stored)"
     )
     quantized_cache: bool = setting(
         True,

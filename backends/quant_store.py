@@ -32,7 +32,7 @@ from backends.torch_quant import QuantizedWeight
 
 log = logging.getLogger("phi2.quant_store")
 
-FORMAT = 1  # bump when what is stored, or how the decoder reads it, changes
+FORMAT = 2  # bump when what is stored, or how the decoder reads it, changes
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 

@@ -612,17 +612,22 @@ class BatchedDecoder:
         return self.prompts.usage()
 
     @torch.inference_mode()
-    def logits_after(self, ids: list[int], adapter=None) -> torch.Tensor:
+    def logits_after(self, ids: list[int], adapter=None, every_position: bool = False) -> torch.Tensor:
         """The next-token logits after `ids` (float32), with `adapter` if given, computed in a free
-        row, which stays free; for checks and benchmarks (quantized weights, the GPU check)."""
+        row, which stays free; for checks and benchmarks (quantized weights, the GPU check).
+        `every_position`: the logits after each prefix of `ids` ([len(ids), vocab])."""
         if len(self.slots) >= self.rows:
             raise RuntimeError("no free row")
         self._drain()
         index = self._place(adapter)
         try:
-            return self._prefill([(len(self.slots), ids, 0)], lora_rows=[index], long_rope=[self._long_prompt(ids)])[0][
-                0
-            ].float()
+            last, every = self._prefill(
+                [(len(self.slots), ids, 0)],
+                every_position=[0] if every_position else (),
+                lora_rows=[index],
+                long_rope=[self._long_prompt(ids)],
+            )
+            return (every[0] if every_position else last[0]).float()
         finally:
             if index >= 0:
                 self.lora.release(index)

@@ -1,7 +1,9 @@
-"""Weight-only quantization for the Torch runtime (PHI2_QUANTIZE=int8|int4), on torch's own kernels.
+"""Quantization for the Torch runtime (PHI2_QUANTIZE=int8|int4|w8a8), on torch's own kernels.
 
 Decode reads every weight once per token, so it runs at the speed weights stream from memory:
-fewer bytes per weight is the speed-up, and the activations stay in the model's dtype.
+fewer bytes per weight is the speed-up. int8 and int4 are weight-only (the activations stay in
+the model's dtype); w8a8 quantizes the activations too, which pays most in prefill, where the
+CPU is compute-bound.
 
 - **int8**: symmetric, one scale per output channel. CPU: `aten._weight_int8pack_mm`. CUDA: the
   weight is dequantized inside the decode step, which torch.compile may fuse into the matrix
@@ -9,6 +11,7 @@ fewer bytes per weight is the speed-up, and the activations stay in the model's 
 - **int4**: asymmetric, a scale and a zero per group of input channels (group size 128, or the
   largest of 128/64/32 dividing the input width). CPU: `aten._weight_int4pack_mm_for_cpu`; CUDA:
   `aten._weight_int4pack_mm` (tinygemm), both on tinygemm's layout: w = (q - 8) * scale + zero.
+- **w8a8** (the CPU): int8's weights, and activations quantized per call (`Int8DynamicWeight`).
 
 Only the big matrices are quantized (the Phi fast path's fused block weights, or every Linear
 but the output head on other models); embeddings, norms, biases and the output head stay in the
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 from backends import ModelLoadError
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (128, 64, 32)
 
 
@@ -63,14 +66,18 @@ class QuantizedWeight:
 
     def state(self) -> dict:
         """Its tensors and sizes, as torch.load(weights_only=True) reads them back (quant_store)."""
-        return {"bits": self.bits, **vars(self)}
+        return {"kind": type(self).__name__, **vars(self)}
 
     @staticmethod
     def from_state(state: dict) -> QuantizedWeight:
         state = dict(state)
-        weight = object.__new__({8: Int8Weight, 4: Int4Weight}[state.pop("bits")])
-        vars(weight).update(state)
+        kinds = {kind.__name__: kind for kind in (Int8Weight, Int4Weight, Int8DynamicWeight)}
+        weight = object.__new__(kinds[state.pop("kind")])
+        weight._restore(state)
         return weight
+
+    def _restore(self, state: dict) -> None:
+        vars(self).update(state)
 
 
 class Int8Weight(QuantizedWeight):
@@ -89,6 +96,13 @@ class Int8Weight(QuantizedWeight):
         # bfloat16 at batch 1 on an H200 (BENCHMARKS.md), so the weight is dequantized there.
         if self.on_cuda:
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales
+        if x.dtype == torch.float32:
+            # int8pack's float32 kernel is a slow one: one Phi-2 block-in product took 23 ms at
+            # one row and 221 ms at four on an AVX2 EPYC, against 4.9 and 6.9 ms with bfloat16
+            # activations (float32 weights: 14.7 ms). So a float32 model (auto's choice without
+            # native bfloat16) multiplies in bfloat16, as a bfloat16 model does.
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales.to(torch.bfloat16))
+            return y.float()
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
     @property
@@ -131,8 +145,56 @@ class Int4Weight(QuantizedWeight):
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
 
+class Int8DynamicWeight(QuantizedWeight):
+    """w8a8, the CPU only: int8 weights (a scale per output channel) and int8 activations, as
+    llama.cpp's Q8_0 dot products do. fbgemm's dynamic int8 linear quantizes each call's input
+    on the fly (one scale for the call's rows: a decode step's token, or a prefill piece of up
+    to 64), multiplies in integers (AVX2 `vpmaddubsw`, VNNI where present) and scales back to
+    float32. `reduce_range` keeps the activations to 7 bits, so that AVX2's 16-bit pairwise
+    sums cannot saturate. Measured against the weight-only kernel and float32 in BENCHMARKS.md;
+    it needs no bfloat16 (the activations are float32 whatever the model's dtype)."""
+
+    bits, group_size, on_cuda = 8, None, False
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.is_cuda:
+            raise ModelLoadError("PHI2_QUANTIZE=w8a8 is for the CPU (fbgemm); use int8 or int4 on CUDA")
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        qweight = (w / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        self._restore({"qweight": qweight, "scales": scales, "out_features": w.shape[0], "in_features": w.shape[1]})
+
+    def _restore(self, state: dict) -> None:
+        import warnings
+
+        self.out_features, self.in_features = state["out_features"], state["in_features"]
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; fbgemm's linear takes them
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch._make_per_channel_quantized_tensor(state["qweight"], state["scales"].double(), zeros, 0)
+            self.packed = torch.ops.quantized.linear_prepack(q, None)
+
+    def state(self) -> dict:
+        qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return {
+            "kind": type(self).__name__,
+            "qweight": qweight.int_repr(),
+            "scales": qweight.q_per_channel_scales().float(),
+            "out_features": self.out_features,
+            "in_features": self.in_features,
+        }
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x.float().contiguous(), self.packed, True).to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features + 4 * self.out_features
+
+
 def quantize_weight(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    return Int8Weight(weight) if method == "int8" else Int4Weight(weight)
+    return {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8DynamicWeight}[method](weight)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,8 +241,8 @@ def describe(method: str, weights: list[QuantizedWeight]) -> dict:
     """/model/info's `quantization`."""
     group_sizes = sorted({w.group_size for w in weights if w.group_size})
     return {
-        "method": f"torch-{method}-weight-only",
-        "bits": 8 if method == "int8" else 4,
+        "method": "torch-w8a8-fbgemm" if method == "w8a8" else f"torch-{method}-weight-only",
+        "bits": 4 if method == "int4" else 8,
         "group_size": group_sizes[0] if len(group_sizes) == 1 else (group_sizes or None),
     }
 

@@ -103,7 +103,7 @@ def refuse_mlx_quantized(path: Path, spec: str) -> None:
     ):
         raise ModelLoadError(
             f"PHI2_MODEL={spec!r} is an MLX-quantized checkpoint (mlx_lm.convert -q): serve it with PHI2_BACKEND=mlx, "
-            "or give the full-precision checkpoint with PHI2_QUANTIZE=int8|int4"
+            "or give the full-precision checkpoint with PHI2_QUANTIZE=int8|int4|w8a8"
         )
 
 

@@ -1,4 +1,4 @@
-"""What quantized weights change: their logits against bfloat16's (--quant-quality) and their
+"""What quantized weights change: their logits against float32's (--quant-quality) and their
 greedy ids against full precision on the tiny demo model (--quant-agreement)."""
 
 from __future__ import annotations
@@ -11,9 +11,13 @@ from benchmarks.common import FILLER, QUESTIONS
 
 
 def quant_quality(args) -> list[dict]:
-    """How far quantized weights move the last-position logits from bfloat16's, on PHI2_MODEL
-    (random:phi-2 where Phi-2's weights cannot be fetched): the relative L2 error, and whether
-    the most likely token is the same, over a few prompts. Each method on a fresh bfloat16 load."""
+    """How far quantized weights move the logits from float32's on PHI2_MODEL (random:phi-2
+    where Phi-2's weights cannot be fetched), teacher-forced: at every position of a few prompts,
+    the relative L2 error of the logits and whether the most likely token is the same. Each
+    method is loaded in the dtype it is served in here (int8 and int4 in bfloat16, as against
+    llama.cpp; w8a8 in float32, its activations' dtype), each prompt goes through the model as
+    one piece (w8a8's activation scale then spans the whole prompt: serving's 64-token pieces
+    are milder)."""
     import torch
 
     from backends import LoadOptions, load_backend, select_backend
@@ -21,36 +25,48 @@ def quant_quality(args) -> list[dict]:
 
     model = os.environ.get("PHI2_MODEL", "random:phi-2")
     prompts = [FILLER[: 40 * (i + 1)] + q for i, q in enumerate(QUESTIONS)]
+
+    def load(dtype: str):
+        return load_backend(
+            select_backend("torch"), LoadOptions(model=model, dtype=dtype, warmup=False, quantized_cache=False)
+        )
+
+    def every_position(backend, ids: list[int]) -> torch.Tensor:
+        decodable = backend.decoder_weights.decodable  # ids past the tokenizer's are never generated: left out
+        return BatchedDecoder(backend.decoder_weights, 1).logits_after(ids, every_position=True)[:, :decodable]
+
+    backend = load("float32")
+    ids = [backend.encode(p) for p in prompts]
+    reference = [every_position(backend, i) for i in ids]
+    del backend
     rows = []
-    for method in ("int8", "int4"):
-        backend = load_backend(select_backend("torch"), LoadOptions(model=model, dtype="bfloat16", warmup=False))
-        ids = [backend.encode(p) for p in prompts]
-        decodable = backend.decoder_weights.decodable  # the ids past the tokenizer's are never generated: left out
-        reference = [BatchedDecoder(backend.decoder_weights, 1).logits_after(i)[:decodable] for i in ids]
+    for method, dtype in (("int8", "bfloat16"), ("int4", "bfloat16"), ("w8a8", "float32")):
+        backend = load(dtype)
         started = time.perf_counter()
         backend.quantize(method)
         seconds = time.perf_counter() - started
-        decoder = BatchedDecoder(backend.decoder_weights, 1)
-        errors, same = [], 0
-        for i, ref in zip(ids, reference, strict=False):
-            logits = decoder.logits_after(i)[:decodable]
-            errors.append(float((logits - ref).norm() / ref.norm()))
-            same += int(logits.argmax() == ref.argmax())
+        errors, same, positions = [], 0, 0
+        for i, ref in zip(ids, reference, strict=True):
+            logits = every_position(backend, i)
+            errors += ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
+            same += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+            positions += len(i)
         row = {
             "method": method,
+            "dtype": dtype,
             "relative_error_mean": statistics.mean(errors),
             "relative_error_max": max(errors),
             "same_top1": same,
-            "prompts": len(prompts),
+            "positions": positions,
             "quantize_seconds": seconds,
         }
         rows.append(row)
         print(
-            f"| {method} | {row['relative_error_mean']:.4f} | {row['relative_error_max']:.4f} "
-            f"| {same}/{len(prompts)} | {seconds:.1f} |",
+            f"| {method} ({dtype}) | {row['relative_error_mean']:.4f} | {row['relative_error_max']:.4f} "
+            f"| {same}/{positions} ({same / positions:.1%}) | {seconds:.1f} |",
             flush=True,
         )
-        del backend, decoder, reference
+        del backend
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
@@ -65,7 +81,7 @@ def quant_agreement(args) -> list[dict]:
     from backends.tiny import ascii_lines
 
     rows = []
-    for runtime, methods in (("torch", ("int8", "int4")), ("mlx", ("8", "4"))):
+    for runtime, methods in (("torch", ("int8", "int4", "w8a8")), ("mlx", ("8", "4"))):
         full = load_backend(runtime, LoadOptions(model="tiny", dtype="float32", warmup=False))
         cases = []
         for line in ascii_lines():
@@ -75,7 +91,8 @@ def quant_agreement(args) -> list[dict]:
             cases.append((full.encode(line[:cut]), len(full.encode(line[cut:]))))
         expected = [drive(full.decoder(1), [Sequence(0, prompt, Sampling(), n)]).ids[0] for prompt, n in cases]
         for method in methods:
-            quantized = load_backend(runtime, LoadOptions(model="tiny", dtype="float32", quantize=method, warmup=False))
+            options = LoadOptions(model="tiny", dtype="float32", quantize=method, warmup=False, quantized_cache=False)
+            quantized = load_backend(runtime, options)
             got = [drive(quantized.decoder(4), [Sequence(0, prompt, Sampling(), n)]).ids[0] for prompt, n in cases]
             same = sum(a == b for x, y in zip(expected, got, strict=False) for a, b in zip(x, y, strict=False))
             total = sum(len(x) for x in expected)

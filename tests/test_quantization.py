@@ -66,6 +66,20 @@ def test_8_bit_greedy_text_on_the_memorized_lines_is_the_full_precision_text(run
     assert checked >= 6
 
 
+def test_w8a8_greedy_text_on_the_memorized_lines_is_the_full_precision_text(torch_backend, tiny_path):
+    """int8 activations too (fbgemm's dynamic linear), batched: the memorized lines as int8's."""
+    w8a8 = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize="w8a8"))
+    assert w8a8.info.quantization == {"method": "torch-w8a8-fbgemm", "bits": 8, "group_size": None}
+    checked = 0
+    for prompt, rest in memorized(torch_backend):
+        expected = greedy(torch_backend, prompt, len(rest))
+        if expected != rest:
+            continue
+        assert greedy(w8a8, prompt, len(rest), max_batch=4) == expected, torch_backend.decode(prompt)
+        checked += 1
+    assert checked >= 6
+
+
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])
 def test_4_bit_serves_and_mostly_agrees(runtime, quantized, request):
     full = request.getfixturevalue(f"{runtime}_backend")
@@ -131,7 +145,7 @@ def load_quantized(tiny_path, method: str, **options):
     return load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize=method, **options))
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
 def test_torch_stores_quantized_weights_once_and_the_next_start_maps_them(
     method, tiny_path, tmp_path, monkeypatch, caplog
 ):
