@@ -122,6 +122,11 @@ class Int4Weight(QuantizedWeight):
             raise ModelLoadError(
                 f"PHI2_QUANTIZE=int4 needs input widths divisible by 32; this model has a Linear of width {k}"
             )
+        if weight.is_cuda and k % (self.INNER_K_TILES * 16):  # tinygemm's CUDA tiles: else a RuntimeError
+            raise ModelLoadError(
+                f"PHI2_QUANTIZE=int4 on CUDA needs input widths divisible by {self.INNER_K_TILES * 16}; this model "
+                f"has a Linear of width {k} (int8 has no such rule)"
+            )
         groups = w.view(n, k // self.group_size, self.group_size)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = ((high - low) / 15).clamp(min=1e-12)
