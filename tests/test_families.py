@@ -180,7 +180,13 @@ def test_quantized_weights_compute_what_they_hold(family, family_paths, family_b
     decodable = weights.decodable
     got = BatchedDecoder(weights, 1).logits_after(PROMPT)[:decodable]
     held = BatchedDecoder(dequantized, 1).logits_after(PROMPT)[:decodable]
-    assert float((got - held).abs().max()) <= 1e-4 * max(1.0, float(held.abs().max()))
+    if method == "int8":
+        # int8pack multiplies a float32 model's activations in bfloat16 (torch_quant.Int8Weight:
+        # its float32 kernel is slow), so the two differ by bfloat16's rounding (measured 1.1-1.8%
+        # on the tiny families), not by a layout (which would be ~100%).
+        assert float((got - held).norm() / held.norm()) < 0.05
+    else:
+        assert float((got - held).abs().max()) <= 1e-4 * max(1.0, float(held.abs().max()))
     if method == "int8":
         expected = BatchedDecoder(family_backend.decoder_weights, 1).logits_after(PROMPT)[:decodable]
         assert float((got - expected).norm() / expected.norm()) < 0.05
