@@ -95,6 +95,28 @@ def evaluate(model: str, model_args: dict, task_config: dict) -> dict:
     return results
 
 
+def evaluate_served(server, tiny_path, backend, batch_size: int, task_config: dict) -> dict:
+    """lm-eval's `local-completions` against the live server, which serves the checkpoint under
+    its path: lm-eval sends it as `model`, and loads the tokenizer from it to split context from
+    continuation."""
+    return evaluate(
+        "local-completions",
+        {
+            "model": str(tiny_path),
+            "base_url": server.url + "/v1/completions",
+            "tokenizer": str(tiny_path),
+            "tokenizer_backend": "huggingface",
+            "tokenized_requests": True,
+            "batch_size": batch_size,  # prompts in one request
+            "num_concurrent": 1,
+            "max_retries": 1,  # a refusal fails at once
+            "max_length": backend.info.context_length,
+            "timeout": 120,
+        },
+        task_config,
+    )
+
+
 def scores(results: dict) -> list[list[tuple[float, bool]]]:
     """Per example, per choice: (loglikelihood, is_greedy)."""
     samples = sorted(results["samples"][TASK], key=lambda sample: sample["doc_id"])
@@ -135,22 +157,7 @@ def test_served_loglikelihoods_match_lm_eval_hf(
     # Served under the checkpoint's path: lm-eval sends it as `model`, and loads the
     # tokenizer from it to split context from continuation.
     server = live_server(lambda: backend, model=str(tiny_path), max_batch=batch_size)
-    served = evaluate(
-        "local-completions",
-        {
-            "model": str(tiny_path),
-            "base_url": server.url + "/v1/completions",
-            "tokenizer": str(tiny_path),
-            "tokenizer_backend": "huggingface",
-            "tokenized_requests": True,
-            "batch_size": batch_size,  # prompts in one request
-            "num_concurrent": 1,
-            "max_retries": 1,  # a refusal fails at once
-            "max_length": backend.info.context_length,
-            "timeout": 120,
-        },
-        task_config,
-    )
+    served = evaluate_served(server, tiny_path, backend, batch_size, task_config)
 
     ours, theirs = scores(served), scores(reference)
     assert [len(choices) for choices in ours] == [len(choices) for choices in theirs]
@@ -185,22 +192,7 @@ def test_a_quantized_model_scores_the_task_as_full_precision_does(
 
     backend = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize=method))
     server = live_server(lambda: backend, model=str(tiny_path), max_batch=4)
-    served = evaluate(
-        "local-completions",
-        {
-            "model": str(tiny_path),
-            "base_url": server.url + "/v1/completions",
-            "tokenizer": str(tiny_path),
-            "tokenizer_backend": "huggingface",
-            "tokenized_requests": True,
-            "batch_size": 4,
-            "num_concurrent": 1,
-            "max_retries": 1,
-            "max_length": backend.info.context_length,
-            "timeout": 120,
-        },
-        task_config,
-    )
+    served = evaluate_served(server, tiny_path, backend, 4, task_config)
     assert served["results"][TASK]["acc,none"] == reference["results"][TASK]["acc,none"]
     ours, theirs = scores(served), scores(reference)
     assert [[g for _, g in choices] for choices in ours] == [[g for _, g in choices] for choices in theirs]
