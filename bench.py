@@ -486,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
         "first start storing the quantized weights, the next mapping them (spawns; PHI2_MODEL default random:phi-2)",
     )
     mode.add_argument(
+        "--kv-budget",
+        action="store_true",
+        help="a default server given one full-context prompt and 4 short clients: every answer, and peak memory "
+        "against the weights and the KV budget (spawns; PHI2_MODEL default random:phi-2)",
+    )
+    mode.add_argument(
         "--adapters",
         action="store_true",
         help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged "
@@ -580,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
             "adapters:adapter_decoding",
         ),
         (args.startup, "| start | to ready | peak resident | resident when ready |", "startup:startup"),
+        (
+            args.kv_budget,
+            "| server | statuses (long, 4 short) | long prompt | short, slowest | peak resident "
+            "| weights + KV budget + prompt cache budget | KV peak |",
+            "kv_budget:kv_budget",
+        ),
     ]
     for wanted, header, where in studies:
         if wanted:

@@ -153,6 +153,11 @@ class Settings:
     prompt_cache_bytes: int = setting(
         0, "memory for reused prompt KV, in bytes (0: an eighth of RAM or GPU memory, at most 2 GiB, 8 GiB on a GPU)"
     )
+    kv_cache_bytes: int = setting(
+        0,
+        "memory for the KV of the sequences decoding, in bytes (0: on a CPU, 3/4 of what is available after the "
+        "weights and the prompt cache; on CUDA, 0.85 of the free GPU memory); requests wait for room in it",
+    )
     max_tokens_limit: int = setting(
         0, "largest max_tokens a request may ask for (0: only the context window bounds it)"
     )
@@ -256,6 +261,8 @@ class Settings:
             quantize=self.quantize.strip().lower(),
             quantized_cache=self.quantized_cache,
             max_context=self.max_model_len,
+            kv_cache_bytes=self.kv_cache_bytes,
+            prompt_cache_bytes=self.prompt_cache_budget(),
         )
 
     def prompt_cache_budget(self) -> int | None:
@@ -1013,6 +1020,7 @@ async def model_info(request: web.Request) -> web.Response:
             "context_length": info.context_length,
             "stats": {**dataclasses.asdict(engine.stats), "waiting": engine.waiting, "active": engine.active},
             "prompt_cache": dataclasses.asdict(engine.prompt_cache_usage()),
+            "kv_cache": dataclasses.asdict(engine.kv_cache_usage()),
             **info.extra,
         }
     )
@@ -3362,6 +3370,15 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             "phi2_prompt_cache_budget_bytes", "The prompt cache's byte budget (0: off).", value=usage.budget_bytes
         )
+        kv = engine.kv_cache_usage()
+        for name, value, about in (
+            ("budget_bytes", kv.budget_bytes, "The KV budget of decoding sequences (KV_CACHE_BYTES; 0: none)."),
+            ("used_bytes", kv.used_bytes, "Bytes the decoding sequences' KV cache takes now."),
+            ("reserved_bytes", kv.reserved_bytes, "Bytes the decoding sequences' KV may reach."),
+            ("peak_bytes", kv.peak_bytes, "The most bytes the decoding sequences' KV cache has taken."),
+        ):
+            if value is not None:  # MLX does not count them
+                yield GaugeMetricFamily(f"phi2_kv_cache_{name}", about, value=value)
         yield GaugeMetricFamily("phi2_model_loaded", "1 once the model is loaded.", value=int(engine.status == "ok"))
         yield GaugeMetricFamily(
             "phi2_model_load_seconds", "How long loading the model took.", value=engine.load_time_s or 0
@@ -3524,6 +3541,17 @@ INFO_SCHEMA = {
                 "budget_bytes": {"type": "integer"},
                 "bytes": {"type": "integer"},
                 "entries": {"type": "integer"},
+            },
+        },
+        "kv_cache": {
+            "type": "object",
+            "description": "the KV of the sequences decoding (null counts: the runtime does not count them, MLX)",
+            "properties": {
+                "budget_bytes": {"type": "integer", "description": "KV_CACHE_BYTES as applied; 0: none"},
+                "used_bytes": {"type": ["integer", "null"]},
+                "reserved_bytes": {"type": ["integer", "null"]},
+                "peak_bytes": {"type": ["integer", "null"]},
+                "bytes_per_token": {"type": ["integer", "null"]},
             },
         },
         "adapters": {

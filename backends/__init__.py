@@ -201,6 +201,19 @@ class PromptCacheUsage:
     entries: int = 0
 
 
+@dataclass(frozen=True)
+class KvCacheUsage:
+    """What a decoder's KV cache (of the sequences decoding, not the prompt cache) takes."""
+
+    budget_bytes: int = 0  # KV_CACHE_BYTES as applied (0: no budget; the runtime allocates as it goes)
+    # None where the runtime does not count them (MLX: mlx-lm's caches grow by use, 256 positions
+    # at a time, with no budget yet).
+    used_bytes: int | None = None  # allocated now
+    reserved_bytes: int | None = None  # what the active sequences may reach: prompt and max_tokens each
+    peak_bytes: int | None = None  # the most it has allocated
+    bytes_per_token: int | None = None  # keys and values of one position, every layer
+
+
 class Decoder(Protocol):
     """The sequences a backend decodes together; lives on the generation thread only.
 
@@ -231,7 +244,16 @@ class Decoder(Protocol):
 
     def remove(self, sequence_id: int) -> None: ...
 
+    def fits(self, needs: list[int]) -> bool:
+        """Whether new sequences that may reach `needs` positions each (prompt and max_new_tokens)
+        fit beside the active ones: in `capacity`, and in the KV budget where there is one. The
+        engine keeps a request waiting (in arrival order) until it fits; the served context
+        guarantees that any one sequence fits alone."""
+        ...
+
     def prompt_cache_usage(self) -> PromptCacheUsage: ...
+
+    def kv_cache_usage(self) -> KvCacheUsage: ...
 
 
 class Adapters(Protocol):
@@ -329,6 +351,8 @@ class LoadOptions:
     quantize: str = ""  # PHI2_QUANTIZE: quantize the weights at load (each runtime says which values it takes)
     quantized_cache: bool = True  # QUANTIZED_CACHE, Torch: store them once, map them at the next start
     max_context: int = 0  # MAX_MODEL_LEN: the most tokens of context served (0: the model's own window)
+    kv_cache_bytes: int = 0  # KV_CACHE_BYTES: the decoding sequences' KV budget (0: from the free memory)
+    prompt_cache_bytes: int | None = None  # PROMPT_CACHE_BYTES as the decoder gets it (the KV budget leaves it room)
     warmup: bool = True
 
 
@@ -340,6 +364,37 @@ def default_prompt_cache_bytes(device_memory: int, on_gpu: bool) -> int:
     model runs in (RAM, a Mac's unified memory, or the GPU's), at most 2 GiB on a CPU or a Mac
     and 8 GiB on a GPU. Phi-2's KV takes 320 KiB a token in 16 bits: 2 GiB hold ~6,500 tokens."""
     return min(device_memory // 8, (8 if on_gpu else 2) * GiB)
+
+
+# Of the memory still available once the weights are loaded, and after the prompt cache's
+# budget, what the KV cache of decoding sequences may take by default on a CPU: the rest is for
+# activations (a prefill chunk's, the logits), the allocator and the rest of the machine.
+KV_SHARE_OF_AVAILABLE = 0.75
+
+
+def default_kv_cache_bytes(available: int, prompt_cache_bytes: int) -> int:
+    """The KV budget when KV_CACHE_BYTES is not set, on a CPU: 3/4 of the memory available
+    after the weights, less the prompt cache's budget."""
+    return max(int(KV_SHARE_OF_AVAILABLE * (available - prompt_cache_bytes)), 0)
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: Linux's MemAvailable, and less where a cgroup (a
+    container's memory limit) allows less; elsewhere half the RAM."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return physical_memory() // 2
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as current:
+            cap = limit.read().strip()
+            if cap != "max":
+                available = min(available, int(cap) - int(current.read()))
+    except (OSError, ValueError):
+        pass
+    return max(available, 0)
 
 
 def physical_memory() -> int:

@@ -56,7 +56,12 @@ def drive(
 
     for step in range(max_steps):
         while (
-            waiting and arrive_at.get(waiting[0].id, 0) <= step and len(active) < decoder.capacity and fits(waiting[0])
+            waiting
+            and arrive_at.get(waiting[0].id, 0) <= step
+            and len(active) < decoder.capacity
+            and fits(waiting[0])
+            # Its KV fits the decoder's budget beside the active sequences' (alone, always).
+            and (not active or decoder.fits([len(waiting[0].prompt_ids) + waiting[0].max_new_tokens]))
         ):
             sequence = waiting.pop(0)
             if sequence.adapter is not None:

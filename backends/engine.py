@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from backends import Backend, Decoder, Detokenizer, PromptCacheUsage, Sampling, Sequence, StepLogprobs
+from backends import Backend, Decoder, Detokenizer, KvCacheUsage, PromptCacheUsage, Sampling, Sequence, StepLogprobs
 from backends.adapters import Adapter
 from backends.text import KeepTokens
 
@@ -291,6 +291,11 @@ class Engine:
         decoder = self._decoder
         return decoder.prompt_cache_usage() if decoder is not None else PromptCacheUsage()
 
+    def kv_cache_usage(self) -> KvCacheUsage:
+        """What the worker's decoder's KV cache takes (read from any thread)."""
+        decoder = self._decoder
+        return decoder.kv_cache_usage() if decoder is not None else KvCacheUsage()
+
     def submit_all(self, requests: list[Request]) -> list[Ticket]:
         """Queue requests together, all or none: their tickets share one inbox of (index, event)."""
         loop = asyncio.get_running_loop()
@@ -405,7 +410,7 @@ class Engine:
         decoder = self._decoder
         while True:
             self._flush(force=not self._running)  # about to wait for work: nothing may stay behind
-            work = self._admit(decoder.capacity, decoder.adapter_slots)
+            work = self._admit(decoder.capacity, decoder.adapter_slots, decoder.fits)
             if work is None:
                 self._flush(force=True)
                 return
@@ -443,7 +448,9 @@ class Engine:
     def _new_decoder(self, backend: Backend) -> Decoder:
         return backend.decoder(self.max_batch, prompt_cache_bytes=self.prompt_cache_bytes)
 
-    def _admit(self, capacity: int, adapter_slots: int) -> tuple[list[Ticket], str | None] | None:
+    def _admit(
+        self, capacity: int, adapter_slots: int, fits: Callable[[list[int]], bool]
+    ) -> tuple[list[Ticket], str | None] | None:
         """Wait for work; fill free decoder slots from the queue, fairly between requests.
 
         A request's sequences (its choices, its prompts) take turns with other requests': free
@@ -454,7 +461,9 @@ class Engine:
 
         At most `adapter_slots` distinct adapters decode at once: a request for one more waits
         (and the requests behind it, so that it is not passed forever) until a running adapter's
-        last sequence ends.
+        last sequence ends. So does one whose KV (its prompt and max_tokens) the decoder's budget
+        cannot hold beside the running sequences' (`Decoder.fits`), until enough of them end;
+        alone, a sequence is always admitted (the served context fits the budget).
 
         Returns the admitted tickets and a pending abort reason, or None to end the worker.
         """
@@ -482,6 +491,7 @@ class Engine:
                 queues.setdefault(ticket._events, deque()).append(ticket)
             adapters = None  # the distinct adapters decoding, counted only when a waiting request has one
             admitted: list[Ticket] = []
+            needs: list[int] = []  # the positions each admitted sequence may reach
             while free:
                 took = False
                 for inbox, queue in queues.items():
@@ -502,6 +512,11 @@ class Engine:
                                 free = 0  # it waits for an adapter slot, and so does everything behind it
                                 break
                             adapters.add(adapter.key)
+                    need = len(queue[0].request.prompt_ids) + max(queue[0].request.max_tokens, 1)
+                    if (self._running or admitted) and not fits([*needs, need]):
+                        free = 0  # it waits for KV room, and so does everything behind it
+                        break
+                    needs.append(need)
                     ticket = queue.popleft()
                     self._waiting.remove(ticket)
                     admitted.append(ticket)

@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.utils import quantize_model
 
 from backends import (
+    KvCacheUsage,
     LoadOptions,
     ModelInfo,
     ModelLoadError,
@@ -366,6 +367,12 @@ class SingleSequenceDecoder:
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self._prompts.usage()
 
+    def fits(self, needs: list[int]) -> bool:
+        return self._sequence is None and len(needs) <= 1
+
+    def kv_cache_usage(self) -> KvCacheUsage:
+        return KvCacheUsage()  # mlx-lm's cache grows by use; not counted (backends.KvCacheUsage)
+
     def add(self, sequence: Sequence) -> int:
         if self._sequence is not None:
             self.remove(self._sequence.id)
@@ -466,6 +473,12 @@ class BatchDecoder:
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self._prompts.usage()
+
+    def fits(self, needs: list[int]) -> bool:
+        return len(self._uids) + len(needs) <= self.capacity
+
+    def kv_cache_usage(self) -> KvCacheUsage:
+        return KvCacheUsage()  # BatchGenerator's caches grow by use; not counted (backends.KvCacheUsage)
 
     @property
     def generator(self) -> BatchGenerator | None:

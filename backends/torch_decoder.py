@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from backends import PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob, prompt_cache_namespace
+from backends import KvCacheUsage, PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob, prompt_cache_namespace
 from backends.architecture import GELU_TANH, Architecture
 from backends.grammar import advance_together
 from backends.prompt_cache import PrefixCache
@@ -535,7 +535,11 @@ class BatchedDecoder:
         prompt_cache_bytes: int = 0,
         adapter_slots: int = 8,
         fused: bool | None = None,
+        kv_cache_bytes: int | None = None,
+        context: int | None = None,
     ):
+        """`kv_cache_bytes`: on the CPU, the most bytes the KV cache may take (None: unbounded);
+        `context`: the window served, if shorter than the weights' (a budget cut it)."""
         self.weights = weights
         self.prompts = PrefixCache(prompt_cache_bytes)
         self._to_store: list[int] = []  # sequences whose complete prompts are to be stored
@@ -544,7 +548,7 @@ class BatchedDecoder:
         self.capacity = max_batch
         self.adapter_slots = adapter_slots
         self.lora = FusedLoraSlots(weights.lora_matrices, adapter_slots, self.device, self.dtype)
-        self.context = weights.context
+        self.context = min(weights.context, context or weights.context)
         on_cuda = self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or (512 if on_cuda else 64)
         self.use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
@@ -556,10 +560,22 @@ class BatchedDecoder:
             self.cos_long, self.sin_long = self.weights.long_rotary_tables(self.context + 1, self.dtype)
         self.slots: list[_Slot] = []
         self.index: dict[int, int] = {}  # sequence id -> slot
-        # On CUDA the whole cache is allocated once (graphs hold its address); on the CPU it grows.
-        self.cache_length = self.context + 1 if self.use_graphs else min(self.context + 1, MIN_LENGTH_BUCKET)
         self.rows = bucket(max_batch, BATCH_BUCKETS) if self.use_graphs else max_batch
-        self.k, self.v = self._new_cache(self.cache_length)
+        # The KV cache, one [rows, kv_heads, length, head_dim] tensor per layer for keys and one
+        # for values. On CUDA it is allocated whole, once (graphs hold its addresses); on the CPU
+        # it holds only the rows and columns its sequences use, within `kv_budget` (`_grow`,
+        # `_shrink`), and the engine admits a sequence only if its prompt and max_new_tokens fit
+        # (`fits`): one long prompt cannot take the process past its memory.
+        arch = weights.arch
+        self.per_position = 2 * len(weights.layers) * arch.kv_heads * weights.head_dim * self.dtype.itemsize
+        self.kv_budget = None if self.use_graphs else kv_cache_bytes
+        if self.use_graphs:
+            self.cache_rows, self.cache_length = self.rows, self.context + 1
+        else:
+            self.cache_rows, self.cache_length = 1, min(self.context + 1, MIN_LENGTH_BUCKET)
+        self.k, self.v = self._new_cache(self.cache_rows, self.cache_length)
+        self.kv_peak = self.kv_bytes
+        self._reserved = 0  # bytes the active sequences may reach (`_need`), kept for readers on other threads
         self._shape = self.weights.shape
         # torch.compile fuses each block's small kernels (norms, rotary, activations, residuals);
         # dynamic shapes: one compilation serves every batch and length bucket.
@@ -587,12 +603,47 @@ class BatchedDecoder:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
 
-    def _new_cache(self, length: int):
+    def _new_cache(self, rows: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         w = self.weights
-        shape = (len(w.layers), self.rows, w.arch.kv_heads, length, w.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(
-            shape, dtype=self.dtype, device=self.device
+        shape = (rows, w.arch.kv_heads, length, w.head_dim)
+        layers = range(len(w.layers))
+        new = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        return new, [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+
+    @property
+    def kv_bytes(self) -> int:
+        """What the KV cache takes now."""
+        return self.cache_rows * self.cache_length * self.per_position
+
+    def kv_cache_usage(self) -> KvCacheUsage:
+        return KvCacheUsage(
+            budget_bytes=self.kv_budget or 0,
+            used_bytes=self.kv_bytes,
+            reserved_bytes=self._reserved,
+            peak_bytes=self.kv_peak,
+            bytes_per_token=self.per_position,
         )
+
+    def _columns(self, need: int) -> int:
+        """The cache columns a sequence of `need` positions (its prompt and max_new_tokens) may
+        use: its positions, one more a last decode step may write, and the scratch column."""
+        return min(need + 2, self.context + 1)
+
+    def _need(self, sequence: Sequence) -> int:
+        return len(sequence.prompt_ids) + sequence.max_new_tokens
+
+    def _within(self, rows: int, length: int) -> bool:
+        """Whether a cache of rows x length fits the budget, with the one layer that a resize
+        holds twice while it copies (`_resize`)."""
+        size = rows * length * self.per_position
+        return self.kv_budget is None or size + size // len(self.k) <= self.kv_budget
+
+    def fits(self, needs: list[int]) -> bool:
+        """Whether new sequences of `needs` positions each fit beside the active ones."""
+        if len(self.slots) + len(needs) > self.capacity or self.kv_budget is None:
+            return len(self.slots) + len(needs) <= self.capacity
+        needs = [self._need(slot.sequence) for slot in self.slots] + list(needs)
+        return self._within(len(needs), max(self._columns(n) for n in needs))
 
     # -- the contract ----------------------------------------------------------------------------
 
@@ -607,6 +658,8 @@ class BatchedDecoder:
         self.lora.table.users = [0] * self.lora.size  # the adapters stay in their slots, unused
         self.prompts = PrefixCache(prompt_cache_bytes)
         self._to_store.clear()
+        self._reserved = 0
+        self._shrink()
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self.prompts.usage()
@@ -653,16 +706,18 @@ class BatchedDecoder:
         # the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
         reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=self._namespace(sequence))
+        self.index[sequence.id] = row
+        self.slots.append(slot)
+        self._reserved += self._columns(self._need(sequence)) * self.per_position
         if reused:
             self._grow(reused)
             at = 0
             for node, n in nodes:
-                self.k[:, row, :, at : at + n] = node.k[:, :, :n]
-                self.v[:, row, :, at : at + n] = node.v[:, :, :n]
+                for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+                    k[row, :, at : at + n] = node.k[layer, :, :n]
+                    v[row, :, at : at + n] = node.v[layer, :, :n]
                 at += n
             slot.cached = reused
-        self.index[sequence.id] = row
-        self.slots.append(slot)
         return reused
 
     def _long_prompt(self, prompt: list[int]) -> bool:
@@ -693,11 +748,13 @@ class BatchedDecoder:
     def _store(self, row: int) -> None:
         """Keep the KV of a slot whose prompt is complete, for later prompts that start alike."""
         slot = self.slots[row]
-        per_id = 2 * self.k[:, row, :, :1].numel() * self.k.element_size()
         self.prompts.store(
             slot.cached_ids(),
-            per_id,
-            lambda start, end: (self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()),
+            self.per_position,
+            lambda start, end: (
+                torch.stack([k[row, :, start:end] for k in self.k]),
+                torch.stack([v[row, :, start:end] for v in self.v]),
+            ),
             namespace=self._namespace(slot.sequence),
         )
 
@@ -709,17 +766,21 @@ class BatchedDecoder:
         if self.slots[self.index[sequence_id]].next_token is not None:  # its prefill completed
             self._store(self.index[sequence_id])
         slot = self.index.pop(sequence_id)
+        self._reserved -= self._columns(self._need(self.slots[slot].sequence)) * self.per_position
         if self.slots[slot].lora_index >= 0:
             self.lora.release(self.slots[slot].lora_index)
         last = len(self.slots) - 1
         if slot != last:  # keep slots packed: the last sequence moves into the freed slot
             moved = self.slots[last]
             n = moved.cached
-            self.k[:, slot, :, :n] = self.k[:, last, :, :n]
-            self.v[:, slot, :, :n] = self.v[:, last, :, :n]
+            for k, v in zip(self.k, self.v, strict=True):
+                if n:  # (a row the cache holds: a slot not yet prefilled may have none)
+                    k[slot, :, :n] = k[last, :, :n]
+                    v[slot, :, :n] = v[last, :, :n]
             self.slots[slot] = moved
             self.index[moved.sequence.id] = slot
         self.slots.pop()
+        self._shrink()
 
     @torch.inference_mode()
     def step(self) -> dict[int, int]:
@@ -918,7 +979,7 @@ class BatchedDecoder:
             # Keys padded to a multiple of 8: the memory-efficient attention kernel wants its mask
             # rows aligned (the padded columns hold zeros and are masked out).
             span = -(-(max(start for _, _, start in parts) + length) // 8) * 8
-            self._grow(span)
+            self._grow(min(span, max(start + len(ids) for _, ids, start in parts)), rows=max(parts)[0] + 1)
             span = min(span, self.cache_length)
             tokens = torch.zeros(n, length, dtype=torch.long)
             for r, (_, ids, _) in enumerate(parts):
@@ -999,16 +1060,16 @@ class BatchedDecoder:
                 rope_(k, cos, sin, shape.rotary_dim)
                 if placed.one is not None:
                     slot, start, end = placed.one
-                    self.k[layer, slot, :, start:end] = k[0].transpose(0, 1)
-                    self.v[layer, slot, :, start:end] = v[0].transpose(0, 1)
+                    self.k[layer][slot, :, start:end] = k[0].transpose(0, 1)
+                    self.v[layer][slot, :, start:end] = v[0].transpose(0, 1)
                 else:
                     self.k[layer][placed.slots[:, None], :, placed.positions] = k
                     self.v[layer][placed.slots[:, None], :, placed.positions] = v
             if placed.one is not None:
                 slot = placed.one[0]
                 keys, values = (
-                    self.k[layer, slot : slot + 1, :, : placed.span],
-                    self.v[layer, slot : slot + 1, :, : placed.span],
+                    self.k[layer][slot : slot + 1, :, : placed.span],
+                    self.v[layer][slot : slot + 1, :, : placed.span],
                 )
             else:
                 keys, values = (
@@ -1340,14 +1401,52 @@ class BatchedDecoder:
             for span in (0,) if self.fused else spans:
                 self._replay(batch, min(span, self.cache_length))
 
-    def _grow(self, length: int) -> None:
-        """On the CPU, lengthen the cache (doubling) so that `length` positions fit before its
-        last column (the idle rows' scratch column)."""
-        if length <= self.cache_length - 1 or self.use_graphs:
+    def _grow(self, length: int, rows: int = 0) -> None:
+        """On the CPU, make room for `length` positions before the cache's last column (the idle
+        rows' scratch column) in `rows` rows (at least the active sequences'). By doubling where
+        the budget allows, so that a growing sequence is copied a few times, not at every step;
+        else to what the active sequences may reach, which `fits` admitted within the budget."""
+        rows = max(rows, len(self.slots), 1)
+        if self.use_graphs or (length < self.cache_length and rows <= self.cache_rows):
             return
-        new_length = min(max(length + 1, 2 * self.cache_length), self.context + 1)
-        k, v = self._new_cache(new_length)
-        used, live = self.cache_length - 1, len(self.slots)  # the old scratch column is not carried over
-        k[:, :live, :, :used] = self.k[:, :live, :, :used]  # rows past the live slots hold nothing
-        v[:, :live, :, :used] = self.v[:, :live, :, :used]
-        self.k, self.v, self.cache_length = k, v, new_length
+        length += 1
+        rows_doubled = min(max(rows, 2 * self.cache_rows), self.capacity)
+        length_doubled = min(max(length, 2 * self.cache_length), self.context + 1)
+        doubled = (
+            rows_doubled if rows > self.cache_rows else self.cache_rows,
+            length_doubled if length > self.cache_length else self.cache_length,
+        )
+        kept = (max(rows, self.cache_rows), max(length, self.cache_length))
+        reach = max((self._columns(self._need(slot.sequence)) for slot in self.slots), default=0)
+        needed = (rows, max(length, reach))  # the active sequences' reach, so that it grows once
+        for size in (doubled, kept, needed):
+            if self._within(*size):
+                break
+        else:  # past the budget: only what `fits` did not admit (a check's free row) lands here
+            size = needed
+        self._resize(*size)
+
+    def _shrink(self) -> None:
+        """On the CPU, give memory back once the cache holds over twice what its sequences use."""
+        if self.use_graphs:
+            return
+        rows = max(len(self.slots), 1)
+        used = max((slot.cached for slot in self.slots), default=0) + 2
+        length = min(max(used, MIN_LENGTH_BUCKET), self.context + 1)
+        if self.cache_rows * self.cache_length > 2 * rows * length:
+            self._resize(rows, length)
+
+    def _resize(self, rows: int, length: int) -> None:
+        """A new cache of rows x length holding the live rows' columns, made a layer at a time so
+        that only one layer is held twice."""
+        live = min(len(self.slots), rows, self.cache_rows)
+        used = min(self.cache_length, length) - 1  # not the old scratch column
+        for layer in range(len(self.k)):
+            for old in (self.k, self.v):
+                new = torch.zeros(
+                    (rows, *old[layer].shape[1:2], length, old[layer].shape[3]), dtype=self.dtype, device=self.device
+                )
+                new[:live, :, :used] = old[layer][:live, :, :used]
+                old[layer] = new
+        self.cache_rows, self.cache_length = rows, length
+        self.kv_peak = max(self.kv_peak, self.kv_bytes)

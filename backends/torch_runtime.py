@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as transformers_logging
 
 from backends import (
+    KvCacheUsage,
     LoadOptions,
     ModelInfo,
     ModelLoadError,
@@ -24,6 +25,8 @@ from backends import (
     Sampling,
     Sequence,
     StepLogprobs,
+    available_memory,
+    default_kv_cache_bytes,
     default_prompt_cache_bytes,
     physical_memory,
     prompt_cache_namespace,
@@ -150,6 +153,7 @@ class TorchBackend(TokenizerMethods):
         self.adapters: AdapterRegistry | None = None
         self.compile = False
         self.quantized = False
+        self.kv_budget: int | None = None  # the CPU's KV budget (KV_CACHE_BYTES or the default); CUDA: None
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
@@ -194,7 +198,9 @@ class TorchBackend(TokenizerMethods):
             backend=cls.name,
             device=device,
             dtype=str(dtype).removeprefix("torch."),
-            context_length=context_window(model, options.max_context, max_batch, torch.device(device)),
+            context_length=context_window(
+                model, options.max_context, max_batch, torch.device(device), options.kv_cache_bytes
+            ),
             adapter_path=options.adapter_path,
             adapter_applied=adapter is not None,
         )
@@ -205,13 +211,20 @@ class TorchBackend(TokenizerMethods):
             from backends import quant_store
 
             quant_store.save(store, model, backend.decoder_weights.layers, parameters)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(q.nbytes for q in quantized)
+        if not on_cuda:
+            # Weights mapped from a stored file count as available (the page cache): not for us.
+            available = available_memory() - (weight_bytes if restored else 0)
+            prompt_cache = prompt_cache_budget(options.prompt_cache_bytes, torch.device(device))
+            backend.kv_budget = options.kv_cache_bytes or default_kv_cache_bytes(available, prompt_cache)
+            window = budget_window(model, info.context_length, backend.kv_budget)
+            info = dataclasses.replace(info, context_length=window)
         backend.info = dataclasses.replace(
             info,
             quantization=describe(method, quantized) if method else None,
             extra={
                 "parameters": parameters,
-                "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())
-                + sum(q.nbytes for q in quantized),
+                "weight_bytes": weight_bytes,
                 "threads": torch.get_num_threads() if device == "cpu" else None,
             },
         )
@@ -267,7 +280,12 @@ class TorchBackend(TokenizerMethods):
                 or not mine
             ):
                 decoder = torch_decoder.BatchedDecoder(
-                    self.decoder_weights, max_batch, compile=self.compile, adapter_slots=self.max_adapters
+                    self.decoder_weights,
+                    max_batch,
+                    compile=self.compile,
+                    adapter_slots=self.max_adapters,
+                    kv_cache_bytes=self.kv_budget,
+                    context=self.info.context_length,
                 )
                 self._fast_decoder = decoder
             decoder.clear(prompt_cache_bytes=budget)
@@ -321,11 +339,52 @@ class TorchBackend(TokenizerMethods):
 KV_SHARE_OF_FREE = 0.85
 
 
-def context_window(model, requested: int, max_batch: int, device: torch.device) -> int:
+def kv_bytes_per_position(model) -> int | None:
+    """Keys and values of one position in every layer (None: an architecture the general
+    decoder does not describe)."""
+    from backends.architecture import Architecture
+
+    arch = Architecture.of(model.config)
+    if arch is None:
+        return None
+    return arch.layers * arch.kv_heads * arch.head_dim * 2 * next(model.parameters()).element_size()
+
+
+def budget_window(model, window: int, budget: int) -> int:
+    """On a CPU, the context window cut to what one sequence's KV takes within `budget` (the
+    decoder's cache holds need + 2 columns, and a resize holds one layer twice), said in the log;
+    a budget that holds almost nothing is a startup error."""
+    from backends.architecture import Architecture
+
+    per_position = kv_bytes_per_position(model)
+    if per_position is None:
+        return window
+    layers = Architecture.of(model.config).layers
+    fits = int(budget / (per_position * (1 + 1 / layers))) - 2
+    if fits >= window:
+        return window
+    if fits < 16:
+        raise ModelLoadError(
+            f"KV_CACHE_BYTES={budget} holds {max(fits, 0)} tokens of this model's KV ({per_position} bytes a token): "
+            "set it larger (0: from the available memory)"
+        )
+    fits = fits // 256 * 256 if fits >= 512 else fits // 8 * 8
+    log.warning(
+        "context window cut from %d to %d tokens: one sequence's KV at full context must fit the KV budget of "
+        "%.2f GiB (set KV_CACHE_BYTES, or MAX_MODEL_LEN to choose the window)",
+        window,
+        fits,
+        budget / (1 << 30),
+    )
+    return fits
+
+
+def context_window(model, requested: int, max_batch: int, device: torch.device, kv_cache_bytes: int = 0) -> int:
     """The context window served: the model's (max_position_embeddings), at most MAX_MODEL_LEN
     when that is set. On CUDA the batched decoder holds a full-context KV slot for each of its
-    rows, so the window is also cut to what `max_batch` rows fit in the GPU's free memory (a
-    128k-context Llama-3.2-1B at 64 rows would need 275 GB: it gets ~50k), said in the log."""
+    rows, so the window is also cut to what `max_batch` rows fit in KV_CACHE_BYTES, or by
+    default in the GPU's free memory (a 128k-context Llama-3.2-1B at 64 rows would need 275 GB:
+    it gets ~50k), said in the log."""
     from backends.architecture import Architecture
     from backends.torch_decoder import BATCH_BUCKETS, bucket
 
@@ -337,7 +396,7 @@ def context_window(model, requested: int, max_batch: int, device: torch.device) 
         return window
     per_position = arch.layers * arch.kv_heads * arch.head_dim * 2 * next(model.parameters()).element_size()  # k and v
     free, total = torch.cuda.mem_get_info(device)
-    budget = KV_SHARE_OF_FREE * (free - default_prompt_cache_bytes(total, on_gpu=True))
+    budget = kv_cache_bytes or KV_SHARE_OF_FREE * (free - default_prompt_cache_bytes(total, on_gpu=True))
     fits = int(budget // (bucket(max_batch, BATCH_BUCKETS) * per_position)) - 1  # the cache's scratch column
     if fits < window:
         fits = max(256, fits // 256 * 256)
@@ -446,9 +505,27 @@ class SingleSequenceDecoder:
         self.logprobs: dict[int, StepLogprobs] = {}
         reusable = all(type(layer) is DynamicLayer for layer in backend.new_cache().layers)
         self.prompts = PrefixCache(prompt_cache_bytes if reusable else 0)
+        self._per_position = kv_bytes_per_position(backend.model) or 0
+        self._peak = 0
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self.prompts.usage()
+
+    def fits(self, needs: list[int]) -> bool:
+        # One sequence, whose KV grows as it goes (the window was cut to what one fits).
+        return self._sequence is None and len(needs) <= 1
+
+    def kv_cache_usage(self) -> KvCacheUsage:
+        sequence = self._sequence
+        used = len(self._ids) * self._per_position if sequence is not None else 0
+        reserved = (len(sequence.prompt_ids) + sequence.max_new_tokens) * self._per_position if sequence else 0
+        return KvCacheUsage(
+            budget_bytes=self._backend.kv_budget or 0,
+            used_bytes=used,
+            reserved_bytes=reserved,
+            peak_bytes=self._peak,
+            bytes_per_token=self._per_position,
+        )
 
     def add(self, sequence: Sequence) -> int:
         self._sequence = sequence
@@ -487,6 +564,7 @@ class SingleSequenceDecoder:
             self.logprobs[sequence.id] = StepLogprobs(score, prompt)
         self._next_input = [token]
         self._ids.append(token)
+        self._peak = max(self._peak, len(self._ids) * self._per_position)
         return {sequence.id: token}
 
     def remove(self, sequence_id: int) -> None:

@@ -93,6 +93,12 @@ class WrappedDecoder:
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self.inner.prompt_cache_usage()
 
+    def fits(self, needs: list[int]) -> bool:
+        return self.inner.fits(needs)
+
+    def kv_cache_usage(self):
+        return self.inner.kv_cache_usage()
+
 
 # -- failing -------------------------------------------------------------------------------------
 

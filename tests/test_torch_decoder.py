@@ -7,7 +7,7 @@ import pytest
 
 from backends import Sampling, Sequence
 from backends.drive import drive
-from backends.torch_decoder import BatchedDecoder, supports
+from backends.torch_decoder import MIN_LENGTH_BUCKET, BatchedDecoder, supports
 
 PROMPTS = [
     "The quick brown",
@@ -56,11 +56,14 @@ def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_back
     assert not decoder.slots  # every slot was freed
 
 
-def test_long_generations_grow_the_cache(torch_backend):
+def test_long_generations_grow_the_cache_and_give_it_back(torch_backend):
     requests = [("Once upon", 400, Sampling()), ("The quick brown", 150, Sampling())]
     decoder = BatchedDecoder(torch_backend.decoder_weights, 2)
     out = run_batch(decoder, requests, torch_backend)
-    assert decoder.cache_length > 400
+    usage = decoder.kv_cache_usage()
+    assert usage.peak_bytes >= 400 * usage.bytes_per_token  # past 400 positions
+    assert usage.used_bytes <= MIN_LENGTH_BUCKET * usage.bytes_per_token  # both left: one short row is kept
+    assert usage.reserved_bytes == 0
     assert out[0] == alone(torch_backend, "Once upon", 400)
     assert out[1] == alone(torch_backend, "The quick brown", 150)
 

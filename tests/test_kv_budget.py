@@ -1,0 +1,138 @@
+"""The KV budget of the Torch CPU decoder (KV_CACHE_BYTES): the cache holds only the rows and
+columns its sequences use, a sequence joins only if its prompt and max_tokens fit beside the
+others', and the served context is what one sequence fits. On the tiny model (float32, context
+512) one position's KV takes `bytes_per_token` bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
+from backends.drive import drive
+from backends.tiny import CONTEXT_LENGTH
+from backends.torch_decoder import BatchedDecoder
+from tests.conftest import engine_of, wait_idle
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def full_context_bytes(decoder: BatchedDecoder, sequences: float) -> int:
+    """A budget that holds this many sequences at the full context (a resize holds one layer twice)."""
+    layers = len(decoder.k)
+    return int(sequences * (CONTEXT_LENGTH + 1) * decoder.per_position * (1 + 1 / layers))
+
+
+def long_sequences(vocab: int, count: int, prompt: int = 300, new: int = 200) -> list[Sequence]:
+    draw = random.Random(7)
+    return [Sequence(i, [draw.randrange(vocab) for _ in range(prompt)], Sampling(), new) for i in range(count)]
+
+
+def within(usage, layers: int) -> bool:
+    return usage.peak_bytes + usage.peak_bytes // layers <= usage.budget_bytes
+
+
+def test_long_sequences_that_do_not_fit_together_take_turns_and_decode_as_alone(torch_backend):
+    weights = torch_backend.decoder_weights
+    probe = BatchedDecoder(weights, 1)
+    budget = full_context_bytes(probe, 1.5)  # one at a time: 300 + 200 positions each
+    decoder = BatchedDecoder(weights, 4, kv_cache_bytes=budget)
+    sequences = long_sequences(torch_backend.vocab_size, 3)
+    together = []
+    got = drive(decoder, sequences, on_tokens=lambda step, tokens: together.append(len(decoder.slots)))
+    for sequence in sequences:
+        assert got.ids[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
+    assert max(together) == 1
+    usage = decoder.kv_cache_usage()
+    assert usage.budget_bytes == budget and within(usage, len(decoder.k))
+    assert usage.reserved_bytes == 0 and usage.used_bytes < usage.peak_bytes  # given back once they ended
+
+
+def test_short_sequences_share_the_budget_that_a_long_one_takes_alone(torch_backend):
+    weights = torch_backend.decoder_weights
+    budget = full_context_bytes(BatchedDecoder(weights, 1), 1.5)
+    decoder = BatchedDecoder(weights, 4, kv_cache_bytes=budget)
+    short = [Sequence(i, torch_backend.encode("Once upon a time"), Sampling(), 40) for i in range(4)]
+    together = []
+    drive(decoder, short, on_tokens=lambda step, tokens: together.append(len(decoder.slots)))
+    assert max(together) == 4
+    for sequence in short:
+        decoder.add(sequence)
+    assert not decoder.fits([10])  # MAX_BATCH
+    decoder.remove(0)
+    assert decoder.fits([60])
+    # Each row holds as many columns as the longest needs: three short rows and a full one are
+    # four full rows, past 1.5.
+    assert not decoder.fits([CONTEXT_LENGTH])
+
+
+@pytest.fixture(scope="module")
+def budget_backend(tiny_path):
+    """The tiny model loaded with a KV budget of 1.5 full-context sequences."""
+    probe = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", warmup=False))
+    budget = full_context_bytes(BatchedDecoder(probe.decoder_weights, 1), 1.5)
+    return load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", kv_cache_bytes=budget))
+
+
+async def test_a_server_within_its_budget_serves_every_full_context_request(make_client, budget_backend):
+    client = await make_client(lambda: budget_backend, max_batch=4)
+    info = await (await client.get("/model/info")).json()
+    assert info["context_length"] == CONTEXT_LENGTH  # one sequence at the full context fits
+    prompts = [s.prompt_ids for s in long_sequences(budget_backend.vocab_size, 4, prompt=CONTEXT_LENGTH - 100)]
+
+    async def complete(prompt):
+        body = {"prompt": prompt, "max_tokens": 100, "ignore_eos": True}
+        response = await client.post("/v1/completions", json=body)
+        return response.status, await response.json()
+
+    answers = await asyncio.gather(*(complete(p) for p in prompts))
+    for status, body in answers:
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 100
+    await wait_idle(engine_of(client))
+    kv = (await (await client.get("/model/info")).json())["kv_cache"]
+    assert kv["budget_bytes"] == budget_backend.kv_budget
+    assert kv["peak_bytes"] >= (CONTEXT_LENGTH - 1) * kv["bytes_per_token"]  # one reached the full context
+    layers = len(budget_backend.decoder_weights.layers)
+    assert kv["peak_bytes"] + kv["peak_bytes"] // layers <= kv["budget_bytes"]  # a resize holds one layer twice
+    assert kv["reserved_bytes"] == 0
+    text = await (await client.get("/metrics")).text()
+    metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("phi2_kv")}
+    assert metrics["phi2_kv_cache_budget_bytes"] == kv["budget_bytes"]
+    assert metrics["phi2_kv_cache_peak_bytes"] == kv["peak_bytes"]
+
+
+def test_a_budget_smaller_than_the_context_cuts_the_window(tiny_path, caplog):
+    probe = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", warmup=False))
+    per_position = BatchedDecoder(probe.decoder_weights, 1).per_position
+    backend = load_backend(
+        "torch", LoadOptions(model=str(tiny_path), dtype="float32", kv_cache_bytes=300 * per_position, warmup=False)
+    )
+    assert len(backend.decoder_weights.layers) == 2
+    assert backend.info.context_length == 192  # 300 / (1 + 1/2) - 2 = 198, to a multiple of 8
+    assert "context window cut from 512 to 192" in caplog.text
+    with pytest.raises(ModelLoadError, match="KV_CACHE_BYTES"):
+        load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", kv_cache_bytes=per_position))
+
+
+async def test_a_request_past_the_cut_window_is_refused(make_client, tiny_path):
+    probe = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", warmup=False))
+    per_position = BatchedDecoder(probe.decoder_weights, 1).per_position
+    backend = load_backend(
+        "torch", LoadOptions(model=str(tiny_path), dtype="float32", kv_cache_bytes=300 * per_position)
+    )
+    client = await make_client(lambda: backend, max_batch=4)
+    response = await client.post("/v1/completions", json={"prompt": [5] * 200, "max_tokens": 4})
+    assert response.status == 400
+    assert "192" in (await response.json())["error"]["message"]
+
+
+async def test_the_default_budget_comes_from_the_available_memory(client, backend):
+    kv = (await (await client.get("/model/info")).json())["kv_cache"]
+    if backend.info.backend == "mlx":
+        assert kv["budget_bytes"] == 0 and kv["used_bytes"] is None  # mlx-lm's cache is not counted
+    else:
+        assert kv["budget_bytes"] == backend.kv_budget > 0
+        assert kv["bytes_per_token"] > 0
