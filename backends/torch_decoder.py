@@ -616,8 +616,10 @@ class BatchedDecoder:
         return self.cache_rows * self.cache_length * self.per_position
 
     def kv_cache_usage(self) -> KvCacheUsage:
+        # On CUDA the whole cache is the budget: allocated at once, in what KV_CACHE_BYTES allowed.
+        budget = self.kv_bytes if self.use_graphs else self.kv_budget or 0
         return KvCacheUsage(
-            budget_bytes=self.kv_budget or 0,
+            budget_bytes=budget,
             used_bytes=self.kv_bytes,
             reserved_bytes=self._reserved,
             peak_bytes=self.kv_peak,

@@ -68,6 +68,13 @@ def test_short_sequences_share_the_budget_that_a_long_one_takes_alone(torch_back
     assert not decoder.fits([CONTEXT_LENGTH])
 
 
+def test_a_cache_allocated_whole_reports_itself_as_the_budget(torch_backend):
+    # As on CUDA, where graphs hold the cache's addresses (its context was cut to fit KV_CACHE_BYTES).
+    decoder = BatchedDecoder(torch_backend.decoder_weights, 2, cuda_graphs=True)
+    usage = decoder.kv_cache_usage()
+    assert usage.budget_bytes == usage.used_bytes == 2 * (CONTEXT_LENGTH + 1) * usage.bytes_per_token
+
+
 @pytest.fixture(scope="module")
 def budget_backend(tiny_path):
     """The tiny model loaded with a KV budget of 1.5 full-context sequences."""
