@@ -642,8 +642,10 @@ class BatchedDecoder:
 
     def fits(self, needs: list[int]) -> bool:
         """Whether new sequences of `needs` positions each fit beside the active ones."""
-        if len(self.slots) + len(needs) > self.capacity or self.kv_budget is None:
-            return len(self.slots) + len(needs) <= self.capacity
+        if len(self.slots) + len(needs) > self.capacity:
+            return False
+        if self.kv_budget is None:
+            return True
         needs = [self._need(slot.sequence) for slot in self.slots] + list(needs)
         return self._within(len(needs), max(self._columns(n) for n in needs))
 
@@ -775,8 +777,8 @@ class BatchedDecoder:
         if slot != last:  # keep slots packed: the last sequence moves into the freed slot
             moved = self.slots[last]
             n = moved.cached
-            for k, v in zip(self.k, self.v, strict=True):
-                if n:  # (a row the cache holds: a slot not yet prefilled may have none)
+            if n:  # (a row the cache holds: a slot not yet prefilled may have none)
+                for k, v in zip(self.k, self.v, strict=True):
                     k[slot, :, :n] = k[last, :, :n]
                     v[slot, :, :n] = v[last, :, :n]
             self.slots[slot] = moved
@@ -1445,9 +1447,8 @@ class BatchedDecoder:
         used = min(self.cache_length, length) - 1  # not the old scratch column
         for layer in range(len(self.k)):
             for old in (self.k, self.v):
-                new = torch.zeros(
-                    (rows, *old[layer].shape[1:2], length, old[layer].shape[3]), dtype=self.dtype, device=self.device
-                )
+                _, kv_heads, _, head_dim = old[layer].shape
+                new = old[layer].new_zeros((rows, kv_heads, length, head_dim))
                 new[:live, :, :used] = old[layer][:live, :, :used]
                 old[layer] = new
         self.cache_rows, self.cache_length = rows, length

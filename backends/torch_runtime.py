@@ -394,7 +394,7 @@ def context_window(model, requested: int, max_batch: int, device: torch.device, 
     arch = Architecture.of(model.config)
     if device.type != "cuda" or arch is None:
         return window
-    per_position = arch.layers * arch.kv_heads * arch.head_dim * 2 * next(model.parameters()).element_size()  # k and v
+    per_position = kv_bytes_per_position(model)
     free, total = torch.cuda.mem_get_info(device)
     budget = kv_cache_bytes or KV_SHARE_OF_FREE * (free - default_prompt_cache_bytes(total, on_gpu=True))
     fits = int(budget // (bucket(max_batch, BATCH_BUCKETS) * per_position)) - 1  # the cache's scratch column
