@@ -158,6 +158,12 @@ class Settings:
         "memory for the KV of the sequences decoding, in bytes (0: on a CPU, 3/4 of what is available after the "
         "weights and the prompt cache; on CUDA, 0.85 of the free GPU memory); requests wait for room in it",
     )
+    prompt_lookup_tokens: int = setting(
+        -1,
+        "speculative decoding by prompt lookup: the most draft tokens (0-32) a step verifies while one sequence "
+        "decodes, copied from where its text's last words occurred before (0: off; -1: 3 on a CPU and MLX, off on "
+        "CUDA)",
+    )
     max_tokens_limit: int = setting(
         0, "largest max_tokens a request may ask for (0: only the context window bounds it)"
     )
@@ -263,6 +269,7 @@ class Settings:
             max_context=self.max_model_len,
             kv_cache_bytes=self.kv_cache_bytes,
             prompt_cache_bytes=self.prompt_cache_budget(),
+            prompt_lookup_tokens=self.prompt_lookup_tokens,
         )
 
     def prompt_cache_budget(self) -> int | None:
@@ -1021,6 +1028,7 @@ async def model_info(request: web.Request) -> web.Response:
             "stats": {**dataclasses.asdict(engine.stats), "waiting": engine.waiting, "active": engine.active},
             "prompt_cache": dataclasses.asdict(engine.prompt_cache_usage()),
             "kv_cache": dataclasses.asdict(engine.kv_cache_usage()),
+            "prompt_lookup_tokens": engine.backend.draft_tokens,
             **info.extra,
         }
     )
@@ -3349,6 +3357,11 @@ class EngineCollector(Collector):
             "phi2_decode_steps", "Decode steps of the generation worker.", value=stats.decode_steps
         )
         yield CounterMetricFamily("phi2_decode_seconds", "Time inside decode steps.", value=stats.decode_seconds)
+        yield CounterMetricFamily(
+            "phi2_draft_tokens_accepted",
+            "Generated tokens that came from accepted prompt-lookup drafts (beyond a step's one).",
+            value=stats.draft_tokens_accepted,
+        )
         yield GaugeMetricFamily("phi2_queue_waiting", "Requests waiting for a batch slot.", value=engine.waiting)
         yield GaugeMetricFamily("phi2_active_sequences", "Sequences being generated.", value=engine.active)
         yield GaugeMetricFamily("phi2_max_batch", "Batch slots of the worker.", value=engine.max_batch)
@@ -3553,6 +3566,11 @@ INFO_SCHEMA = {
                 "peak_bytes": {"type": ["integer", "null"]},
                 "bytes_per_token": {"type": ["integer", "null"]},
             },
+        },
+        "prompt_lookup_tokens": {
+            "type": "integer",
+            "description": "PROMPT_LOOKUP_TOKENS as applied: draft tokens a step verifies while one sequence decodes; "
+            "0: off (stats.draft_tokens_accepted counts the accepted ones)",
         },
         "adapters": {
             "type": "object",

@@ -2,7 +2,8 @@
 
 A backend owns one loaded causal LM and its tokenizer. The server never touches a runtime
 directly: it tokenizes and counts through `Backend`, and the generation worker
-(`backends.engine`) decodes through a `Decoder`, one token per sequence per step. Sampling
+(`backends.engine`) decodes through a `Decoder`, a token per sequence per step (or several, where
+a prompt-lookup draft was accepted). Sampling
 happens inside the runtime; detokenizing, stop sequences, limits and cancellation happen in
 the worker, once for both runtimes.
 
@@ -231,12 +232,16 @@ class Decoder(Protocol):
         """Start a sequence; returns how many of its prompt ids came from the prompt cache."""
         ...
 
-    def step(self) -> dict[int, int]:
-        """Advance every active sequence by one token: {sequence id: new token id}.
+    def step(self) -> dict[int, list[int]]:
+        """Advance every active sequence: {sequence id: its new token ids, in order}.
 
-        A sequence whose prompt is still being prefilled may have no token yet (a batch
-        prefills a joining prompt over the next steps while the others keep decoding).
-        Sequences that asked for logprobs find them in `logprobs` until the next step.
+        Mostly one token each. A sequence whose prompt is still being prefilled may have none
+        yet (absent: a batch prefills a joining prompt over the next steps while the others keep
+        decoding); one whose prompt-lookup draft the model accepted gets several (speculative
+        decoding, `backends.prompt_lookup`: the same tokens as one a step). The engine ends a
+        sequence within a step's tokens as it would between steps; whatever follows is dropped.
+        Sequences that asked for logprobs get one token a step and find its logprobs in
+        `logprobs` until the next step.
         """
         ...
 
@@ -304,6 +309,9 @@ class Backend(Protocol):
         chat template, or by the default tools block where it knows none (backends.tools)."""
         ...
 
+    # PROMPT_LOOKUP_TOKENS as applied: the most prompt-lookup draft tokens a step verifies while
+    # one sequence decodes (backends.prompt_lookup; 0: off).
+    draft_tokens: int
     tool_format: ToolFormat  # how this model writes tool calls (read from its chat template)
     reasoning: bool  # its tokenizer has <think> and </think>: replies may reason first
 
@@ -352,6 +360,9 @@ class LoadOptions:
     quantized_cache: bool = True  # QUANTIZED_CACHE, Torch: store them once, map them at the next start
     max_context: int = 0  # MAX_MODEL_LEN: the most tokens of context served (0: the model's own window)
     kv_cache_bytes: int = 0  # KV_CACHE_BYTES: the decoding sequences' KV budget (0: from the free memory)
+    # PROMPT_LOOKUP_TOKENS: the most draft tokens a step verifies while one sequence decodes
+    # (backends.prompt_lookup); -1: the runtime's default (where it pays), 0: off.
+    prompt_lookup_tokens: int = -1
     prompt_cache_bytes: int | None = None  # PROMPT_CACHE_BYTES as the decoder gets it (the KV budget leaves it room)
     warmup: bool = True
 

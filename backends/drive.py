@@ -33,7 +33,7 @@ def drive(
     *,
     arrive_at: Mapping[int, int] | None = None,
     stop_after: Mapping[int, int] | None = None,
-    on_tokens: Callable[[int, dict[int, int]], None] | None = None,
+    on_tokens: Callable[[int, dict[int, list[int]]], None] | None = None,
     max_steps: int = 100_000,
 ) -> Driven:
     """Decode `sequences` (in arrival order) to their `max_new_tokens`.
@@ -76,10 +76,11 @@ def drive(
             out.logprobs.setdefault(seq_id, []).append(scores)
         if on_tokens is not None:
             on_tokens(step, tokens)
-        for seq_id, token in tokens.items():
+        for seq_id, advanced in tokens.items():
             if seq_id not in active:
                 raise RuntimeError(f"the decoder gave a token to sequence {seq_id}, which is not in its batch")
-            out.ids[seq_id].append(token)
+            # An accepted draft may go past where the sequence ends: the rest is dropped, as the engine does.
+            out.ids[seq_id] += advanced[: active[seq_id] - len(out.ids[seq_id])]
             if len(out.ids[seq_id]) == active[seq_id]:
                 decoder.remove(seq_id)
                 del active[seq_id]

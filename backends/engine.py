@@ -84,6 +84,7 @@ class EngineStats:
     busy_seconds: float = 0.0  # the worker's whole loop while sequences run
     prompt_tokens_cached: int = 0  # prompt tokens taken from the prompt cache
     prompt_tokens_computed: int = 0  # prompt tokens prefilled
+    draft_tokens_accepted: int = 0  # generated tokens beyond a step's one: accepted prompt-lookup drafts
 
 
 @dataclass(frozen=True)
@@ -440,8 +441,12 @@ class Engine:
                 continue
             now = time.perf_counter()
             scores = decoder.logprobs
-            for seq_id, token in tokens.items():
-                self._advance(decoder, backend, seq_id, token, now, scores.get(seq_id))
+            for seq_id, advanced in tokens.items():
+                self.stats.draft_tokens_accepted += len(advanced) - 1 if advanced else 0
+                for token in advanced:  # several where a draft was accepted: it may end within them
+                    if seq_id not in self._running:
+                        break
+                    self._advance(decoder, backend, seq_id, token, now, scores.get(seq_id))
             self._remove_finished(decoder)
             self.stats.busy_seconds += time.perf_counter() - started
 

@@ -8,6 +8,7 @@ the model offset by its adapter slot, and come back out of the sampler offset th
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from backends import (
 from backends.adapters import AdapterRegistry, find_adapter
 from backends.grammar import Grammars
 from backends.mlx_logprobs import token_logprobs
+from backends.mlx_lookup import LookupGeneration, can_draft
 from backends.mlx_lora import (
     Router,
     SlotBank,
@@ -48,9 +50,16 @@ from backends.mlx_lora import (
 )
 from backends.mlx_sampling import logits_processors, make_sampler
 from backends.model_files import is_random
+from backends.prompt_lookup import DEFAULT_DRAFT_TOKENS, applied_draft_tokens, speculates
 from backends.text import TokenizerMethods, TokenizerText
 
 log = logging.getLogger("phi2_server.mlx")
+
+
+# Prompt tokens prefilled per step: a long prompt joining the batch is processed over several
+# steps, each also decoding one token for the running sequences, so they do not stall for
+# the whole prefill.
+PREFILL_STEP = 512
 
 
 class MlxDetokenizer:
@@ -98,8 +107,10 @@ class MlxBackend(TokenizerMethods):
         router: Router,
         max_batch: int = 1,
         max_adapters: int = 8,
+        draft_tokens: int = 0,
     ):
         self.model = model
+        self.draft_tokens = draft_tokens  # prompt-lookup draft tokens a step verifies while one sequence decodes
         self.tokenizer = tokenizer  # mlx-lm's TokenizerWrapper
         hf = wrapped_tokenizer(tokenizer)
         self.text = TokenizerText(hf)
@@ -169,6 +180,8 @@ class MlxBackend(TokenizerMethods):
             router,
             max_batch=options.max_batch or 8,
             max_adapters=options.max_adapters,
+            # A Mac's batch-1 step streams every weight for one token, as a CPU's does.
+            draft_tokens=applied_draft_tokens(options.prompt_lookup_tokens, DEFAULT_DRAFT_TOKENS),
         )
         if options.warmup:
             backend.warm_up()  # the first request should not pay for kernel compilation
@@ -202,6 +215,33 @@ class MlxBackend(TokenizerMethods):
     def slot_bank(self, size: int) -> SlotBank:
         """Adapter slots for a decoder: `size` adapters at once, over this backend's model."""
         return SlotBank(self.model, self.router, size)
+
+    def lookup_generation(
+        self,
+        sequence: Sequence,
+        cache: list,
+        rest: list[int],
+        bank: SlotBank,
+        slot: int | None,
+        prefill_step: int = PREFILL_STEP,
+    ) -> LookupGeneration | None:
+        """A sequence's generation with prompt-lookup drafts, if it takes them (None: it does not,
+        or its cache cannot drop rejected positions)."""
+        if not (self.draft_tokens and speculates(sequence) and can_draft(cache)):
+            return None
+        offset = self.router.offset(slot)
+        return LookupGeneration(
+            self.model,
+            self.router,
+            bank,
+            sequence,
+            cache,
+            rest,
+            offset,
+            decodable=self.decodable,
+            draft_tokens=self.draft_tokens,
+            prefill_step=prefill_step,
+        )
 
     def generation(self, prompt: list[int], sequence: Sequence, cache: list, offset: int = 0):
         """mlx-lm's own token generator for one sequence: `prompt` is what `cache` lacks of it;
@@ -360,7 +400,8 @@ class SingleSequenceDecoder:
         self._bank = backend.slot_bank(self.adapter_slots)
         self._sequence: Sequence | None = None
         self._slot: int | None = None
-        self._tokens = None
+        self._tokens = None  # mlx-lm's generate_step, or
+        self._drafted: LookupGeneration | None = None  # for a sequence that takes prompt-lookup drafts
         self._prompts = PromptReuse(prompt_cache_bytes)
         self.logprobs: dict[int, StepLogprobs] = {}
 
@@ -382,20 +423,26 @@ class SingleSequenceDecoder:
             with self._router.using(self._bank):
                 cache, rest, prompt_scores = self._backend.start(sequence, self._prompts, offset)
             cache = cache if cache is not None else make_prompt_cache(self._backend.model)
-            tokens = self._backend.generation(rest, sequence, cache, offset)
+            drafted = self._backend.lookup_generation(sequence, cache, rest, self._bank, slot)
+            tokens = self._backend.generation(rest, sequence, cache, offset) if drafted is None else None
         except BaseException:  # the engine removes no sequence it could not add
             self._bank.release(slot)
             raise
         self._sequence, self._slot, self._cache, self._tokens = sequence, slot, cache, tokens
+        self._drafted = drafted
         self._prompt_scores = prompt_scores
         self._ids = list(sequence.prompt_ids)  # then the generated ones (plain, as the prompt cache keeps them)
         return len(sequence.prompt_ids) - len(rest) if prompt_scores is None else 0
 
-    def step(self) -> dict[int, int]:
+    def step(self) -> dict[int, list[int]]:
         self.logprobs = {}
         sequence = self._sequence
         if sequence is None:
             return {}
+        if self._drafted is not None:
+            tokens = self._drafted.step()
+            self._ids += tokens
+            return {sequence.id: tokens} if tokens else {}
         with self._router.using(self._bank):
             token, logprobs = next(self._tokens)
         token = int(token) % self._router.vocab
@@ -404,13 +451,14 @@ class SingleSequenceDecoder:
             (score,) = token_logprobs(logprobs[None], [token], sequence.logprobs)
             prompt, self._prompt_scores = self._prompt_scores, None
             self.logprobs[sequence.id] = StepLogprobs(score, prompt)
-        return {sequence.id: token}
+        return {sequence.id: [token]}
 
     def remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
             # Close the generator here, on the generation thread: it holds an MLX stream
             # context that must not be torn down by the garbage collector on another thread.
-            self._tokens.close()
+            if self._tokens is not None:
+                self._tokens.close()
             if len(self._ids) > len(
                 self._sequence.prompt_ids
             ):  # its prefill completed; generate_step fed every token it gave
@@ -420,13 +468,8 @@ class SingleSequenceDecoder:
             self._sequence = None
             self._slot = None
             self._tokens = None
+            self._drafted = None
             self._cache = None
-
-
-# Prompt tokens prefilled per step: a long prompt joining the batch is processed over several
-# steps, each also decoding one token for the running sequences, so they do not stall for
-# the whole prefill.
-PREFILL_STEP = 512
 
 
 class BatchDecoder:
@@ -448,6 +491,10 @@ class BatchDecoder:
     Sequences of up to `adapter_slots` distinct adapters share the batch, each in a slot of the
     decoder's bank: BatchGenerator holds their ids offset by their slot (mlx_lora), which the
     decoder takes off again for the engine and the prompt cache.
+
+    A sequence that joins an empty decoder and takes prompt-lookup drafts decodes alone, outside
+    BatchGenerator (`_Solo`, backends/mlx_lookup), until another joins: it then goes into the
+    batch with its cache, as a stored prefix would, and the rest of its tokens come from there.
     """
 
     def __init__(
@@ -470,12 +517,15 @@ class BatchDecoder:
             int, tuple[TokenLogprob, ...]
         ] = {}  # uid -> its prompt's logprobs, until its first token
         self.logprobs: dict[int, StepLogprobs] = {}
+        self._solo: _Solo | None = None
+        # Whether a sequence alone may take drafts: its cache must drop rejected positions.
+        self._drafts = backend.draft_tokens > 0 and can_draft(make_prompt_cache(backend.model))
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self._prompts.usage()
 
     def fits(self, needs: list[int]) -> bool:
-        return len(self._uids) + len(needs) <= self.capacity
+        return len(self._uids) + (self._solo is not None) + len(needs) <= self.capacity
 
     def kv_cache_usage(self) -> KvCacheUsage:
         return KvCacheUsage()  # BatchGenerator's caches grow by use; not counted (backends.KvCacheUsage)
@@ -486,6 +536,11 @@ class BatchDecoder:
         return self._generator
 
     def add(self, sequence: Sequence) -> int:
+        if self._solo is not None:
+            self._store_solo_prompt()
+            self._join_batch()  # drafts are verified only while one sequence decodes
+        elif not self._uids and self._drafts and speculates(sequence):
+            return self._start_solo(sequence)
         if self._generator is None:
             self._generator = BatchGenerator(
                 self._backend.model,
@@ -519,7 +574,73 @@ class BatchDecoder:
             self._prompt_scores[uid] = scores
         return reused if scores is None else 0
 
-    def step(self) -> dict[int, int]:
+    def _store_solo_prompt(self) -> None:
+        """The prompt of the sequence decoding alone, for requests that arrive while it generates
+        (as a batch's is stored once prefilled): a copy, made after its first token went out
+        (at the next step or `add`), while the cache holds just the prompt."""
+        solo = self._solo
+        if solo is None or solo.stored or solo.generation.next is None:
+            return
+        cache = copy.deepcopy(solo.generation.cache)
+        self._prompts.store(solo.ids[:-1], cache, prompt_cache_namespace(solo.generation.sequence))
+        solo.stored = True
+
+    def _start_solo(self, sequence: Sequence) -> int:
+        slot = self._bank.acquire(sequence.adapter)
+        try:
+            with self._router.using(self._bank):
+                cache, rest, _ = self._backend.start(sequence, self._prompts, self._router.offset(slot))
+            cache = cache if cache is not None else make_prompt_cache(self._backend.model)
+            drafted = self._backend.lookup_generation(sequence, cache, rest, self._bank, slot, self._prefill_step)
+            if drafted is None:  # (`_drafts` said its cache can drop positions)
+                raise RuntimeError("this model's cache cannot drop rejected draft positions")
+        except BaseException:  # the engine removes no sequence it could not add
+            self._bank.release(slot)
+            raise
+        self._solo = _Solo(drafted, slot)
+        return len(sequence.prompt_ids) - len(rest)
+
+    def _join_batch(self) -> None:
+        """The sequence decoding alone goes into the batch: its cache, and the ids the cache lacks
+        (the rest of its prompt, or its next input) as its prompt."""
+        solo, self._solo = self._solo, None
+        drafted, sequence = solo.generation, solo.generation.sequence
+        offset = self._router.offset(solo.slot)
+        if drafted.next is None:
+            rest, left = drafted.rest, sequence.max_new_tokens
+        else:
+            rest, left = [drafted.next], sequence.max_new_tokens - drafted.generated
+        held = solo.ids[: len(solo.ids) - len(rest)]
+        if self._generator is None:
+            self._generator = BatchGenerator(
+                self._backend.model,
+                completion_batch_size=self.capacity,
+                prefill_batch_size=self.capacity,
+                prefill_step_size=self._prefill_step,
+            )
+        sampler, processors = self._backend.sampler(sequence, offset)
+        (uid,) = self._generator.insert(
+            [[i + offset for i in rest]],
+            max_tokens=[left],
+            caches=[drafted.cache],
+            all_tokens=[[i + offset for i in held]],
+            samplers=[sampler],
+            logits_processors=[processors],
+        )
+        self._uids[sequence.id] = uid
+        self._ids[uid] = sequence.id
+        self._sequences[uid] = sequence
+        self._slots[uid] = solo.slot
+
+    def step(self) -> dict[int, list[int]]:
+        solo = self._solo
+        if solo is not None:
+            self.logprobs = {}
+            self._store_solo_prompt()
+            drafted = solo.generation
+            tokens = drafted.step()
+            solo.ids += tokens
+            return {drafted.sequence.id: tokens} if tokens else {}
         if self._generator is None:
             return {}
         with self._router.using(self._bank):
@@ -532,7 +653,7 @@ class BatchDecoder:
         asking = []
         for r in generated:
             token = r.token % self._router.vocab
-            out[self._ids[r.uid]] = token
+            out[self._ids[r.uid]] = [token]
             self._generating.add(r.uid)
             if self._sequences[r.uid].logprobs is not None:
                 asking.append((r, token))
@@ -548,6 +669,14 @@ class BatchDecoder:
         return out
 
     def remove(self, sequence_id: int) -> None:
+        solo = self._solo
+        if solo is not None and solo.generation.sequence.id == sequence_id:
+            self._solo = None
+            drafted = solo.generation
+            if drafted.next is not None:  # its prefill completed: the cache holds all but its next input
+                self._prompts.store(solo.ids[:-1], drafted.cache, prompt_cache_namespace(drafted.sequence))
+            self._bank.release(solo.slot)
+            return
         uid = self._uids.pop(sequence_id, None)
         if uid is None:
             return
@@ -571,3 +700,13 @@ class BatchDecoder:
     def _store(self, sequence: Sequence, tokens: list[int], cache: list) -> None:
         """Keep the cache of a sequence's `tokens` (as BatchGenerator holds them: offset)."""
         self._prompts.store(self._router.plain(tokens), cache, prompt_cache_namespace(sequence))
+
+
+class _Solo:
+    """A sequence decoding alone with prompt-lookup drafts, outside BatchGenerator."""
+
+    def __init__(self, generation: LookupGeneration, slot: int | None):
+        self.generation = generation
+        self.slot = slot  # its adapter slot in the decoder's bank (None: the base model)
+        self.ids = list(generation.sequence.prompt_ids)  # then the generated ones (plain)
+        self.stored = False  # whether its prompt's cache went into the prompt cache

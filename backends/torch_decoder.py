@@ -19,8 +19,12 @@ captured once per batch bucket and replayed from a CUDA graph; greedy and sample
 chained on the device (sampled rows drawn there too), so the GPU does not wait for Python
 between them. The other families, quantized weights, and CUDA without Triton take the step in
 torch ops (`decode_block`, compiled on CUDA by default), one graph per (batch, attention-length)
-bucket. On the CPU that step runs eagerly and the cache grows as sequences do. Measurements:
-BENCHMARKS.md.
+bucket. On the CPU that step runs eagerly and the cache grows as sequences do.
+
+While one sequence decodes alone, a step may verify a prompt-lookup draft instead
+(`draft_tokens`, backends/prompt_lookup): its next input and the draft go through the prefill
+path as one piece, and the tokens the model agrees with are kept; the columns of rejected ones
+are written over by the next step, as a padded prefill's are. Measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -37,10 +41,18 @@ from backends import KvCacheUsage, PromptCacheUsage, Sequence, StepLogprobs, Tok
 from backends.architecture import GELU_TANH, Architecture
 from backends.grammar import advance_together
 from backends.prompt_cache import PrefixCache
+from backends.prompt_lookup import PromptLookup, speculates
 from backends.torch_logprobs import token_logprobs
 from backends.torch_lora import FusedLoraSlots, FusedMatrix
 from backends.torch_quant import QuantizedWeight, linear, quantize_weight
-from backends.torch_sampling import TokenChooser, choose_rows, sample_on_device, sampled_on_device, unpack_on_device
+from backends.torch_sampling import (
+    TokenChooser,
+    choose_rows,
+    sample_on_device,
+    sampled_on_device,
+    unpack_on_device,
+    verify_draft,
+)
 
 log = logging.getLogger("phi2_server.torch_decoder")
 
@@ -493,7 +505,14 @@ class _Launch:
 
 
 class _Slot:
-    def __init__(self, sequence: Sequence, chooser: TokenChooser, lora_index: int, device_sampling: bool = False):
+    def __init__(
+        self,
+        sequence: Sequence,
+        chooser: TokenChooser,
+        lora_index: int,
+        device_sampling: bool = False,
+        draft_tokens: int = 0,
+    ):
         self.sequence = sequence
         self.chooser = chooser
         self.lora_index = lora_index  # its adapter's slot in the decoder's FusedLoraSlots; -1: the base model
@@ -515,6 +534,8 @@ class _Slot:
         self.chains = (
             self.plain or self.sampled or (self.masked and sequence.logprobs is None)
         )  # may be fed its next input on the device
+        # Its text's n-gram index, where it may take prompt-lookup drafts.
+        self.lookup = PromptLookup(sequence.prompt_ids, draft_tokens) if draft_tokens and speculates(sequence) else None
 
     def cached_ids(self) -> list[int]:
         """The ids whose keys and values are in the cache."""
@@ -537,9 +558,12 @@ class BatchedDecoder:
         fused: bool | None = None,
         kv_cache_bytes: int | None = None,
         context: int | None = None,
+        draft_tokens: int = 0,
     ):
         """`kv_cache_bytes`: on the CPU, the most bytes the KV cache may take (None: unbounded);
-        `context`: the window served, if shorter than the weights' (a budget cut it)."""
+        `context`: the window served, if shorter than the weights' (a budget cut it);
+        `draft_tokens`: the most prompt-lookup draft tokens a step verifies while one sequence
+        decodes (0: none)."""
         self.weights = weights
         self.prompts = PrefixCache(prompt_cache_bytes)
         self._to_store: list[int] = []  # sequences whose complete prompts are to be stored
@@ -547,6 +571,7 @@ class BatchedDecoder:
         self.dtype = weights.embed.dtype
         self.capacity = max_batch
         self.adapter_slots = adapter_slots
+        self.draft_tokens = draft_tokens
         self.lora = FusedLoraSlots(weights.lora_matrices, adapter_slots, self.device, self.dtype)
         self.context = min(weights.context, context or weights.context)
         on_cuda = self.device.type == "cuda"
@@ -704,7 +729,13 @@ class BatchedDecoder:
             self._stash.pop(sequence.id, None)
         row = len(self.slots)
         chooser = TokenChooser(sequence.sampling, sequence.prompt_ids, self.weights.decodable, self.device)
-        slot = _Slot(sequence, chooser, self._place(sequence.adapter), device_sampling=self.fused and self.use_graphs)
+        slot = _Slot(
+            sequence,
+            chooser,
+            self._place(sequence.adapter),
+            device_sampling=self.fused and self.use_graphs,
+            draft_tokens=self.draft_tokens,
+        )
         # A stored prefix goes straight into the slot's rows (at least the last prompt token is
         # left to prefill: the first sampled token needs fresh logits). Prompt logprobs need
         # the logits of every prompt position: that prompt is prefilled whole.
@@ -787,13 +818,43 @@ class BatchedDecoder:
         self._shrink()
 
     @torch.inference_mode()
-    def step(self) -> dict[int, int]:
+    def step(self) -> dict[int, list[int]]:
         """One token for every sequence that is past its prompt (and maybe a first token for one
-        whose prompt just finished). On CUDA, when every running sequence decodes greedily and no
-        prompt waits, steps are chained: the next step is launched, fed its tokens on the device,
-        before this one's are read, so the GPU never waits for Python."""
+        whose prompt just finished), or for a sequence decoding alone the tokens of a verified
+        draft (`_verify`). On CUDA, when every running sequence decodes greedily and no prompt
+        waits, steps are chained: the next step is launched, fed its tokens on the device, before
+        this one's are read, so the GPU never waits for Python."""
         self._store_prompts()
         self.logprobs = {}
+        verified = self._verify()
+        if verified is not None:
+            return verified
+        return {sequence_id: [token] for sequence_id, token in self._step().items()}
+
+    def _verify(self) -> dict[int, list[int]] | None:
+        """A step of prompt lookup, when one sequence decodes alone and its text offers a draft:
+        its next input and the draft prefilled as one piece, and the longest prefix the model
+        agrees with kept, with the model's own token after it. None: no draft this step."""
+        if self.draft_tokens <= 0 or len(self.slots) != 1 or self._stash is not None or self._inflight is not None:
+            return None
+        slot = self.slots[0]
+        if slot.lookup is None or slot.next_token is None:
+            return None
+        slot.lookup.catch_up(slot.generated)
+        # No draft past max_new_tokens: its columns are all that the KV budget reserved (`_need`).
+        draft = slot.lookup.draft(slot.sequence.max_new_tokens - len(slot.generated) - 1, self.weights.decodable)
+        if not draft:
+            return None
+        # The rotary tables of a decode step (longrope's long factors are a long prompt's prefill's).
+        _, every = self._prefill([(0, [slot.next_token, *draft], slot.cached)], every_position=[0])
+        tokens = verify_draft(every[0], draft, slot.chooser)
+        slot.lookup.verified(draft, tokens)
+        slot.cached += len(tokens)  # its next input and the draft ids it kept are in the cache now
+        slot.next_token = tokens[-1]
+        slot.generated += tokens
+        return {slot.sequence.id: tokens}
+
+    def _step(self) -> dict[int, int]:
         if self._stash is not None:  # read early, when a sequence left while a step was in flight
             produced, self._stash = self._stash, None
             return {i: t for i, t in produced.items() if i in self.index}
@@ -825,6 +886,9 @@ class BatchedDecoder:
             self.use_graphs
             and len(launched.rows) == len(self.slots)  # nobody joined or waits for a prompt
             and all(self.slots[i].chains for i in launched.rows)
+            # A sequence alone that takes drafts (PROMPT_LOOKUP_TOKENS set on CUDA) is verified
+            # from the host each step.
+            and not (self.draft_tokens and len(self.slots) == 1 and self.slots[0].lookup is not None)
         )
 
     def _collect(self, launched: _Launch) -> dict[int, int]:

@@ -35,11 +35,12 @@ from backends.adapters import AdapterRegistry, block_count, find_adapter, torch_
 from backends.grammar import Grammars
 from backends.model_files import is_random
 from backends.prompt_cache import PrefixCache
+from backends.prompt_lookup import DEFAULT_DRAFT_TOKENS, PromptLookup, applied_draft_tokens, speculates
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.torch_logprobs import token_logprobs
 from backends.torch_lora import LoraHooks
 from backends.torch_quant import QuantizedWeight, describe, parse_method, quantize_linears
-from backends.torch_sampling import TokenChooser
+from backends.torch_sampling import TokenChooser, verify_draft
 
 log = logging.getLogger("phi2_server.torch")
 
@@ -154,6 +155,7 @@ class TorchBackend(TokenizerMethods):
         self.compile = False
         self.quantized = False
         self.kv_budget: int | None = None  # the CPU's KV budget (KV_CACHE_BYTES or the default); CUDA: None
+        self.draft_tokens = 0  # prompt-lookup draft tokens a step verifies while one sequence decodes
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
@@ -231,6 +233,9 @@ class TorchBackend(TokenizerMethods):
         # torch.compile pays on CUDA (step 3.0 -> 2.4 ms) and costs ~30 s of startup.
         backend.max_batch = max_batch
         backend.compile = on_cuda if options.compile is None else options.compile
+        # Drafts pay on the CPU; on CUDA a graphed step is cheaper than an eager verify pass.
+        default_drafts = 0 if on_cuda else DEFAULT_DRAFT_TOKENS
+        backend.draft_tokens = applied_draft_tokens(options.prompt_lookup_tokens, default_drafts)
         if options.warmup:
             backend.warm_up(backend.max_batch)
         return backend
@@ -289,6 +294,7 @@ class TorchBackend(TokenizerMethods):
                 )
                 self._fast_decoder = decoder
             decoder.clear(prompt_cache_bytes=budget)
+            decoder.draft_tokens = self.draft_tokens
             self._fast_decoder_owner = threading.current_thread()
             return decoder
         if max_batch > 1:
@@ -505,6 +511,10 @@ class SingleSequenceDecoder:
         self.logprobs: dict[int, StepLogprobs] = {}
         reusable = all(type(layer) is DynamicLayer for layer in backend.new_cache().layers)
         self.prompts = PrefixCache(prompt_cache_bytes if reusable else 0)
+        # Prompt-lookup drafts need a cache that can drop the positions of rejected ones: plain
+        # layers (a sliding window's or a linear attention's state cannot be cut back).
+        self._draft_tokens = backend.draft_tokens if reusable else 0
+        self._lookup: PromptLookup | None = None
         self._per_position = kv_bytes_per_position(backend.model) or 0
         self._peak = 0
 
@@ -544,14 +554,29 @@ class SingleSequenceDecoder:
         self._chooser = TokenChooser(
             sequence.sampling, sequence.prompt_ids, self._backend.undecodable_from, self._backend.device
         )
+        drafts = self._draft_tokens and speculates(sequence)
+        self._lookup = PromptLookup(sequence.prompt_ids, self._draft_tokens) if drafts else None
         return reused
 
-    def step(self) -> dict[int, int]:
+    def step(self) -> dict[int, list[int]]:
         self.logprobs = {}
         sequence = self._sequence
         if sequence is None:
             return {}
         prefill = len(self._ids) == len(sequence.prompt_ids)
+        if not prefill and self._lookup is not None:
+            generated = self._ids[len(sequence.prompt_ids) :]
+            self._lookup.catch_up(generated)
+            draft = self._lookup.draft(sequence.max_new_tokens - len(generated) - 1, self._backend.undecodable_from)
+            if draft:  # its next input and the draft in one pass; the KV of rejected ids dropped
+                logits = self._backend.forward(self._next_input + draft, self._cache, every_position=True)
+                tokens = verify_draft(logits, draft, self._chooser)
+                self._lookup.verified(draft, tokens)
+                self._cache.crop(-(len(draft) + 1 - len(tokens)))
+                self._next_input = tokens[-1:]
+                self._ids += tokens
+                self._peak = max(self._peak, len(self._ids) * self._per_position)
+                return {sequence.id: tokens}
         scored = prefill and sequence.prompt_logprobs is not None
         logits = self._backend.forward(self._next_input, self._cache, every_position=scored)
         prompt = None
@@ -565,7 +590,7 @@ class SingleSequenceDecoder:
         self._next_input = [token]
         self._ids.append(token)
         self._peak = max(self._peak, len(self._ids) * self._per_position)
-        return {sequence.id: token}
+        return {sequence.id: [token]}
 
     def remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:

@@ -15,6 +15,7 @@ import torch
 
 from backends import Sampling
 from backends.grammar import advance_together
+from backends.prompt_lookup import accepted
 
 
 class TokenChooser:
@@ -179,13 +180,51 @@ def process(
         scores = scores - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0)
     if sampling.greedy:
         return scores
-    return filtered(
-        scores,
-        sampling.scale,
-        top_k=sampling.top_k if 0 < sampling.top_k < decodable else None,
-        top_p=sampling.top_p if sampling.top_p < 1.0 else None,
-        min_p=sampling.min_p if sampling.min_p > 0.0 else None,
-    )
+    return filtered(scores, sampling.scale, **filters(sampling, decodable))
+
+
+def filters(sampling: Sampling, decodable: int) -> dict:
+    """A sequence's top_k, top_p and min_p as `filtered` takes them (None: off)."""
+    return {
+        "top_k": sampling.top_k if 0 < sampling.top_k < decodable else None,
+        "top_p": sampling.top_p if sampling.top_p < 1.0 else None,
+        "min_p": sampling.min_p if sampling.min_p > 0.0 else None,
+    }
+
+
+def verify_draft(logits: torch.Tensor, draft: list[int], chooser: TokenChooser) -> list[int]:
+    """The tokens a verify pass yields: `logits` [len(draft) + 1, vocab], row j the model's after
+    the sequence's next input and draft[:j] (`backends.prompt_lookup`). Only for sequences that
+    `prompt_lookup.speculates` (nothing processed but the temperature and filters).
+
+    Greedy: the draft while it equals the argmax, then the argmax. Sampled, the standard rule for
+    a draft that is one certain token (Leviathan et al. 2023; Chen et al. 2023): draft[j] is kept
+    with probability p_j(draft[j]); else a token drawn from p_j without draft[j], renormalized,
+    ends the step; a draft kept whole is followed by a draw from the last row. Each token so
+    follows p_j exactly, as one drawn a step would. Recorded as generated."""
+    if chooser.sampling.greedy:
+        tokens = accepted(draft, logits[:, : chooser.decodable].argmax(dim=-1).tolist())
+    else:
+        sampling, decodable = chooser.sampling, chooser.decodable
+        scores = filtered(logits[:, :decodable].float(), sampling.scale, **filters(sampling, decodable))
+        probs = torch.softmax(scores, dim=-1)
+        n = len(draft)
+        kept = probs[torch.arange(n, device=probs.device), torch.tensor(draft, device=probs.device)].tolist()
+        uniform = torch.rand(n, generator=chooser.generator, device=probs.device).tolist()
+        tokens = []
+        for j, proposed in enumerate(draft):
+            if uniform[j] < kept[j]:
+                tokens.append(proposed)
+                continue
+            rest = probs[j].clone()
+            rest[proposed] = 0.0  # rejected with probability 1 - p_j(proposed) > 0: some mass is left
+            tokens.append(int(torch.multinomial(rest, 1, generator=chooser.generator)))
+            break
+        else:
+            tokens.append(int(torch.multinomial(probs[n], 1, generator=chooser.generator)))
+    for token in tokens:
+        chooser.record(token)
+    return tokens
 
 
 def filtered(scores: torch.Tensor, scale, top_k=None, top_p=None, min_p=None, kmax: int = 0) -> torch.Tensor:

@@ -63,11 +63,12 @@ def bench_in_process(args, backend) -> Result:
         decoder, detokenizer = backend.decoder(backend.max_batch), backend.detokenizer()
         first = None
 
-        def on_tokens(step: int, tokens: dict[int, int]) -> None:
+        def on_tokens(step: int, tokens: dict[int, list[int]]) -> None:
             nonlocal first
-            for token in tokens.values():  # a step may hand over no token (CUDA chains steps)
-                if detokenizer.add(token) and first is None:  # first text, as a client sees it
-                    first = time.perf_counter()
+            for advanced in tokens.values():  # a step may hand over no token (CUDA chains steps)
+                for token in advanced:
+                    if detokenizer.add(token) and first is None:  # first text, as a client sees it
+                        first = time.perf_counter()
 
         drive(decoder, [Sequence(1, prompt_ids, Sampling(), args.max_tokens)], on_tokens=on_tokens)
         detokenizer.flush()
@@ -114,7 +115,7 @@ def chat_in_process(args) -> list[dict]:
             first = None
             sent = time.perf_counter()
 
-            def on_tokens(step: int, tokens: dict[int, int]) -> None:
+            def on_tokens(step: int, tokens: dict[int, list[int]]) -> None:
                 nonlocal first
                 first = first or (time.perf_counter() if tokens else None)
 

@@ -25,6 +25,7 @@ class WrappedBackend:
         self.eos_token_ids = backend.eos_token_ids
         self.max_batch = backend.max_batch
         self.adapters = backend.adapters
+        self.draft_tokens = backend.draft_tokens
 
     def encode(self, text):
         return self.inner.encode(text)
@@ -80,7 +81,7 @@ class WrappedDecoder:
     def add(self, sequence: Sequence) -> int:
         return self.inner.add(sequence)
 
-    def step(self) -> dict[int, int]:
+    def step(self) -> dict[int, list[int]]:
         return self.inner.step()
 
     @property
@@ -119,7 +120,7 @@ class FailingDecoder(WrappedDecoder):
         super().__init__(decoder)
         self._left = after
 
-    def step(self) -> dict[int, int]:
+    def step(self) -> dict[int, list[int]]:
         if self._left == 0:
             raise RuntimeError("simulated device failure")
         self._left -= 1
@@ -201,15 +202,15 @@ class GatedDecoder(WrappedDecoder):
     def logprobs(self):
         return {}  # held tokens come out later than their step: no gated test asks for logprobs
 
-    def step(self) -> dict[int, int]:
+    def step(self) -> dict[int, list[int]]:
         must_step = any(self._may_advance(i) and not self._kept[i] for i in self._given)
         if must_step:
-            for sequence_id, token in self.inner.step().items():
-                self._kept[sequence_id].append(token)
+            for sequence_id, tokens in self.inner.step().items():
+                self._kept[sequence_id].extend(tokens)
         out = {}
         for sequence_id, kept in self._kept.items():
             if kept and self._may_advance(sequence_id):
-                out[sequence_id] = kept.popleft()
+                out[sequence_id] = [kept.popleft()]  # a token at a time: the gate counts them
                 self._given[sequence_id] += 1
         self._gate.holding = sum(not self._may_advance(i) for i in self._given)
         if not must_step and not out:

@@ -105,8 +105,8 @@ def run(decoder, joining: dict[int, list[Sequence]], steps: int = 400) -> dict[i
         for s in joining.get(step, []):
             decoder.add(s)
             ids[s.id], wanted[s.id] = [], s.max_new_tokens
-        for seq_id, token in decoder.step().items():
-            ids[seq_id].append(token)
+        for seq_id, advanced in decoder.step().items():
+            ids[seq_id] += advanced
             if len(ids[seq_id]) == wanted[seq_id]:
                 decoder.remove(seq_id)
         if step >= max(joining) and all(len(ids[i]) == wanted[i] for i in ids):
@@ -207,7 +207,7 @@ def test_the_prompt_cache_never_serves_one_adapter_to_another(backend, reference
         reused = decoder.add(s)
         got = []
         while len(got) < N:
-            got += [t for seq_id, t in decoder.step().items() if seq_id == s.id]
+            got += decoder.step().get(s.id, [])
         decoder.remove(s.id)
         assert got == reference(name, s.prompt_ids), (i, name)
         if i < 3:  # first time with that adapter: nothing of the others' KV
@@ -263,7 +263,7 @@ def test_logprobs_are_the_adapted_models_own(backend, reference_model, max_batch
     while len(ids) < s.max_new_tokens:
         tokens = decoder.step()
         if s.id in tokens:
-            ids.append(tokens[s.id])
+            ids += tokens[s.id]  # one: it asked for logprobs
             steps.append(decoder.logprobs[s.id])
     decoder.remove(s.id)
 

@@ -18,7 +18,10 @@ def greedy_ids(backend, prompt: str, n: int, adapter=None) -> list[int]:
     """n greedy token ids through the backend's own decoder, end-of-text ignored."""
     decoder = backend.decoder()
     decoder.add(Sequence(1, backend.encode(prompt), Sampling(), n, adapter=adapter))
-    ids = [decoder.step()[1] for _ in range(n)]
+    ids = []
+    while len(ids) < n:
+        ids += decoder.step().get(1, [])
+    ids = ids[:n]
     decoder.remove(1)
     return ids
 
