@@ -492,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
         "against the weights and the KV budget (spawns; PHI2_MODEL default random:phi-2)",
     )
     mode.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="prompt-lookup drafts off and on, alternated, on an input-grounded and an open-text workload, and a "
+        "verify pass's cost against a decode step, in process (PHI2_MODEL default random:phi-2)",
+    )
+    mode.add_argument(
         "--adapters",
         action="store_true",
         help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged "
@@ -586,6 +592,12 @@ def main(argv: list[str] | None = None) -> int:
             "adapters:adapter_decoding",
         ),
         (args.startup, "| start | to ready | peak resident | resident when ready |", "startup:startup"),
+        (
+            args.prompt_lookup,
+            "| workload | prompt tokens | drafts off tok/s (runs) | drafts on tok/s (runs) | tokens per step, on "
+            "| on / off | same ids |",
+            "prompt_lookup:prompt_lookup_decoding",
+        ),
         (
             args.kv_budget,
             "| server | statuses (long, 4 short) | long prompt | short, slowest | peak resident "
