@@ -13,17 +13,12 @@ from __future__ import annotations
 import secrets
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
 from backends import Sampling, Sequence
 from backends.mlx_lora import Router, SlotBank
 from backends.mlx_sampling import NEG_INF, process
 from backends.prompt_lookup import PromptLookup, accepted
-
-
-def can_draft(cache: list) -> bool:
-    """Whether a cache can drop rejected draft positions (a sliding window's cannot)."""
-    return can_trim_prompt_cache(cache)
 
 
 class LookupGeneration:

@@ -39,7 +39,7 @@ from backends import (
 from backends.adapters import AdapterRegistry, find_adapter
 from backends.grammar import Grammars
 from backends.mlx_logprobs import token_logprobs
-from backends.mlx_lookup import LookupGeneration, can_draft
+from backends.mlx_lookup import LookupGeneration
 from backends.mlx_lora import (
     Router,
     SlotBank,
@@ -227,7 +227,7 @@ class MlxBackend(TokenizerMethods):
     ) -> LookupGeneration | None:
         """A sequence's generation with prompt-lookup drafts, if it takes them (None: it does not,
         or its cache cannot drop rejected positions)."""
-        if not (self.draft_tokens and speculates(sequence) and can_draft(cache)):
+        if not (self.draft_tokens and speculates(sequence) and can_trim_prompt_cache(cache)):
             return None
         offset = self.router.offset(slot)
         return LookupGeneration(
@@ -519,7 +519,7 @@ class BatchDecoder:
         self.logprobs: dict[int, StepLogprobs] = {}
         self._solo: _Solo | None = None
         # Whether a sequence alone may take drafts: its cache must drop rejected positions.
-        self._drafts = backend.draft_tokens > 0 and can_draft(make_prompt_cache(backend.model))
+        self._drafts = backend.draft_tokens > 0 and can_trim_prompt_cache(make_prompt_cache(backend.model))
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self._prompts.usage()
@@ -541,35 +541,15 @@ class BatchDecoder:
             self._join_batch()  # drafts are verified only while one sequence decodes
         elif not self._uids and self._drafts and speculates(sequence):
             return self._start_solo(sequence)
-        if self._generator is None:
-            self._generator = BatchGenerator(
-                self._backend.model,
-                completion_batch_size=self.capacity,
-                prefill_batch_size=self.capacity,
-                prefill_step_size=self._prefill_step,
-            )
         slot = self._bank.acquire(sequence.adapter)
-        offset = self._router.offset(slot)
         try:
             with self._router.using(self._bank):
-                cache, rest, scores = self._backend.start(sequence, self._prompts, offset)
+                cache, rest, scores = self._backend.start(sequence, self._prompts, self._router.offset(slot))
             reused = len(sequence.prompt_ids) - len(rest)
-            sampler, processors = self._backend.sampler(sequence, offset)
-            (uid,) = self._generator.insert(
-                [[i + offset for i in rest]],
-                max_tokens=[sequence.max_new_tokens],
-                caches=[cache],
-                all_tokens=[[i + offset for i in sequence.prompt_ids[:reused]]],
-                samplers=[sampler],
-                logits_processors=[processors],  # the repetition penalty reads raw logits
-            )
+            uid = self._insert(sequence, slot, rest, sequence.prompt_ids[:reused], cache, sequence.max_new_tokens)
         except BaseException:  # the engine removes no sequence it could not add
             self._bank.release(slot)
             raise
-        self._uids[sequence.id] = uid
-        self._ids[uid] = sequence.id
-        self._sequences[uid] = sequence
-        self._slots[uid] = slot
         if scores is not None:
             self._prompt_scores[uid] = scores
         return reused if scores is None else 0
@@ -605,12 +585,17 @@ class BatchDecoder:
         (the rest of its prompt, or its next input) as its prompt."""
         solo, self._solo = self._solo, None
         drafted, sequence = solo.generation, solo.generation.sequence
-        offset = self._router.offset(solo.slot)
         if drafted.next is None:
             rest, left = drafted.rest, sequence.max_new_tokens
         else:
             rest, left = [drafted.next], sequence.max_new_tokens - drafted.generated
-        held = solo.ids[: len(solo.ids) - len(rest)]
+        self._insert(sequence, solo.slot, rest, solo.ids[: len(solo.ids) - len(rest)], drafted.cache, left)
+
+    def _insert(
+        self, sequence: Sequence, slot: int | None, rest: list[int], held: list[int], cache: list, max_tokens: int
+    ) -> int:
+        """Put a sequence into the batch (a generator made first if none runs): `rest`, the ids
+        its `cache` lacks, go in as its prompt; `held` are the ids the cache holds (plain)."""
         if self._generator is None:
             self._generator = BatchGenerator(
                 self._backend.model,
@@ -618,19 +603,21 @@ class BatchDecoder:
                 prefill_batch_size=self.capacity,
                 prefill_step_size=self._prefill_step,
             )
+        offset = self._router.offset(slot)
         sampler, processors = self._backend.sampler(sequence, offset)
         (uid,) = self._generator.insert(
             [[i + offset for i in rest]],
-            max_tokens=[left],
-            caches=[drafted.cache],
+            max_tokens=[max_tokens],
+            caches=[cache],
             all_tokens=[[i + offset for i in held]],
             samplers=[sampler],
-            logits_processors=[processors],
+            logits_processors=[processors],  # the repetition penalty reads raw logits
         )
         self._uids[sequence.id] = uid
         self._ids[uid] = sequence.id
         self._sequences[uid] = sequence
-        self._slots[uid] = solo.slot
+        self._slots[uid] = slot
+        return uid
 
     def step(self) -> dict[int, list[int]]:
         solo = self._solo

@@ -565,9 +565,9 @@ class SingleSequenceDecoder:
             return {}
         prefill = len(self._ids) == len(sequence.prompt_ids)
         if not prefill and self._lookup is not None:
-            generated = self._ids[len(sequence.prompt_ids) :]
-            self._lookup.catch_up(generated)
-            draft = self._lookup.draft(sequence.max_new_tokens - len(generated) - 1, self._backend.undecodable_from)
+            self._lookup.extend(self._ids[len(self._lookup.ids) :])  # its text is the lookup's
+            generated = len(self._ids) - len(sequence.prompt_ids)
+            draft = self._lookup.draft(sequence.max_new_tokens - generated - 1, self._backend.undecodable_from)
             if draft:  # its next input and the draft in one pass; the KV of rejected ids dropped
                 logits = self._backend.forward(self._next_input + draft, self._cache, every_position=True)
                 tokens = verify_draft(logits, draft, self._chooser)

@@ -103,10 +103,10 @@ def test_a_second_sequence_ends_the_drafts_and_both_decode_as_alone(request, mon
     assert got.ids == alone
 
 
-def test_a_draft_never_goes_past_max_tokens(torch_backend, monkeypatch):
+def test_a_draft_never_goes_past_max_tokens(request, monkeypatch):
     # Each step's tokens fit what the sequence may still generate: its KV stays within what the
     # budget reserved (prompt + max_tokens).
-    backend, decoder = decoders_of(torch_backend, 4, monkeypatch)
+    backend, decoder = decoders(request, "torch", 4, 4, monkeypatch)
     for n in (1, 2, 3, 5, 9):
         decoder.add(Sequence(n, backend.encode(REPEATING), Sampling(), n))
         got = []
@@ -114,11 +114,6 @@ def test_a_draft_never_goes_past_max_tokens(torch_backend, monkeypatch):
             got += decoder.step().get(n, [])
         assert len(got) == n
         decoder.remove(n)
-
-
-def decoders_of(backend, max_batch, monkeypatch):
-    monkeypatch.setattr(backend, "draft_tokens", 4)
-    return backend, backend.decoder(max_batch, prompt_cache_bytes=0)
 
 
 # -- sampled: the acceptance rule ----------------------------------------------------------------
