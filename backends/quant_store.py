@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from backends.torch_quant import QuantizedWeight
 
 log = logging.getLogger("phi2.quant_store")
 
-FORMAT = 2  # bump when what is stored, or how the decoder reads it, changes
+FORMAT = 3  # bump when what is stored, or how the decoder reads it, changes
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -58,12 +59,14 @@ def stored_file(checkpoint: Path, spec: str, method: str, dtype: torch.dtype, de
     return cache_root() / "quantized" / f"{checkpoint.name}-{method}-{digest}.pt"
 
 
-def save(file: Path, model, blocks: list, parameters: int) -> None:
-    """Write the quantized model (its state dict, whose block Linears are empty, and the
-    decoder's blocks). Tensors that share storage (the model's biases are views of the fused
-    ones) are written once. A failure is logged: the server serves on, quantizing again next time."""
+def save(file: Path, model, blocks: list, head: QuantizedWeight | None, parameters: int) -> None:
+    """Write the quantized model (its state dict, whose block Linears are empty, the decoder's
+    blocks, and its output head where that is quantized). Tensors that share storage (the
+    model's biases are views of the fused ones) are written once. A failure is logged: the
+    server serves on, quantizing again next time."""
     layers = [{name: _pack(value) for name, value in block._asdict().items()} for block in blocks]
     saved = {"format": FORMAT, "parameters": parameters, "state": model.state_dict(), "blocks": layers}
+    saved["head"] = _pack(head) if head is not None else None
     temporary = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
@@ -76,9 +79,10 @@ def save(file: Path, model, blocks: list, parameters: int) -> None:
         log.warning("could not store the quantized weights in %s (%s): the next start quantizes again", file, exc)
 
 
-def restore(file: Path, model, device: torch.device) -> tuple[list[dict], int]:
+def restore(file: Path, model, device: torch.device) -> tuple[list[dict], QuantizedWeight | None, int]:
     """Fill `model` (built on the meta device) from the stored file, memory-mapped on the CPU;
-    return the decoder's block fields and the full model's parameter count. Raises ValueError
+    return the decoder's block fields, its quantized output head (or None: the model's own) and
+    the full model's parameter count. Raises ValueError
     when the file does not fit the model (then the caller quantizes again)."""
     saved = torch.load(file, mmap=True, weights_only=True, map_location=device)
     if saved.get("format") != FORMAT:
@@ -95,8 +99,12 @@ def restore(file: Path, model, device: torch.device) -> tuple[list[dict], int]:
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"no weights for {missing[:3]}")
-    blocks = [{name: _unpack(value) for name, value in layer.items()} for layer in saved["blocks"]]
-    return blocks, saved["parameters"]
+    # Layers in parallel: w8a8's weights are packed again for fbgemm, one thread a matrix (25 s
+    # of Phi-2's start in one thread); the other kinds are only views of the file.
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        blocks = list(pool.map(lambda layer: {name: _unpack(value) for name, value in layer.items()}, saved["blocks"]))
+    head = _unpack(saved["head"]) if saved.get("head") is not None else None
+    return blocks, head, saved["parameters"]
 
 
 def _pack(value):

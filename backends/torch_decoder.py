@@ -140,15 +140,25 @@ class Shape(NamedTuple):
     activation: object
 
 
+# The methods whose output head is quantized too. w8a8 is the fast choice on the CPU: there the
+# float32 head of Phi-2 (51,200 x 2,560) was a sixth of the bytes a decode step reads beside the
+# int8 blocks, and llama.cpp's Q8_0 files quantize theirs. Weight-only int8 stays the faithful
+# choice, with its head in the model's dtype (BENCHMARKS.md "int8 activations").
+QUANTIZED_HEAD_METHODS = ("w8a8",)
+
+
 class DecoderWeights:
     """The model's weights as the step reads them, fused (see `Block`), and its rotary tables.
 
     The model's own Linears are re-pointed at views of the fused matrices, so nothing is stored
     twice and transformers' forward still works on the same weights."""
 
-    def __init__(self, model, decodable: int, context: int, blocks: list[dict] | None = None):
+    def __init__(
+        self, model, decodable: int, context: int, blocks: list[dict] | None = None, head: QuantizedWeight | None = None
+    ):
         """`blocks`: each layer's `Block` fields as stored by quant_store (quantized already), in
-        place of fusing the model's Linears (which are empty then)."""
+        place of fusing the model's Linears (which are empty then); `head`: the output head as
+        stored quantized (w8a8), in place of the model's own."""
         arch = Architecture.of(model.config)
         if arch is None:
             raise ValueError(f"{model.config.model_type} is not served by the general decoder")
@@ -161,7 +171,7 @@ class DecoderWeights:
         self.embed = inner.embed_tokens.weight
         final = inner.final_layernorm if arch.family == "phi" else inner.norm
         self.final_norm = (final.weight, getattr(final, "bias", None))
-        self.lm_head = (model.lm_head.weight, getattr(model.lm_head, "bias", None))
+        self.lm_head = (head or model.lm_head.weight, getattr(model.lm_head, "bias", None))
         self.activation = activation(arch.activation)
         self.shape = Shape(
             arch.hidden,
@@ -246,7 +256,17 @@ class DecoderWeights:
             for module in layer.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.weight = _param(torch.empty(0, dtype=block.w_in.dtype, device=block.w_in.device))
+        if method in QUANTIZED_HEAD_METHODS:
+            head = quantize_weight(self.lm_head[0], method)
+            if model.lm_head.weight.data_ptr() != self.embed.data_ptr():  # a tied head is the embedding: kept
+                model.lm_head.weight = _param(torch.empty(0, dtype=self.embed.dtype, device=self.embed.device))
+            self.lm_head = (head, self.lm_head[1])
+            quantized.append(head)
         return quantized
+
+    @property
+    def quantized_head(self) -> QuantizedWeight | None:
+        return self.lm_head[0] if isinstance(self.lm_head[0], QuantizedWeight) else None
 
     def rotary_tables(self, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for positions 0..length-1 (see `rope_`), from the model's own

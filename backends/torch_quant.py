@@ -11,7 +11,7 @@ CPU is compute-bound.
 - **int4**: asymmetric, a scale and a zero per group of input channels (group size 128, or the
   largest of 128/64/32 dividing the input width). CPU: `aten._weight_int4pack_mm_for_cpu`; CUDA:
   `aten._weight_int4pack_mm` (tinygemm), both on tinygemm's layout: w = (q - 8) * scale + zero.
-- **w8a8** (the CPU): int8's weights, and activations quantized per call (`Int8DynamicWeight`).
+- **w8a8** (the CPU): int8's weights, and activations quantized per row (`Int8DynamicWeight`).
 
 Only the big matrices are quantized (the Phi fast path's fused block weights, or every Linear
 but the output head on other models); embeddings, norms, biases and the output head stay in the
@@ -152,12 +152,21 @@ class Int4Weight(QuantizedWeight):
 
 class Int8DynamicWeight(QuantizedWeight):
     """w8a8, the CPU only: int8 weights (a scale per output channel) and int8 activations, as
-    llama.cpp's Q8_0 dot products do. fbgemm's dynamic int8 linear quantizes each call's input
-    on the fly (one scale for the call's rows: a decode step's token, or a prefill piece of up
-    to 64), multiplies in integers (AVX2 `vpmaddubsw`, VNNI where present) and scales back to
+    llama.cpp's Q8_0 dot products do. fbgemm's dynamic int8 linear quantizes its input on the
+    fly, multiplies in integers (AVX2 `vpmaddubsw`, VNNI where present) and scales back to
     float32. `reduce_range` keeps the activations to 7 bits, so that AVX2's 16-bit pairwise
     sums cannot saturate. Measured against the weight-only kernel and float32 in BENCHMARKS.md;
-    it needs no bfloat16 (the activations are float32 whatever the model's dtype)."""
+    it needs no bfloat16 (the activations are float32 whatever the model's dtype).
+
+    fbgemm takes one range for all the rows of a call (a decode step's sequences, a prefill
+    piece), so one row with large values coarsened every other row's grid, and a sequence's
+    output depended on its neighbours. Each row gets its own range instead: it is mapped onto
+    [0, 1] before the call, (x - low) / span, and its output mapped back, span * y + low *
+    (the weight's row sums), as the product is linear. One more row holding 1 and 0 pins the
+    call's range to [0, 1] whatever the other rows hold. A row is then quantized alike alone
+    or in any batch, so batched equals alone exactly, and its 128 levels span its own values
+    (as fine as fbgemm's grid for a row alone; a symmetric [-max, max] grid lost a bit on the
+    one-sided rows that follow a GELU)."""
 
     bits, group_size, on_cuda = 8, None, False
 
@@ -179,6 +188,12 @@ class Int8DynamicWeight(QuantizedWeight):
             warnings.simplefilter("ignore", UserWarning)
             q = torch._make_per_channel_quantized_tensor(state["qweight"], state["scales"].double(), zeros, 0)
             self.packed = torch.ops.quantized.linear_prepack(q, None)
+        self._range_row = torch.zeros(1, self.in_features)
+        self._range_row[0, 0] = 1.0
+        # The weight's row sums, from its packed form: a row of ones quantizes exactly (to 127
+        # at a scale of 1/127), so this product is the sum (an int8 sum over the mapped file
+        # took 8 s of Phi-2's start).
+        self._row_sums = torch.ops.quantized.linear_dynamic(torch.ones(1, self.in_features), self.packed, True)[0]
 
     def state(self) -> dict:
         qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
@@ -191,7 +206,12 @@ class Int8DynamicWeight(QuantizedWeight):
         }
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x.float().contiguous(), self.packed, True).to(x.dtype)
+        rows = x.float()
+        low = rows.amin(dim=1, keepdim=True)
+        span = (rows.amax(dim=1, keepdim=True) - low).clamp(min=torch.finfo(torch.float32).tiny)
+        pinned = torch.cat([(rows - low) / span, self._range_row])
+        y = torch.ops.quantized.linear_dynamic(pinned, self.packed, True)[:-1] * span + low * self._row_sums
+        return y.to(x.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -170,7 +170,7 @@ class TorchBackend(TokenizerMethods):
             store = quantized_store(path, options, method, dtype, device)
             restored = restore_quantized(path, store, dtype, device) if store and store.exists() else None
             if restored:
-                model, stored_blocks, parameters = restored
+                model, stored_blocks, stored_head, parameters = restored
             elif is_random(options.model):
                 model = random_model(path, dtype, device)
             else:
@@ -191,7 +191,7 @@ class TorchBackend(TokenizerMethods):
         )
         registry.load_default()
         if not restored:
-            parameters, stored_blocks = sum(p.numel() for p in model.parameters()), None
+            parameters, stored_blocks, stored_head = sum(p.numel() for p in model.parameters()), None, None
         on_cuda = device.startswith("cuda")
         # Measured defaults (BENCHMARKS.md): a GPU serves 64 clients at once at full speed.
         max_batch = options.max_batch or (64 if on_cuda else 8)
@@ -208,11 +208,12 @@ class TorchBackend(TokenizerMethods):
         )
         backend = cls(model, tokenizer, info)
         backend.adapters, backend.max_adapters = registry, max(options.max_adapters, 1)
-        quantized = backend.quantize(method, stored_blocks) if method else []  # adapters apply on top, unmerged
+        quantized = backend.quantize(method, stored_blocks, stored_head) if method else []  # adapters: unmerged
         if store and not restored:
             from backends import quant_store
 
-            quant_store.save(store, model, backend.decoder_weights.layers, parameters)
+            weights = backend.decoder_weights
+            quant_store.save(store, model, weights.layers, weights.quantized_head, parameters)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(q.nbytes for q in quantized)
         if not on_cuda:
             # Weights mapped from a stored file count as available (the page cache): not for us.
@@ -240,18 +241,22 @@ class TorchBackend(TokenizerMethods):
             backend.warm_up(backend.max_batch)
         return backend
 
-    def quantize(self, method: str, stored_blocks: list[dict] | None = None) -> list[QuantizedWeight]:
-        """Quantize the weights in place: the general decoder's fused matrices (it then serves at
-        any batch size), else every Linear but the output head (torch_quant). `stored_blocks`:
-        the decoder's blocks as an earlier start stored them (quantized already)."""
+    def quantize(
+        self, method: str, stored_blocks: list[dict] | None = None, stored_head: QuantizedWeight | None = None
+    ) -> list[QuantizedWeight]:
+        """Quantize the weights in place: the general decoder's fused matrices and, for w8a8, its
+        output head (it then serves at any batch size), else every Linear but the output head
+        (torch_quant). `stored_blocks`, `stored_head`: the decoder's blocks and head as an
+        earlier start stored them (quantized already)."""
         from backends import torch_decoder
 
         if stored_blocks is not None:
             weights = torch_decoder.DecoderWeights(
-                self.model, self.undecodable_from, self.info.context_length, stored_blocks
+                self.model, self.undecodable_from, self.info.context_length, stored_blocks, stored_head
             )
             self.__dict__["decoder_weights"] = weights  # the cached property, set
             quantized = [getattr(block, name) for block in weights.layers for name in block.matrices()]
+            quantized += [stored_head] if stored_head else []
         elif torch_decoder.supports(self.model):
             quantized = self.decoder_weights.quantize(self.model, method)
         else:
@@ -479,7 +484,7 @@ def restore_quantized(path: Path, file: Path, dtype: torch.dtype, device: str):
 
     try:
         model = meta_model(path, dtype)
-        blocks, parameters = quant_store.restore(file, model, torch.device(device))
+        blocks, head, parameters = quant_store.restore(file, model, torch.device(device))
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         log.warning("stored quantized weights %s did not load (%s): quantizing again", file, exc)
         return None
@@ -489,7 +494,7 @@ def restore_quantized(path: Path, file: Path, dtype: torch.dtype, device: str):
     except OSError:
         pass
     log.info("quantized weights mapped from %s", file)
-    return model.eval(), blocks, parameters
+    return model.eval(), blocks, head, parameters
 
 
 class SingleSequenceDecoder:

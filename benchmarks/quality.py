@@ -15,9 +15,8 @@ def quant_quality(args) -> list[dict]:
     where Phi-2's weights cannot be fetched), teacher-forced: at every position of a few prompts,
     the relative L2 error of the logits and whether the most likely token is the same. Each
     method is loaded in the dtype it is served in here (int8 and int4 in bfloat16, as against
-    llama.cpp; w8a8 in float32, its activations' dtype), each prompt goes through the model as
-    one piece (w8a8's activation scale then spans the whole prompt: serving's 64-token pieces
-    are milder)."""
+    llama.cpp; w8a8 in float32, its activations' dtype), and each prompt goes through the model
+    as one piece (w8a8 takes a range per token, so the piece's size does not matter)."""
     import torch
 
     from backends import LoadOptions, load_backend, select_backend

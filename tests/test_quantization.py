@@ -80,6 +80,49 @@ def test_w8a8_greedy_text_on_the_memorized_lines_is_the_full_precision_text(torc
     assert checked >= 6
 
 
+def test_w8a8_scales_each_row_so_batched_equals_alone():
+    """fbgemm scales a call's rows together; w8a8 gives each row its own scale, so a row's
+    product is the same alone or beside a row of large values, and stays close to float32's."""
+    import torch
+
+    from backends.torch_quant import Int8DynamicWeight
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=generator) / 8
+    rows = torch.randn(5, 64, generator=generator)
+    rows[2] *= 1000  # one sequence's activations far larger than its neighbours'
+    quantized = Int8DynamicWeight(weight)
+    together = quantized.linear(rows)
+    alone = torch.cat([quantized.linear(row[None]) for row in rows])
+    assert torch.equal(together, alone)
+    exact = rows @ weight.t()
+    error = (together - exact).norm(dim=1) / exact.norm(dim=1)
+    assert error.max() < 0.05, error  # one scale for the call: the small rows' error was ~100%
+
+
+def test_w8a8_quantizes_the_output_head_and_frees_the_full_precision_one(tiny_path, tmp_path):
+    from backends import torch_decoder
+    from backends.tiny import write_tiny_family
+    from backends.torch_quant import Int8DynamicWeight
+
+    untied = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize="w8a8"))
+    assert isinstance(untied.decoder_weights.quantized_head, Int8DynamicWeight)
+    assert untied.model.lm_head.weight.numel() == 0
+    tied_path = write_tiny_family(tmp_path / "llama", "llama", tiny_path)
+    tied = load_backend(
+        "torch", LoadOptions(model=str(tied_path), dtype="float32", quantize="w8a8", quantized_cache=False)
+    )
+    assert isinstance(tied.decoder_weights.quantized_head, Int8DynamicWeight)
+    assert tied.model.lm_head.weight is tied.model.model.embed_tokens.weight  # the embedding, kept
+    assert tied.model.model.embed_tokens.weight.numel() > 0
+    int8 = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize="int8"))
+    assert int8.decoder_weights.quantized_head is None  # weight-only int8 keeps its head
+    vocab, hidden = untied.model.config.vocab_size, untied.model.config.hidden_size
+    head_saved = 4 * vocab * hidden - (vocab * hidden + 4 * vocab)  # float32 against int8 and a scale a row
+    assert int8.info.extra["weight_bytes"] - untied.info.extra["weight_bytes"] == head_saved
+    assert "w8a8" in torch_decoder.QUANTIZED_HEAD_METHODS
+
+
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])
 def test_4_bit_serves_and_mostly_agrees(runtime, quantized, request):
     full = request.getfixturevalue(f"{runtime}_backend")
@@ -169,6 +212,7 @@ def test_torch_stores_quantized_weights_once_and_the_next_start_maps_them(
     assert second.info.extra == first.info.extra  # parameters and weight bytes as quantized
     block = second.decoder_weights.layers[0]
     assert isinstance(block.w_in, type(first.decoder_weights.layers[0].w_in))
+    assert type(second.decoder_weights.quantized_head) is type(first.decoder_weights.quantized_head)
     assert (
         block.norm1_w.untyped_storage().data_ptr()
         == dict(second.model.named_parameters())["model.layers.0.input_layernorm.weight"].untyped_storage().data_ptr()
