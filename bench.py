@@ -10,6 +10,7 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --quant-quality          # int8/int4/w8a8 logits against float32's (random:phi-2)
     python bench.py --quant-agreement        # 8- and 4-bit greedy text against full precision (tiny)
     python bench.py --startup                # PHI2_QUANTIZE's start to ready: quantizing, storing, mapping
+    python bench.py --llama-cpp DIR          # against llama.cpp's llama-server built in DIR, same weights
     python bench.py --chat 4                 # a chat re-sending its history: prompt cache on, then off
     python bench.py --shared-prefix 4        # 4 clients sharing a system prompt: cache on, then off
     python bench.py --latency --url URL      # a long prompt's TTFT; streams' inter-token latency as long prompts arrive
@@ -503,6 +504,20 @@ def main(argv: list[str] | None = None) -> int:
         help="per-request LoRA adapters: a batch of 8 mixing 4 against the base model, and batch 1 unmerged "
         "against merged, in process (PHI2_MODEL default random:phi-2)",
     )
+    mode.add_argument(
+        "--llama-cpp",
+        metavar="DIR",
+        help="against llama.cpp's llama-server built in DIR, same weights, alternated: decode, TTFT, 4 clients, "
+        "start and memory per --llama-pairs (PHI2_MODEL default random:phi-2; benchmarks/llama_cpp.py)",
+    )
+    parser.add_argument(
+        "--llama-pairs",
+        default="w8a8-q8_0,int8-q8_0,int4-q4_0,bf16-bf16",
+        help="--llama-cpp's pairs, this server's method against llama.cpp's GGUF type (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--llama-work", metavar="DIR", help="--llama-cpp's checkpoint and GGUF files, kept for the next run"
+    )
     parser.add_argument(
         "--latency",
         action="store_true",
@@ -592,6 +607,12 @@ def main(argv: list[str] | None = None) -> int:
             "adapters:adapter_decoding",
         ),
         (args.startup, "| start | to ready | peak resident | resident when ready |", "startup:startup"),
+        (
+            args.llama_cpp,
+            "| pair | server | decode tok/s, 1 client | TTFT, 20-token prompt | TTFT, long prompt "
+            "| aggregate tok/s, 4 clients | start to ready | resident ready / after / peak |",
+            "llama_cpp:compare",
+        ),
         (
             args.prompt_lookup,
             "| workload | prompt tokens | drafts off tok/s (runs) | drafts on tok/s (runs) | tokens per step, on "
