@@ -21,12 +21,19 @@ model's dtype. The kernels were measured against each other on Phi-2's shapes (b
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 from backends import ModelLoadError
 
 METHODS = ("int8", "int4", "w8a8")
+
+# torch 2.13 deprecates quantized tensors, which fbgemm's linear takes (w8a8). Filtered once here,
+# by its message, and not with catch_warnings per weight: that swaps the process's filters and
+# is not safe in the threads that unpack stored weights (quant_store).
+warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel", category=UserWarning)
 INT4_GROUP_SIZES = (128, 64, 32)
 
 
@@ -180,14 +187,10 @@ class Int8DynamicWeight(QuantizedWeight):
         self._restore({"qweight": qweight, "scales": scales, "out_features": w.shape[0], "in_features": w.shape[1]})
 
     def _restore(self, state: dict) -> None:
-        import warnings
-
         self.out_features, self.in_features = state["out_features"], state["in_features"]
         zeros = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; fbgemm's linear takes them
-            warnings.simplefilter("ignore", UserWarning)
-            q = torch._make_per_channel_quantized_tensor(state["qweight"], state["scales"].double(), zeros, 0)
-            self.packed = torch.ops.quantized.linear_prepack(q, None)
+        q = torch._make_per_channel_quantized_tensor(state["qweight"], state["scales"].double(), zeros, 0)
+        self.packed = torch.ops.quantized.linear_prepack(q, None)
         self._range_row = torch.zeros(1, self.in_features)
         self._range_row[0, 0] = 1.0
         # The weight's row sums, from its packed form: a row of ones quantizes exactly (to 127
