@@ -342,31 +342,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class SpawnedServer:
-    """phi2_server.py on a free port, with this process's environment (and `env`); stopped with SIGTERM."""
+class ServerProcess:
+    """A server process at `url` with this process's environment (and `env`), ready once
+    `ready_path` answers 200; stopped with SIGTERM. `output`: a file for its log (default:
+    this process's own streams)."""
 
-    def __init__(self, ready_timeout: float, env: dict | None = None):
-        port = free_port()
-        here = os.path.dirname(os.path.abspath(__file__))
-        command = [sys.executable, os.path.join(here, "phi2_server.py"), "--host", "127.0.0.1", "--port", str(port)]
-        self.process = subprocess.Popen(command, env={**os.environ, **(env or {})})
-        self.url = f"http://127.0.0.1:{port}"
-        asyncio.run(self._wait_ready(ready_timeout))
+    def __init__(
+        self,
+        command: list[str],
+        url: str,
+        ready_timeout: float,
+        env: dict | None = None,
+        ready_path: str = "/ready",
+        output=None,
+    ):
+        started = time.perf_counter()
+        self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=output, stderr=output)
+        self.url = url
+        try:
+            asyncio.run(self._wait_ready(ready_path, ready_timeout))
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.perf_counter() - started
 
-    async def _wait_ready(self, timeout: float) -> None:
+    async def _wait_ready(self, path: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise SystemExit(f"the server exited with status {self.process.returncode}")
+                    raise SystemExit(f"{self.process.args[0]} exited with status {self.process.returncode}")
                 try:
-                    async with session.get(self.url + "/ready") as response:
+                    async with session.get(self.url + path) as response:
                         if response.status == 200:
                             return
                 except aiohttp.ClientError:
                     pass
-                await asyncio.sleep(0.5)
-        raise SystemExit(f"the server was not ready after {timeout:.0f} s")
+                await asyncio.sleep(0.2)
+        raise SystemExit(f"{self.process.args[0]} was not ready after {timeout:.0f} s")
 
     def peak_rss_gib(self, field: str = "VmHWM") -> float | None:
         """The server's peak resident memory (VmHWM), or with field="VmRSS" its memory now."""
@@ -380,8 +393,19 @@ class SpawnedServer:
         return None
 
     def stop(self) -> None:
-        self.process.terminate()
+        if self.process.poll() is None:
+            self.process.terminate()
         self.process.wait(60)
+
+
+class SpawnedServer(ServerProcess):
+    """phi2_server.py on a free port."""
+
+    def __init__(self, ready_timeout: float, env: dict | None = None, output=None):
+        port = free_port()
+        here = os.path.dirname(os.path.abspath(__file__))
+        command = [sys.executable, os.path.join(here, "phi2_server.py"), "--host", "127.0.0.1", "--port", str(port)]
+        super().__init__(command, f"http://127.0.0.1:{port}", ready_timeout, env, output=output)
 
 
 # -- reporting ----------------------------------------------------------------------------------

@@ -30,11 +30,12 @@ from backends import ModelLoadError
 
 METHODS = ("int8", "int4", "w8a8")
 
+INT4_GROUP_SIZES = (128, 64, 32)
+
 # torch 2.13 deprecates quantized tensors, which fbgemm's linear takes (w8a8). Filtered once here,
 # by its message, and not with catch_warnings per weight: that swaps the process's filters and
 # is not safe in the threads that unpack stored weights (quant_store).
 warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel", category=UserWarning)
-INT4_GROUP_SIZES = (128, 64, 32)
 
 
 def parse_method(requested: str) -> str:

@@ -100,55 +100,9 @@ def gguf(tree: Path, checkpoint: Path, kind: str, out_dir: Path) -> Path:
     return out
 
 
-class Process:
-    """A server process on a free port, ready when `ready_path` answers 200."""
+def start_ours(checkpoint: Path, env: dict, cache: Path, timeout: float, log: Path):
+    from bench import SpawnedServer
 
-    def __init__(self, command: list[str], url: str, ready_path: str, env: dict, timeout: float, log: Path):
-        started = time.perf_counter()
-        with open(log, "ab") as output:  # its log, not the table's
-            self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=output, stderr=output)
-        self.url = url
-        try:
-            asyncio.run(self._wait(ready_path, timeout))
-        except BaseException:
-            self.stop()
-            raise
-        self.ready_s = time.perf_counter() - started
-        self.rss_ready = self.memory("VmRSS")
-
-    async def _wait(self, path: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise SystemExit(f"{self.process.args[0]} exited with status {self.process.returncode}")
-                try:
-                    async with session.get(self.url + path) as response:
-                        if response.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.2)
-        raise SystemExit(f"{self.process.args[0]} was not ready after {timeout:.0f} s")
-
-    def memory(self, field: str) -> float:
-        with open(f"/proc/{self.process.pid}/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 2**20
-        raise RuntimeError(field)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(60)
-
-
-def start_ours(checkpoint: Path, env: dict, cache: Path, timeout: float, log: Path) -> Process:
-    from bench import free_port
-
-    port = free_port()
-    here = Path(__file__).resolve().parent.parent
-    command = [sys.executable, str(here / "phi2_server.py"), "--host", "127.0.0.1", "--port", str(port)]
     settings = {
         "PHI2_MODEL": str(checkpoint),
         "PHI2_CACHE_DIR": str(cache),
@@ -156,11 +110,12 @@ def start_ours(checkpoint: Path, env: dict, cache: Path, timeout: float, log: Pa
         "PROMPT_LOOKUP_TOKENS": "0",
         **env,
     }
-    return Process(command, f"http://127.0.0.1:{port}", "/ready", settings, timeout, log)
+    with open(log, "ab") as output:  # its log, not the table's
+        return SpawnedServer(timeout, settings, output)
 
 
-def start_llama(tree: Path, model: Path, threads: int, context: int, timeout: float, log: Path) -> Process:
-    from bench import free_port
+def start_llama(tree: Path, model: Path, threads: int, context: int, timeout: float, log: Path):
+    from bench import ServerProcess, free_port
 
     port = free_port()
     command = [
@@ -168,7 +123,8 @@ def start_llama(tree: Path, model: Path, threads: int, context: int, timeout: fl
         *("--model", str(model), "--host", "127.0.0.1", "--port", str(port)),
         *("--threads", str(threads), "--parallel", str(CLIENTS), "--ctx-size", str(context * CLIENTS)),
     ]
-    return Process(command, f"http://127.0.0.1:{port}", "/health", {}, timeout, log)
+    with open(log, "ab") as output:
+        return ServerProcess(command, f"http://127.0.0.1:{port}", timeout, ready_path="/health", output=output)
 
 
 async def stream(session: aiohttp.ClientSession, side: str, url: str, ids: list[int], tokens: int) -> tuple:
@@ -262,7 +218,9 @@ def compare(args) -> list[dict]:
                 first_ready = first.ready_s
                 first.stop()
             sides["this server"] = ours = start_ours(checkpoint, env, cache, args.ready_timeout, log)
+            ready_rss = {"this server": ours.peak_rss_gib("VmRSS")}
             sides["llama.cpp"] = start_llama(tree, model, threads, 2048, args.ready_timeout, log)
+            ready_rss["llama.cpp"] = sides["llama.cpp"].peak_rss_gib("VmRSS")
             sides = {"llama.cpp": sides["llama.cpp"], "this server": ours}
             short = prompt_ids(ours.url, SHORT_PROMPT_TOKENS)
             long = prompt_ids(ours.url, args.long_prompt_tokens)
@@ -280,8 +238,8 @@ def compare(args) -> list[dict]:
                     row[key + "_runs"] = [round(run[key], 3) for run in runs[side]]
                 row["ready_s"] = process.ready_s
                 row["first_ready_s"] = first_ready if side == "this server" and env["PHI2_QUANTIZE"] else None
-                row["rss_ready_gib"], row["rss_after_gib"] = process.rss_ready, process.memory("VmRSS")
-                row["peak_rss_gib"] = process.memory("VmHWM")
+                row["rss_ready_gib"], row["rss_after_gib"] = ready_rss[side], process.peak_rss_gib("VmRSS")
+                row["peak_rss_gib"] = process.peak_rss_gib()
                 rows.append(row)
                 print(
                     f"| {label} | {side} | {row['decode_tok_s']:.2f} | {row['ttft_short_s']:.2f} s "
