@@ -287,6 +287,13 @@ class Engine:
     def active(self) -> int:
         return len(self._running)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing waits or runs, and every sequence that ended has left the decoder (its KV given
+        back). A reply reaches its client before its sequence leaves the decoder (`_finish`), so
+        `active == 0` alone can be read while the decoder still holds it."""
+        return not self._waiting and not self._running and not self._finished
+
     def prompt_cache_usage(self) -> PromptCacheUsage:
         """What the worker's decoder holds in its prompt cache (read from any thread)."""
         decoder = self._decoder

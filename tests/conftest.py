@@ -115,7 +115,7 @@ async def wait_until(predicate, timeout: float = 60.0) -> None:
 
 
 async def wait_idle(engine, timeout: float = 60.0) -> None:
-    await wait_until(lambda: engine.active == 0 and engine.waiting == 0, timeout)
+    await wait_until(lambda: engine.idle, timeout)
 
 
 def post(server, path: str, body: dict) -> tuple[int, dict]:
