@@ -39,10 +39,16 @@ def quantized(tiny_path):
 
 
 def memorized(backend) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, the rest of the line's ids) for each memorized line, cut after a few words."""
+    """(prompt ids, the rest of the line's ids) for each memorized line, cut after a few words,
+    and after as many more as make the prompt begin no other line: two lines begin "Alice:", so
+    the model's next token after it is a near-tie that its training on each CPU settles anew
+    (seen on an AMD EPYC: a logit gap of 0.0008, which int8 flipped)."""
+    lines = ascii_lines()
     cases = []
-    for line in ascii_lines():
+    for line in lines:
         cut = line.index(" ", 6) if " " in line[6:] else len(line) // 2  # the rest starts with its space, as trained
+        while " " in line[cut + 1 :] and sum(other.startswith(line[:cut]) for other in lines) > 1:
+            cut = line.index(" ", cut + 1)
         prompt, rest = backend.encode(line[:cut]), backend.encode(line[cut:])
         cases.append((prompt, rest))
     return cases
