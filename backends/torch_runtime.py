@@ -262,7 +262,7 @@ class TorchBackend(TokenizerMethods):
         else:
             quantized = quantize_linears(self.model, method)
         self.quantized = True
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and stored_blocks is None:  # mapped weights leave nothing behind
             import gc
 
             gc.collect()  # the full-precision copies are garbage now: give their memory back
@@ -324,12 +324,19 @@ class TorchBackend(TokenizerMethods):
 
         decoder = self.decoder(max_batch)
         prompt = self.encode("Hello, how are you today? I am fine, thank you.") or [0]
+        if self.device.type == "cpu":
+            # Nothing is compiled or captured on the CPU: one short generation pages in every
+            # weight (a mapped quantized file's too) and makes the kernels' first calls. The
+            # CUDA warm-up below took 1.5 s of a 7 s mapped int8 start of Phi-2 here, and the
+            # first request after it was no faster than after this one (BENCHMARKS.md).
+            drive(decoder, [Sequence(0, prompt[:2], Sampling(), 2)])
+            return
         # The same prompt twice: the second takes its prefix from the prompt cache and prefills
         # one token, a shape the first request that hits the cache should not pay for.
         for sequence_id in (0, 1):
             drive(decoder, [Sequence(sequence_id, prompt, Sampling(), 2)])
         if isinstance(decoder, BatchedDecoder):
-            decoder.capture()  # CUDA graphs for the short lengths (nothing on the CPU)
+            decoder.capture()  # CUDA graphs for the short lengths
 
     def forward(self, input_ids: list[int], cache, every_position: bool = False) -> torch.Tensor:
         """Raw logits for the position after `input_ids` ([vocab]), or for each of its positions
