@@ -21,6 +21,7 @@ model's dtype. The kernels were measured against each other on Phi-2's shapes (b
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -233,7 +234,50 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     if x.dim() == 2 and 1 < x.shape[0] <= SKINNY_ROWS and not x.is_cuda and _weight_first(x.shape[0], weight):
         y = (weight @ x.t()).t().contiguous()
         return y if bias is None else y + bias
+    if x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] and not x.is_cuda and _gemv_without_onednn(weight):
+        return _without_onednn(F.linear, x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# One row in bfloat16 (a decode step alone) on the CPU: oneDNN's product streamed Phi-2's
+# 17,920 x 2,560 block matrix at 21 GB/s on an AMD EPYC with AVX512-BF16, ATen's own bfloat16
+# GEMV (oneDNN off) at 36 GB/s, and its 51,200-row output head at 16 against 30; from 4 rows
+# on oneDNN was 2.3-9x faster (BENCHMARKS.md). Which is faster for one row depends on the CPU,
+# so it is measured once per dtype on the first such product. The switch is torch's
+# process-wide oneDNN flag, held off only around the product (under a lock): while serving,
+# the worker thread is the only one that multiplies.
+_GEMV_WITHOUT_ONEDNN: dict[torch.dtype, bool] = {}
+_ONEDNN_SWITCH = threading.Lock()
+
+
+def _without_onednn(fn, *args):
+    with _ONEDNN_SWITCH:
+        enabled = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return fn(*args)
+        finally:
+            torch._C._set_mkldnn_enabled(enabled)
+
+
+def _gemv_without_onednn(weight: torch.Tensor) -> bool:
+    if weight.dtype not in _GEMV_WITHOUT_ONEDNN:
+        x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+        onednn = _best_time(lambda: F.linear(x, weight))
+        _GEMV_WITHOUT_ONEDNN[weight.dtype] = _best_time(lambda: _without_onednn(F.linear, x, weight)) < 0.8 * onednn
+    return _GEMV_WITHOUT_ONEDNN[weight.dtype]
+
+
+def _best_time(fn) -> float:
+    import time
+
+    fn()
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
 
 
 # A decode step on the CPU multiplies a few rows (one a sequence) by each weight. For x @ W.T
@@ -249,20 +293,8 @@ _WEIGHT_FIRST: dict[tuple[int, torch.dtype], bool] = {}
 def _weight_first(rows: int, weight: torch.Tensor) -> bool:
     key = (rows, weight.dtype)
     if key not in _WEIGHT_FIRST:
-        import time
-
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-
-        def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(3):
-                started = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - started)
-            return min(times)
-
-        _WEIGHT_FIRST[key] = best(lambda: weight @ x.t()) < 0.8 * best(lambda: F.linear(x, weight))
+        _WEIGHT_FIRST[key] = _best_time(lambda: weight @ x.t()) < 0.8 * _best_time(lambda: F.linear(x, weight))
     return _WEIGHT_FIRST[key]
 
 
