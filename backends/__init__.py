@@ -247,7 +247,10 @@ class Decoder(Protocol):
 
     logprobs: dict[int, StepLogprobs]  # of the last step: {sequence id: its logprobs}, for those that asked
 
-    def remove(self, sequence_id: int) -> None: ...
+    def remove(self, *sequence_ids: int) -> None:
+        """Forget these sequences (ids it does not hold are ignored). The engine removes those
+        that ended in one step with one call, so a decoder may rearrange its rows once."""
+        ...
 
     def fits(self, needs: list[int]) -> bool:
         """Whether new sequences that may reach `needs` positions each (prompt and max_new_tokens)

@@ -76,14 +76,16 @@ def drive(
             out.logprobs.setdefault(seq_id, []).append(scores)
         if on_tokens is not None:
             on_tokens(step, tokens)
+        ended = []
         for seq_id, advanced in tokens.items():
             if seq_id not in active:
                 raise RuntimeError(f"the decoder gave a token to sequence {seq_id}, which is not in its batch")
             # An accepted draft may go past where the sequence ends: the rest is dropped, as the engine does.
             out.ids[seq_id] += advanced[: active[seq_id] - len(out.ids[seq_id])]
             if len(out.ids[seq_id]) == active[seq_id]:
-                decoder.remove(seq_id)
+                ended.append(seq_id)
                 del active[seq_id]
                 adapters.pop(seq_id, None)
                 out.finished.append(seq_id)
+        decoder.remove(*ended)  # those that ended in this step at once, as the engine removes them
     raise RuntimeError(f"not finished after {max_steps} steps: sequences {sorted(active)} still decoding")

@@ -648,11 +648,10 @@ class Engine:
         if not self._finished:
             return
         self._flush(force=True)
-        for seq_id in self._finished:
-            try:
-                decoder.remove(seq_id)
-            except Exception:  # a broken decoder is replaced; the request still got its end
-                log.exception("could not remove sequence %d", seq_id)
+        try:
+            decoder.remove(*self._finished)  # at once: the decoder may rearrange its rows once
+        except Exception:  # a broken decoder is replaced; the requests still got their ends
+            log.exception("could not remove sequences %s", self._finished)
         self._finished.clear()
 
     def _finish_unstarted(self, ticket: Ticket, reason: FinishReason, error: str | None = None) -> None:

@@ -453,7 +453,11 @@ class SingleSequenceDecoder:
             self.logprobs[sequence.id] = StepLogprobs(score, prompt)
         return {sequence.id: [token]}
 
-    def remove(self, sequence_id: int) -> None:
+    def remove(self, *sequence_ids: int) -> None:
+        for sequence_id in sequence_ids:
+            self._remove(sequence_id)
+
+    def _remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
             # Close the generator here, on the generation thread: it holds an MLX stream
             # context that must not be torn down by the garbage collector on another thread.
@@ -655,7 +659,11 @@ class BatchDecoder:
                 self.logprobs[self._ids[r.uid]] = StepLogprobs(score, self._prompt_scores.pop(r.uid, None))
         return out
 
-    def remove(self, sequence_id: int) -> None:
+    def remove(self, *sequence_ids: int) -> None:
+        for sequence_id in sequence_ids:
+            self._remove(sequence_id)
+
+    def _remove(self, sequence_id: int) -> None:
         solo = self._solo
         if solo is not None and solo.generation.sequence.id == sequence_id:
             self._solo = None

@@ -814,27 +814,38 @@ class BatchedDecoder:
         )
 
     @torch.inference_mode()
-    def remove(self, sequence_id: int) -> None:
-        if sequence_id not in self.index:
+    def remove(self, *sequence_ids: int) -> None:
+        """Forget these sequences, keeping the slots packed (0..n-1): the sequences in the last
+        rows move into the freed ones, every layer's rows in one copy for all of them (64
+        sequences ending in one step were 64 x 2 x layers copies, 90 ms on an H200, which the
+        next requests waited for)."""
+        gone = [i for i in dict.fromkeys(sequence_ids) if i in self.index]
+        if not gone:
             return
         self._drain()
-        if self.slots[self.index[sequence_id]].next_token is not None:  # its prefill completed
-            self._store(self.index[sequence_id])
-        slot = self.index.pop(sequence_id)
-        self._reserved -= self._columns(self._need(self.slots[slot].sequence)) * self.per_position
-        if self.slots[slot].lora_index >= 0:
-            self.lora.release(self.slots[slot].lora_index)
-        last = len(self.slots) - 1
-        if slot != last:  # keep slots packed: the last sequence moves into the freed slot
-            moved = self.slots[last]
-            n = moved.cached
-            if n:  # (a row the cache holds: a slot not yet prefilled may have none)
-                for k, v in zip(self.k, self.v, strict=True):
-                    k[slot, :, :n] = k[last, :, :n]
-                    v[slot, :, :n] = v[last, :, :n]
-            self.slots[slot] = moved
-            self.index[moved.sequence.id] = slot
-        self.slots.pop()
+        for sequence_id in gone:
+            row = self.index[sequence_id]
+            slot = self.slots[row]
+            if slot.next_token is not None:  # its prefill completed
+                self._store(row)
+            self._reserved -= self._columns(self._need(slot.sequence)) * self.per_position
+            if slot.lora_index >= 0:
+                self.lora.release(slot.lora_index)
+        freed = {self.index.pop(sequence_id) for sequence_id in gone}
+        kept = len(self.slots) - len(freed)
+        holes = sorted(row for row in freed if row < kept)
+        movers = [row for row in range(kept, len(self.slots)) if row not in freed]  # as many as the holes
+        n = max((self.slots[row].cached for row in movers), default=0)
+        if n:  # (rows the cache holds: slots not yet prefilled may have none)
+            source = torch.tensor(movers, device=self.device)
+            target = torch.tensor(holes, device=self.device)
+            for k, v in zip(self.k, self.v, strict=True):
+                k[target, :, :n] = k[source, :, :n]
+                v[target, :, :n] = v[source, :, :n]
+        for hole, mover in zip(holes, movers, strict=True):
+            self.slots[hole] = self.slots[mover]
+            self.index[self.slots[hole].sequence.id] = hole
+        del self.slots[kept:]
         self._shrink()
 
     @torch.inference_mode()

@@ -604,7 +604,11 @@ class SingleSequenceDecoder:
         self._peak = max(self._peak, len(self._ids) * self._per_position)
         return {sequence.id: [token]}
 
-    def remove(self, sequence_id: int) -> None:
+    def remove(self, *sequence_ids: int) -> None:
+        for sequence_id in sequence_ids:
+            self._remove(sequence_id)
+
+    def _remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
             if len(self._ids) > len(self._sequence.prompt_ids):  # its prefill completed
                 self._store()

@@ -88,8 +88,8 @@ class WrappedDecoder:
     def logprobs(self):
         return self.inner.logprobs
 
-    def remove(self, sequence_id: int) -> None:
-        self.inner.remove(sequence_id)
+    def remove(self, *sequence_ids: int) -> None:
+        self.inner.remove(*sequence_ids)
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self.inner.prompt_cache_usage()
@@ -189,11 +189,12 @@ class GatedDecoder(WrappedDecoder):
         self._gate._count(+1)
         return reused
 
-    def remove(self, sequence_id: int) -> None:
-        self.inner.remove(sequence_id)
-        if self._given.pop(sequence_id, None) is not None:
-            del self._kept[sequence_id], self._held[sequence_id]
-            self._gate._count(-1)
+    def remove(self, *sequence_ids: int) -> None:
+        self.inner.remove(*sequence_ids)
+        for sequence_id in sequence_ids:
+            if self._given.pop(sequence_id, None) is not None:
+                del self._kept[sequence_id], self._held[sequence_id]
+                self._gate._count(-1)
 
     def _may_advance(self, sequence_id: int) -> bool:
         return self._gate.released or not self._held[sequence_id] or self._given[sequence_id] < self._gate.after

@@ -56,6 +56,20 @@ def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_back
     assert not decoder.slots  # every slot was freed
 
 
+def test_sequences_leaving_together_disturb_no_other(torch_backend):
+    # Three of six end in one step (slots 0, 2 and 3): the engine removes them with one call,
+    # and the last rows' sequences move into the freed ones together, their caches intact.
+    requests = [(p, 60, Sampling()) for p in PROMPTS[:6]]
+    decoder = BatchedDecoder(torch_backend.decoder_weights, 6)
+    out = run_batch(decoder, requests, torch_backend, cancel={0: 9, 2: 9, 3: 9})
+    for i in (1, 4, 5):
+        assert out[i] == alone(torch_backend, requests[i][0], 60), requests[i][0]
+    assert [len(out[i]) for i in (0, 2, 3)] == [9, 9, 9]
+    decoder.add(Sequence(9, torch_backend.encode("Once upon"), Sampling(), 5))
+    decoder.remove(9, 12345)  # an id it does not hold is ignored
+    assert not decoder.slots
+
+
 def test_long_generations_grow_the_cache_and_give_it_back(torch_backend):
     requests = [("Once upon", 400, Sampling()), ("The quick brown", 150, Sampling())]
     decoder = BatchedDecoder(torch_backend.decoder_weights, 2)
