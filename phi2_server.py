@@ -1025,6 +1025,7 @@ async def model_info(request: web.Request) -> web.Response:
             "quantization": info.quantization,
             "load_time_s": round(engine.load_time_s, 3),
             "context_length": info.context_length,
+            "max_batch": engine.max_batch,
             "stats": {**dataclasses.asdict(engine.stats), "waiting": engine.waiting, "active": engine.active},
             "prompt_cache": dataclasses.asdict(engine.prompt_cache_usage()),
             "kv_cache": dataclasses.asdict(engine.kv_cache_usage()),
@@ -3538,6 +3539,10 @@ INFO_SCHEMA = {
         "adapter_applied": {"type": "boolean"},
         "load_time_s": {"type": "number"},
         "context_length": {"type": "integer"},
+        "max_batch": {
+            "type": "integer",
+            "description": "MAX_BATCH as applied: the most sequences decoded together (0 chose the runtime's default)",
+        },
         "stats": {"type": "object"},
         "quantization": {
             "type": ["object", "null"],

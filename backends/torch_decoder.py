@@ -56,7 +56,7 @@ from backends.torch_sampling import (
 
 log = logging.getLogger("phi2_server.torch_decoder")
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # Prefill of one piece after cached columns (a prompt continuing a stored prefix, or a chunk of a
 # long one), on CUDA: from this many tokens, bottom-right causal attention (flash); shorter
 # pieces, an explicit mask (memory-efficient kernel). On an H200 (tests/gpu/kernels.py --only
@@ -65,6 +65,13 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 # was not measured: 768 splits the difference.
 LOWER_RIGHT_FROM = 768
 MIN_LENGTH_BUCKET = 128
+# Prompts prefilled from position 0 on CUDA (every new prompt that no stored prefix shortens) are
+# padded to one of these lengths, and their group to a batch bucket, and replayed from a CUDA
+# graph of that shape (`_prefill_fresh`): an eager prefill of a short prompt was ~500 launches,
+# 10-15 ms on an H200 against ~2 ms of weights to read. Groups of more tokens than
+# PREFILL_GRAPH_TOKENS, longer prompts, and pieces that continue cached columns run eagerly.
+PREFILL_LENGTHS = (16, 32, 64, 128, 256)
+PREFILL_GRAPH_TOKENS = 8192
 
 
 def supports(model) -> bool:
@@ -579,11 +586,14 @@ class BatchedDecoder:
         kv_cache_bytes: int | None = None,
         context: int | None = None,
         draft_tokens: int = 0,
+        prefill_graphs: bool | None = None,
     ):
         """`kv_cache_bytes`: on the CPU, the most bytes the KV cache may take (None: unbounded);
         `context`: the window served, if shorter than the weights' (a budget cut it);
         `draft_tokens`: the most prompt-lookup draft tokens a step verifies while one sequence
-        decodes (0: none)."""
+        decodes (0: none); `prefill_graphs`: new prompts padded to a graph's shape
+        (`_prefill_fresh`); None: with CUDA graphs and the fused step. Without CUDA graphs
+        (the CPU, in tests) the padded pass runs eagerly."""
         self.weights = weights
         self.prompts = PrefixCache(prompt_cache_bytes)
         self._to_store: list[int] = []  # sequences whose complete prompts are to be stored
@@ -647,6 +657,9 @@ class BatchedDecoder:
         self.logprobs: dict[int, StepLogprobs] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
+        self.prefill_graphs = (self.use_graphs and self.fused) if prefill_graphs is None else prefill_graphs
+        self._fresh_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._fresh_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # `_fresh_buffers`
 
     def _new_cache(self, rows: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         w = self.weights
@@ -760,6 +773,12 @@ class BatchedDecoder:
         # left to prefill: the first sampled token needs fresh logits). Prompt logprobs need
         # the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
+        prompt = sequence.prompt_ids
+        if self._fresh_shape([(row, prompt, 0)], (), [slot.lora_index], [self._long_prompt(prompt)]):
+            # A new prompt this short is prefilled whole from a CUDA graph (24 tokens of Phi-2 on
+            # an H200: 3 ms); a stored prefix would leave its tail to the eager prefill (12 ms of
+            # launches), so none is reused.
+            limit = 0
         reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=self._namespace(sequence))
         self.index[sequence.id] = row
         self.slots.append(slot)
@@ -1056,6 +1075,9 @@ class BatchedDecoder:
 
         Padding writes past a piece's end, in columns its sequence has not reached: a decode
         step writes a column before any query reads it, and the mask hides the rest."""
+        shape = self._fresh_shape(parts, every_position, lora_rows, long_rope)
+        if shape is not None:
+            return self._prefill_fresh(parts, *shape), {}
         w = self.weights
         n, length = len(parts), max(len(ids) for _, ids, _ in parts)
         slots = torch.tensor([slot for slot, _, _ in parts], device=self.device)
@@ -1100,6 +1122,88 @@ class BatchedDecoder:
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
+
+    def _fresh_shape(self, parts, every_position, lora_rows, long_rope) -> tuple[int, int] | None:
+        """The (rows, length) graph shape that these pieces are prefilled in, padded, or None
+        (eagerly, as they are): only new prompts from position 0, with no adapter, no prompt
+        logprobs, no longrope factors and no sliding window shorter than the padded length."""
+        if not self.prefill_graphs or every_position or (long_rope and any(long_rope)):
+            return None
+        if any(start for _, _, start in parts):
+            return None
+        adapters = lora_rows if lora_rows is not None else [self.slots[i].lora_index for i, _, _ in parts]
+        if max(adapters) >= 0:
+            return None
+        rows = bucket(len(parts), BATCH_BUCKETS)
+        length = bucket(max(len(ids) for _, ids, _ in parts), PREFILL_LENGTHS)
+        if rows not in BATCH_BUCKETS or length not in PREFILL_LENGTHS or rows * length > PREFILL_GRAPH_TOKENS:
+            return None
+        if length >= self.cache_length or any(w is not None and w < length for w in self.weights.arch.windows):
+            return None
+        return rows, length
+
+    def _fresh_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graphs' inputs: [tokens; positions] [2, rows, length] and [slots; last index]
+        [2, rows], at their largest; each graph reads a corner."""
+        if self._fresh_inputs is None:
+            rows = max(b for b in BATCH_BUCKETS if b * PREFILL_LENGTHS[0] <= PREFILL_GRAPH_TOKENS)
+            grid = torch.zeros(2, rows, PREFILL_LENGTHS[-1], dtype=torch.long, device=self.device)
+            self._fresh_inputs = grid, torch.zeros(2, rows, dtype=torch.long, device=self.device)
+        return self._fresh_inputs
+
+    def _prefill_fresh(self, parts: list[tuple[int, list[int], int]], rows: int, length: int) -> torch.Tensor:
+        """The last-token logits of new prompts (slot, ids, 0), prefilled together padded to
+        rows x length. A prompt's padding tokens write its slot's columns past its end, which a
+        decode step writes before any query reads them; the padding rows write the cache's
+        scratch column of row 0, as a decode step's idle rows do."""
+        grid, index = self._fresh_buffers()
+        if self.use_graphs and (rows, length) not in self._fresh_graphs:
+            self._fresh_graphs[rows, length] = self._capture_fresh(rows, length)
+        if not self.use_graphs:  # the CPU's cache holds only what is used: room for these rows
+            self._grow(length, rows=max(slot for slot, _, _ in parts) + 1)
+        host_grid = torch.zeros(2, rows, length, dtype=torch.long)
+        host_grid[1] = self.cache_length - 1
+        host_index = torch.zeros(2, rows, dtype=torch.long)
+        for r, (slot, ids, _) in enumerate(parts):
+            host_grid[0, r, : len(ids)] = torch.tensor(ids)
+            host_grid[1, r] = torch.arange(length).clamp(max=self.cache_length - 1)
+            host_index[:, r] = torch.tensor([slot, len(ids) - 1])
+        grid[:, :rows, :length].copy_(host_grid)
+        index[:, :rows].copy_(host_index)
+        if not self.use_graphs:
+            return self._fresh_pass(rows, length)[: len(parts)]
+        graph, logits = self._fresh_graphs[rows, length]
+        graph.replay()
+        return logits[: len(parts)].clone()  # the graph's output is written over by its next replay
+
+    def _fresh_pass(self, rows: int, length: int) -> torch.Tensor:
+        """The forward pass of `_prefill_fresh`, reading its inputs from the buffers (what a
+        graph captures): causal attention over each piece's own columns, from position 0."""
+        grid, index = self._fresh_buffers()
+        tokens, positions = grid[0, :rows, :length], grid[1, :rows, :length]
+        slots, last = index[0, :rows], index[1, :rows]
+        x = self.weights.embed[tokens]
+        with prefill_attention():
+            x = self._prefill_layers(x, _Placement(slots, positions, length, None, None), {})
+        return self._logits(x[torch.arange(rows, device=self.device), last])
+
+    def _capture_fresh(self, rows: int, length: int):
+        """A CUDA graph of `_fresh_pass` at rows x length, captured with inputs that write only
+        the scratch column (captures may happen between requests' steps)."""
+        grid, index = self._fresh_buffers()
+        grid[0].zero_()
+        grid[1].fill_(self.cache_length - 1)
+        index.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._fresh_pass(rows, length)  # kernels and workspaces made outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._fresh_pass(rows, length)
+        self._pool = graph.pool()
+        return graph, logits
 
     def _prefill_mask(self, positions: torch.Tensor, span: int, window: int | None = None) -> torch.Tensor:
         """The additive attention mask [n, 1, length, span] of pieces at `positions` [n, length]:
@@ -1176,6 +1280,8 @@ class BatchedDecoder:
                     self.v[layer][placed.slots, :, : placed.span],
                 )
             window = w.arch.windows[layer]
+            if window is not None and window >= placed.span:  # a window no shorter than every row's reach
+                window = None
             if window not in masks:
                 masks[window] = (
                     placed.mask if window is None else self._prefill_mask(placed.positions, placed.span, window)
@@ -1499,6 +1605,13 @@ class BatchedDecoder:
                 break
             for span in (0,) if self.fused else spans:
                 self._replay(batch, min(span, self.cache_length))
+        if self.prefill_graphs:
+            for rows in BATCH_BUCKETS:
+                for length in PREFILL_LENGTHS:
+                    fits = rows <= self.rows and rows * length <= PREFILL_GRAPH_TOKENS and length < self.cache_length
+                    if fits and (rows, length) not in self._fresh_graphs:
+                        self._fresh_graphs[rows, length] = self._capture_fresh(rows, length)
+            log.info("captured %d prefill graphs for new prompts", len(self._fresh_graphs))
 
     def _grow(self, length: int, rows: int = 0) -> None:
         """On the CPU, make room for `length` positions before the cache's last column (the idle

@@ -193,8 +193,12 @@ class TorchBackend(TokenizerMethods):
         if not restored:
             parameters, stored_blocks, stored_head = sum(p.numel() for p in model.parameters()), None, None
         on_cuda = device.startswith("cuda")
-        # Measured defaults (BENCHMARKS.md): a GPU serves 64 clients at once at full speed.
-        max_batch = options.max_batch or (64 if on_cuda else 8)
+        if options.max_batch:
+            max_batch = options.max_batch
+        elif on_cuda:
+            max_batch = cuda_max_batch(model, options.max_context, torch.device(device), options.kv_cache_bytes)
+        else:
+            max_batch = 8
         info = ModelInfo(
             model=options.model,
             backend=cls.name,
@@ -397,6 +401,31 @@ def budget_window(model, window: int, budget: int) -> int:
     return fits
 
 
+# MAX_BATCH's default on CUDA: the most of these whose full-context KV slots fit the budget, and
+# at least the first (whose slots then cut the window, `context_window`). Measured on an H200
+# with random Phi-2 (BENCHMARKS.md): 256 clients got 16.7k tok/s at 64 rows and 25.6-27.9k at 128.
+CUDA_BATCHES = (64, 96, 128, 192, 256)
+
+
+def cuda_kv_budget(device: torch.device, kv_cache_bytes: int = 0) -> float:
+    """The bytes the batched decoder's KV cache may take on the GPU: KV_CACHE_BYTES, or a share
+    of the memory free after the weights and the prompt cache's budget."""
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_cache_bytes or KV_SHARE_OF_FREE * (free - default_prompt_cache_bytes(total, on_gpu=True))
+
+
+def cuda_max_batch(model, requested_context: int, device: torch.device, kv_cache_bytes: int = 0) -> int:
+    """MAX_BATCH's default on CUDA (CUDA_BATCHES): as many full-context rows as the KV budget holds."""
+    per_position = kv_bytes_per_position(model)
+    if per_position is None:
+        return CUDA_BATCHES[0]
+    window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    if requested_context:
+        window = min(window, requested_context)
+    rows = cuda_kv_budget(device, kv_cache_bytes) // ((window + 1) * per_position)
+    return max([b for b in CUDA_BATCHES if b <= rows], default=CUDA_BATCHES[0])
+
+
 def context_window(model, requested: int, max_batch: int, device: torch.device, kv_cache_bytes: int = 0) -> int:
     """The context window served: the model's (max_position_embeddings), at most MAX_MODEL_LEN
     when that is set. On CUDA the batched decoder holds a full-context KV slot for each of its
@@ -413,8 +442,7 @@ def context_window(model, requested: int, max_batch: int, device: torch.device, 
     if device.type != "cuda" or arch is None:
         return window
     per_position = kv_bytes_per_position(model)
-    free, total = torch.cuda.mem_get_info(device)
-    budget = kv_cache_bytes or KV_SHARE_OF_FREE * (free - default_prompt_cache_bytes(total, on_gpu=True))
+    budget = cuda_kv_budget(device, kv_cache_bytes)
     fits = int(budget // (bucket(max_batch, BATCH_BUCKETS) * per_position)) - 1  # the cache's scratch column
     if fits < window:
         fits = max(256, fits // 256 * 256)

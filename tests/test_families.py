@@ -102,6 +102,34 @@ def test_batched_equals_alone(family_backend):
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
 
 
+def test_new_prompts_padded_to_a_graphs_shape_compute_as_unpadded(family_backend, monkeypatch):
+    """On CUDA new prompts are prefilled padded to a graph's shape (`_prefill_fresh`: their tails
+    and the group's spare rows write columns no query reads); here the same padded pass runs
+    eagerly. Windows of 16 and 32 and longrope's switch at 64 send the longer prompts to the
+    unpadded prefill, which must agree with it as well."""
+    weights = family_backend.decoder_weights
+    padded_passes = []
+    original = BatchedDecoder._fresh_pass
+
+    def counted(self, rows, length):
+        padded_passes.append(rows)
+        return original(self, rows, length)
+
+    monkeypatch.setattr(BatchedDecoder, "_fresh_pass", counted)
+    for length in (3, 10, 16, 40):
+        prompt = prompt_of(length)
+        got = BatchedDecoder(weights, 1, prefill_graphs=True).logits_after(prompt)
+        expected = BatchedDecoder(weights, 1).logits_after(prompt)
+        assert float((got - expected).abs().max()) <= 1e-5 * max(1.0, float(expected.abs().max()))
+    assert len(padded_passes) >= 3  # 3, 10 and 16 tokens fit every family's windows
+    sequences = [Sequence(i, prompt_of(n), Sampling(), 20) for i, n in enumerate([3, 30, 10, 9, 45, 12])]
+    padded_passes.clear()
+    together = drive(BatchedDecoder(weights, 4, prefill_graphs=True), sequences, arrive_at={4: 3, 5: 3}).ids
+    assert max(padded_passes) >= 2  # prompts arriving together were padded into one group
+    for sequence in sequences:
+        assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
+
+
 def test_the_prompt_cache_changes_no_output(family_backend):
     weights = family_backend.decoder_weights
     first, longer = prompt_of(40), prompt_of(40) + prompt_of(50)[-20:]

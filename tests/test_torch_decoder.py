@@ -44,6 +44,16 @@ def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
         assert out[i] == alone(torch_backend, prompt, n), prompt
 
 
+def test_new_prompts_padded_to_a_graphs_shape_decode_as_alone(torch_backend):
+    # CUDA's graphed prefill of new prompts (`_prefill_fresh`), run eagerly on the CPU.
+    requests = [(p, n, Sampling()) for p, n in zip(PROMPTS, [40, 7, 90, 1, 33, 60, 25], strict=False)]
+    decoder = BatchedDecoder(torch_backend.decoder_weights, 4, prefill_graphs=True)
+    out = run_batch(decoder, requests, torch_backend)
+    assert decoder._fresh_inputs is not None
+    for i, (prompt, n, _) in enumerate(requests):
+        assert out[i] == alone(torch_backend, prompt, n), prompt
+
+
 @pytest.mark.parametrize("cut", [(5, 12), (150, 170)])  # the second after the cache has grown
 def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_backend, cut):
     # Removing slot 1 of 4 moves the last sequence into it: its cache must move intact.

@@ -142,6 +142,16 @@ def check_model(name: str, model: str, root: Path) -> None:
             torch.allclose(padded, reference, atol=1e-5),
             f"{(padded - reference).abs().max():.1e}",
         )
+        # New prompts padded to a prefill graph's shape (what CUDA replays), short enough for
+        # the tiny families' windows of 16.
+        short, _ = plain._prefill([(0, ids[:12], 0), (1, ids[:7], 0)], lora_rows=[-1, -1])
+        fresh = BatchedDecoder(w, 4, cuda_graphs=False, fused=True, prefill_graphs=True)
+        got, _ = fresh._prefill([(0, ids[:12], 0), (1, ids[:7], 0)], lora_rows=[-1, -1])
+        check(
+            f"{name}: prefill of new prompts padded to a graph's shape",
+            fresh._fresh_inputs is not None and torch.allclose(got, short, atol=1e-5),
+            f"{(got - short).abs().max():.1e}",
+        )
 
     # Decode: greedy with adapters, fused against the torch-ops step, long enough to pass the
     # tiny families' sliding windows (16, 32) and longrope's switch (64).

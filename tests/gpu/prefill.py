@@ -1,0 +1,234 @@
+"""Issue 30's graphed prefill and MAX_BATCH default on a CUDA machine.
+
+    python3 tests/gpu/prefill.py --out $OUT [--shapes random:phi-2,random:llama-3.2-1b] [--no-serve]
+
+1. parity, per shape, float32 then bfloat16: new prompts prefilled padded from CUDA graphs
+   (`BatchedDecoder._prefill_fresh`) against the same prompts prefilled eagerly
+   (`prefill_graphs=False`): the last-token logits of prompts of 3 to 250 tokens, and the greedy
+   ids of 8 prompts decoded together by each (and, graphed, each alone).
+2. in process, bfloat16: a 24-token prompt's prefill (`logits_after`, median of 30), and 64
+   distinct prompts' prefill and first token (median of 5), graphed against eager.
+3. real servers (MAX_QUEUE=1024) driven by bench.py over HTTP, 128 tokens a request: 1 client
+   with a new sampled prompt each run (the TTFT of a prompt not seen before), 1 client sending
+   the same prompt (a stored prefix's), 64 and 256 clients with distinct sampled prompts; at
+   MAX_BATCH=64 and at the default (MAX_BATCH=0: the MAX_BATCH it chose is reported), and with
+   --baseline DIR (a checkout of an earlier commit: `git worktree add DIR COMMIT`) the same
+   workloads against that tree's server at MAX_BATCH=64 first, in the same run.
+Writes every number to --out/prefill.json as it goes; prints a summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+import torch  # noqa: E402
+from check import say, timed_cuda  # noqa: E402
+
+from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends.drive import drive  # noqa: E402
+from backends.torch_decoder import BatchedDecoder  # noqa: E402
+
+RESULTS: dict = {}
+CONTEXT = 2048  # the in-process decoders' window: Llama's 131,072 at 64 rows would not fit
+
+
+def prompt_of(length: int, salt: int = 0) -> list[int]:
+    return [5 + (i * 37 + salt * 101) % 580 for i in range(length)]
+
+
+def release() -> None:
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def save(out: Path) -> None:
+    (out / "prefill.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def parity(shape: str, dtype: str) -> dict:
+    backend = load_backend("torch", LoadOptions(model=shape, device="cuda", dtype=dtype, warmup=False))
+    weights = backend.decoder_weights
+    graphed = BatchedDecoder(weights, 8, context=CONTEXT)
+    eager = BatchedDecoder(weights, 8, context=CONTEXT, prefill_graphs=False)
+    assert graphed.prefill_graphs and not eager.prefill_graphs
+    result = {"logits": {}}
+    for n in (3, 17, 24, 100, 250):
+        a, b = graphed.logits_after(prompt_of(n)), eager.logits_after(prompt_of(n))
+        result["logits"][n] = {"max_abs_diff": float((a - b).abs().max()), "scale": float(b.abs().max())}
+    result["prefill_graphs_captured"] = len(graphed._fresh_graphs)
+    sequences = [Sequence(i, prompt_of(5 + 29 * i, i), Sampling(), 32) for i in range(8)]
+    together_graphed = drive(graphed, sequences).ids
+    together_eager = drive(eager, sequences).ids
+    alone = [drive(BatchedDecoder(weights, 1, context=CONTEXT), [s]).ids[s.id] for s in sequences]
+    result["greedy_graphed_equals_eager"] = sum(together_graphed[i] == together_eager[i] for i in range(8))
+    result["greedy_graphed_together_equals_alone"] = sum(together_graphed[i] == alone[i] for i in range(8))
+    result["first_divergence_graphed_vs_eager"] = [
+        next((t for t, (x, y) in enumerate(zip(together_graphed[i], together_eager[i], strict=False)) if x != y), None)
+        for i in range(8)
+    ]
+    say(shape, dtype, "parity", result)
+    return result
+
+
+def in_process(shape: str) -> dict:
+    backend = load_backend("torch", LoadOptions(model=shape, device="cuda", dtype="bfloat16", warmup=False))
+    weights = backend.decoder_weights
+    result = {}
+    for label, graphs in (("graphed", True), ("eager", False)):
+        decoder = BatchedDecoder(weights, 64, context=CONTEXT, prefill_graphs=graphs)
+        started = time.perf_counter()
+        decoder.capture()
+        result[f"{label}_capture_s"] = time.perf_counter() - started
+        prompt = prompt_of(24)
+        for _ in range(3):
+            decoder.logits_after(prompt)
+        times = [timed_cuda(lambda: decoder.logits_after(prompt)) for _ in range(30)]  # noqa: B023
+        result[f"{label}_prefill_24_tokens_ms"] = statistics.median(times) * 1000
+        sequences = [
+            Sequence(i, prompt_of(20 + i % 11, i), Sampling(temperature=0.8, top_p=0.95, seed=i), 1) for i in range(64)
+        ]
+        drive(decoder, sequences)
+        times = [timed_cuda(lambda: drive(decoder, sequences)) for _ in range(5)]  # noqa: B023
+        result[f"{label}_64_prompts_first_tokens_ms"] = statistics.median(times) * 1000
+        decoder = None
+        release()
+    say(shape, "in process", result)
+    return result
+
+
+def serve(shape: str, out: Path, max_batch: str, levels: list[tuple[str, list[str]]], tree: Path = ROOT) -> dict:
+    """phi2_server.py of `tree` on `shape`, driven by this tree's bench.py at each level."""
+    import urllib.request
+
+    logs = out / f"server-{shape.split(':')[1]}-batch{max_batch}{'-baseline' if tree != ROOT else ''}"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PHI2_MODEL": shape,
+        "MAX_BATCH": max_batch,
+        "MAX_QUEUE": "1024",
+        "LOG_DIR": str(logs),
+        "ADAPTER_PATH": "",
+    }
+    port = 8323
+    started = time.perf_counter()
+    server = subprocess.Popen(
+        [sys.executable, str(tree / "phi2_server.py"), "--port", str(port)],
+        env=env,
+        stdout=open(logs / "server.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
+    ready = None
+    while time.perf_counter() - started < 300 and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
+                if response.status == 200:
+                    ready = time.perf_counter() - started
+                    break
+        except OSError:
+            time.sleep(0.5)
+    result = {"startup_to_ready_s": ready}
+    if ready is not None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/model/info", timeout=5) as response:
+            info = json.loads(response.read())
+        result["max_batch"], result["context_length"] = info.get("max_batch"), info.get("context_length")
+        for level, extra in levels:
+            name = f"bench-{level}{'-distinct' if '--distinct' in extra else '-same'}.json"
+            command = [
+                sys.executable,
+                str(ROOT / "bench.py"),
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--concurrency",
+                level,
+                "--max-tokens",
+                "128",
+                "--runs",
+                "3",
+                "--label",
+                shape,
+                "--json",
+                str(logs / name),
+                *extra,
+            ]
+            bench = subprocess.run(command, capture_output=True, text=True, timeout=400)
+            say(bench.stdout, bench.stderr[-1500:])
+            result[name] = json.loads((logs / name).read_text()) if (logs / name).exists() else bench.stderr[-500:]
+    server.terminate()
+    server.wait(60)
+    say(shape, "server", max_batch, {k: v for k, v in result.items() if not k.startswith("bench")})
+    return result
+
+
+# About 24 tokens of random:phi-2's tokenizer (bench.py reports the count).
+PROMPT_24 = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu-results")
+    parser.add_argument("--shapes", default="random:phi-2,random:llama-3.2-1b")
+    parser.add_argument("--no-serve", action="store_true")
+    parser.add_argument("--no-parity", action="store_true", help="skip sections 1 and 2")
+    parser.add_argument("--baseline", metavar="DIR", help="an earlier commit's checkout, served beside this one")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    say(torch.cuda.get_device_name(), torch.__version__)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = [s for s in args.shapes.split(",") if s]
+    for shape in [] if args.no_parity else shapes:
+        for dtype in ("float32", "bfloat16"):
+            try:
+                RESULTS[f"parity {shape} {dtype}"] = parity(shape, dtype)
+            except Exception as exc:
+                RESULTS[f"parity {shape} {dtype}"] = f"{type(exc).__name__}: {exc}"[:500]
+                say(RESULTS[f"parity {shape} {dtype}"])
+            release()
+            save(out)
+        RESULTS[f"in process {shape}"] = in_process(shape)
+        release()
+        save(out)
+    if not args.no_serve:
+        shape = shapes[0]
+        levels = [
+            ("1", ["--prompt", PROMPT_24, "--distinct"]),
+            ("1", ["--prompt", PROMPT_24]),
+            ("64", ["--distinct"]),
+            ("256", ["--distinct"]),
+        ]
+        if args.baseline:
+            RESULTS[f"serve {shape} batch64 baseline"] = serve(shape, out, "64", levels, Path(args.baseline))
+            save(out)
+        RESULTS[f"serve {shape} batch64"] = serve(shape, out, "64", levels)
+        save(out)
+        RESULTS[f"serve {shape} default"] = serve(shape, out, "0", levels)
+        save(out)
+        for key, result in RESULTS.items():
+            if key.startswith("serve"):
+                for name, bench in result.items():
+                    if name.startswith("bench") and isinstance(bench, dict):
+                        row = bench["rows"][0]
+                        say(
+                            f"{key} {name}: {row['aggregate_tok_s']:.0f} tok/s, TTFT median {row['ttft_ms']:.1f} "
+                            f"max {row.get('ttft_max_ms', 0):.1f} ms, max_batch {result.get('max_batch')}"
+                        )
+    say(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("serve")}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
