@@ -47,6 +47,7 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 def cuda_like(decoder: BatchedDecoder) -> BatchedDecoder:
     """The decoder as CUDA runs it (fused step, chained steps, device draws), graphs replaced by
     plain calls: the CPU has none."""
+    decoder._resize(decoder.rows, decoder.context + 1)  # allocated whole, as on CUDA (the CPU's grows by use)
     decoder.use_graphs = True
     decoder._replay = lambda batch, span, lora=0: decoder._decode_step(batch, span, lora)
     return decoder
@@ -113,10 +114,10 @@ def check_model(name: str, model: str, root: Path) -> None:
     ids = backend.encode(" ".join(PROMPTS) * 3)
     with torch.inference_mode():
         plain = BatchedDecoder(w, 4, cuda_graphs=False)
-        plain._grow(len(ids) + 8)
+        plain._grow(len(ids) + 8, rows=4)  # every slot the checks write: the CPU cache holds only what is used
         reference, _ = plain._prefill([(0, ids, 0), (1, ids[:50], 0)], lora_rows=[-1, -1])
         fused = BatchedDecoder(w, 4, cuda_graphs=False, fused=True)
-        fused._grow(len(ids) + 8)
+        fused._grow(len(ids) + 8, rows=4)  # every slot the checks write: the CPU cache holds only what is used
         fused.use_graphs = True
         one, _ = fused._prefill([(0, ids, 0)], lora_rows=[-1])
         check(
