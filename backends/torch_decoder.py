@@ -1150,11 +1150,18 @@ class BatchedDecoder:
             return None
         rows = bucket(len(parts), BATCH_BUCKETS)
         length = bucket(max(len(ids) for _, ids, _ in parts), PREFILL_LENGTHS)
-        if rows not in BATCH_BUCKETS or length not in PREFILL_LENGTHS or rows * length > PREFILL_GRAPH_TOKENS:
-            return None
-        if length >= self.cache_length or any(w is not None and w < length for w in self.weights.arch.windows):
-            return None
-        return rows, length
+        return (rows, length) if self._graphable(rows, length) else None
+
+    def _graphable(self, rows: int, length: int) -> bool:
+        """Whether a prefill graph of rows x length exists: buckets both, within
+        PREFILL_GRAPH_TOKENS and the cache, and no sliding window shorter than the length."""
+        return (
+            rows in BATCH_BUCKETS
+            and length in PREFILL_LENGTHS
+            and rows * length <= PREFILL_GRAPH_TOKENS
+            and length < self.cache_length
+            and not any(w is not None and w < length for w in self.weights.arch.windows)
+        )
 
     def _fresh_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphs' inputs: [tokens; positions] [2, rows, length] and [slots; last index]
@@ -1208,16 +1215,7 @@ class BatchedDecoder:
         grid[0].zero_()
         grid[1].fill_(self.cache_length - 1)
         index.zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._fresh_pass(rows, length)  # kernels and workspaces made outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._fresh_pass(rows, length)
-        self._pool = graph.pool()
-        return graph, logits
+        return self._capture_graph(lambda: self._fresh_pass(rows, length), warmups=1)
 
     def _prefill_mask(self, positions: torch.Tensor, span: int, window: int | None = None) -> torch.Tensor:
         """The additive attention mask [n, 1, length, span] of pieces at `positions` [n, length]:
@@ -1594,19 +1592,25 @@ class BatchedDecoder:
         return out
 
     def _capture(self, batch: int, span: int, lora: int = 0):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels and workspaces outside the capture
-                self._decode_step(batch, span, lora)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._decode_step(batch, span, lora)
-        self._pool = graph.pool()
+        captured = self._capture_graph(lambda: self._decode_step(batch, span, lora), warmups=2)
         log.info(
             "captured a decode step for batch %d, attention length %d%s", batch, span, " with adapters" if lora else ""
         )
+        return captured
+
+    def _capture_graph(self, run, warmups: int):
+        """(a CUDA graph of `run`, its output), in the graphs' shared memory pool; `run` runs
+        `warmups` times first, outside the capture, for its kernels and workspaces."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmups):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = run()
+        self._pool = graph.pool()
         return graph, out
 
     @torch.inference_mode()
@@ -1622,8 +1626,7 @@ class BatchedDecoder:
         if self.prefill_graphs:
             for rows in BATCH_BUCKETS:
                 for length in PREFILL_LENGTHS:
-                    fits = rows <= self.rows and rows * length <= PREFILL_GRAPH_TOKENS and length < self.cache_length
-                    if fits and (rows, length) not in self._fresh_graphs:
+                    if rows <= self.rows and self._graphable(rows, length) and (rows, length) not in self._fresh_graphs:
                         self._fresh_graphs[rows, length] = self._capture_fresh(rows, length)
             log.info("captured %d prefill graphs for new prompts", len(self._fresh_graphs))
 

@@ -407,6 +407,12 @@ def budget_window(model, window: int, budget: int) -> int:
 CUDA_BATCHES = (64, 96, 128, 192, 256)
 
 
+def model_window(model, requested: int) -> int:
+    """The model's context window (max_position_embeddings), at most MAX_MODEL_LEN when set."""
+    window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    return min(window, requested) if requested else window
+
+
 def cuda_kv_budget(device: torch.device, kv_cache_bytes: int = 0) -> float:
     """The bytes the batched decoder's KV cache may take on the GPU: KV_CACHE_BYTES, or a share
     of the memory free after the weights and the prompt cache's budget."""
@@ -419,10 +425,7 @@ def cuda_max_batch(model, requested_context: int, device: torch.device, kv_cache
     per_position = kv_bytes_per_position(model)
     if per_position is None:
         return CUDA_BATCHES[0]
-    window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    if requested_context:
-        window = min(window, requested_context)
-    rows = cuda_kv_budget(device, kv_cache_bytes) // ((window + 1) * per_position)
+    rows = cuda_kv_budget(device, kv_cache_bytes) // ((model_window(model, requested_context) + 1) * per_position)
     return max([b for b in CUDA_BATCHES if b <= rows], default=CUDA_BATCHES[0])
 
 
@@ -435,9 +438,7 @@ def context_window(model, requested: int, max_batch: int, device: torch.device, 
     from backends.architecture import Architecture
     from backends.torch_decoder import BATCH_BUCKETS, bucket
 
-    window = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    if requested:
-        window = min(window, requested)
+    window = model_window(model, requested)
     arch = Architecture.of(model.config)
     if device.type != "cuda" or arch is None:
         return window

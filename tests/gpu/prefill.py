@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -110,65 +109,35 @@ def in_process(shape: str) -> dict:
 
 
 def serve(shape: str, out: Path, max_batch: str, levels: list[tuple[str, list[str]]], tree: Path = ROOT) -> dict:
-    """phi2_server.py of `tree` on `shape`, driven by this tree's bench.py at each level."""
+    """phi2_server.py of `tree` on `shape` (bench.py's ServerProcess), driven by this tree's
+    bench.py at each level."""
     import urllib.request
 
-    logs = out / f"server-{shape.split(':')[1]}-batch{max_batch}{'-baseline' if tree != ROOT else ''}"
+    from bench import ServerProcess, free_port
+
+    logs = out / f"server-{shape.split(':')[-1]}-batch{max_batch}{'-baseline' if tree != ROOT else ''}"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "PHI2_MODEL": shape,
-        "MAX_BATCH": max_batch,
-        "MAX_QUEUE": "1024",
-        "LOG_DIR": str(logs),
-        "ADAPTER_PATH": "",
-    }
-    port = 8323
-    started = time.perf_counter()
-    server = subprocess.Popen(
-        [sys.executable, str(tree / "phi2_server.py"), "--port", str(port)],
-        env=env,
-        stdout=open(logs / "server.log", "w"),
-        stderr=subprocess.STDOUT,
-    )
-    ready = None
-    while time.perf_counter() - started < 300 and server.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
-                if response.status == 200:
-                    ready = time.perf_counter() - started
-                    break
-        except OSError:
-            time.sleep(0.5)
-    result = {"startup_to_ready_s": ready}
-    if ready is not None:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/model/info", timeout=5) as response:
-            info = json.loads(response.read())
-        result["max_batch"], result["context_length"] = info.get("max_batch"), info.get("context_length")
-        for level, extra in levels:
-            name = f"bench-{level}{'-distinct' if '--distinct' in extra else '-same'}.json"
-            command = [
-                sys.executable,
-                str(ROOT / "bench.py"),
-                "--url",
-                f"http://127.0.0.1:{port}",
-                "--concurrency",
-                level,
-                "--max-tokens",
-                "128",
-                "--runs",
-                "3",
-                "--label",
-                shape,
-                "--json",
-                str(logs / name),
-                *extra,
-            ]
-            bench = subprocess.run(command, capture_output=True, text=True, timeout=400)
-            say(bench.stdout, bench.stderr[-1500:])
-            result[name] = json.loads((logs / name).read_text()) if (logs / name).exists() else bench.stderr[-500:]
-    server.terminate()
-    server.wait(60)
+    env = {"PHI2_MODEL": shape, "MAX_BATCH": max_batch, "MAX_QUEUE": "1024", "LOG_DIR": str(logs), "ADAPTER_PATH": ""}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, str(tree / "phi2_server.py"), "--port", str(port)]
+    try:
+        server = ServerProcess(command, url, 300, env, output=open(logs / "server.log", "w"))
+    except SystemExit as failed:
+        say(shape, "server", max_batch, failed)
+        return {"startup_to_ready_s": None, "error": str(failed)}
+    result = {"startup_to_ready_s": server.ready_s}
+    with urllib.request.urlopen(url + "/model/info", timeout=5) as response:
+        info = json.loads(response.read())
+    result["max_batch"], result["context_length"] = info.get("max_batch"), info.get("context_length")
+    for level, extra in levels:
+        name = f"bench-{level}{'-distinct' if '--distinct' in extra else '-same'}.json"
+        command = [sys.executable, str(ROOT / "bench.py"), "--url", url, "--concurrency", level, "--max-tokens", "128"]
+        command += ["--runs", "3", "--label", shape, "--json", str(logs / name), *extra]
+        bench = subprocess.run(command, capture_output=True, text=True, timeout=400)
+        say(bench.stdout, bench.stderr[-1500:])
+        result[name] = json.loads((logs / name).read_text()) if (logs / name).exists() else bench.stderr[-500:]
+    server.stop()
     say(shape, "server", max_batch, {k: v for k, v in result.items() if not k.startswith("bench")})
     return result
 
