@@ -140,7 +140,9 @@ class Settings:
         "start (0: quantize at every start)",
     )
     max_body_bytes: int = setting(1024 * 1024, "largest request body in bytes; larger gets 413")
-    max_queue: int = setting(64, "requests that may wait for a batch slot; more get 503")
+    max_queue: int = setting(
+        0, "requests that may wait for a batch slot; more get 503 (0: MAX_BATCH as applied, at least 64)"
+    )
     max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
     max_model_len: int = setting(
         0,
@@ -1966,7 +1968,7 @@ def openai_generations(
 
 
 def check_sequences(request: web.Request, gens: list[Generation]) -> None:
-    limit = request.app[SETTINGS].max_queue
+    limit = request.app[ENGINE].max_queue
     if len(gens) > limit:
         raise ApiError(
             400,
@@ -3387,9 +3389,13 @@ class EngineCollector(Collector):
         kv = engine.kv_cache_usage()
         for name, value, about in (
             ("budget_bytes", kv.budget_bytes, "The KV budget of decoding sequences (KV_CACHE_BYTES; 0: none)."),
-            ("used_bytes", kv.used_bytes, "Bytes the decoding sequences' KV cache takes now."),
+            ("used_bytes", kv.used_bytes, "Bytes of KV blocks the decoding sequences hold now."),
             ("reserved_bytes", kv.reserved_bytes, "Bytes the decoding sequences' KV may reach."),
-            ("peak_bytes", kv.peak_bytes, "The most bytes the decoding sequences' KV cache has taken."),
+            ("peak_bytes", kv.peak_bytes, "The most bytes the KV cache has allocated."),
+            ("allocated_bytes", kv.allocated_bytes, "Bytes the KV cache's block pool has allocated now."),
+            ("block_tokens", kv.block_tokens, "Positions a KV block holds."),
+            ("blocks", kv.blocks, "KV blocks in the pool now."),
+            ("blocks_used", kv.blocks_used, "KV blocks the decoding sequences hold now."),
         ):
             if value is not None:  # MLX does not count them
                 yield GaugeMetricFamily(f"phi2_kv_cache_{name}", about, value=value)
@@ -3566,10 +3572,14 @@ INFO_SCHEMA = {
             "description": "the KV of the sequences decoding (null counts: the runtime does not count them, MLX)",
             "properties": {
                 "budget_bytes": {"type": "integer", "description": "KV_CACHE_BYTES as applied; 0: none"},
-                "used_bytes": {"type": ["integer", "null"]},
+                "used_bytes": {"type": ["integer", "null"], "description": "bytes of the blocks sequences hold"},
                 "reserved_bytes": {"type": ["integer", "null"]},
-                "peak_bytes": {"type": ["integer", "null"]},
+                "peak_bytes": {"type": ["integer", "null"], "description": "the most the pool has allocated"},
                 "bytes_per_token": {"type": ["integer", "null"]},
+                "allocated_bytes": {"type": ["integer", "null"], "description": "the block pool's size now"},
+                "block_tokens": {"type": ["integer", "null"], "description": "positions a block holds"},
+                "blocks": {"type": ["integer", "null"], "description": "blocks in the pool"},
+                "blocks_used": {"type": ["integer", "null"], "description": "blocks the decoding sequences hold"},
             },
         },
         "prompt_lookup_tokens": {

@@ -209,10 +209,17 @@ class KvCacheUsage:
     budget_bytes: int = 0  # KV_CACHE_BYTES as applied (0: no budget; the runtime allocates as it goes)
     # None where the runtime does not count them (MLX: mlx-lm's caches grow by use, 256 positions
     # at a time, with no budget yet).
-    used_bytes: int | None = None  # allocated now
+    used_bytes: int | None = None  # held by the decoding sequences now
     reserved_bytes: int | None = None  # what the active sequences may reach: prompt and max_tokens each
     peak_bytes: int | None = None  # the most it has allocated
     bytes_per_token: int | None = None  # keys and values of one position, every layer
+    # A paged cache (the Torch batched decoder, backends/kv_pages): what its pool has allocated,
+    # its block (page) size in positions, its blocks (the scratch block not counted) and those
+    # that sequences hold.
+    allocated_bytes: int | None = None
+    block_tokens: int | None = None
+    blocks: int | None = None
+    blocks_used: int | None = None
 
 
 class Decoder(Protocol):

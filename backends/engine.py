@@ -28,6 +28,7 @@ from backends.text import KeepTokens
 log = logging.getLogger("phi2_server.engine")
 
 FLUSH_INTERVAL = 0.008  # seconds: text reaches clients in pieces at most this far apart
+MIN_QUEUE = 64  # MAX_QUEUE's default is MAX_BATCH, at least this
 
 
 class NotAccepting(Exception):
@@ -239,7 +240,7 @@ class Engine:
         self,
         load: Callable[[], Backend],
         *,
-        max_queue: int = 64,
+        max_queue: int = 0,
         max_batch: int = 0,
         prompt_cache_bytes: int | None = None,
         stream_buffer: int = 1024,
@@ -389,6 +390,9 @@ class Engine:
             self.backend = self._load()
             # The decoder exists before the first request is accepted (its prompt cache is reported).
             self.max_batch = self.max_batch or self.backend.max_batch  # 0: the backend's default
+            # 0: as many as a batch holds, at least 64, so that a burst of clients that the
+            # batch (512 rows on an H200) takes in at its next step is not turned away first.
+            self.max_queue = self.max_queue or max(MIN_QUEUE, self.max_batch)
             self._decoder = self._new_decoder(self.backend)
         except BaseException as exc:  # reported through /health and the startup error
             self.load_error = exc

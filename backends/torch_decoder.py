@@ -1,15 +1,17 @@
 """Batched decoding on PyTorch for the decoder-only families (backends/architecture.py: Phi,
-Llama and Mistral, Qwen2/3, Phi-3): a static KV cache in slots, each block's Linears fused into
-as few matrices as its shape allows, and on CUDA every decode step replayed from a CUDA graph.
+Llama and Mistral, Qwen2/3, Phi-3): a paged KV cache (backends/kv_pages), each block's Linears
+fused into as few matrices as its shape allows, and on CUDA every decode step replayed from a
+CUDA graph.
 
 One decoder for every family: what differs between them (the norm, a parallel or a sequential
 block, a gated MLP or not, grouped key-value heads, biases, q/k norms, sliding windows, the rotary
 embedding's part of a head and its scaling) is read from the model's config into an
 `Architecture`, and each step branches on those facts, never on a family's name.
 
-Sequences join and leave between steps. Each active sequence owns one slot of the cache
-(slots stay packed: 0..n-1), so a decode step is one pass over rows 0..b-1 for every live
-sequence at once, each at its own position, with its own sampling. New prompts are prefilled
+Sequences join and leave between steps. Each active sequence owns one row (rows stay packed:
+0..n-1) and the cache pages its row's table names, taken when it joins for its prompt and
+max_new_tokens, so a decode step is one pass over rows 0..b-1 for every live sequence at once,
+each at its own position, with its own sampling. New prompts are prefilled
 together, padded to the longest of like length, at most `prefill_chunk` tokens a step, so a
 long prompt does not stall the sequences already decoding for more than a chunk's time.
 
@@ -19,7 +21,8 @@ captured once per batch bucket and replayed from a CUDA graph; greedy and sample
 chained on the device (sampled rows drawn there too), so the GPU does not wait for Python
 between them. The other families, quantized weights, and CUDA without Triton take the step in
 torch ops (`decode_block`, compiled on CUDA by default), one graph per (batch, attention-length)
-bucket. On the CPU that step runs eagerly and the cache grows as sequences do.
+bucket. On the CPU that step runs eagerly and the cache's pool grows and shrinks with what its
+sequences hold.
 
 While one sequence decodes alone, a step may verify a prompt-lookup draft instead
 (`draft_tokens`, backends/prompt_lookup): its next input and the draft go through the prefill
@@ -40,6 +43,7 @@ from torch.nn.attention.bias import causal_lower_right
 from backends import KvCacheUsage, PromptCacheUsage, Sequence, StepLogprobs, TokenLogprob, prompt_cache_namespace
 from backends.architecture import GELU_TANH, Architecture
 from backends.grammar import advance_together
+from backends.kv_pages import PAGE, PagedKV, pages_for
 from backends.prompt_cache import PrefixCache
 from backends.prompt_lookup import PromptLookup, speculates
 from backends.torch_logprobs import token_logprobs
@@ -72,6 +76,8 @@ MIN_LENGTH_BUCKET = 128
 # PREFILL_GRAPH_TOKENS, longer prompts, and pieces that continue cached columns run eagerly.
 PREFILL_LENGTHS = (16, 32, 64, 128, 256)
 PREFILL_GRAPH_TOKENS = 8192
+# The CPU's pool keeps at least this many pages (backends/kv_pages) when it shrinks.
+MIN_PAGES = MIN_LENGTH_BUCKET // PAGE
 
 
 def supports(model) -> bool:
@@ -479,11 +485,12 @@ def mlp_and_residual(x, attention, y, block: Block, shape: Shape, lora):
     return x + out
 
 
-def decode_block(x, cos, sin, bias, positions, rows, k_cache, v_cache, *block, shape: Shape, lora=None):
-    """One block for one new token per row: x [b, hidden] at `positions`, the cache of each row
-    in k_cache/v_cache [rows, kv_heads, length, head_dim]; `bias` masks the columns a row must
-    not see ([b * kv_heads, 1, span]: its future, and what is past its sliding window); `lora`, if
-    the block is adapted, is each row's adapter product per fused matrix (torch_lora).
+def decode_block(x, cos, sin, bias, positions, rows, k_pool, v_pool, table, *block, shape: Shape, lora=None):
+    """One block for one new token per row: x [b, hidden] at `positions`, the keys and values of
+    each row in pages of k_pool/v_pool [kv_heads, pages, PAGE, head_dim] that `table` [rows,
+    width] names (backends/kv_pages); `bias` masks the columns a row must not see ([kv_heads *
+    b, 1, span], key-value head outermost: its future, and what is past its sliding window);
+    `lora`, if the block is adapted, is each row's adapter product per fused matrix (torch_lora).
     Compilable: shapes come from the tensors, the block's weights are plain arguments."""
     block = Block(*block)
     batch, span = x.shape[0], bias.shape[-1]
@@ -494,17 +501,20 @@ def decode_block(x, cos, sin, bias, positions, rows, k_cache, v_cache, *block, s
     q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)
     rope_(q, cos, sin, shape.rotary_dim)
     rope_(k, cos, sin, shape.rotary_dim)
-    k_cache[rows, :, positions] = k
-    v_cache[rows, :, positions] = v
-    # Attention of one query per row over its cache: the query heads that share a key-value head
-    # attend together, [b * kv_heads, group, head_dim] against [b * kv_heads, span, head_dim].
-    group, head_dim = shape.heads // shape.kv_heads, shape.head_dim
-    keys = k_cache[:batch, :, :span].reshape(batch * shape.kv_heads, span, head_dim)
-    values = v_cache[:batch, :, :span].reshape(batch * shape.kv_heads, span, head_dim)
-    scores = torch.baddbmm(
-        bias, q.reshape(batch * shape.kv_heads, group, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5
-    )
-    attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(batch, shape.heads * head_dim)
+    page, offset = table[rows, positions // PAGE], positions % PAGE
+    k_pool[:, page, offset] = k.transpose(0, 1)
+    v_pool[:, page, offset] = v.transpose(0, 1)
+    # Attention of one query per row over its columns, gathered from its pages: the query heads
+    # that share a key-value head attend together, [kv_heads * b, group, head_dim] against
+    # [kv_heads * b, span, head_dim] (the gather's own layout: no second copy).
+    kv_heads, group, head_dim = shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim
+    pages = table[:batch, : -(-span // PAGE)]
+    keys = k_pool[:, pages].reshape(kv_heads * batch, -1, head_dim)[:, :span]
+    values = v_pool[:, pages].reshape(kv_heads * batch, -1, head_dim)[:, :span]
+    queries = q.reshape(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * batch, group, head_dim)
+    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=head_dim**-0.5)
+    attention = torch.bmm(torch.softmax(scores, dim=-1), values)
+    attention = attention.view(kv_heads, batch, group * head_dim).transpose(0, 1).reshape(batch, shape.heads * head_dim)
     return mlp_and_residual(x, attention, y, block, shape, lora)
 
 
@@ -515,10 +525,10 @@ def lora_product(x, a, b, mask):
 
 class _Placement:
     """Where prefill pieces go: their slots [n], positions [n, length], the key span to attend
-    over, and the mask; `one` = (slot, start, end) when a single unpadded piece."""
+    over, and the mask (None: plain causal from position 0)."""
 
-    def __init__(self, slots, positions, span: int, one, mask):
-        self.slots, self.positions, self.span, self.one, self.mask = slots, positions, span, one, mask
+    def __init__(self, slots, positions, span: int, mask):
+        self.slots, self.positions, self.span, self.mask = slots, positions, span, mask
 
 
 class _Launch:
@@ -616,21 +626,34 @@ class BatchedDecoder:
         self.slots: list[_Slot] = []
         self.index: dict[int, int] = {}  # sequence id -> slot
         self.rows = bucket(max_batch, BATCH_BUCKETS) if self.use_graphs else max_batch
-        # The KV cache, one [rows, kv_heads, length, head_dim] tensor per layer for keys and one
-        # for values. On CUDA it is allocated whole, once (graphs hold its addresses); on the CPU
-        # it holds only the rows and columns its sequences use, within `kv_budget` (`_grow`,
-        # `_shrink`), and the engine admits a sequence only if its prompt and max_new_tokens fit
-        # (`fits`): one long prompt cannot take the process past its memory.
+        # The KV cache: pages of PAGE positions from one pool, a table of each row's pages
+        # (backends/kv_pages). A row takes the pages of its prompt and max_new_tokens when it
+        # joins, and the engine admits a sequence only if they fit (`fits`): one long prompt
+        # cannot take the process past its memory. On CUDA the pool is allocated whole, once
+        # (graphs hold its address): `kv_cache_bytes` of it, or a full-context row for each row;
+        # on the CPU it grows and shrinks with what the rows hold, within `kv_cache_bytes`.
         arch = weights.arch
         self.per_position = 2 * len(weights.layers) * arch.kv_heads * weights.head_dim * self.dtype.itemsize
-        self.kv_budget = None if self.use_graphs else kv_cache_bytes
+        self.kv_budget = kv_cache_bytes
+        self.scratch = self.context  # the column idle rows and padding write: past every sequence's reach
+        page_bytes = PAGE * self.per_position
         if self.use_graphs:
-            self.cache_rows, self.cache_length = self.rows, self.context + 1
+            pages = 1 + (
+                int(kv_cache_bytes // page_bytes) - 1 if kv_cache_bytes else self.rows * pages_for(self.context + 1)
+            )
         else:
-            self.cache_rows, self.cache_length = 1, min(self.context + 1, MIN_LENGTH_BUCKET)
-        self.k, self.v = self._new_cache(self.cache_rows, self.cache_length)
-        self.kv_peak = self.kv_bytes
-        self._reserved = 0  # bytes the active sequences may reach (`_need`), kept for readers on other threads
+            pages = 1 + MIN_PAGES
+        self.kv = PagedKV(
+            len(weights.layers),
+            arch.kv_heads,
+            weights.head_dim,
+            self.dtype,
+            self.device,
+            self.rows,
+            self.context,
+            pages,
+        )
+        self._reserved = 0  # bytes of the pages the active sequences hold, kept for readers on other threads
         self._shape = self.weights.shape
         # torch.compile fuses each block's small kernels (norms, rotary, activations, residuals);
         # dynamic shapes: one compilation serves every batch and length bucket.
@@ -661,51 +684,79 @@ class BatchedDecoder:
         self._fresh_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._fresh_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # `_fresh_buffers`
 
-    def _new_cache(self, rows: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        w = self.weights
-        shape = (rows, w.arch.kv_heads, length, w.head_dim)
-        layers = range(len(w.layers))
-        new = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-        return new, [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Each layer's key pages [kv_heads, pages, PAGE, head_dim] (backends/kv_pages)."""
+        return self.kv.k
 
     @property
-    def kv_bytes(self) -> int:
-        """What the KV cache takes now."""
-        return self.cache_rows * self.cache_length * self.per_position
+    def v(self) -> list[torch.Tensor]:
+        return self.kv.v
 
     def kv_cache_usage(self) -> KvCacheUsage:
-        # On CUDA the whole cache is the budget: allocated at once, in what KV_CACHE_BYTES allowed.
-        budget = self.kv_bytes if self.use_graphs else self.kv_budget or 0
+        kv = self.kv
+        # On CUDA the whole pool is the budget: allocated at once, in what KV_CACHE_BYTES allowed.
+        budget = kv.nbytes if self.use_graphs else self.kv_budget or 0
         return KvCacheUsage(
             budget_bytes=budget,
-            used_bytes=self.kv_bytes,
+            used_bytes=kv.held_pages * kv.page_bytes,
             reserved_bytes=self._reserved,
-            peak_bytes=self.kv_peak,
+            peak_bytes=kv.peak_pages * kv.page_bytes,
             bytes_per_token=self.per_position,
+            allocated_bytes=kv.nbytes,
+            block_tokens=PAGE,
+            blocks=kv.pages - 1,
+            blocks_used=kv.held_pages,
         )
 
     def _columns(self, need: int) -> int:
         """The cache columns a sequence of `need` positions (its prompt and max_new_tokens) may
-        use: its positions, one more a last decode step may write, and the scratch column."""
-        return min(need + 2, self.context + 1)
+        use: its positions and one more that a last decode step may write."""
+        return min(need + 1, self.context)
 
     def _need(self, sequence: Sequence) -> int:
         return len(sequence.prompt_ids) + sequence.max_new_tokens
 
-    def _within(self, rows: int, length: int) -> bool:
-        """Whether a cache of rows x length fits the budget, with the one layer that a resize
-        holds twice while it copies (`_resize`)."""
-        size = rows * length * self.per_position
-        return self.kv_budget is None or size + size // len(self.k) <= self.kv_budget
+    def _page_limit(self) -> int | None:
+        """The most pages the pool may have, the scratch page included (None: unbounded). On the
+        CPU a resize holds one layer twice while it copies."""
+        if self.use_graphs:
+            return self.kv.pages
+        if self.kv_budget is None:
+            return None
+        layers = len(self.weights.layers)
+        return int(self.kv_budget / (self.kv.page_bytes * (1 + 1 / layers)))
 
     def fits(self, needs: list[int]) -> bool:
         """Whether new sequences of `needs` positions each fit beside the active ones."""
         if len(self.slots) + len(needs) > self.capacity:
             return False
-        if self.kv_budget is None:
-            return True
-        needs = [self._need(slot.sequence) for slot in self.slots] + list(needs)
-        return self._within(len(needs), max(self._columns(n) for n in needs))
+        limit = self._page_limit()
+        wanted = sum(pages_for(self._columns(n)) for n in needs)
+        return limit is None or 1 + self.kv.held_pages + wanted <= limit
+
+    def _take_pages(self, row: int, columns: int) -> None:
+        """Give a row the pages of `columns` columns, the CPU's pool grown for them (by doubling
+        where the budget allows, so that it is copied a few times, not at every admission)."""
+        kv, wanted = self.kv, pages_for(columns)
+        short = wanted - len(kv.free)
+        if short > 0:
+            if self.use_graphs:
+                raise RuntimeError("the KV pool is full")  # `fits` admits no sequence past it
+            limit = self._page_limit()
+            needed = kv.pages + short
+            doubled = max(needed, 2 * kv.pages)
+            kv.resize(doubled if limit is None or doubled <= limit else needed)
+        kv.assign(row, columns)
+
+    def _shrink(self) -> None:
+        """On the CPU, give memory back once the pool holds over twice what its sequences use."""
+        if self.use_graphs:
+            return
+        kv = self.kv
+        enough = max(kv.held_pages, MIN_PAGES) + 1
+        if kv.pages > 2 * enough:
+            kv.resize(enough)
 
     # -- the contract ----------------------------------------------------------------------------
 
@@ -721,6 +772,7 @@ class BatchedDecoder:
         self.prompts = PrefixCache(prompt_cache_bytes)
         self._to_store.clear()
         self._reserved = 0
+        self.kv.release([row for row, held in enumerate(self.kv.held) if held])
         self._shrink()
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
@@ -735,15 +787,18 @@ class BatchedDecoder:
             raise RuntimeError("no free row")
         self._drain()
         index = self._place(adapter)
+        row = len(self.slots)
+        self._take_pages(row, len(ids))
         try:
             last, every = self._prefill(
-                [(len(self.slots), ids, 0)],
+                [(row, ids, 0)],
                 every_position=[0] if every_position else (),
                 lora_rows=[index],
                 long_rope=[self._long_prompt(ids)],
             )
             return (every[0] if every_position else last[0]).float()
         finally:
+            self.kv.release([row])
             if index >= 0:
                 self.lora.release(index)
 
@@ -780,16 +835,14 @@ class BatchedDecoder:
             # launches), so none is reused.
             limit = 0
         reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=self._namespace(sequence))
+        self._take_pages(row, self._columns(self._need(sequence)))
         self.index[sequence.id] = row
         self.slots.append(slot)
-        self._reserved += self._columns(self._need(sequence)) * self.per_position
+        self._reserved = self.kv.held_pages * self.kv.page_bytes
         if reused:
-            self._grow(reused)
             at = 0
             for node, n in nodes:
-                for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-                    k[row, :, at : at + n] = node.k[layer, :, :n]
-                    v[row, :, at : at + n] = node.v[layer, :, :n]
+                self.kv.put_columns(row, at, node.k[:, :, :n], node.v[:, :, :n])
                 at += n
             slot.cached = reused
         return reused
@@ -825,19 +878,16 @@ class BatchedDecoder:
         self.prompts.store(
             slot.cached_ids(),
             self.per_position,
-            lambda start, end: (
-                torch.stack([k[row, :, start:end] for k in self.k]),
-                torch.stack([v[row, :, start:end] for v in self.v]),
-            ),
+            lambda start, end: self.kv.columns(row, start, end),
             namespace=self._namespace(slot.sequence),
         )
 
     @torch.inference_mode()
     def remove(self, *sequence_ids: int) -> None:
-        """Forget these sequences, keeping the slots packed (0..n-1): the sequences in the last
-        rows move into the freed ones, every layer's rows in one copy for all of them (64
-        sequences ending in one step were 64 x 2 x layers copies, 90 ms on an H200, which the
-        next requests waited for)."""
+        """Forget these sequences, keeping the slots packed (0..n-1): their pages go back to the
+        pool, and the sequences in the last rows move into the freed rows by their page tables
+        (before paging, 64 sequences ending in one step were 64 x 2 x layers row copies, 90 ms on
+        an H200, which the next requests waited for)."""
         gone = [i for i in dict.fromkeys(sequence_ids) if i in self.index]
         if not gone:
             return
@@ -847,20 +897,15 @@ class BatchedDecoder:
             slot = self.slots[row]
             if slot.next_token is not None:  # its prefill completed
                 self._store(row)
-            self._reserved -= self._columns(self._need(slot.sequence)) * self.per_position
             if slot.lora_index >= 0:
                 self.lora.release(slot.lora_index)
         freed = {self.index.pop(sequence_id) for sequence_id in gone}
         kept = len(self.slots) - len(freed)
         holes = sorted(row for row in freed if row < kept)
         movers = [row for row in range(kept, len(self.slots)) if row not in freed]  # as many as the holes
-        n = max((self.slots[row].cached for row in movers), default=0)
-        if n:  # (rows the cache holds: slots not yet prefilled may have none)
-            source = torch.tensor(movers, device=self.device)
-            target = torch.tensor(holes, device=self.device)
-            for k, v in zip(self.k, self.v, strict=True):
-                k[target, :, :n] = k[source, :, :n]
-                v[target, :, :n] = v[source, :, :n]
+        self.kv.release(sorted(freed))
+        self.kv.move(holes, movers)  # their pages stay where they are: only the table rows move
+        self._reserved = self.kv.held_pages * self.kv.page_bytes
         for hole, mover in zip(holes, movers, strict=True):
             self.slots[hole] = self.slots[mover]
             self.index[self.slots[hole].sequence.id] = hole
@@ -1101,30 +1146,25 @@ class BatchedDecoder:
             slot, ids, start = parts[0]
             tokens = torch.tensor([ids], device=self.device)
             positions = torch.arange(start, start + length, device=self.device)[None, :]
-            one = (slot, start, start + length)
             span, mask = start + length, None  # from position 0: causal flash attention, no mask
             if start and length >= LOWER_RIGHT_FROM:  # after cached columns, a long piece: bottom-right causal
                 mask = causal_lower_right(length, span)
             elif start:
                 # A short piece after cached columns: an explicit mask and the memory-efficient
                 # kernel (keys padded to a multiple of 8), as padded pieces have.
-                span = min(-(-span // 8) * 8, self.cache_length)
+                span = min(-(-span // 8) * 8, self.context + 1)
                 mask = self._prefill_mask(positions, span)
         else:
             # Keys padded to a multiple of 8: the memory-efficient attention kernel wants its mask
             # rows aligned (the padded columns hold zeros and are masked out).
             span = -(-(max(start for _, _, start in parts) + length) // 8) * 8
-            self._grow(min(span, max(start + len(ids) for _, ids, start in parts)), rows=max(parts)[0] + 1)
-            span = min(span, self.cache_length)
+            span = min(span, self.context + 1)
             tokens = torch.zeros(n, length, dtype=torch.long)
             for r, (_, ids, _) in enumerate(parts):
                 tokens[r, : len(ids)] = torch.tensor(ids)
             starts = torch.tensor([start for _, _, start in parts])
-            positions = (
-                (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.cache_length - 1).to(self.device)
-            )
+            positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.scratch).to(self.device)
             tokens = tokens.to(self.device)
-            one = None
             mask = self._prefill_mask(positions, span)
         x = w.embed[tokens]  # [n, length, hidden]
         lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
@@ -1132,7 +1172,7 @@ class BatchedDecoder:
             self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
         )
         with prefill_attention():
-            x = self._prefill_layers(x, _Placement(slots, positions, span, one, mask), adapted, long_rope)
+            x = self._prefill_layers(x, _Placement(slots, positions, span, mask), adapted, long_rope)
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
@@ -1159,7 +1199,7 @@ class BatchedDecoder:
             rows in BATCH_BUCKETS
             and length in PREFILL_LENGTHS
             and rows * length <= PREFILL_GRAPH_TOKENS
-            and length < self.cache_length
+            and length <= self.context
             and not any(w is not None and w < length for w in self.weights.arch.windows)
         )
 
@@ -1176,18 +1216,17 @@ class BatchedDecoder:
         """The last-token logits of new prompts (slot, ids, 0), prefilled together padded to
         rows x length. A prompt's padding tokens write its slot's columns past its end, which a
         decode step writes before any query reads them; the padding rows write the cache's
-        scratch column of row 0, as a decode step's idle rows do."""
+        scratch column of row 0, as a decode step's idle rows do; columns past a row's pages
+        land in the scratch page."""
         grid, index = self._fresh_buffers()
         if self.use_graphs and (rows, length) not in self._fresh_graphs:
             self._fresh_graphs[rows, length] = self._capture_fresh(rows, length)
-        if not self.use_graphs:  # the CPU's cache holds only what is used: room for these rows
-            self._grow(length, rows=max(slot for slot, _, _ in parts) + 1)
         host_grid = torch.zeros(2, rows, length, dtype=torch.long)
-        host_grid[1] = self.cache_length - 1
+        host_grid[1] = self.scratch
         host_index = torch.zeros(2, rows, dtype=torch.long)
         for r, (slot, ids, _) in enumerate(parts):
             host_grid[0, r, : len(ids)] = torch.tensor(ids)
-            host_grid[1, r] = torch.arange(length).clamp(max=self.cache_length - 1)
+            host_grid[1, r] = torch.arange(length).clamp(max=self.scratch)
             host_index[:, r] = torch.tensor([slot, len(ids) - 1])
         grid[:, :rows, :length].copy_(host_grid)
         index[:, :rows].copy_(host_index)
@@ -1205,7 +1244,7 @@ class BatchedDecoder:
         slots, last = index[0, :rows], index[1, :rows]
         x = self.weights.embed[tokens]
         with prefill_attention():
-            x = self._prefill_layers(x, _Placement(slots, positions, length, None, None), {})
+            x = self._prefill_layers(x, _Placement(slots, positions, length, None), {})
         return self._logits(x[torch.arange(rows, device=self.device), last])
 
     def _capture_fresh(self, rows: int, length: int):
@@ -1213,7 +1252,7 @@ class BatchedDecoder:
         the scratch column (captures may happen between requests' steps)."""
         grid, index = self._fresh_buffers()
         grid[0].zero_()
-        grid[1].fill_(self.cache_length - 1)
+        grid[1].fill_(self.scratch)
         index.zero_()
         return self._capture_graph(lambda: self._fresh_pass(rows, length), warmups=1)
 
@@ -1225,6 +1264,10 @@ class BatchedDecoder:
         visible = columns <= positions[:, :, None]
         if window is not None:
             visible &= columns > positions[:, :, None] - window
+        # A row that sees nothing is padding or an idle row (a token sees its own column): it
+        # sees column 0, so that its softmax, and the keys and values it writes (to the scratch
+        # page, which gathers read as masked columns), stay finite.
+        visible[:, :, 0] |= ~visible.any(dim=-1)
         visible = visible[:, None]
         return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
 
@@ -1262,8 +1305,9 @@ class BatchedDecoder:
                     *tables,
                     token_positions,
                     token_slots,
-                    self.k[layer],
-                    self.v[layer],
+                    self.kv.k[layer],
+                    self.kv.v[layer],
+                    self.kv.table,
                     self.heads,
                     block.q_norm,
                     block.k_norm,
@@ -1273,24 +1317,8 @@ class BatchedDecoder:
                 q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [n, length, heads, head_dim]
                 rope_(q, cos, sin, shape.rotary_dim)
                 rope_(k, cos, sin, shape.rotary_dim)
-                if placed.one is not None:
-                    slot, start, end = placed.one
-                    self.k[layer][slot, :, start:end] = k[0].transpose(0, 1)
-                    self.v[layer][slot, :, start:end] = v[0].transpose(0, 1)
-                else:
-                    self.k[layer][placed.slots[:, None], :, placed.positions] = k
-                    self.v[layer][placed.slots[:, None], :, placed.positions] = v
-            if placed.one is not None:
-                slot = placed.one[0]
-                keys, values = (
-                    self.k[layer][slot : slot + 1, :, : placed.span],
-                    self.v[layer][slot : slot + 1, :, : placed.span],
-                )
-            else:
-                keys, values = (
-                    self.k[layer][placed.slots, :, : placed.span],
-                    self.v[layer][placed.slots, :, : placed.span],
-                )
+                self.kv.write(layer, placed.slots[:, None], placed.positions, k, v)
+            keys, values = self.kv.read(layer, placed.slots, placed.span)
             window = w.arch.windows[layer]
             if window is not None and window >= placed.span:  # a window no shorter than every row's reach
                 window = None
@@ -1326,18 +1354,17 @@ class BatchedDecoder:
         Unless `finish`, the caller `_finish`es it (when its masks are known)."""
         ahead = 1 if chained else 0  # a chained step's inputs sit one position past the slots' own count
         longest = max(self.slots[i].cached for i in rows) + 1 + ahead
-        self._grow(longest)
         batch = bucket(len(self.slots), BATCH_BUCKETS) if self.use_graphs else len(self.slots)
         # The adapters' product only while a sequence uses one (its graphs are captured apart).
         lora = self.lora.version if any(self.slots[i].lora_index >= 0 for i in rows) else 0
         if self.fused:
             span = 0  # the fused step reads each row's live columns, whatever their number: one graph per batch
         else:
-            span = min(bucket(longest, self._length_buckets()), self.cache_length) if self.use_graphs else longest
+            span = min(bucket(longest, self._length_buckets()), self.context + 1) if self.use_graphs else longest
         if not chained:
             host = self._host_inputs.numpy()  # a view: plain writes, no tensor per row
             host[:, :batch] = 0
-            host[1, :batch] = self.cache_length - 1
+            host[1, :batch] = self.scratch
             host[3, :batch] = -1
             for i in rows:
                 host[:, i] = (self.slots[i].next_token, self.slots[i].cached, 1, self.slots[i].lora_index)
@@ -1475,9 +1502,10 @@ class BatchedDecoder:
             visible = columns <= positions[:, None]
             if window is not None:
                 visible &= columns > positions[:, None] - window
+            visible[:, 0] |= ~visible.any(dim=-1)  # see `_prefill_mask`
             bias = torch.zeros(batch, span, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
             kv_heads = w.arch.kv_heads
-            biases[window] = bias[:, None, None, :].expand(batch, kv_heads, 1, span).reshape(batch * kv_heads, 1, span)
+            biases[window] = bias[None, :, None, :].expand(kv_heads, batch, 1, span).reshape(kv_heads * batch, 1, span)
         adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
         for layer, block in enumerate(w.layers):
             bias = biases[w.arch.windows[layer]]
@@ -1488,8 +1516,9 @@ class BatchedDecoder:
                 bias,
                 positions,
                 rows,
-                self.k[layer],
-                self.v[layer],
+                self.kv.k[layer],
+                self.kv.v[layer],
+                self.kv.table,
                 *block,
                 shape=self._shape,
                 lora=adapted.get(layer),
@@ -1525,8 +1554,9 @@ class BatchedDecoder:
                     self.sin,
                     positions,
                     active,
-                    self.k[layer],
-                    self.v[layer],
+                    self.kv.k[layer],
+                    self.kv.v[layer],
+                    self.kv.table,
                     self.heads,
                     x=x,
                     b_out=block.b_out,
@@ -1542,8 +1572,9 @@ class BatchedDecoder:
                 self.sin,
                 positions,
                 active,
-                self.k[layer],
-                self.v[layer],
+                self.kv.k[layer],
+                self.kv.v[layer],
+                self.kv.table,
                 self.heads,
                 window=arch.windows[layer],
                 q_norm=block.q_norm,
@@ -1622,59 +1653,10 @@ class BatchedDecoder:
             if batch > self.rows:
                 break
             for span in (0,) if self.fused else spans:
-                self._replay(batch, min(span, self.cache_length))
+                self._replay(batch, min(span, self.context + 1))
         if self.prefill_graphs:
             for rows in BATCH_BUCKETS:
                 for length in PREFILL_LENGTHS:
                     if rows <= self.rows and self._graphable(rows, length) and (rows, length) not in self._fresh_graphs:
                         self._fresh_graphs[rows, length] = self._capture_fresh(rows, length)
             log.info("captured %d prefill graphs for new prompts", len(self._fresh_graphs))
-
-    def _grow(self, length: int, rows: int = 0) -> None:
-        """On the CPU, make room for `length` positions before the cache's last column (the idle
-        rows' scratch column) in `rows` rows (at least the active sequences'). By doubling where
-        the budget allows, so that a growing sequence is copied a few times, not at every step;
-        else to what the active sequences may reach, which `fits` admitted within the budget."""
-        rows = max(rows, len(self.slots), 1)
-        if self.use_graphs or (length < self.cache_length and rows <= self.cache_rows):
-            return
-        length += 1
-        rows_doubled = min(max(rows, 2 * self.cache_rows), self.capacity)
-        length_doubled = min(max(length, 2 * self.cache_length), self.context + 1)
-        doubled = (
-            rows_doubled if rows > self.cache_rows else self.cache_rows,
-            length_doubled if length > self.cache_length else self.cache_length,
-        )
-        kept = (max(rows, self.cache_rows), max(length, self.cache_length))
-        reach = max((self._columns(self._need(slot.sequence)) for slot in self.slots), default=0)
-        needed = (rows, max(length, reach))  # the active sequences' reach, so that it grows once
-        for size in (doubled, kept, needed):
-            if self._within(*size):
-                break
-        else:  # past the budget: only what `fits` did not admit (a check's free row) lands here
-            size = needed
-        self._resize(*size)
-
-    def _shrink(self) -> None:
-        """On the CPU, give memory back once the cache holds over twice what its sequences use."""
-        if self.use_graphs:
-            return
-        rows = max(len(self.slots), 1)
-        used = max((slot.cached for slot in self.slots), default=0) + 2
-        length = min(max(used, MIN_LENGTH_BUCKET), self.context + 1)
-        if self.cache_rows * self.cache_length > 2 * rows * length:
-            self._resize(rows, length)
-
-    def _resize(self, rows: int, length: int) -> None:
-        """A new cache of rows x length holding the live rows' columns, made a layer at a time so
-        that only one layer is held twice."""
-        live = min(len(self.slots), rows, self.cache_rows)
-        used = min(self.cache_length, length) - 1  # not the old scratch column
-        for layer in range(len(self.k)):
-            for old in (self.k, self.v):
-                _, kv_heads, _, head_dim = old[layer].shape
-                new = old[layer].new_zeros((rows, kv_heads, length, head_dim))
-                new[:live, :, :used] = old[layer][:live, :, :used]
-                old[layer] = new
-        self.cache_rows, self.cache_length = rows, length
-        self.kv_peak = max(self.kv_peak, self.kv_bytes)

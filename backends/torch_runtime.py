@@ -154,7 +154,8 @@ class TorchBackend(TokenizerMethods):
         self.adapters: AdapterRegistry | None = None
         self.compile = False
         self.quantized = False
-        self.kv_budget: int | None = None  # the CPU's KV budget (KV_CACHE_BYTES or the default); CUDA: None
+        # The KV budget (KV_CACHE_BYTES or the default): the CPU pool's limit, or the CUDA pool's size.
+        self.kv_budget: int | None = None
         self.draft_tokens = 0  # prompt-lookup draft tokens a step verifies while one sequence decodes
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -204,9 +205,7 @@ class TorchBackend(TokenizerMethods):
             backend=cls.name,
             device=device,
             dtype=str(dtype).removeprefix("torch."),
-            context_length=context_window(
-                model, options.max_context, max_batch, torch.device(device), options.kv_cache_bytes
-            ),
+            context_length=context_window(model, options.max_context, torch.device(device), options.kv_cache_bytes),
             adapter_path=options.adapter_path,
             adapter_applied=adapter is not None,
         )
@@ -219,7 +218,11 @@ class TorchBackend(TokenizerMethods):
             weights = backend.decoder_weights
             quant_store.save(store, model, weights.layers, weights.quantized_head, parameters)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(q.nbytes for q in quantized)
-        if not on_cuda:
+        if on_cuda:
+            # The KV pool, allocated whole by the decoder (graphs hold its address): measured
+            # now, before the graphs and the warm-up take their share of the free memory.
+            backend.kv_budget = int(cuda_kv_budget(torch.device(device), options.kv_cache_bytes))
+        else:
             # Weights mapped from a stored file count as available (the page cache): not for us.
             available = available_memory() - (weight_bytes if restored else 0)
             prompt_cache = prompt_cache_budget(options.prompt_cache_bytes, torch.device(device))
@@ -373,16 +376,17 @@ def kv_bytes_per_position(model) -> int | None:
 
 
 def budget_window(model, window: int, budget: int) -> int:
-    """On a CPU, the context window cut to what one sequence's KV takes within `budget` (the
-    decoder's cache holds need + 2 columns, and a resize holds one layer twice), said in the log;
-    a budget that holds almost nothing is a startup error."""
+    """On a CPU, the context window cut to what one sequence's KV takes within `budget` (its
+    pages and the scratch page, backends/kv_pages, with one layer held twice while the pool
+    grows), said in the log; a budget that holds almost nothing is a startup error."""
     from backends.architecture import Architecture
+    from backends.kv_pages import PAGE
 
     per_position = kv_bytes_per_position(model)
     if per_position is None:
         return window
     layers = Architecture.of(model.config).layers
-    fits = int(budget / (per_position * (1 + 1 / layers))) - 2
+    fits = (int(budget / (PAGE * per_position * (1 + 1 / layers))) - 1) * PAGE
     if fits >= window:
         return window
     if fits < 16:
@@ -401,10 +405,12 @@ def budget_window(model, window: int, budget: int) -> int:
     return fits
 
 
-# MAX_BATCH's default on CUDA: the most of these whose full-context KV slots fit the budget, and
-# at least the first (whose slots then cut the window, `context_window`). Measured on an H200
-# with random Phi-2 (BENCHMARKS.md): 256 clients got 16.7k tok/s at 64 rows and 25.6-27.9k at 128.
-CUDA_BATCHES = (64, 96, 128, 192, 256)
+# MAX_BATCH's default on CUDA: a row for every CUDA_ROW_TOKENS positions the KV pool holds, of
+# these (at most the largest, at least the first). The pool is paged (backends/kv_pages): rows
+# are only an upper bound, and admission waits for pages, so rows beyond what the pool holds
+# at full context cost nothing but their CUDA graphs. Phi-2 on an H200 gets 512.
+CUDA_BATCHES = (64, 96, 128, 192, 256, 384, 512)
+CUDA_ROW_TOKENS = 512
 
 
 def model_window(model, requested: int) -> int:
@@ -421,38 +427,35 @@ def cuda_kv_budget(device: torch.device, kv_cache_bytes: int = 0) -> float:
 
 
 def cuda_max_batch(model, requested_context: int, device: torch.device, kv_cache_bytes: int = 0) -> int:
-    """MAX_BATCH's default on CUDA (CUDA_BATCHES): as many full-context rows as the KV budget holds."""
+    """MAX_BATCH's default on CUDA (CUDA_BATCHES): a row for each CUDA_ROW_TOKENS positions of
+    the KV budget."""
     per_position = kv_bytes_per_position(model)
     if per_position is None:
         return CUDA_BATCHES[0]
-    rows = cuda_kv_budget(device, kv_cache_bytes) // ((model_window(model, requested_context) + 1) * per_position)
+    rows = cuda_kv_budget(device, kv_cache_bytes) // (CUDA_ROW_TOKENS * per_position)
     return max([b for b in CUDA_BATCHES if b <= rows], default=CUDA_BATCHES[0])
 
 
-def context_window(model, requested: int, max_batch: int, device: torch.device, kv_cache_bytes: int = 0) -> int:
+def context_window(model, requested: int, device: torch.device, kv_cache_bytes: int = 0) -> int:
     """The context window served: the model's (max_position_embeddings), at most MAX_MODEL_LEN
-    when that is set. On CUDA the batched decoder holds a full-context KV slot for each of its
-    rows, so the window is also cut to what `max_batch` rows fit in KV_CACHE_BYTES, or by
-    default in the GPU's free memory (a 128k-context Llama-3.2-1B at 64 rows would need 275 GB:
-    it gets ~50k), said in the log."""
+    when that is set. On CUDA it is also cut to what one sequence's pages take of the KV pool
+    (KV_CACHE_BYTES, or by default a share of the GPU's free memory), said in the log."""
     from backends.architecture import Architecture
-    from backends.torch_decoder import BATCH_BUCKETS, bucket
+    from backends.kv_pages import PAGE
 
     window = model_window(model, requested)
-    arch = Architecture.of(model.config)
-    if device.type != "cuda" or arch is None:
+    if device.type != "cuda" or Architecture.of(model.config) is None:
         return window
     per_position = kv_bytes_per_position(model)
-    budget = cuda_kv_budget(device, kv_cache_bytes)
-    fits = int(budget // (bucket(max_batch, BATCH_BUCKETS) * per_position)) - 1  # the cache's scratch column
+    pages = int(cuda_kv_budget(device, kv_cache_bytes) // (PAGE * per_position)) - 1  # the scratch page
+    fits = pages * PAGE - 1  # a sequence's columns and the one a last step may write
     if fits < window:
         fits = max(256, fits // 256 * 256)
         log.warning(
-            "context window cut from %d to %d tokens: the KV cache of MAX_BATCH=%d sequences at full context "
-            "must fit the GPU (set MAX_BATCH lower for a longer window, or MAX_MODEL_LEN to choose it)",
+            "context window cut from %d to %d tokens: one sequence's KV at full context must fit the GPU's KV "
+            "pool (set KV_CACHE_BYTES, or MAX_MODEL_LEN to choose the window)",
             window,
             fits,
-            max_batch,
         )
         window = fits
     return window

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from backends.kv_pages import PAGE
+
 log = logging.getLogger("phi2_server.triton_decode")
 
 
@@ -69,8 +71,10 @@ def _attention_split(
     active_ptr,
     k_ptr,
     v_ptr,
-    stride_row,
     stride_head,
+    stride_page,
+    table_ptr,
+    stride_table,
     part_ptr,
     scale,
     window,
@@ -86,12 +90,15 @@ def _attention_split(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     QK_NORM: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """One split of one (row, query head)'s cached columns (flash-decoding): its softmax maximum,
     sum and weighted values, to part [row, head, split, D_PAD + 2]. The columns are 0..position-1,
     or the last `window` - 1 of them with a sliding window (the new token makes `window`). A query
     head reads the key-value head it shares with GROUP - 1 others; split 0 of the first of them
-    also writes the new token's k (rotated) and v to the cache at the row's position."""
+    also writes the new token's k (rotated) and v to the cache at the row's position. The cache
+    is paged (backends/kv_pages): column c of a row is at offset c % PAGE of the page that the
+    row's table entry c // PAGE names."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,15 +119,17 @@ def _attention_split(
         .to(dtype)
         .to(tl.float32)
     )
-    cache = row * stride_row + kv_head * stride_head
+    cache = kv_head * stride_head
+    pages = table_ptr + row * stride_table
     if split == 0:
         if head % GROUP == 0:
             k = _head(
                 base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM
             ).to(dtype)
-            tl.store(k_ptr + cache + position * HEAD_DIM + d, k, mask=d_ok)
+            at = cache + tl.load(pages + position // PAGE).to(tl.int64) * stride_page + (position % PAGE) * HEAD_DIM
+            tl.store(k_ptr + at + d, k, mask=d_ok)
             v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
-            tl.store(v_ptr + cache + position * HEAD_DIM + d, v, mask=d_ok)
+            tl.store(v_ptr + at + d, v, mask=d_ok)
     chunk = tl.cdiv(tl.cdiv(live - first, SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * chunk
     end = tl.minimum(start + chunk, live)
@@ -130,7 +139,8 @@ def _attention_split(
     for begin in range(start, end, BLOCK_N):
         offsets = begin + tl.arange(0, BLOCK_N)
         ok = offsets < end
-        where = cache + offsets[:, None] * HEAD_DIM + d[None, :]
+        page = tl.load(pages + offsets // PAGE, mask=ok, other=0).to(tl.int64)
+        where = cache + page[:, None] * stride_page + (offsets % PAGE)[:, None] * HEAD_DIM + d[None, :]
         both = ok[:, None] & d_ok[None, :]
         keys = tl.load(k_ptr + where, mask=both, other=0.0)
         values = tl.load(v_ptr + where, mask=both, other=0.0)
@@ -158,8 +168,10 @@ def _prefill_rotary(
     slot_ptr,
     k_ptr,
     v_ptr,
-    stride_row,
     stride_head,
+    stride_page,
+    table_ptr,
+    stride_table,
     q_norm_ptr,
     k_norm_ptr,
     eps,
@@ -170,10 +182,11 @@ def _prefill_rotary(
     ROT: tl.constexpr,
     D_PAD: tl.constexpr,
     QK_NORM: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """Per (prompt token, query head): q rotated in place in y (normalized first with q/k norms);
     the first query head of each key-value head also writes k (rotated) and v to the token's slot
-    of the cache at its position."""
+    of the cache at its position (through the slot's page table, as `_attention_split`)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -191,7 +204,8 @@ def _prefill_rotary(
     if head % GROUP == 0:
         k = _head(base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)
         v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
-        cache = slot * stride_row + kv_head * stride_head + position * HEAD_DIM
+        page = tl.load(table_ptr + slot * stride_table + position // PAGE).to(tl.int64)
+        cache = kv_head * stride_head + page * stride_page + (position % PAGE) * HEAD_DIM
         tl.store(k_ptr + cache + d, k.to(dtype), mask=d_ok)
         tl.store(v_ptr + cache + d, v, mask=d_ok)
     tl.debug_barrier()  # every lane has read q before any overwrites it
@@ -384,10 +398,18 @@ def _norm_args(q_norm, k_norm, like: torch.Tensor):
     return q_norm, k_norm, True
 
 
-def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, heads: Heads, q_norm=None, k_norm=None):
+def _paged(k_cache, v_cache, table, heads: Heads) -> tuple:
+    """The paged cache's arguments: head and page strides, the table and its row stride."""
+    assert k_cache.stride(2) == heads.head_dim and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.shape[2] == PAGE and table.stride(1) == 1
+    return k_cache.stride(0), k_cache.stride(1), table, table.stride(0)
+
+
+def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, table, heads: Heads, q_norm=None, k_norm=None):
     """Prompt tokens y [tokens, q + 2 kv + ...] at `positions` of cache rows `slots` (both
-    [tokens]): q rotated in place, k and v to the cache [rows, kv_heads, length, head_dim]."""
-    assert k_cache.stride(2) == heads.head_dim and k_cache.stride() == v_cache.stride() and y.stride(1) == 1
+    [tokens]): q rotated in place, k and v to the paged cache [kv_heads, pages, PAGE, head_dim]
+    through the rows' page `table` [rows, width] (backends/kv_pages)."""
+    assert y.stride(1) == 1
     q_w, k_w, qk_norm = _norm_args(q_norm, k_norm, y)
     _prefill_rotary[(y.shape[0], heads.heads)](
         y,
@@ -399,8 +421,7 @@ def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, heads: Heads
         slots,
         k_cache,
         v_cache,
-        k_cache.stride(0),
-        k_cache.stride(1),
+        *_paged(k_cache, v_cache, table, heads),
         q_w,
         k_w,
         heads.eps,
@@ -411,6 +432,7 @@ def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, heads: Heads
         ROT=heads.rotary_dim,
         D_PAD=triton.next_power_of_2(heads.head_dim),
         QK_NORM=qk_norm,
+        PAGE=PAGE,
         num_warps=1,
     )
 
@@ -438,6 +460,7 @@ def attention(
     active,
     k_cache,
     v_cache,
+    table,
     heads: Heads,
     *,
     window: int | None = None,
@@ -448,7 +471,8 @@ def attention(
     inner: int = 0,
 ):
     """The middle of a block, from y = [q; k; v; ...] (before rotary) of each row's new token:
-    writes k, v to the cache [rows, kv_heads, length, head_dim] at the row's position and returns
+    writes k, v to the paged cache [kv_heads, pages, PAGE, head_dim] at the row's position (its
+    page from `table` [rows, width], backends/kv_pages) and returns
     the attention output [rows, q]. `active` rows (1) attend to their columns 0..position-1 (the
     last `window` - 1 of them with a sliding window) and the new token, idle rows (0) to the new
     token alone.
@@ -456,7 +480,6 @@ def attention(
     For a parallel block (Phi: `x` given, y = [q; k; v; fc1]) it returns (mixed, xb) instead:
     mixed = [attention output, gelu(fc1)] for the out GEMM, xb = x + b_out for it to add to."""
     rows = y.shape[0]
-    assert k_cache.stride(2) == heads.head_dim and k_cache.stride() == v_cache.stride()
     splits = splits_for(rows, heads.heads)
     d_pad = triton.next_power_of_2(heads.head_dim)
     parts = torch.empty(rows, heads.heads, splits, d_pad + 2, dtype=torch.float32, device=y.device)
@@ -481,8 +504,7 @@ def attention(
         active,
         k_cache,
         v_cache,
-        k_cache.stride(0),
-        k_cache.stride(1),
+        *_paged(k_cache, v_cache, table, heads),
         parts,
         scale,
         window or 0,
@@ -491,6 +513,7 @@ def attention(
         heads.eps,
         BLOCK_N=ATTENTION["BLOCK_N"],
         SPLITS=splits,
+        PAGE=PAGE,
         num_warps=_attention_warps(rows),
         **common,
     )
@@ -553,23 +576,22 @@ def works(device, dtype, heads: Heads, hidden: int, inner: int, parallel: bool, 
     """Whether these kernels compile and run on `device` for the model's shapes (the compiled
     kernels are cached for the real calls): a GPU Triton cannot build for gets the torch step."""
     try:
-        rows, length = 1, 4
+        rows = 1
         y = torch.randn(rows, heads.q_size + 2 * heads.kv_size + (inner if parallel else 0), device=device, dtype=dtype)
         x = torch.randn(rows, hidden, device=device, dtype=dtype)
-        cache = [
-            torch.zeros(rows, heads.kv_heads, length, heads.head_dim, device=device, dtype=dtype) for _ in range(2)
-        ]
-        table = torch.ones(length, heads.rotary_dim, device=device, dtype=dtype)
+        cache = [torch.zeros(heads.kv_heads, 2, PAGE, heads.head_dim, device=device, dtype=dtype) for _ in range(2)]
+        pages = torch.ones(rows, 1, dtype=torch.long, device=device)
+        table = torch.ones(4, heads.rotary_dim, device=device, dtype=dtype)
         one = torch.ones(rows, dtype=torch.long, device=device)
         norms = (torch.ones(heads.head_dim, device=device, dtype=dtype),) * 2 if qk_norm else (None, None)
         if parallel:
-            attention(y, table, table, one, one, *cache, heads, x=x, b_out=x[0], inner=inner)
+            attention(y, table, table, one, one, *cache, pages, heads, x=x, b_out=x[0], inner=inner)
         else:
-            attention(y, table, table, one, one, *cache, heads, window=2, q_norm=norms[0], k_norm=norms[1])
+            attention(y, table, table, one, one, *cache, pages, heads, window=2, q_norm=norms[0], k_norm=norms[1])
             rms_norm(x, x[0], 1e-6)
             if gated:
                 silu_mul(torch.randn(rows, 2 * inner, device=device, dtype=dtype), inner)
-        prefill_rotary(y, table, table, one, one - 1, *cache, heads, *norms)
+        prefill_rotary(y, table, table, one, one - 1, *cache, pages, heads, *norms)
         gumbel_argmax(y[:, :64].float(), one, one)
         torch.cuda.synchronize(device)
         return True

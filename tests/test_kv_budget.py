@@ -1,6 +1,6 @@
-"""The KV budget of the Torch CPU decoder (KV_CACHE_BYTES): the cache holds only the rows and
-columns its sequences use, a sequence joins only if its prompt and max_tokens fit beside the
-others', and the served context is what one sequence fits. On the tiny model (float32, context
+"""The KV budget of the Torch CPU decoder (KV_CACHE_BYTES): the cache's pool holds only the pages
+its sequences use, a sequence joins only if its prompt and max_tokens fit beside the others',
+and the served context is what one sequence fits. On the tiny model (float32, context
 512) one position's KV takes `bytes_per_token` bytes."""
 
 from __future__ import annotations
@@ -63,16 +63,28 @@ def test_short_sequences_share_the_budget_that_a_long_one_takes_alone(torch_back
     assert not decoder.fits([10])  # MAX_BATCH
     decoder.remove(0)
     assert decoder.fits([60])
-    # Each row holds as many columns as the longest needs: three short rows and a full one are
-    # four full rows, past 1.5.
-    assert not decoder.fits([CONTEXT_LENGTH])
+    # Rows hold pages for what they need (backends/kv_pages): beside three short rows a
+    # full-context one fits (with full-context rows they were four, past 1.5)...
+    assert decoder.fits([CONTEXT_LENGTH])
+    decoder.remove(1)
+    assert decoder.fits([CONTEXT_LENGTH, 60])
+    # ...and two do not.
+    assert not decoder.fits([CONTEXT_LENGTH, CONTEXT_LENGTH])
+    usage = decoder.kv_cache_usage()
+    assert usage.used_bytes == usage.blocks_used * usage.block_tokens * usage.bytes_per_token > 0
 
 
 def test_a_cache_allocated_whole_reports_itself_as_the_budget(torch_backend):
     # As on CUDA, where graphs hold the cache's addresses (its context was cut to fit KV_CACHE_BYTES).
     decoder = BatchedDecoder(torch_backend.decoder_weights, 2, cuda_graphs=True)
     usage = decoder.kv_cache_usage()
-    assert usage.budget_bytes == usage.used_bytes == 2 * (CONTEXT_LENGTH + 1) * usage.bytes_per_token
+    # With no KV_CACHE_BYTES, a full-context row's pages for each row, and the scratch page.
+    pages = 2 * -(-(CONTEXT_LENGTH + 1) // usage.block_tokens)
+    assert usage.blocks == pages and usage.blocks_used == usage.used_bytes == 0
+    assert usage.budget_bytes == usage.allocated_bytes == (pages + 1) * usage.block_tokens * usage.bytes_per_token
+    sized = BatchedDecoder(torch_backend.decoder_weights, 2, cuda_graphs=True, kv_cache_bytes=usage.budget_bytes // 3)
+    assert sized.kv_cache_usage().allocated_bytes <= usage.budget_bytes // 3  # KV_CACHE_BYTES: the pool, whole
+    assert sized.fits([100, 100]) and not sized.fits([CONTEXT_LENGTH])
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +130,9 @@ def test_a_budget_smaller_than_the_context_cuts_the_window(tiny_path, caplog):
         "torch", LoadOptions(model=str(tiny_path), dtype="float32", kv_cache_bytes=300 * per_position, warmup=False)
     )
     assert len(backend.decoder_weights.layers) == 2
-    assert backend.info.context_length == 192  # 300 / (1 + 1/2) - 2 = 198, to a multiple of 8
-    assert "context window cut from 512 to 192" in caplog.text
+    # Pages of 16 positions: 300 / 16 / (1 + 1/2) = 12 pages, less the scratch page: 176 positions.
+    assert backend.info.context_length == 176
+    assert "context window cut from 512 to 176" in caplog.text
     with pytest.raises(ModelLoadError, match="KV_CACHE_BYTES"):
         load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", kv_cache_bytes=per_position))
 
@@ -133,7 +146,7 @@ async def test_a_request_past_the_cut_window_is_refused(make_client, tiny_path):
     client = await make_client(lambda: backend, max_batch=4)
     response = await client.post("/v1/completions", json={"prompt": [5] * 200, "max_tokens": 4})
     assert response.status == 400
-    assert "192" in (await response.json())["error"]["message"]
+    assert "176" in (await response.json())["error"]["message"]
 
 
 async def test_the_default_budget_comes_from_the_available_memory(client, backend):

@@ -32,6 +32,7 @@ from backends import (  # noqa: E402
     torch_decoder,  # noqa: E402
 )
 from backends.drive import drive  # noqa: E402
+from backends.kv_pages import pages_for  # noqa: E402
 from backends.torch_decoder import BatchedDecoder  # noqa: E402
 
 PROMPTS = ["Alice: describe yourself as JSON. Bob:", "Bob: I am fine", "Alice: What is two plus two? Bob:", "Hello"]
@@ -47,7 +48,7 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 def cuda_like(decoder: BatchedDecoder) -> BatchedDecoder:
     """The decoder as CUDA runs it (fused step, chained steps, device draws), graphs replaced by
     plain calls: the CPU has none."""
-    decoder._resize(decoder.rows, decoder.context + 1)  # allocated whole, as on CUDA (the CPU's grows by use)
+    decoder.kv.resize(1 + decoder.rows * pages_for(decoder.context + 1))  # whole, as on CUDA (the CPU's grows by use)
     decoder.use_graphs = True
     decoder._replay = lambda batch, span, lora=0: decoder._decode_step(batch, span, lora)
     return decoder
@@ -114,10 +115,12 @@ def check_model(name: str, model: str, root: Path) -> None:
     ids = backend.encode(" ".join(PROMPTS) * 3)
     with torch.inference_mode():
         plain = BatchedDecoder(w, 4, cuda_graphs=False)
-        plain._grow(len(ids) + 8, rows=4)  # every slot the checks write: the CPU cache holds only what is used
+        for row in range(4):  # every slot the checks write holds its pages
+            plain._take_pages(row, len(ids) + 8)
         reference, _ = plain._prefill([(0, ids, 0), (1, ids[:50], 0)], lora_rows=[-1, -1])
         fused = BatchedDecoder(w, 4, cuda_graphs=False, fused=True)
-        fused._grow(len(ids) + 8, rows=4)  # every slot the checks write: the CPU cache holds only what is used
+        for row in range(4):
+            fused._take_pages(row, len(ids) + 8)
         fused.use_graphs = True
         one, _ = fused._prefill([(0, ids, 0)], lora_rows=[-1])
         check(
@@ -147,6 +150,8 @@ def check_model(name: str, model: str, root: Path) -> None:
         # the tiny families' windows of 16.
         short, _ = plain._prefill([(0, ids[:12], 0), (1, ids[:7], 0)], lora_rows=[-1, -1])
         fresh = BatchedDecoder(w, 4, cuda_graphs=False, fused=True, prefill_graphs=True)
+        for row in range(2):
+            fresh._take_pages(row, 16)
         got, _ = fresh._prefill([(0, ids[:12], 0), (1, ids[:7], 0)], lora_rows=[-1, -1])
         check(
             f"{name}: prefill of new prompts padded to a graph's shape",

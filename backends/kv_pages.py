@@ -1,0 +1,168 @@
+"""Paged KV for the batched Torch decoder (issue 30): the keys and values of every sequence live in
+pages of PAGE positions taken from one pool, and a table says which pages hold each row's
+columns. vLLM's PagedAttention keeps its cache this way: memory follows what sequences hold, not
+what the longest one could reach, so a GPU holds hundreds of short sequences where full-context
+slots held a hundred, and a sequence leaving frees pages instead of moving rows.
+
+Layout, per layer, keys and values alike: [kv_heads, pages, PAGE, head_dim] (heads outermost: a
+row's pages gathered for one head are contiguous, `read`). The table is [rows, width] of page
+ids (width: enough pages for every column 0..context). Page 0 is the scratch page: every entry a
+row does not hold points at it, so idle rows, the padding of a padded prefill and the scratch
+column (position `context`) write there, and nothing reads it as a sequence's own column.
+
+A row takes the pages of everything it may reach (prompt and max_tokens) when it is admitted
+(`assign`), so a running sequence never waits for memory and none is preempted; admission waits
+instead (the engine asks `fits`). On CUDA the pool is allocated whole (CUDA graphs hold its
+address); on the CPU it grows by doubling within the budget and shrinks once it holds over
+twice what its sequences use (`resize`), a layer at a time, so that one layer is held twice at
+most while it copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAGE = 16  # positions a page: the Triton decode kernel's column block (triton_decode.ATTENTION)
+
+
+def pages_for(columns: int) -> int:
+    return -(-columns // PAGE)
+
+
+class PagedKV:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, rows: int, context: int, pages: int):
+        """A pool of `pages` pages (the scratch page included) for `rows` rows of up to
+        `context` + 1 columns each."""
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.page_bytes = 2 * layers * kv_heads * PAGE * head_dim * dtype.itemsize
+        self.width = pages_for(context + 1)
+        self.table = torch.zeros(rows, self.width, dtype=torch.long, device=device)
+        self.held: list[list[int]] = [[] for _ in range(rows)]  # each row's pages, on the host
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.pages = 0
+        self.free: list[int] = []  # a stack: the pages freed last are taken first (the CPU's are warm)
+        self.peak_pages = 0
+        self.resize(max(pages, 1))
+
+    # -- pages -----------------------------------------------------------------------------------
+
+    @property
+    def held_pages(self) -> int:
+        return self.pages - 1 - len(self.free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    def assign(self, row: int, columns: int) -> None:
+        """Give `row` (which holds none) the pages of `columns` columns from 0; the caller has
+        made sure that the pool has them (`resize`)."""
+        n = pages_for(columns)
+        assert not self.held[row] and n <= len(self.free) and n <= self.width
+        taken = [self.free.pop() for _ in range(n)]
+        self.held[row] = taken
+        self.table[row, :n].copy_(torch.tensor(taken, dtype=torch.long))
+
+    def release(self, rows: list[int]) -> None:
+        """Return these rows' pages to the pool; their table rows point at the scratch page."""
+        for row in rows:
+            self.free.extend(reversed(self.held[row]))
+            self.held[row] = []
+        if rows:
+            self.table[torch.tensor(rows, device=self.device)] = 0
+
+    def move(self, targets: list[int], sources: list[int]) -> None:
+        """Rows `sources` become rows `targets` (which hold nothing): a table copy, no KV copy."""
+        if not targets:
+            return
+        target = torch.tensor(targets, device=self.device)
+        source = torch.tensor(sources, device=self.device)
+        self.table[target] = self.table[source]
+        self.table[source] = 0
+        for t, s in zip(targets, sources, strict=True):
+            self.held[t], self.held[s] = self.held[s], []
+
+    def resize(self, pages: int) -> None:
+        """A pool of `pages` pages, the held ones kept at their ids; shrinking first moves the
+        pages held past the new end into free ones below it (and their table entries)."""
+        pages = max(pages, 1)
+        if pages < self.pages:
+            self._compact(pages)
+        keep = min(pages, self.pages)
+        for cache in (self.k, self.v) if self.k else ():
+            for layer in range(self.layers):
+                new = torch.zeros(self._shape(pages), dtype=self.dtype, device=self.device)
+                new[:, :keep] = cache[layer][:, :keep]
+                cache[layer] = new
+        if not self.k:
+            self.k = [torch.zeros(self._shape(pages), dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+            self.v = [torch.zeros(self._shape(pages), dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        if pages > self.pages:
+            self.free = list(range(pages - 1, max(self.pages, 1) - 1, -1)) + self.free
+        else:
+            self.free = [page for page in self.free if page < pages]
+        self.pages = pages
+        self.peak_pages = max(self.peak_pages, pages)
+
+    def _shape(self, pages: int) -> tuple[int, int, int, int]:
+        return (self.kv_heads, pages, PAGE, self.head_dim)
+
+    def _compact(self, pages: int) -> None:
+        low = sorted(page for page in self.free if page < pages)
+        moves = {}
+        for held in self.held:
+            for i, page in enumerate(held):
+                if page >= pages:
+                    moves[page] = low.pop(0)
+                    held[i] = moves[page]
+        if not moves:
+            return
+        old = torch.tensor(list(moves), device=self.device)
+        new = torch.tensor(list(moves.values()), device=self.device)
+        for cache in (self.k, self.v):
+            for layer in range(self.layers):
+                cache[layer][:, new] = cache[layer][:, old]
+        for row, held in enumerate(self.held):
+            if held:
+                self.table[row, : len(held)].copy_(torch.tensor(held, dtype=torch.long))
+        self.free = [page for page in range(1, pages) if page not in {p for h in self.held for p in h}]
+        self.free.reverse()
+
+    # -- keys and values -------------------------------------------------------------------------
+
+    def where(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of each (row, position), broadcast together."""
+        return self.table[rows, positions // PAGE], positions % PAGE
+
+    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """k and v [*S, kv_heads, head_dim] to the columns at (rows, positions) (both broadcast to S)."""
+        page, offset = self.where(rows, positions)
+        self.k[layer][:, page, offset] = k.movedim(-2, 0)
+        self.v[layer][:, page, offset] = v.movedim(-2, 0)
+
+    def read(self, layer: int, rows: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Columns 0..span-1 of `rows`, keys and values [n, kv_heads, span, head_dim] (a gather:
+        a copy, contiguous for each (row, head) across its pages)."""
+        pages = self.table[rows, : pages_for(span)]  # [n, p]
+        n = pages.shape[0]
+
+        def gather(cache):
+            return cache[:, pages].reshape(self.kv_heads, n, -1, self.head_dim)[:, :, :span].transpose(0, 1)
+
+        return gather(self.k[layer]), gather(self.v[layer])
+
+    def columns(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Columns start..end-1 of one row in every layer, [layers, kv_heads, n, head_dim] each."""
+        positions = torch.arange(start, end, device=self.device)
+        page, offset = self.where(torch.tensor(row, device=self.device), positions)
+        return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])
+
+    def put_columns(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Columns from `start` of one row in every layer, from k, v [layers, kv_heads, n, head_dim]."""
+        positions = torch.arange(start, start + k.shape[2], device=self.device)
+        page, offset = self.where(torch.tensor(row, device=self.device), positions)
+        for layer in range(self.layers):
+            self.k[layer][:, page, offset] = k[layer]
+            self.v[layer][:, page, offset] = v[layer]
