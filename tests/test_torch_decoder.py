@@ -115,3 +115,26 @@ def test_matches_transformers_generic_path(torch_backend, reference):
         eos = reference.tokenizer.eos_token_id
         cut = ids.index(eos) + 1 if eos in ids else len(ids)  # generate stops at end-of-text
         assert out[:cut] == ids[:cut], prompt
+
+
+def test_a_prompt_sent_again_takes_its_last_token_through_a_decode_step(torch_backend, monkeypatch):
+    """All but its last token come from the prompt cache, and the last is a decode step's input
+    (no one-token prefill: on CUDA that is ~500 eager launches against a graphed step); the
+    tokens, greedy and seeded, are those of the first time."""
+    decoder = BatchedDecoder(torch_backend.decoder_weights, 2, prompt_cache_bytes=1 << 24)
+    prompt = torch_backend.encode("The quick brown fox jumps over the lazy dog")
+    for sampling in (Sampling(), Sampling(temperature=1.3, top_p=0.9, seed=5)):
+        first = drive(decoder, [Sequence(1, prompt, sampling, 12)]).ids[1]
+        prefilled = []
+        original = BatchedDecoder._prefill
+
+        def counted(self, parts, *args, **kwargs):
+            prefilled.extend(len(ids) for _, ids, _ in parts)
+            return original(self, parts, *args, **kwargs)
+
+        monkeypatch.setattr(BatchedDecoder, "_prefill", counted)
+        again = drive(decoder, [Sequence(2, prompt, sampling, 12)])
+        monkeypatch.undo()
+        assert again.ids[2] == first
+        assert again.cached[2] == len(prompt) - 1
+        assert not prefilled
