@@ -8,12 +8,14 @@
    ids of 8 prompts decoded together by each (and, graphed, each alone).
 2. in process, bfloat16: a 24-token prompt's prefill (`logits_after`, median of 30), and 64
    distinct prompts' prefill and first token (median of 5), graphed against eager.
-3. real servers (MAX_QUEUE=1024) driven by bench.py over HTTP, 128 tokens a request: 1 client
-   with a new sampled prompt each run (the TTFT of a prompt not seen before), 1 client sending
-   the same prompt (a stored prefix's), 64 and 256 clients with distinct sampled prompts; at
-   MAX_BATCH=64 and at the default (MAX_BATCH=0: the MAX_BATCH it chose is reported), and with
-   --baseline DIR (a checkout of an earlier commit: `git worktree add DIR COMMIT`) the same
-   workloads against that tree's server at MAX_BATCH=64 first, in the same run.
+3. real servers driven by bench.py over HTTP (the server's own MAX_QUEUE unless --queue), 128
+   tokens a request, at each of --levels: 1 client with a new sampled prompt each run (the TTFT
+   of a prompt not seen before), 1 client sending the same prompt (a stored prefix's), the same
+   two with a ~1,040-token prompt, 64-512 clients with distinct sampled prompts, and `latency`
+   (bench.py --latency: a 1,044-token prompt alone, then 63 streams' inter-token gaps while such
+   prompts arrive); for each MAX_BATCH of --batches (0: the default; the MAX_BATCH it chose and
+   its kv_cache are reported), and with --baseline DIR (a checkout of an earlier commit: `git
+   worktree add DIR COMMIT`) the same workloads against that tree's server first, in the same run.
 Writes every number to --out/prefill.json as it goes; prints a summary last.
 """
 
@@ -108,7 +110,9 @@ def in_process(shape: str) -> dict:
     return result
 
 
-def serve(shape: str, out: Path, max_batch: str, levels: list[tuple[str, list[str]]], tree: Path = ROOT) -> dict:
+def serve(
+    shape: str, out: Path, max_batch: str, levels: list[tuple[str, list[str]]], tree: Path = ROOT, queue: str = ""
+) -> dict:
     """phi2_server.py of `tree` on `shape` (bench.py's ServerProcess), driven by this tree's
     bench.py at each level."""
     import urllib.request
@@ -117,7 +121,9 @@ def serve(shape: str, out: Path, max_batch: str, levels: list[tuple[str, list[st
 
     logs = out / f"server-{shape.split(':')[-1]}-batch{max_batch}{'-baseline' if tree != ROOT else ''}"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {"PHI2_MODEL": shape, "MAX_BATCH": max_batch, "MAX_QUEUE": "1024", "LOG_DIR": str(logs), "ADAPTER_PATH": ""}
+    env = {"PHI2_MODEL": shape, "MAX_BATCH": max_batch, "LOG_DIR": str(logs), "ADAPTER_PATH": ""}
+    if queue:
+        env["MAX_QUEUE"] = queue
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, str(tree / "phi2_server.py"), "--port", str(port)]
@@ -130,13 +136,20 @@ def serve(shape: str, out: Path, max_batch: str, levels: list[tuple[str, list[st
     with urllib.request.urlopen(url + "/model/info", timeout=5) as response:
         info = json.loads(response.read())
     result["max_batch"], result["context_length"] = info.get("max_batch"), info.get("context_length")
+    result["kv_cache"] = info.get("kv_cache")
     for level, extra in levels:
-        name = f"bench-{level}{'-distinct' if '--distinct' in extra else '-same'}.json"
-        command = [sys.executable, str(ROOT / "bench.py"), "--url", url, "--concurrency", level, "--max-tokens", "128"]
-        command += ["--runs", "3", "--label", shape, "--json", str(logs / name), *extra]
+        long = "-long" if any(len(x) > 1000 for x in extra) else ""
+        name = f"bench-{level}{long}{'-distinct' if '--distinct' in extra else '-same'}.json"
+        command = [sys.executable, str(ROOT / "bench.py"), "--url", url, "--json", str(logs / name)]
+        if level == "latency":  # a 1,044-token prompt alone, then 63 streams' gaps as such prompts arrive
+            command += ["--latency"]
+        else:
+            command += ["--concurrency", level, "--max-tokens", "128", "--runs", "3", "--label", shape, *extra]
         bench = subprocess.run(command, capture_output=True, text=True, timeout=400)
         say(bench.stdout, bench.stderr[-1500:])
         result[name] = json.loads((logs / name).read_text()) if (logs / name).exists() else bench.stderr[-500:]
+        with urllib.request.urlopen(url + "/model/info", timeout=5) as response:  # the worker's time, cumulative
+            result[name.replace(".json", " stats")] = json.loads(response.read())["stats"]
     server.stop()
     say(shape, "server", max_batch, {k: v for k, v in result.items() if not k.startswith("bench")})
     return result
@@ -144,6 +157,16 @@ def serve(shape: str, out: Path, max_batch: str, levels: list[tuple[str, list[st
 
 # About 24 tokens of random:phi-2's tokenizer (bench.py reports the count).
 PROMPT_24 = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is"
+# About 1,040 tokens (bench.py reports the count): the issue's long prompt, cold and stored.
+PROMPT_LONG = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(80))
+LEVELS = {
+    "1new": ("1", ["--prompt", PROMPT_24, "--distinct"]),
+    "1same": ("1", ["--prompt", PROMPT_24]),
+    "1long-new": ("1", ["--prompt", PROMPT_LONG, "--distinct"]),
+    "1long-same": ("1", ["--prompt", PROMPT_LONG]),
+    **{n: (n, ["--distinct"]) for n in ("64", "128", "256", "512")},
+    "latency": ("latency", []),
+}
 
 
 def main() -> int:
@@ -153,6 +176,9 @@ def main() -> int:
     parser.add_argument("--no-serve", action="store_true")
     parser.add_argument("--no-parity", action="store_true", help="skip sections 1 and 2")
     parser.add_argument("--baseline", metavar="DIR", help="an earlier commit's checkout, served beside this one")
+    parser.add_argument("--levels", default="1new,1same,64,256", help=f"of {', '.join(LEVELS)}")
+    parser.add_argument("--batches", default="64,0", help="MAX_BATCH of each server (0: its default)")
+    parser.add_argument("--queue", default="", help="MAX_QUEUE (default: the server's)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,23 +199,20 @@ def main() -> int:
         save(out)
     if not args.no_serve:
         shape = shapes[0]
-        levels = [
-            ("1", ["--prompt", PROMPT_24, "--distinct"]),
-            ("1", ["--prompt", PROMPT_24]),
-            ("64", ["--distinct"]),
-            ("256", ["--distinct"]),
-        ]
-        if args.baseline:
-            RESULTS[f"serve {shape} batch64 baseline"] = serve(shape, out, "64", levels, Path(args.baseline))
+        levels = [LEVELS[name] for name in args.levels.split(",")]
+        for batch in args.batches.split(","):
+            label = "default" if batch == "0" else f"batch{batch}"
+            if args.baseline:
+                RESULTS[f"serve {shape} {label} baseline"] = serve(
+                    shape, out, batch, levels, Path(args.baseline), args.queue
+                )
+                save(out)
+            RESULTS[f"serve {shape} {label}"] = serve(shape, out, batch, levels, queue=args.queue)
             save(out)
-        RESULTS[f"serve {shape} batch64"] = serve(shape, out, "64", levels)
-        save(out)
-        RESULTS[f"serve {shape} default"] = serve(shape, out, "0", levels)
-        save(out)
         for key, result in RESULTS.items():
             if key.startswith("serve"):
                 for name, bench in result.items():
-                    if name.startswith("bench") and isinstance(bench, dict):
+                    if name.startswith("bench") and isinstance(bench, dict) and "rows" in bench:
                         row = bench["rows"][0]
                         say(
                             f"{key} {name}: {row['aggregate_tok_s']:.0f} tok/s, TTFT median {row['ttft_ms']:.1f} "
