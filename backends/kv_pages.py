@@ -63,7 +63,7 @@ class PagedKV:
         assert not self.held[row] and n <= len(self.free) and n <= self.width
         taken = [self.free.pop() for _ in range(n)]
         self.held[row] = taken
-        self.table[row, :n].copy_(torch.tensor(taken, dtype=torch.long))
+        self.table[row, :n].copy_(self._longs(taken), non_blocking=True)
 
     def release(self, rows: list[int]) -> None:
         """Return these rows' pages to the pool; their table rows point at the scratch page."""
@@ -71,16 +71,15 @@ class PagedKV:
             self.free.extend(reversed(self.held[row]))
             self.held[row] = []
         if rows:
-            self.table[torch.tensor(rows, device=self.device)] = 0
+            self.table.index_fill_(0, self._longs(rows), 0)
 
     def move(self, targets: list[int], sources: list[int]) -> None:
         """Rows `sources` become rows `targets` (which hold nothing): a table copy, no KV copy."""
         if not targets:
             return
-        target = torch.tensor(targets, device=self.device)
-        source = torch.tensor(sources, device=self.device)
-        self.table[target] = self.table[source]
-        self.table[source] = 0
+        target, source = self._longs(targets), self._longs(sources)
+        self.table.index_copy_(0, target, self.table.index_select(0, source))
+        self.table.index_fill_(0, source, 0)
         for t, s in zip(targets, sources, strict=True):
             self.held[t], self.held[s] = self.held[s], []
 
@@ -106,6 +105,14 @@ class PagedKV:
         self.pages = pages
         self.peak_pages = max(self.peak_pages, pages)
 
+    def _longs(self, values: list[int]) -> torch.Tensor:
+        """Ids for the table, on its device without a wait: a plain host tensor's copy to a GPU
+        waits for the work queued before it (a decode step in flight), pinned memory's does not
+        (torch's pinned allocator keeps the block until its copy has run)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.long)
+        return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
+
     def _shape(self, pages: int) -> tuple[int, int, int, int]:
         return (self.kv_heads, pages, PAGE, self.head_dim)
 
@@ -127,8 +134,8 @@ class PagedKV:
         for row, held in enumerate(self.held):
             if held:
                 self.table[row, : len(held)].copy_(torch.tensor(held, dtype=torch.long))
-        self.free = [page for page in range(1, pages) if page not in {p for h in self.held for p in h}]
-        self.free.reverse()
+        held = {page for pages_of_row in self.held for page in pages_of_row}
+        self.free = [page for page in range(pages - 1, 0, -1) if page not in held]
 
     # -- keys and values -------------------------------------------------------------------------
 
@@ -156,13 +163,13 @@ class PagedKV:
     def columns(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Columns start..end-1 of one row in every layer, [layers, kv_heads, n, head_dim] each."""
         positions = torch.arange(start, end, device=self.device)
-        page, offset = self.where(torch.tensor(row, device=self.device), positions)
+        page, offset = self.table[row][positions // PAGE], positions % PAGE
         return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])
 
     def put_columns(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Columns from `start` of one row in every layer, from k, v [layers, kv_heads, n, head_dim]."""
         positions = torch.arange(start, start + k.shape[2], device=self.device)
-        page, offset = self.where(torch.tensor(row, device=self.device), positions)
+        page, offset = self.table[row][positions // PAGE], positions % PAGE
         for layer in range(self.layers):
             self.k[layer][:, page, offset] = k[layer]
             self.v[layer][:, page, offset] = v[layer]

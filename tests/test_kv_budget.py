@@ -156,3 +156,39 @@ async def test_the_default_budget_comes_from_the_available_memory(client, backen
     else:
         assert kv["budget_bytes"] == backend.kv_budget > 0
         assert kv["bytes_per_token"] > 0
+
+
+def test_the_pool_shrinks_under_held_pages_and_keeps_their_contents():
+    """backends/kv_pages: pages held past a smaller pool's end move below it, with their keys and
+    values and their table entries; pages freed go back to be taken again."""
+    import torch
+
+    from backends.kv_pages import PAGE, PagedKV
+
+    kv = PagedKV(
+        layers=2,
+        kv_heads=2,
+        head_dim=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        rows=3,
+        context=10 * PAGE,
+        pages=12,
+    )
+    kv.assign(0, 5 * PAGE)
+    kv.assign(1, 3 * PAGE)
+    kv.assign(2, 2 * PAGE)  # the last pages taken: ids 9 and 10
+    columns = torch.arange(2 * PAGE)
+    for layer in range(2):
+        keys = torch.randn(2 * PAGE, 2, 4)
+        kv.write(layer, torch.tensor(2), columns, keys, -keys)
+    before = kv.columns(2, 0, 2 * PAGE)
+    kv.release([0])  # frees 5 low pages
+    kv.resize(7)  # 1 scratch + 3 + 2 held: row 2's pages move down
+    assert kv.pages == 7 and max(max(held) for held in kv.held if held) < 7
+    assert kv.held_pages == 5 and len(kv.free) == 1  # and the scratch page
+    after = kv.columns(2, 0, 2 * PAGE)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert kv.table[2, :2].tolist() == kv.held[2] and kv.table[0].tolist() == [0] * kv.width
+    kv.release([1, 2])
+    assert kv.held_pages == 0 and sorted(kv.free) == list(range(1, 7))

@@ -111,7 +111,14 @@ def in_process(shape: str) -> dict:
 
 
 def serve(
-    shape: str, out: Path, max_batch: str, levels: list[tuple[str, list[str]]], tree: Path = ROOT, queue: str = ""
+    shape: str,
+    out: Path,
+    max_batch: str,
+    levels: list[tuple[str, list[str]]],
+    tree: Path = ROOT,
+    queue: str = "",
+    extra_env: dict | None = None,
+    script: str = "phi2_server.py",
 ) -> dict:
     """phi2_server.py of `tree` on `shape` (bench.py's ServerProcess), driven by this tree's
     bench.py at each level."""
@@ -119,14 +126,16 @@ def serve(
 
     from bench import ServerProcess, free_port
 
-    logs = out / f"server-{shape.split(':')[-1]}-batch{max_batch}{'-baseline' if tree != ROOT else ''}"
+    variant = "-baseline" if tree != ROOT else "".join(f"-{k}{v}" for k, v in (extra_env or {}).items())
+    logs = out / f"server-{shape.split(':')[-1]}-batch{max_batch}{variant}"
     logs.mkdir(parents=True, exist_ok=True)
     env = {"PHI2_MODEL": shape, "MAX_BATCH": max_batch, "LOG_DIR": str(logs), "ADAPTER_PATH": ""}
     if queue:
         env["MAX_QUEUE"] = queue
+    env.update(extra_env or {})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, str(tree / "phi2_server.py"), "--port", str(port)]
+    command = [sys.executable, str(tree / script), "--port", str(port)]
     try:
         server = ServerProcess(command, url, 300, env, output=open(logs / "server.log", "w"))
     except SystemExit as failed:
@@ -179,6 +188,9 @@ def main() -> int:
     parser.add_argument("--levels", default="1new,1same,64,256", help=f"of {', '.join(LEVELS)}")
     parser.add_argument("--batches", default="64,0", help="MAX_BATCH of each server (0: its default)")
     parser.add_argument("--queue", default="", help="MAX_QUEUE (default: the server's)")
+    parser.add_argument("--env", default="", help="more of the servers' environment, K=V,K=V")
+    parser.add_argument("--server", default="phi2_server.py", help="the script that serves, in the tree")
+    parser.add_argument("--label", default="", help="a suffix for this run's result keys")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,7 +219,10 @@ def main() -> int:
                     shape, out, batch, levels, Path(args.baseline), args.queue
                 )
                 save(out)
-            RESULTS[f"serve {shape} {label}"] = serve(shape, out, batch, levels, queue=args.queue)
+            extra = dict(pair.split("=", 1) for pair in args.env.split(",") if pair)
+            RESULTS[f"serve {shape} {label}{args.label}"] = serve(
+                shape, out, batch, levels, queue=args.queue, extra_env=extra, script=args.server
+            )
             save(out)
         for key, result in RESULTS.items():
             if key.startswith("serve"):
