@@ -12,6 +12,7 @@ here or in the HTTP layer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import threading
@@ -394,6 +395,13 @@ class Engine:
             # batch (512 rows on an H200) takes in at its next step is not turned away first.
             self.max_queue = self.max_queue or max(MIN_QUEUE, self.max_batch)
             self._decoder = self._new_decoder(self.backend)
+            # What loading made (the model's modules, tensors' Python objects, the libraries'
+            # modules) lives as long as the process: out of the collector's sight, a full
+            # collection does not walk it. On an H200 serving Phi-2 each full collection stopped
+            # every stream for 154-210 ms (the p99 inter-token gap); vLLM freezes its startup
+            # objects too.
+            gc.collect()
+            gc.freeze()
         except BaseException as exc:  # reported through /health and the startup error
             self.load_error = exc
             self.status = "error"
