@@ -39,6 +39,7 @@ class PagedKV:
         self.width = pages_for(context + 1)
         self.table = torch.zeros(rows, self.width, dtype=torch.long, device=device)
         self.held: list[list[int]] = [[] for _ in range(rows)]  # each row's pages, on the host
+        self.parked: list[list[int]] = []  # pages of rows given up, kept until read (`park`)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.pages = 0
@@ -72,6 +73,24 @@ class PagedKV:
             self.held[row] = []
         if rows:
             self.table.index_fill_(0, self._longs(rows), 0)
+
+    def park(self, rows: list[int]) -> list[list[int]]:
+        """Give up these rows but keep their pages held, each row's as a list that `columns_of`
+        reads and `unpark` frees (a sequence that ended, until its prompt cache entry is copied
+        out). Their table rows point at the scratch page."""
+        parked = []
+        for row in rows:
+            parked.append(self.held[row])
+            self.held[row] = []
+        self.parked += parked
+        if rows:
+            self.table.index_fill_(0, self._longs(rows), 0)
+        return parked
+
+    def unpark(self, pages: list[int]) -> None:
+        index = next(i for i, parked in enumerate(self.parked) if parked is pages)
+        del self.parked[index]
+        self.free.extend(reversed(pages))
 
     def move(self, targets: list[int], sources: list[int]) -> None:
         """Rows `sources` become rows `targets` (which hold nothing): a table copy, no KV copy."""
@@ -119,7 +138,7 @@ class PagedKV:
     def _compact(self, pages: int) -> None:
         low = sorted(page for page in self.free if page < pages)
         moves = {}
-        for held in self.held:
+        for held in [*self.held, *self.parked]:  # in place: a parked list's holder sees the move
             for i, page in enumerate(held):
                 if page >= pages:
                     moves[page] = low.pop(0)
@@ -134,7 +153,7 @@ class PagedKV:
         for row, held in enumerate(self.held):
             if held:
                 self.table[row, : len(held)].copy_(torch.tensor(held, dtype=torch.long))
-        held = {page for pages_of_row in self.held for page in pages_of_row}
+        held = {page for pages_of_row in [*self.held, *self.parked] for page in pages_of_row}
         self.free = [page for page in range(pages - 1, 0, -1) if page not in held]
 
     # -- keys and values -------------------------------------------------------------------------
@@ -164,6 +183,12 @@ class PagedKV:
         """Columns start..end-1 of one row in every layer, [layers, kv_heads, n, head_dim] each."""
         positions = torch.arange(start, end, device=self.device)
         page, offset = self.table[row][positions // PAGE], positions % PAGE
+        return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])
+
+    def columns_of(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`columns` of a parked row, from its pages."""
+        positions = torch.arange(start, end, device=self.device)
+        page, offset = self._longs(pages)[positions // PAGE], positions % PAGE
         return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])
 
     def put_columns(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -138,3 +138,61 @@ def test_a_prompt_sent_again_takes_its_last_token_through_a_decode_step(torch_ba
         assert again.ids[2] == first
         assert again.cached[2] == len(prompt) - 1
         assert not prefilled
+
+
+def test_complete_prompts_are_stored_a_few_a_step(torch_backend):
+    """Storing a prompt is a gather per layer: 64 at once stalled every stream on an H200, so a
+    step stores STORES_PER_STEP of them, oldest first, and the outputs do not change."""
+    from backends.torch_decoder import STORES_PER_STEP
+
+    weights = torch_backend.decoder_weights
+    prompts = [torch_backend.encode(f"{word} went to the market") for word in "ABCDEFGH"]
+    sequences = [Sequence(i, p, Sampling(), 6) for i, p in enumerate(prompts)]
+    decoder = BatchedDecoder(weights, 8, prompt_cache_bytes=1 << 24)
+    for sequence in sequences:
+        decoder.add(sequence)
+    stored = []
+    tokens = {}
+    for _ in range(3):
+        for sequence_id, new in decoder.step().items():
+            tokens.setdefault(sequence_id, []).extend(new)
+        stored.append(decoder.prompt_cache_usage().entries)
+    assert stored == [0, STORES_PER_STEP, 2 * STORES_PER_STEP]
+    for sequence in sequences:
+        got = tokens[sequence.id]
+        assert len(got) >= 2 and got == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id][: len(got)]
+
+
+def test_ended_sequences_are_stored_a_few_a_step_while_others_decode(torch_backend):
+    """A sequence that ends keeps its pages until its prompt and text are copied into the prompt
+    cache, a few a step while others decode (not all at once, a stall of every stream); a next
+    turn that extends one then reuses all of it."""
+    from backends.torch_decoder import STORES_PER_STEP
+
+    weights = torch_backend.decoder_weights
+    decoder = BatchedDecoder(weights, 8, prompt_cache_bytes=1 << 24)
+    decoder.add(Sequence(0, torch_backend.encode("The long one keeps going"), Sampling(), 40))
+    short = [
+        Sequence(i, torch_backend.encode(f"{word} went to the market"), Sampling(), 3)
+        for i, word in enumerate("ABCDEF", 1)
+    ]
+    for sequence in short:
+        decoder.add(sequence)
+    generated = {}
+    while any(len(generated.get(s.id, [])) < 3 for s in short):
+        for sequence_id, tokens in decoder.step().items():
+            generated.setdefault(sequence_id, []).extend(tokens)
+    held = decoder.kv_cache_usage().blocks_used
+    decoder.remove(*(s.id for s in short))
+    assert decoder.kv_cache_usage().blocks_used == held  # their pages wait to be read
+    waiting = []
+    for _ in range(2):
+        decoder.step()
+        waiting.append(len(decoder._leaving))
+    assert waiting == [len(short) - STORES_PER_STEP, 0]
+    assert decoder.kv_cache_usage().blocks_used < held
+    first = short[0]
+    extended = first.prompt_ids + generated[first.id] + torch_backend.encode(" and then")
+    decoder.remove(0)
+    reused = decoder.add(Sequence(9, extended, Sampling(), 2))
+    assert reused == len(first.prompt_ids) + len(generated[first.id]) - 1  # its text but the last token
