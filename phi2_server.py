@@ -143,11 +143,13 @@ class Settings:
     max_queue: int = setting(
         0, "requests that may wait for a batch slot; more get 503 (0: MAX_BATCH as applied, at least 64)"
     )
-    max_batch: int = setting(0, "sequences decoded together in one step (0: 64 on CUDA, 8 elsewhere)")
+    max_batch: int = setting(
+        0, "sequences decoded together in one step (0: on CUDA a row per 512 positions of the KV pool; 8 elsewhere)"
+    )
     max_model_len: int = setting(
         0,
-        "the most tokens of context (prompt and completion) a request may use (0: the model's window; on CUDA, at "
-        "most what MAX_BATCH full-context KV slots fit)",
+        "the most tokens of context (prompt and completion) a request may use (0: the model's window, at most what "
+        "one sequence fits in the KV budget)",
     )
     prompt_cache: bool = setting(
         True, "reuse the KV of prompts (and replies) computed before, for requests that start alike (0: off)"
