@@ -40,8 +40,8 @@ class PagedKV:
         self.table = torch.zeros(rows, self.width, dtype=torch.long, device=device)
         self.held: list[list[int]] = [[] for _ in range(rows)]  # each row's pages, on the host
         self.parked: list[list[int]] = []  # pages of rows given up, kept until read (`park`)
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.k: list[torch.Tensor | None] = [None] * layers
+        self.v: list[torch.Tensor | None] = [None] * layers
         self.pages = 0
         self.free: list[int] = []  # a stack: the pages freed last are taken first (the CPU's are warm)
         self.peak_pages = 0
@@ -109,14 +109,12 @@ class PagedKV:
         if pages < self.pages:
             self._compact(pages)
         keep = min(pages, self.pages)
-        for cache in (self.k, self.v) if self.k else ():
-            for layer in range(self.layers):
+        for cache in (self.k, self.v):
+            for layer in range(self.layers):  # a layer at a time: one is held twice at most
                 new = torch.zeros(self._shape(pages), dtype=self.dtype, device=self.device)
-                new[:, :keep] = cache[layer][:, :keep]
+                if keep:
+                    new[:, :keep] = cache[layer][:, :keep]
                 cache[layer] = new
-        if not self.k:
-            self.k = [torch.zeros(self._shape(pages), dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-            self.v = [torch.zeros(self._shape(pages), dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         if pages > self.pages:
             self.free = list(range(pages - 1, max(self.pages, 1) - 1, -1)) + self.free
         else:
@@ -179,14 +177,9 @@ class PagedKV:
 
         return gather(self.k[layer]), gather(self.v[layer])
 
-    def columns(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Columns start..end-1 of one row in every layer, [layers, kv_heads, n, head_dim] each."""
-        positions = torch.arange(start, end, device=self.device)
-        page, offset = self.table[row][positions // PAGE], positions % PAGE
-        return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])
-
     def columns_of(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`columns` of a parked row, from its pages."""
+        """Columns start..end-1 held in `pages` (a row's, or a parked row's) in every layer,
+        [layers, kv_heads, n, head_dim] each."""
         positions = torch.arange(start, end, device=self.device)
         page, offset = self._longs(pages)[positions // PAGE], positions % PAGE
         return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])

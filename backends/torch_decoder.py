@@ -658,7 +658,6 @@ class BatchedDecoder:
             self.context,
             pages,
         )
-        self._reserved = 0  # bytes of the pages the active sequences hold, kept for readers on other threads
         self._shape = self.weights.shape
         # torch.compile fuses each block's small kernels (norms, rotary, activations, residuals);
         # dynamic shapes: one compilation serves every batch and length bucket.
@@ -705,7 +704,7 @@ class BatchedDecoder:
         return KvCacheUsage(
             budget_bytes=budget,
             used_bytes=kv.held_pages * kv.page_bytes,
-            reserved_bytes=self._reserved,
+            reserved_bytes=kv.held_pages * kv.page_bytes,  # they take their pages when they join
             peak_bytes=kv.peak_pages * kv.page_bytes,
             bytes_per_token=self.per_position,
             allocated_bytes=kv.nbytes,
@@ -779,7 +778,6 @@ class BatchedDecoder:
         for *_, pages in self._leaving:
             self.kv.unpark(pages)
         self._leaving.clear()
-        self._reserved = 0
         self.kv.release([row for row, held in enumerate(self.kv.held) if held])
         self._shrink()
 
@@ -846,7 +844,6 @@ class BatchedDecoder:
         self._take_pages(row, self._columns(self._need(sequence)))
         self.index[sequence.id] = row
         self.slots.append(slot)
-        self._reserved = self.kv.held_pages * self.kv.page_bytes
         if reused:
             at = 0
             for node, n in nodes:
@@ -884,6 +881,8 @@ class BatchedDecoder:
         STORES_PER_STEP of them (64 stored at once took ~50 ms on an H200, each a gather per
         layer: a stall of every stream's next token); for a new prompt (`like`), every one that
         starts as it does, which it may reuse; or `everything`."""
+        if not self._leaving and not self._to_store:
+            return
         if like is not None:
             start = like[:STORED_PREFIX_PROBE]
             leaving = [entry for entry in self._leaving if entry[0][: len(start)] == start]
@@ -901,13 +900,12 @@ class BatchedDecoder:
                 ids, self.per_position, lambda start, end: self.kv.columns_of(pages, start, end), namespace=namespace
             )
             self.kv.unpark(pages)
-        self._leaving = [entry for entry in self._leaving if all(entry is not gone for gone in leaving)]
+        stored = {id(entry) for entry in leaving}
+        self._leaving = [entry for entry in self._leaving if id(entry) not in stored]
         self._to_store = [i for i in self._to_store if i not in taken]
         for sequence_id in taken:
             if sequence_id in self.index:
                 self._store(self.index[sequence_id])
-        if leaving:
-            self._reserved = self.kv.held_pages * self.kv.page_bytes
 
     def _store(self, row: int) -> None:
         """Keep the KV of a slot whose prompt is complete, for later prompts that start alike."""
@@ -915,7 +913,7 @@ class BatchedDecoder:
         self.prompts.store(
             slot.cached_ids()[: len(self.kv.held[row]) * PAGE],
             self.per_position,
-            lambda start, end: self.kv.columns(row, start, end),
+            lambda start, end: self.kv.columns_of(self.kv.held[row], start, end),
             namespace=self._namespace(slot.sequence),
         )
 
@@ -949,7 +947,6 @@ class BatchedDecoder:
         self._leaving += [(ids, namespace, pages) for (_, ids, namespace), pages in zip(storing, parked, strict=True)]
         self.kv.release(sorted(freed - {row for row, _, _ in storing}))
         self.kv.move(holes, movers)  # their pages stay where they are: only the table rows move
-        self._reserved = self.kv.held_pages * self.kv.page_bytes
         for hole, mover in zip(holes, movers, strict=True):
             self.slots[hole] = self.slots[mover]
             self.index[self.slots[hole].sequence.id] = hole

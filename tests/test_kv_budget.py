@@ -182,12 +182,12 @@ def test_the_pool_shrinks_under_held_pages_and_keeps_their_contents():
     for layer in range(2):
         keys = torch.randn(2 * PAGE, 2, 4)
         kv.write(layer, torch.tensor(2), columns, keys, -keys)
-    before = kv.columns(2, 0, 2 * PAGE)
+    before = kv.columns_of(kv.held[2], 0, 2 * PAGE)
     kv.release([0])  # frees 5 low pages
     kv.resize(7)  # 1 scratch + 3 + 2 held: row 2's pages move down
     assert kv.pages == 7 and max(max(held) for held in kv.held if held) < 7
     assert kv.held_pages == 5 and len(kv.free) == 1  # and the scratch page
-    after = kv.columns(2, 0, 2 * PAGE)
+    after = kv.columns_of(kv.held[2], 0, 2 * PAGE)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert kv.table[2, :2].tolist() == kv.held[2] and kv.table[0].tolist() == [0] * kv.width
     kv.release([1, 2])
