@@ -126,6 +126,38 @@ class Request:
 Event = str | StepLogprobs | Summary
 
 
+class Inbox:
+    """A handler's (ticket index, event) pairs from the worker, taken all at once.
+
+    What an asyncio.Queue would do, with less work per event: a list and, while its handler
+    waits, one future. At hundreds of streams the event loop's work per token is what bounds
+    throughput (BENCHMARKS.md, "The event loop's work per token")."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[tuple[int, Event]] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: tuple[int, Event]) -> None:
+        """On the event loop."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[tuple[int, Event]]:
+        """Wait for at least one pair; return all that are ready, in order."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
 class Ticket:
     """A submitted request as its handler sees it: events in, cancel out.
 
@@ -137,7 +169,7 @@ class Ticket:
         engine: Engine,
         request: Request,
         loop: asyncio.AbstractEventLoop,
-        inbox: asyncio.Queue | None = None,
+        inbox: Inbox | None = None,
         index: int = 0,
     ):
         self.request = request
@@ -154,7 +186,7 @@ class Ticket:
         self.summary: Summary | None = None
         self._engine = engine
         self._loop = loop
-        self._events: asyncio.Queue[tuple[int, Event]] = inbox if inbox is not None else asyncio.Queue()
+        self._events = inbox if inbox is not None else Inbox()
 
     def cancel(self) -> None:
         """The client is gone: leave the queue, or stop generating at the next step."""
@@ -168,10 +200,7 @@ class Ticket:
 async def next_events(tickets: list[Ticket]) -> list[tuple[int, Event]]:
     """For tickets submitted together: wait for at least one (ticket index, event) pair; return
     all that are ready, in order."""
-    inbox = tickets[0]._events
-    events = [await inbox.get()]
-    while not inbox.empty():
-        events.append(inbox.get_nowait())
+    events = await tickets[0]._events.take()
     for index, _ in events:
         tickets[index]._taken += 1
     return events
@@ -180,7 +209,50 @@ async def next_events(tickets: list[Ticket]) -> list[tuple[int, Event]]:
 def _deliver(batch: list[tuple[Ticket, Event]]) -> None:
     """On the event loop: hand a decode step's events to their handlers."""
     for ticket, event in batch:
-        ticket._events.put_nowait((ticket.index, event))
+        ticket._events.put((ticket.index, event))
+
+
+class Courier:
+    """Carries the worker's events to one event loop, one batch on the way at a time.
+
+    The worker hands over what it has at each flush. While a batch is still being handled on the
+    loop (its handlers writing to their clients), later events gather here, and the loop takes
+    all of them as soon as it is done. With a few streams every flush goes out at once; with
+    hundreds, when the event loop rather than the model sets the pace, each write carries the
+    tokens of several steps instead of the loop falling further behind with a write per token
+    (BENCHMARKS.md, "The event loop's work per token")."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._gathered: list[tuple[Ticket, Event]] = []
+        self._on_the_way = False
+
+    def hand_over(self, batch: list[tuple[Ticket, Event]]) -> None:
+        """On the worker thread."""
+        with self._lock:
+            self._gathered += batch
+            if self._on_the_way:
+                return  # the loop takes it when it is done with the batch before
+            self._on_the_way = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._gathered = self._gathered, []
+        _deliver(batch)
+        # Queued behind the handlers this woke, so it runs once they have written.
+        self.loop.call_soon(self._delivered)
+
+    def _delivered(self) -> None:
+        with self._lock:
+            if not self._gathered:
+                self._on_the_way = False
+                return
+        self._deliver()
 
 
 class StopText:
@@ -271,6 +343,7 @@ class Engine:
         self._stopped = False
         self._thread = threading.Thread(target=self._main, name="generation-worker", daemon=True)
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        self._couriers: dict[asyncio.AbstractEventLoop, Courier] = {}  # the worker's, by event loop
         self._decoder: Decoder | None = None
         self._finished: list[int] = []  # sequence ids that ended and are still in the decoder
         self._urgent = False
@@ -309,7 +382,7 @@ class Engine:
     def submit_all(self, requests: list[Request]) -> list[Ticket]:
         """Queue requests together, all or none: their tickets share one inbox of (index, event)."""
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
+        inbox = Inbox()
         tickets = [Ticket(self, request, loop, inbox, index) for index, request in enumerate(requests)]
         with self._cond:
             if self.status != "ok" or not self._accepting:
@@ -373,7 +446,10 @@ class Engine:
         outbox, self._outbox = self._outbox, {}
         self._urgent, self._flushed_at = False, now
         for loop, batch in outbox.items():
-            _call_soon(loop, batch)
+            courier = self._couriers.get(loop)
+            if courier is None:
+                courier = self._couriers[loop] = Courier(loop)
+            courier.hand_over(batch)
 
     def _cancel(self, ticket: Ticket) -> None:
         with self._cond:
@@ -510,7 +586,7 @@ class Engine:
             held = Counter(
                 r.ticket._events for r in self._running.values()
             )  # slots each request holds (by its shared inbox)
-            queues: dict[asyncio.Queue, deque[Ticket]] = {}  # each waiting request's tickets, requests in arrival order
+            queues: dict[Inbox, deque[Ticket]] = {}  # each waiting request's tickets, requests in arrival order
             for ticket in self._waiting:
                 queues.setdefault(ticket._events, deque()).append(ticket)
             adapters = None  # the distinct adapters decoding, counted only when a waiting request has one
