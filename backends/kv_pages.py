@@ -10,6 +10,12 @@ ids (width: enough pages for every column 0..context). Page 0 is the scratch pag
 row does not hold points at it, so idle rows, the padding of a padded prefill and the scratch
 column (position `context`) write there, and nothing reads it as a sequence's own column.
 
+Pages are shared: the prompt cache keeps the pages of stored prompts (`keep`), and a prompt that
+starts as a stored one takes them into its own table (`assign`'s `shared`) instead of copies; a
+page goes back to the pool once no row and no cache entry holds it. A row only ever writes the
+positions past what it shares, so a shared page is never written: the page where a reused prefix
+ends part-way is copied (`copy_page`), as vLLM shares only full blocks.
+
 A row takes the pages of everything it may reach (prompt and max_tokens) when it is admitted
 (`assign`), so a running sequence never waits for memory and none is preempted; admission waits
 instead (the engine asks `fits`). On CUDA the pool is allocated whole (CUDA graphs hold its
@@ -39,7 +45,12 @@ class PagedKV:
         self.width = pages_for(context + 1)
         self.table = torch.zeros(rows, self.width, dtype=torch.long, device=device)
         self.held: list[list[int]] = [[] for _ in range(rows)]  # each row's pages, on the host
-        self.parked: list[list[int]] = []  # pages of rows given up, kept until read (`park`)
+        # How many rows, and how many cache entries, hold each page (by page id); and the cache's
+        # page lists (`keep`), by id(list), which a shrink renumbers in place.
+        self.row_refs: list[int] = []
+        self.kept_refs: list[int] = []
+        self.kept: dict[int, list[int]] = {}
+        self.row_pages = 0  # pages that some row holds
         self.k: list[torch.Tensor | None] = [None] * layers
         self.v: list[torch.Tensor | None] = [None] * layers
         self.pages = 0
@@ -57,40 +68,60 @@ class PagedKV:
     def nbytes(self) -> int:
         return self.pages * self.page_bytes
 
-    def assign(self, row: int, columns: int) -> None:
-        """Give `row` (which holds none) the pages of `columns` columns from 0; the caller has
-        made sure that the pool has them (`resize`)."""
+    def fresh_pages(self, columns: int, shared: int = 0) -> int:
+        """The pages a row of `columns` columns takes from the pool when it shares `shared`."""
+        return pages_for(columns) - shared
+
+    def assign(self, row: int, columns: int, shared: list[int] = ()) -> None:
+        """Give `row` (which holds none) the pages of `columns` columns from 0: `shared` (pages
+        that hold a stored prefix, which the row will not write) first, then free ones; the
+        caller has made sure that the pool has them (`resize`)."""
         n = pages_for(columns)
-        assert not self.held[row] and n <= len(self.free) and n <= self.width
-        taken = [self.free.pop() for _ in range(n)]
+        assert not self.held[row] and len(shared) <= n <= len(self.free) + len(shared) and n <= self.width
+        taken = [*shared, *(self.free.pop() for _ in range(n - len(shared)))]
+        for page in taken:
+            if self.row_refs[page] == 0:
+                self.row_pages += 1
+            self.row_refs[page] += 1
         self.held[row] = taken
         self.table[row, :n].copy_(self._longs(taken), non_blocking=True)
 
     def release(self, rows: list[int]) -> None:
-        """Return these rows' pages to the pool; their table rows point at the scratch page."""
+        """Give up these rows' pages (each goes back to the pool unless another row or the cache
+        holds it); their table rows point at the scratch page."""
         for row in rows:
-            self.free.extend(reversed(self.held[row]))
+            for page in reversed(self.held[row]):
+                self.row_refs[page] -= 1
+                if self.row_refs[page] == 0:
+                    self.row_pages -= 1
+                    if self.kept_refs[page] == 0:
+                        self.free.append(page)
             self.held[row] = []
         if rows:
             self.table.index_fill_(0, self._longs(rows), 0)
 
-    def park(self, rows: list[int]) -> list[list[int]]:
-        """Give up these rows but keep their pages held, each row's as a list that `columns_of`
-        reads and `unpark` frees (a sequence that ended, until its prompt cache entry is copied
-        out). Their table rows point at the scratch page."""
-        parked = []
-        for row in rows:
-            parked.append(self.held[row])
-            self.held[row] = []
-        self.parked += parked
-        if rows:
-            self.table.index_fill_(0, self._longs(rows), 0)
-        return parked
+    def keep(self, pages: list[int]) -> list[int]:
+        """Hold `pages` for the prompt cache: a list of them that stays valid (a shrink renumbers
+        it in place) until `drop`."""
+        kept = list(pages)
+        for page in kept:
+            self.kept_refs[page] += 1
+        self.kept[id(kept)] = kept
+        return kept
 
-    def unpark(self, pages: list[int]) -> None:
-        index = next(i for i, parked in enumerate(self.parked) if parked is pages)
-        del self.parked[index]
-        self.free.extend(reversed(pages))
+    def drop(self, kept: list[int]) -> None:
+        del self.kept[id(kept)]
+        for page in reversed(kept):
+            self.kept_refs[page] -= 1
+            if self.kept_refs[page] == 0 and self.row_refs[page] == 0:
+                self.free.append(page)
+
+    def copy_page(self, source: int, target: int) -> None:
+        """Page `target` holds what `source` does, in every layer (a shared prefix that ends
+        part-way into a page: the row writes the rest of its copy)."""
+        for cache in (self.k, self.v):
+            for layer in range(self.layers):
+                cache[layer][:, target] = cache[layer][:, source]
 
     def move(self, targets: list[int], sources: list[int]) -> None:
         """Rows `sources` become rows `targets` (which hold nothing): a table copy, no KV copy."""
@@ -117,8 +148,12 @@ class PagedKV:
                 cache[layer] = new
         if pages > self.pages:
             self.free = list(range(pages - 1, max(self.pages, 1) - 1, -1)) + self.free
+            grown = pages - len(self.row_refs)
+            self.row_refs += [0] * grown
+            self.kept_refs += [0] * grown
         else:
             self.free = [page for page in self.free if page < pages]
+            del self.row_refs[pages:], self.kept_refs[pages:]
         self.pages = pages
         self.peak_pages = max(self.peak_pages, pages)
 
@@ -135,14 +170,19 @@ class PagedKV:
 
     def _compact(self, pages: int) -> None:
         low = sorted(page for page in self.free if page < pages)
-        moves = {}
-        for held in [*self.held, *self.parked]:  # in place: a parked list's holder sees the move
+        low.reverse()  # popped from the end: lowest first
+        moves: dict[int, int] = {}
+        for held in [*self.held, *self.kept.values()]:  # in place: the cache's lists see the move
             for i, page in enumerate(held):
                 if page >= pages:
-                    moves[page] = low.pop(0)
+                    if page not in moves:  # a shared page moves once
+                        moves[page] = low.pop()
                     held[i] = moves[page]
         if not moves:
             return
+        for old_page, new_page in moves.items():
+            self.row_refs[new_page], self.row_refs[old_page] = self.row_refs[old_page], 0
+            self.kept_refs[new_page], self.kept_refs[old_page] = self.kept_refs[old_page], 0
         old = torch.tensor(list(moves), device=self.device)
         new = torch.tensor(list(moves.values()), device=self.device)
         for cache in (self.k, self.v):
@@ -151,7 +191,7 @@ class PagedKV:
         for row, held in enumerate(self.held):
             if held:
                 self.table[row, : len(held)].copy_(torch.tensor(held, dtype=torch.long))
-        held = {page for pages_of_row in [*self.held, *self.parked] for page in pages_of_row}
+        held = {page for pages_of in [*self.held, *self.kept.values()] for page in pages_of}
         self.free = [page for page in range(pages - 1, 0, -1) if page not in held]
 
     # -- keys and values -------------------------------------------------------------------------
@@ -178,16 +218,8 @@ class PagedKV:
         return gather(self.k[layer]), gather(self.v[layer])
 
     def columns_of(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Columns start..end-1 held in `pages` (a row's, or a parked row's) in every layer,
-        [layers, kv_heads, n, head_dim] each."""
+        """Columns start..end-1 held in `pages` (a row's) in every layer, [layers, kv_heads, n,
+        head_dim] each (a copy: for checks)."""
         positions = torch.arange(start, end, device=self.device)
         page, offset = self._longs(pages)[positions // PAGE], positions % PAGE
         return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])
-
-    def put_columns(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Columns from `start` of one row in every layer, from k, v [layers, kv_heads, n, head_dim]."""
-        positions = torch.arange(start, start + k.shape[2], device=self.device)
-        page, offset = self.table[row][positions // PAGE], positions % PAGE
-        for layer in range(self.layers):
-            self.k[layer][:, page, offset] = k[layer]
-            self.v[layer][:, page, offset] = v[layer]

@@ -32,6 +32,10 @@ class Node:
     parent: Node | None
     children: dict[int, Node] = field(default_factory=dict)  # by first id
     used: int = 0  # when it was last matched or stored (a counter, not a clock)
+    # A paged cache's node (`PagedPrefixCache`): its first id's position, and the pool's pages
+    # that hold its positions (the first and last may hold its neighbours' too).
+    start: int = 0
+    pages: list[int] | None = None
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -51,6 +55,7 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 class PrefixCache:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
+        self.limit_bytes = budget_bytes  # what it keeps to (a paged cache: whole pages, maybe less)
         self.bytes = 0
         self.roots: dict[str, Node] = {}  # one tree a namespace (an adapter's KV is its own)
         self._clock = itertools.count(1)
@@ -159,18 +164,115 @@ class PrefixCache:
 
     def _make_room(self, nbytes: int, keep: Node) -> bool:
         """Evict least recently used leaves, never `keep` or its ancestors, until `nbytes` fit."""
-        if nbytes > self.budget_bytes:
+        if nbytes > self.limit_bytes:
             return False
         protected = set()
         node = keep
         while node is not None:
             protected.add(id(node))
             node = node.parent
-        while self.bytes + nbytes > self.budget_bytes:
+        while self.bytes + nbytes > self.limit_bytes:
             candidates = [leaf for leaf in self._leaves() if id(leaf) not in protected]
             if not candidates:
                 return False
             oldest = min(candidates, key=lambda leaf: leaf.used)
             del oldest.parent.children[oldest.ids[0]]
             self.bytes -= oldest.nbytes
+            self._forget(oldest)
         return True
+
+    def _forget(self, node: Node) -> None:
+        """A node left the tree (its tensors go with it)."""
+
+
+class PagedPrefixCache(PrefixCache):
+    """The paged decoder's prompt cache (backends/kv_pages): its nodes hold the pool's pages, so
+    storing a prompt copies nothing (it keeps the pages of the row that computed it) and a hit
+    copies nothing either (the new row's table points at them; `pages_of`). Splitting a node
+    splits its page list. Its budget counts each node's pages, so a page that two nodes share
+    (one ends in it, the next begins) counts twice: what the cache holds never exceeds it.
+    """
+
+    def __init__(self, budget_bytes: int, kv, pages: int):
+        """`pages`: the most pages it may keep (the pool's room for it, within the budget)."""
+        super().__init__(budget_bytes)
+        self.kv = kv  # a kv_pages.PagedKV
+        self.limit_bytes = min(budget_bytes, pages * kv.page_bytes)
+
+    def store_pages(self, ids: list[int], pages: list[int], namespace: str = "") -> None:
+        """Hold the KV of `ids`, which `pages` (a row's, from position 0) hold."""
+        from backends.kv_pages import PAGE
+
+        key = tuple(ids)
+        if not key or self.budget_bytes <= 0:
+            return
+        root = self._root(namespace)
+        path, matched = self._walk(key, root)
+        now = next(self._clock)
+        for node, _ in path:
+            node.used = now
+        if matched == len(key):
+            return
+        first, last = matched // PAGE, (len(key) - 1) // PAGE
+        nbytes = (last - first + 1) * self.kv.page_bytes
+        tail, taken = path[-1] if path else (root, 0)
+        split_bytes = self.kv.page_bytes if path and taken < len(tail.ids) else 0  # a split may share a page
+        if not self._make_room(nbytes + split_bytes, keep=tail):
+            return
+        parent = self._split_pages(tail, taken) if path else root
+        leaf = Node(key[matched:], None, None, nbytes, parent, used=now, start=matched)
+        leaf.pages = self.kv.keep(pages[first : last + 1])
+        parent.children[leaf.ids[0]] = leaf
+        self.bytes += nbytes
+
+    def pages_of(self, path: list[tuple[Node, int]], matched: int) -> list[int]:
+        """The pages that hold positions 0..matched-1 of a match (`match`'s path), page by page:
+        where a page holds the end of one node and the start of the next, the deeper node's
+        (its copy holds both; the other's holds another continuation past the shared end)."""
+        from backends.kv_pages import PAGE, pages_for
+
+        pages = [0] * pages_for(matched)
+        for node, n in path:
+            first = node.start // PAGE
+            for index in range(first, (node.start + n - 1) // PAGE + 1):
+                pages[index] = node.pages[index - first]
+        return pages
+
+    def clear(self) -> None:
+        for leaf in list(self._nodes()):
+            self._forget(leaf)
+        super().clear()
+
+    def _nodes(self):
+        stack = [child for root in self.roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def _split_pages(self, node: Node, keep: int) -> Node:
+        """Make `node` end after its first `keep` ids (a new child takes the rest, and the pages
+        that hold it); returns it."""
+        from backends.kv_pages import PAGE
+
+        if keep == len(node.ids):
+            return node
+        first, cut = node.start // PAGE, node.start + keep
+        head = node.pages[: (cut - 1) // PAGE - first + 1]
+        tail = node.pages[cut // PAGE - first :]
+        rest = Node(node.ids[keep:], None, None, len(tail) * self.kv.page_bytes, node, node.children, node.used)
+        rest.start, rest.pages = cut, self.kv.keep(tail)
+        for child in rest.children.values():
+            child.parent = rest
+        old = node.pages
+        node.pages = self.kv.keep(head)
+        self.kv.drop(old)
+        head_bytes = len(head) * self.kv.page_bytes
+        self.bytes += rest.nbytes + head_bytes - node.nbytes
+        node.ids, node.nbytes, node.children = node.ids[:keep], head_bytes, {rest.ids[0]: rest}
+        return node
+
+    def _forget(self, node: Node) -> None:
+        if node.pages is not None:
+            self.kv.drop(node.pages)
+            node.pages = None

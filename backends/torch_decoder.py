@@ -44,7 +44,7 @@ from backends import KvCacheUsage, PromptCacheUsage, Sequence, StepLogprobs, Tok
 from backends.architecture import GELU_TANH, Architecture
 from backends.grammar import advance_together
 from backends.kv_pages import PAGE, PagedKV, pages_for
-from backends.prompt_cache import PrefixCache
+from backends.prompt_cache import PagedPrefixCache
 from backends.prompt_lookup import PromptLookup, speculates
 from backends.torch_logprobs import token_logprobs
 from backends.torch_lora import FusedLoraSlots, FusedMatrix
@@ -76,9 +76,6 @@ MIN_LENGTH_BUCKET = 128
 # PREFILL_GRAPH_TOKENS, longer prompts, and pieces that continue cached columns run eagerly.
 PREFILL_LENGTHS = (16, 32, 64, 128, 256)
 PREFILL_GRAPH_TOKENS = 8192
-# Complete prompts stored in the prompt cache a step, oldest first (`_store_prompts`).
-STORES_PER_STEP = 4
-STORED_PREFIX_PROBE = 8  # a new prompt first stores the pending ones that begin with its first ids
 # The CPU's pool keeps at least this many pages (backends/kv_pages) when it shrinks.
 MIN_PAGES = MIN_LENGTH_BUCKET // PAGE
 
@@ -608,10 +605,6 @@ class BatchedDecoder:
         (`_prefill_fresh`); None: with CUDA graphs and the fused step. Without CUDA graphs
         (the CPU, in tests) the padded pass runs eagerly."""
         self.weights = weights
-        self.prompts = PrefixCache(prompt_cache_bytes)
-        self._to_store: list[int] = []  # sequences whose complete prompts are to be stored
-        # Sequences that ended, to be stored with their text: (ids, namespace, their parked pages).
-        self._leaving: list[tuple[list[int], str, list[int]]] = []
         self.device = weights.device
         self.dtype = weights.embed.dtype
         self.capacity = max_batch
@@ -642,10 +635,13 @@ class BatchedDecoder:
         self.kv_budget = kv_cache_bytes
         self.scratch = self.context  # the column idle rows and padding write: past every sequence's reach
         page_bytes = PAGE * self.per_position
+        # The prompt cache keeps its pages in the same pool (it shares them with the rows that
+        # reuse them): room for its budget besides the rows'.
+        self.cache_pages = self._cache_pages(prompt_cache_bytes, page_bytes)
         if self.use_graphs:
-            pages = 1 + (
-                int(kv_cache_bytes // page_bytes) - 1 if kv_cache_bytes else self.rows * pages_for(self.context + 1)
-            )
+            full_rows = self.rows * pages_for(self.context + 1)
+            rows_pages = int(kv_cache_bytes // page_bytes) - 1 if kv_cache_bytes else full_rows
+            pages = 1 + rows_pages + self.cache_pages
         else:
             pages = 1 + MIN_PAGES
         self.kv = PagedKV(
@@ -658,6 +654,7 @@ class BatchedDecoder:
             self.context,
             pages,
         )
+        self.prompts = PagedPrefixCache(prompt_cache_bytes, self.kv, self.cache_pages)
         self._shape = self.weights.shape
         # torch.compile fuses each block's small kernels (norms, rotary, activations, residuals);
         # dynamic shapes: one compilation serves every batch and length bucket.
@@ -699,12 +696,13 @@ class BatchedDecoder:
 
     def kv_cache_usage(self) -> KvCacheUsage:
         kv = self.kv
-        # On CUDA the whole pool is the budget: allocated at once, in what KV_CACHE_BYTES allowed.
-        budget = kv.nbytes if self.use_graphs else self.kv_budget or 0
+        # On CUDA the whole pool but the prompt cache's share is the budget: allocated at once,
+        # in what KV_CACHE_BYTES allowed. Blocks count the cache's too (one pool).
+        budget = (kv.pages - self.cache_pages) * kv.page_bytes if self.use_graphs else self.kv_budget or 0
         return KvCacheUsage(
             budget_bytes=budget,
-            used_bytes=kv.held_pages * kv.page_bytes,
-            reserved_bytes=kv.held_pages * kv.page_bytes,  # they take their pages when they join
+            used_bytes=kv.row_pages * kv.page_bytes,
+            reserved_bytes=kv.row_pages * kv.page_bytes,  # they take their pages when they join
             peak_bytes=kv.peak_pages * kv.page_bytes,
             bytes_per_token=self.per_position,
             allocated_bytes=kv.nbytes,
@@ -721,29 +719,44 @@ class BatchedDecoder:
     def _need(self, sequence: Sequence) -> int:
         return len(sequence.prompt_ids) + sequence.max_new_tokens
 
-    def _page_limit(self) -> int | None:
-        """The most pages the pool may have, the scratch page included (None: unbounded). On the
+    def _row_page_limit(self) -> int | None:
+        """The most pages the rows may hold, the scratch page included (None: unbounded). On the
         CPU a resize holds one layer twice while it copies."""
         if self.use_graphs:
-            return self.kv.pages
+            return self.kv.pages - self.cache_pages
         if self.kv_budget is None:
             return None
         layers = len(self.weights.layers)
         return int(self.kv_budget / (self.kv.page_bytes * (1 + 1 / layers)))
 
+    def _page_limit(self) -> int | None:
+        """The most pages the pool may have: the rows' and the prompt cache's."""
+        limit = self._row_page_limit()
+        return None if limit is None else limit + self.cache_pages
+
+    def _cache_pages(self, prompt_cache_bytes: int, page_bytes: int) -> int:
+        """The most pages the prompt cache keeps: its budget's; on the CPU, where a resize holds
+        one layer twice while it copies, that much less (the pool stays within KV_CACHE_BYTES
+        and PROMPT_CACHE_BYTES together)."""
+        if self.use_graphs:
+            return prompt_cache_bytes // page_bytes
+        return int(prompt_cache_bytes / (page_bytes * (1 + 1 / len(self.weights.layers))))
+
     def fits(self, needs: list[int]) -> bool:
-        """Whether new sequences of `needs` positions each fit beside the active ones."""
+        """Whether new sequences of `needs` positions each fit beside the active ones (counted
+        whole: what they may share of stored prompts is not known yet)."""
         if len(self.slots) + len(needs) > self.capacity:
             return False
-        limit = self._page_limit()
+        limit = self._row_page_limit()
         wanted = sum(pages_for(self._columns(n)) for n in needs)
-        return limit is None or 1 + self.kv.held_pages + wanted <= limit
+        return limit is None or 1 + self.kv.row_pages + wanted <= limit
 
-    def _take_pages(self, row: int, columns: int) -> None:
-        """Give a row the pages of `columns` columns, the CPU's pool grown for them (by doubling
-        where the budget allows, so that it is copied a few times, not at every admission)."""
-        kv, wanted = self.kv, pages_for(columns)
-        short = wanted - len(kv.free)
+    def _take_pages(self, row: int, columns: int, shared: list[int] = ()) -> None:
+        """Give a row the pages of `columns` columns, `shared` (a stored prefix's) first, the
+        CPU's pool grown for the rest (by doubling where the budget allows, so that it is copied
+        a few times, not at every admission)."""
+        kv = self.kv
+        short = kv.fresh_pages(columns, len(shared)) - len(kv.free)
         if short > 0:
             if self.use_graphs:
                 raise RuntimeError("the KV pool is full")  # `fits` admits no sequence past it
@@ -751,7 +764,7 @@ class BatchedDecoder:
             needed = kv.pages + short
             doubled = max(needed, 2 * kv.pages)
             kv.resize(doubled if limit is None or doubled <= limit else needed)
-        kv.assign(row, columns)
+        kv.assign(row, columns, shared)
 
     def _shrink(self) -> None:
         """On the CPU, give memory back once the pool holds over twice what its sequences use."""
@@ -773,12 +786,14 @@ class BatchedDecoder:
         self.slots.clear()
         self.index.clear()
         self.lora.table.users = [0] * self.lora.size  # the adapters stay in their slots, unused
-        self.prompts = PrefixCache(prompt_cache_bytes)
-        self._to_store.clear()
-        for *_, pages in self._leaving:
-            self.kv.unpark(pages)
-        self._leaving.clear()
+        self.prompts.clear()
         self.kv.release([row for row, held in enumerate(self.kv.held) if held])
+        # The pool makes room for the prompt cache's budget; on CUDA it was allocated whole,
+        # with room for the budget it was made with, which a new one cannot exceed.
+        if self.use_graphs:
+            prompt_cache_bytes = min(prompt_cache_bytes, self.cache_pages * self.kv.page_bytes)
+        self.cache_pages = self._cache_pages(prompt_cache_bytes, self.kv.page_bytes)
+        self.prompts = PagedPrefixCache(prompt_cache_bytes, self.kv, self.cache_pages)
         self._shrink()
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
@@ -818,7 +833,6 @@ class BatchedDecoder:
     def add(self, sequence: Sequence) -> int:
         if len(self.slots) >= self.capacity:
             raise RuntimeError("decoder is full")
-        self._store_prompts(like=sequence.prompt_ids)
         if self._stash:  # a token drawn for an earlier sequence of the same id is not this one's
             self._stash.pop(sequence.id, None)
         row = len(self.slots)
@@ -841,14 +855,16 @@ class BatchedDecoder:
             # launches), so none is reused.
             limit = 0
         reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=self._namespace(sequence))
-        self._take_pages(row, self._columns(self._need(sequence)))
+        # The stored prefix's pages go into the row's table as they are (no copy): those it
+        # fills; the page where it ends part-way is copied, as the row writes the rest of it.
+        stored = self.prompts.pages_of(nodes, reused) if reused else []
+        whole = reused // PAGE
+        self._take_pages(row, self._columns(self._need(sequence)), stored[:whole])
+        if reused % PAGE:
+            self.kv.copy_page(stored[whole], self.kv.held[row][whole])
         self.index[sequence.id] = row
         self.slots.append(slot)
         if reused:
-            at = 0
-            for node, n in nodes:
-                self.kv.put_columns(row, at, node.k[:, :, :n], node.v[:, :, :n])
-                at += n
             slot.cached = reused
             if reused == len(prompt) - 1:
                 # A prompt sent again: its last token is a decode step's input, not an eager
@@ -876,46 +892,14 @@ class BatchedDecoder:
             self.graphs = {key: graph for key, graph in self.graphs.items() if key[2] == 0}
         return index
 
-    def _store_prompts(self, like: list[int] | None = None, everything: bool = False) -> None:
-        """Store what waits to be stored, ended sequences (whose pages are held for it) first:
-        STORES_PER_STEP of them (64 stored at once took ~50 ms on an H200, each a gather per
-        layer: a stall of every stream's next token); for a new prompt (`like`), every one that
-        starts as it does, which it may reuse; or `everything`."""
-        if not self._leaving and not self._to_store:
-            return
-        if like is not None:
-            start = like[:STORED_PREFIX_PROBE]
-            leaving = [entry for entry in self._leaving if entry[0][: len(start)] == start]
-            taken = [
-                i
-                for i in self._to_store
-                if i in self.index and self.slots[self.index[i]].sequence.prompt_ids[: len(start)] == start
-            ]
-        else:
-            budget = len(self._leaving) + len(self._to_store) if everything else STORES_PER_STEP
-            leaving = self._leaving[:budget]
-            taken = self._to_store[: budget - len(leaving)]
-        for ids, namespace, pages in leaving:
-            self.prompts.store(
-                ids, self.per_position, lambda start, end: self.kv.columns_of(pages, start, end), namespace=namespace
-            )
-            self.kv.unpark(pages)
-        stored = {id(entry) for entry in leaving}
-        self._leaving = [entry for entry in self._leaving if id(entry) not in stored]
-        self._to_store = [i for i in self._to_store if i not in taken]
-        for sequence_id in taken:
-            if sequence_id in self.index:
-                self._store(self.index[sequence_id])
-
     def _store(self, row: int) -> None:
-        """Keep the KV of a slot whose prompt is complete, for later prompts that start alike."""
+        """Keep the KV of a slot (its prompt complete, or its text as it ends) for later prompts
+        that start alike: the cache keeps the row's pages, no copy. Only the positions stored
+        are read from them; the row, still decoding, writes past them."""
         slot = self.slots[row]
-        self.prompts.store(
-            slot.cached_ids()[: len(self.kv.held[row]) * PAGE],
-            self.per_position,
-            lambda start, end: self.kv.columns_of(self.kv.held[row], start, end),
-            namespace=self._namespace(slot.sequence),
-        )
+        held = self.kv.held[row]
+        ids = slot.cached_ids()[: len(held) * PAGE]  # (a decoder stepped past max_new_tokens wrote the scratch page)
+        self.prompts.store_pages(ids, held, namespace=self._namespace(slot.sequence))
 
     @torch.inference_mode()
     def remove(self, *sequence_ids: int) -> None:
@@ -927,32 +911,23 @@ class BatchedDecoder:
         if not gone:
             return
         self._drain()
-        # Those whose prefill completed are stored with their text (a chat's next turn reuses
-        # it), a few a step (`_store_prompts`): their pages stay held until then (64 stored at
-        # once stalled every other stream for 50-90 ms on an H200).
-        storing = []
         for sequence_id in gone:
             row = self.index[sequence_id]
             slot = self.slots[row]
-            if slot.next_token is not None and self.prompts.budget_bytes > 0:
-                held = len(self.kv.held[row]) * PAGE  # (a decoder stepped past max_new_tokens wrote the scratch page)
-                storing.append((row, slot.cached_ids()[:held], self._namespace(slot.sequence)))
+            if slot.next_token is not None:  # its prefill completed: stored with its text, for a chat's next turn
+                self._store(row)
             if slot.lora_index >= 0:
                 self.lora.release(slot.lora_index)
         freed = {self.index.pop(sequence_id) for sequence_id in gone}
         kept = len(self.slots) - len(freed)
         holes = sorted(row for row in freed if row < kept)
         movers = [row for row in range(kept, len(self.slots)) if row not in freed]  # as many as the holes
-        parked = self.kv.park([row for row, _, _ in storing])
-        self._leaving += [(ids, namespace, pages) for (_, ids, namespace), pages in zip(storing, parked, strict=True)]
-        self.kv.release(sorted(freed - {row for row, _, _ in storing}))
+        self.kv.release(sorted(freed))  # what the cache keeps stays held
         self.kv.move(holes, movers)  # their pages stay where they are: only the table rows move
         for hole, mover in zip(holes, movers, strict=True):
             self.slots[hole] = self.slots[mover]
             self.index[self.slots[hole].sequence.id] = hole
         del self.slots[kept:]
-        if not self.slots:  # nothing decodes, nobody waits for these: all of them now
-            self._store_prompts(everything=True)
         self._shrink()
 
     @torch.inference_mode()
@@ -962,7 +937,6 @@ class BatchedDecoder:
         draft (`_verify`). On CUDA, when every running sequence decodes greedily and no prompt
         waits, steps are chained: the next step is launched, fed its tokens on the device, before
         this one's are read, so the GPU never waits for Python."""
-        self._store_prompts()
         self.logprobs = {}
         verified = self._verify()
         if verified is not None:
@@ -1149,9 +1123,8 @@ class BatchedDecoder:
                     slot.next_token = token
                     slot.generated.append(token)
                     produced[slot.sequence.id] = token
-                    # Its prompt, for requests that arrive while it generates: stored at the
-                    # next step, so that copying it does not delay this first token.
-                    self._to_store.append(slot.sequence.id)
+                    # Its prompt, for requests that arrive while it generates (its pages: no copy).
+                    self._store(i)
             self._report(logits, first)
         return produced
 

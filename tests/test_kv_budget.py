@@ -96,7 +96,9 @@ def budget_backend(tiny_path):
 
 
 async def test_a_server_within_its_budget_serves_every_full_context_request(make_client, budget_backend):
-    client = await make_client(lambda: budget_backend, max_batch=4)
+    # A prompt cache as large as the KV budget (one full-context prompt fits), whose pages the pool
+    # holds besides the rows.
+    client = await make_client(lambda: budget_backend, max_batch=4, prompt_cache_bytes=budget_backend.kv_budget)
     info = await (await client.get("/model/info")).json()
     assert info["context_length"] == CONTEXT_LENGTH  # one sequence at the full context fits
     prompts = [s.prompt_ids for s in long_sequences(budget_backend.vocab_size, 4, prompt=CONTEXT_LENGTH - 100)]
@@ -115,7 +117,11 @@ async def test_a_server_within_its_budget_serves_every_full_context_request(make
     assert kv["budget_bytes"] == budget_backend.kv_budget
     assert kv["peak_bytes"] >= (CONTEXT_LENGTH - 1) * kv["bytes_per_token"]  # one reached the full context
     layers = len(budget_backend.decoder_weights.layers)
-    assert kv["peak_bytes"] + kv["peak_bytes"] // layers <= kv["budget_bytes"]  # a resize holds one layer twice
+    # The pool holds the prompt cache's pages too (a hit shares them): within both budgets, and a
+    # resize holds one layer twice.
+    prompt_cache = (await (await client.get("/model/info")).json())["prompt_cache"]
+    assert 0 < prompt_cache["bytes"] <= prompt_cache["budget_bytes"] == budget_backend.kv_budget
+    assert kv["peak_bytes"] + kv["peak_bytes"] // layers <= kv["budget_bytes"] + prompt_cache["budget_bytes"]
     assert kv["reserved_bytes"] == 0
     text = await (await client.get("/metrics")).text()
     metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("phi2_kv")}
@@ -192,3 +198,41 @@ def test_the_pool_shrinks_under_held_pages_and_keeps_their_contents():
     assert kv.table[2, :2].tolist() == kv.held[2] and kv.table[0].tolist() == [0] * kv.width
     kv.release([1, 2])
     assert kv.held_pages == 0 and sorted(kv.free) == list(range(1, 7))
+
+
+def test_a_page_that_rows_and_the_cache_share_returns_to_the_pool_once_none_holds_it():
+    """backends/kv_pages: a page kept by the prompt cache (`keep`) and taken by rows (`assign`'s
+    `shared`) is counted once; a shrink moves a shared page once, and renumbers the cache's
+    lists and the rows' tables alike."""
+    import torch
+
+    from backends.kv_pages import PAGE, PagedKV
+
+    kv = PagedKV(
+        layers=1,
+        kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        rows=3,
+        context=8 * PAGE,
+        pages=12,
+    )
+    kv.assign(0, 4 * PAGE)  # takes low pages first
+    kv.assign(1, 5 * PAGE)  # pages 5..9
+    columns = torch.arange(3 * PAGE)
+    kv.write(0, torch.tensor(1), columns, torch.randn(3 * PAGE, 1, 2), torch.randn(3 * PAGE, 1, 2))
+    before = kv.columns_of(kv.held[1], 0, 3 * PAGE)
+    kept = kv.keep(kv.held[1][:3])  # row 1's prompt, stored
+    kv.assign(2, 4 * PAGE, shared=kv.held[1][:2])  # a later prompt shares two of its pages
+    assert kv.row_pages == 4 + 5 + 2 and kv.held_pages == 4 + 5 + 2
+    kv.release([0, 1])
+    assert kv.row_pages == 4 and kv.held_pages == 5  # row 2's 4, and the one only the cache keeps
+    kv.resize(6)  # 1 scratch + 5 held: the shared pages move below 6, once each
+    assert max(kept) < 6 and kv.held[2][:2] == kept[:2] and len(set(kv.held[2])) == 4
+    assert kv.table[2, :4].tolist() == kv.held[2]
+    assert all(torch.equal(a, b) for a, b in zip(before, kv.columns_of(kept, 0, 3 * PAGE), strict=True))
+    kv.release([2])
+    assert kv.row_pages == 0 and kv.held_pages == 3
+    kv.drop(kept)
+    assert kv.held_pages == 0 and sorted(kv.free) == list(range(1, 6))

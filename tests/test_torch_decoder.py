@@ -140,35 +140,46 @@ def test_a_prompt_sent_again_takes_its_last_token_through_a_decode_step(torch_ba
         assert not prefilled
 
 
-def test_complete_prompts_are_stored_a_few_a_step(torch_backend):
-    """Storing a prompt is a gather per layer: 64 at once stalled every stream on an H200, so a
-    step stores STORES_PER_STEP of them, oldest first, and the outputs do not change."""
-    from backends.torch_decoder import STORES_PER_STEP
+def test_a_stored_prompt_is_shared_by_page_not_copied(torch_backend):
+    """A prompt that starts as a stored one takes the stored pages into its own table (the page
+    where the shared prefix ends part-way is copied); its output is the output without reuse,
+    and the pages stay held until neither a row nor the cache holds them."""
+    from backends.kv_pages import PAGE
 
     weights = torch_backend.decoder_weights
-    prompts = [torch_backend.encode(f"{word} went to the market") for word in "ABCDEFGH"]
-    sequences = [Sequence(i, p, Sampling(), 6) for i, p in enumerate(prompts)]
-    decoder = BatchedDecoder(weights, 8, prompt_cache_bytes=1 << 24)
-    for sequence in sequences:
-        decoder.add(sequence)
-    stored = []
+    system = torch_backend.encode("A system prompt that many clients share, long enough for pages. " * 3)
+    assert len(system) > 2 * PAGE + 1
+    decoder = BatchedDecoder(weights, 4, prompt_cache_bytes=1 << 24)
+    first = Sequence(0, system + torch_backend.encode(" First question?"), Sampling(), 5)
+    decoder.add(first)
+    while 0 not in decoder.step():  # its prefill completes: the prompt is stored
+        pass
+    stored_pages = list(decoder.kv.held[decoder.index[0]])
+    second = Sequence(1, system + torch_backend.encode(" Another one?"), Sampling(), 8)
+    reused = decoder.add(second)
+    assert reused >= len(system) and reused > PAGE
+    row = decoder.index[1]
+    whole = reused // PAGE
+    assert decoder.kv.held[row][:whole] == stored_pages[:whole]  # the same pages, no copy
+    assert decoder.kv.held[row][whole] not in stored_pages  # a page it writes is its own
+    assert decoder.kv.table[row, :whole].tolist() == stored_pages[:whole]
     tokens = {}
-    for _ in range(3):
+    while len(tokens.get(1, [])) < 8:
         for sequence_id, new in decoder.step().items():
             tokens.setdefault(sequence_id, []).extend(new)
-        stored.append(decoder.prompt_cache_usage().entries)
-    assert stored == [0, STORES_PER_STEP, 2 * STORES_PER_STEP]
-    for sequence in sequences:
-        got = tokens[sequence.id]
-        assert len(got) >= 2 and got == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id][: len(got)]
+    assert tokens[1][:8] == drive(BatchedDecoder(weights, 1), [second]).ids[1]
+    decoder.remove(0, 1)
+    kv = decoder.kv
+    assert kv.row_pages == 0 and kv.held_pages > 0  # the cache holds them
+    assert all(kv.kept_refs[page] > 0 for page in stored_pages[:whole])
+    decoder.prompts.clear()
+    assert kv.held_pages == 0 and sorted(kv.free) == list(range(1, kv.pages))
 
 
-def test_ended_sequences_are_stored_a_few_a_step_while_others_decode(torch_backend):
-    """A sequence that ends keeps its pages until its prompt and text are copied into the prompt
-    cache, a few a step while others decode (not all at once, a stall of every stream); a next
-    turn that extends one then reuses all of it."""
-    from backends.torch_decoder import STORES_PER_STEP
-
+def test_ended_sequences_are_stored_as_they_leave_and_a_next_turn_reuses_them(torch_backend):
+    """A sequence that ends is stored with its text as it leaves, by its pages (no copy, so no
+    stall of the others that decode meanwhile); a next turn that extends one reuses all of it
+    and decodes as without reuse."""
     weights = torch_backend.decoder_weights
     decoder = BatchedDecoder(weights, 8, prompt_cache_bytes=1 << 24)
     decoder.add(Sequence(0, torch_backend.encode("The long one keeps going"), Sampling(), 40))
@@ -182,17 +193,73 @@ def test_ended_sequences_are_stored_a_few_a_step_while_others_decode(torch_backe
     while any(len(generated.get(s.id, [])) < 3 for s in short):
         for sequence_id, tokens in decoder.step().items():
             generated.setdefault(sequence_id, []).extend(tokens)
-    held = decoder.kv_cache_usage().blocks_used
+    rows_held = decoder.kv.row_pages
     decoder.remove(*(s.id for s in short))
-    assert decoder.kv_cache_usage().blocks_used == held  # their pages wait to be read
-    waiting = []
-    for _ in range(2):
-        decoder.step()
-        waiting.append(len(decoder._leaving))
-    assert waiting == [len(short) - STORES_PER_STEP, 0]
-    assert decoder.kv_cache_usage().blocks_used < held
+    assert decoder.kv.row_pages < rows_held and decoder.prompt_cache_usage().entries >= len(short)
     first = short[0]
     extended = first.prompt_ids + generated[first.id] + torch_backend.encode(" and then")
     decoder.remove(0)
-    reused = decoder.add(Sequence(9, extended, Sampling(), 2))
+    turn = Sequence(9, extended, Sampling(), 6)
+    reused = decoder.add(turn)
     assert reused == len(first.prompt_ids) + len(generated[first.id]) - 1  # its text but the last token
+    got = []
+    while len(got) < 6:
+        got += decoder.step().get(9, [])
+    assert got == drive(BatchedDecoder(weights, 1), [turn]).ids[9]
+
+
+def test_prompts_sharing_stored_pages_in_every_alignment_decode_as_without_reuse(torch_backend):
+    """Prompts that share prefixes of many lengths (ending on and between page boundaries, in
+    and across the tree's nodes), three decoding at a time, some stored while others still
+    decode: each one's ids are those of a decoder without a prompt cache."""
+    import random
+
+    weights = torch_backend.decoder_weights
+    rng = random.Random(7)
+    base = torch_backend.encode("Shared beginnings of many prompts, cut at every length. " * 4)
+    prompts = []
+    for i in range(14):
+        cut = rng.randrange(3, len(base))
+        prompts.append(base[:cut] + torch_backend.encode(f" branch {i % 5}") + base[: rng.randrange(0, 20)])
+    sequences = [Sequence(i, p, Sampling(), 5) for i, p in enumerate(prompts)]
+    shared = drive(BatchedDecoder(weights, 3, prompt_cache_bytes=1 << 24), sequences)
+    assert sum(shared.cached.values()) > 0
+    for sequence in sequences:
+        assert shared.ids[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
+
+
+def test_a_hit_gives_a_row_the_keys_and_values_of_its_own_prefix(torch_backend):
+    """Read back from the pool: the columns a hit shares or copies into a row are those that
+    prefilling its prompt computes, whichever stored sequence (of the tree's branches that
+    share a page where one ends) they come from."""
+    import random
+
+    import torch
+
+    from backends.kv_pages import PAGE
+
+    weights = torch_backend.decoder_weights
+    rng = random.Random(11)
+    base = torch_backend.encode("Shared beginnings of many prompts, cut at every length. " * 4)
+    decoder = BatchedDecoder(weights, 2, prompt_cache_bytes=1 << 24)
+    reference = BatchedDecoder(weights, 1)
+    checked = 0
+    for i in range(16):
+        cut = rng.randrange(3, len(base))
+        prompt = base[:cut] + torch_backend.encode(f" branch {i % 3} of {cut % 4}") + base[: rng.randrange(0, 30)]
+        sequence = Sequence(i, prompt, Sampling(), 3)
+        reused = decoder.add(sequence)
+        if reused:
+            held = decoder.kv.held[decoder.index[i]]
+            reference.add(Sequence(100 + i, prompt, Sampling(), 1))
+            while 100 + i not in reference.step():
+                pass
+            expected = reference.kv.columns_of(reference.kv.held[0], 0, reused)
+            got = decoder.kv.columns_of(held, 0, reused)
+            assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, expected, strict=True)), (i, reused)
+            reference.remove(100 + i)
+            checked += reused % PAGE != 0
+        while len(decoder.slots[decoder.index[i]].generated) < 3:
+            decoder.step()
+        decoder.remove(i)
+    assert checked >= 3
