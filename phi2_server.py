@@ -3419,10 +3419,10 @@ class EngineCollector(Collector):
             ("used_bytes", kv.used_bytes, "Bytes of KV blocks the decoding sequences hold now."),
             ("reserved_bytes", kv.reserved_bytes, "Bytes the decoding sequences' KV may reach."),
             ("peak_bytes", kv.peak_bytes, "The most bytes the KV cache has allocated."),
-            ("allocated_bytes", kv.allocated_bytes, "Bytes the KV cache's block pool has allocated now."),
+            ("allocated_bytes", kv.allocated_bytes, "Bytes the KV block pool (the prompt cache's too) has now."),
             ("block_tokens", kv.block_tokens, "Positions a KV block holds."),
             ("blocks", kv.blocks, "KV blocks in the pool now."),
-            ("blocks_used", kv.blocks_used, "KV blocks the decoding sequences hold now."),
+            ("blocks_used", kv.blocks_used, "KV blocks the decoding sequences or the prompt cache hold now."),
         ):
             if value is not None:  # MLX does not count them
                 yield GaugeMetricFamily(f"phi2_kv_cache_{name}", about, value=value)
@@ -3603,10 +3603,16 @@ INFO_SCHEMA = {
                 "reserved_bytes": {"type": ["integer", "null"]},
                 "peak_bytes": {"type": ["integer", "null"], "description": "the most the pool has allocated"},
                 "bytes_per_token": {"type": ["integer", "null"]},
-                "allocated_bytes": {"type": ["integer", "null"], "description": "the block pool's size now"},
+                "allocated_bytes": {
+                    "type": ["integer", "null"],
+                    "description": "the block pool's size now (the prompt cache's blocks included)",
+                },
                 "block_tokens": {"type": ["integer", "null"], "description": "positions a block holds"},
                 "blocks": {"type": ["integer", "null"], "description": "blocks in the pool"},
-                "blocks_used": {"type": ["integer", "null"], "description": "blocks the decoding sequences hold"},
+                "blocks_used": {
+                    "type": ["integer", "null"],
+                    "description": "blocks the decoding sequences or the prompt cache hold",
+                },
             },
         },
         "prompt_lookup_tokens": {

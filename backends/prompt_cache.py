@@ -15,6 +15,7 @@ are reused ("trim, don't discard").
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,19 +167,27 @@ class PrefixCache:
         """Evict least recently used leaves, never `keep` or its ancestors, until `nbytes` fit."""
         if nbytes > self.limit_bytes:
             return False
+        if self.bytes + nbytes <= self.limit_bytes:
+            return True
         protected = set()
         node = keep
         while node is not None:
             protected.add(id(node))
             node = node.parent
+        # The leaves by age, once (not a walk of the tree per eviction: hundreds of clients store
+        # two entries each); a parent whose last child leaves becomes a leaf in its turn.
+        leaves = [(leaf.used, id(leaf), leaf) for leaf in self._leaves() if id(leaf) not in protected]
+        heapq.heapify(leaves)
         while self.bytes + nbytes > self.limit_bytes:
-            candidates = [leaf for leaf in self._leaves() if id(leaf) not in protected]
-            if not candidates:
+            if not leaves:
                 return False
-            oldest = min(candidates, key=lambda leaf: leaf.used)
-            del oldest.parent.children[oldest.ids[0]]
+            _, _, oldest = heapq.heappop(leaves)
+            parent = oldest.parent
+            del parent.children[oldest.ids[0]]
             self.bytes -= oldest.nbytes
             self._forget(oldest)
+            if not parent.children and parent.parent is not None and id(parent) not in protected:
+                heapq.heappush(leaves, (parent.used, id(parent), parent))
         return True
 
     def _forget(self, node: Node) -> None:
