@@ -237,8 +237,9 @@ class Courier:
             self._on_the_way = True
         try:
             self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is listening any more
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            with self._lock:
+                self._gathered, self._on_the_way = [], False
 
     def _deliver(self) -> None:
         with self._lock:

@@ -74,3 +74,44 @@ async def test_requests_queue_in_arrival_order(make_client, backend):
     for response in running[1:]:
         response.close()
     await wait_idle(engine)
+
+
+async def test_events_that_arrive_while_the_loop_is_busy_go_out_together_in_order():
+    """engine.Courier: while a batch is on its way to the event loop, later ones gather and go
+    in one delivery after it, in order; a handler takes everything that is ready at once."""
+    import threading
+
+    from backends.engine import Courier, Inbox, next_events
+
+    class Ticket:  # what the courier reads of one: its inbox, its index, its taken count
+        def __init__(self, inbox):
+            self._events, self.index, self._taken = inbox, 0, 0
+
+    loop = asyncio.get_running_loop()
+    courier, inbox = Courier(loop), Inbox()
+    ticket = Ticket(inbox)
+    delivered = []
+    original = courier._deliver
+
+    def counted():
+        delivered.append(len(courier._gathered))
+        original()
+
+    courier._deliver = counted
+    handed = threading.Event()
+
+    def worker():  # three flushes while the loop cannot run (it waits on `handed` below)
+        for piece in ("a", "b", "c"):
+            courier.hand_over([(ticket, piece)])
+        handed.set()
+
+    threading.Thread(target=worker).start()
+    handed.wait()  # blocks the loop: the courier's first call cannot run yet
+    events = await next_events([ticket])
+    assert [event for _, event in events] == ["a", "b", "c"]
+    assert delivered == [3]  # one delivery carried all three
+    courier.hand_over([(ticket, "d")])  # nothing on the way: it goes at once
+    assert [event for _, event in await next_events([ticket])] == ["d"]
+    assert delivered == [3, 1]
+    await asyncio.sleep(0)  # the courier's check after the handlers it woke
+    assert not courier._on_the_way
