@@ -303,6 +303,8 @@ class TorchBackend(TokenizerMethods):
                     adapter_slots=self.max_adapters,
                     kv_cache_bytes=self.kv_budget,
                     context=self.info.context_length,
+                    # On CUDA its pool is allocated whole, with room for the prompt cache's blocks.
+                    prompt_cache_bytes=budget,
                 )
                 self._fast_decoder = decoder
             decoder.clear(prompt_cache_bytes=budget)

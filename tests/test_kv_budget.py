@@ -236,3 +236,28 @@ def test_a_page_that_rows_and_the_cache_share_returns_to_the_pool_once_none_hold
     assert kv.row_pages == 0 and kv.held_pages == 3
     kv.drop(kept)
     assert kv.held_pages == 0 and sorted(kv.free) == list(range(1, 6))
+
+
+def test_a_pool_allocated_whole_has_room_for_the_prompt_cache_it_is_made_with(torch_backend, monkeypatch):
+    """On CUDA the pool is allocated once: the runtime makes the decoder with the prompt cache's
+    budget (a pool made without room for it served no prompt from the cache), and a later budget
+    cannot exceed that room."""
+    from backends import torch_decoder
+    from backends.kv_pages import PAGE
+
+    made = []
+
+    class Recorded(torch_decoder.BatchedDecoder):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("prompt_cache_bytes", 0))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(torch_decoder, "BatchedDecoder", Recorded)
+    monkeypatch.setattr(torch_backend, "_fast_decoder", None)
+    torch_backend.decoder(3, prompt_cache_bytes=1 << 22)
+    assert made == [1 << 22]
+    monkeypatch.undo()
+    whole = torch_decoder.BatchedDecoder(torch_backend.decoder_weights, 2, cuda_graphs=True, prompt_cache_bytes=1 << 22)
+    whole.clear(prompt_cache_bytes=1 << 30)
+    assert whole.prompt_cache_usage().budget_bytes == whole.cache_pages * whole.kv.page_bytes <= 1 << 22
+    assert whole.cache_pages > 0 and whole.kv.pages == 1 + 2 * -(-(whole.context + 1) // PAGE) + whole.cache_pages
