@@ -1073,14 +1073,29 @@ class BatchedDecoder:
             if budget <= 0:
                 break
             if slot.next_token is None:
-                take = min(len(slot.sequence.prompt_ids) - slot.cached, budget)
+                rest = len(slot.sequence.prompt_ids) - slot.cached
+                take = min(rest, budget)
+                if take < rest and parts and self.prefill_graphs and slot.cached == 0 and rest <= PREFILL_LENGTHS[-1]:
+                    # A new prompt that a graph prefills whole waits for the next step rather
+                    # than be cut: its second piece (and every piece in its group) would be
+                    # prefilled eagerly, hundreds of launches (at 512 clients on an H200 the
+                    # eager passes were a quarter of the worker's time).
+                    break
                 parts.append((i, slot.sequence.prompt_ids[slot.cached : slot.cached + take], slot.cached))
                 budget -= take
-        groups: dict[int, list] = {}
+        groups: dict[tuple[bool, int], list] = {}
         for part in parts:  # padding to the longest in a group wastes at most half of it
-            groups.setdefault(len(part[1]).bit_length(), []).append(part)
+            # New prompts apart from pieces that continue cached columns: those are prefilled
+            # eagerly, and new ones with them would be too.
+            groups.setdefault((part[2] == 0, len(part[1]).bit_length()), []).append(part)
+        passes = []
+        for (fresh, _), group in groups.items():
+            # New prompts in as many rows as one prefill graph takes (512 arriving at once: two
+            # graphed passes of 256 rather than one eager pass).
+            size = self._graph_rows(group) if fresh else 0
+            passes += [group[k : k + size] for k in range(0, len(group), size)] if size else [group]
         produced = {}
-        for group in groups.values():
+        for group in passes:
             scored = [r for r, (i, _, _) in enumerate(group) if self.slots[i].sequence.prompt_logprobs is not None]
             logits, every = self._prefill(
                 group,
@@ -1211,6 +1226,14 @@ class BatchedDecoder:
         rows = bucket(len(parts), BATCH_BUCKETS)
         length = bucket(max(len(ids) for _, ids, _ in parts), PREFILL_LENGTHS)
         return (rows, length) if self._graphable(rows, length) else None
+
+    def _graph_rows(self, parts: list[tuple[int, list[int], int]]) -> int:
+        """The most of these new prompts that one prefill graph takes (0: none)."""
+        longest = max(len(ids) for _, ids, _ in parts)
+        if not self.prefill_graphs or longest > PREFILL_LENGTHS[-1]:
+            return 0
+        length = bucket(longest, PREFILL_LENGTHS)
+        return max((rows for rows in BATCH_BUCKETS if self._graphable(rows, length)), default=0)
 
     def _graphable(self, rows: int, length: int) -> bool:
         """Whether a prefill graph of rows x length exists: buckets both, within

@@ -54,6 +54,47 @@ def test_new_prompts_padded_to_a_graphs_shape_decode_as_alone(torch_backend):
         assert out[i] == alone(torch_backend, prompt, n), prompt
 
 
+def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_graph(torch_backend, monkeypatch):
+    """With graphed prefill, a new short prompt waits a step rather than be cut by the step's
+    token budget (its second piece would be prefilled eagerly), new prompts are not grouped with
+    pieces that continue cached columns, and a group larger than a graph takes is split; every
+    sequence still decodes as alone."""
+    from backends import torch_decoder
+
+    monkeypatch.setattr(torch_decoder, "PREFILL_GRAPH_TOKENS", 64)  # a graph takes 4 rows of 16
+    pieces, fresh = [], []
+    original_prefill, original_fresh = BatchedDecoder._prefill, BatchedDecoder._prefill_fresh
+
+    def prefill(self, parts, *args, **kwargs):
+        pieces.extend((self.slots[i].sequence.id, start) for i, _, start in parts)
+        return original_prefill(self, parts, *args, **kwargs)
+
+    def prefill_fresh(self, parts, rows, length):
+        fresh.append(len(parts))
+        return original_fresh(self, parts, rows, length)
+
+    monkeypatch.setattr(BatchedDecoder, "_prefill", prefill)
+    monkeypatch.setattr(BatchedDecoder, "_prefill_fresh", prefill_fresh)
+    weights = torch_backend.decoder_weights
+    long = torch_backend.encode("A long prompt that the budget cuts into pieces. " * 3)
+    short = [torch_backend.encode(f"Short prompt number {i} here") for i in range(9)]
+    sequences = [Sequence(0, long, Sampling(), 12)] + [Sequence(i + 1, p, Sampling(), 6) for i, p in enumerate(short)]
+    decoder = BatchedDecoder(weights, 10, prefill_graphs=True, prefill_chunk=40)
+    assert len(long) > 40 and all(len(p) <= 16 for p in short)
+    out = drive(decoder, sequences, arrive_at={i: 1 for i in range(1, 10)}).ids
+    assert sorted(i for i, start in pieces if i > 0) == list(range(1, 10))  # each short one in one piece
+    assert all(start == 0 for i, start in pieces if i > 0)
+    assert sum(fresh) == len(short) + 1  # all graphed, and the long prompt's first piece
+    for sequence in sequences:
+        assert out[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
+    # All nine at once, in one step's budget: passes of at most the 4 rows a graph takes.
+    fresh.clear()
+    together = drive(BatchedDecoder(weights, 10, prefill_graphs=True, prefill_chunk=200), sequences[1:]).ids
+    assert sorted(fresh) == [1, 4, 4]
+    for sequence in sequences[1:]:
+        assert together[sequence.id] == out[sequence.id]
+
+
 @pytest.mark.parametrize("cut", [(5, 12), (150, 170)])  # the second after the cache has grown
 def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_backend, cut):
     # Removing slot 1 of 4 moves the last sequence into it: its cache must move intact.
