@@ -68,10 +68,6 @@ class PagedKV:
     def nbytes(self) -> int:
         return self.pages * self.page_bytes
 
-    def fresh_pages(self, columns: int, shared: int = 0) -> int:
-        """The pages a row of `columns` columns takes from the pool when it shares `shared`."""
-        return pages_for(columns) - shared
-
     def assign(self, row: int, columns: int, shared: list[int] = ()) -> None:
         """Give `row` (which holds none) the pages of `columns` columns from 0: `shared` (pages
         that hold a stored prefix, which the row will not write) first, then free ones; the

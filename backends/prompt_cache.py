@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends import PromptCacheUsage
+from backends.kv_pages import PAGE, pages_for
 
 
 @dataclass(eq=False)
@@ -67,11 +68,7 @@ class PrefixCache:
     def match(self, ids: list[int], limit: int, namespace: str = "") -> tuple[int, list[tuple[Node, int]]]:
         """The longest prefix of `ids` (at most `limit` ids) held in `namespace`: its length, and
         the nodes that hold it with how many of each node's ids it takes, in order."""
-        key = tuple(ids[:limit])
-        path, matched = self._walk(key, self._root(namespace))
-        now = next(self._clock)
-        for node, _ in path:
-            node.used = now
+        _, path, matched, _ = self._touch(tuple(ids[:limit]), namespace)
         return matched, path
 
     def store(
@@ -86,11 +83,7 @@ class PrefixCache:
         key = tuple(ids)
         if not key or self.budget_bytes <= 0:
             return
-        root = self._root(namespace)
-        path, matched = self._walk(key, root)
-        now = next(self._clock)
-        for node, _ in path:
-            node.used = now
+        root, path, matched, now = self._touch(key, namespace)
         if matched == len(key):
             return
         nbytes = (len(key) - matched) * bytes_per_id
@@ -114,6 +107,16 @@ class PrefixCache:
         if namespace not in self.roots:
             self.roots[namespace] = Node((), None, None, 0, None)
         return self.roots[namespace]
+
+    def _touch(self, key: tuple[int, ...], namespace: str) -> tuple[Node, list[tuple[Node, int]], int, int]:
+        """The namespace's root, the path that holds the longest prefix of `key` and its length,
+        and now: the path's nodes are marked used now."""
+        root = self._root(namespace)
+        path, matched = self._walk(key, root)
+        now = next(self._clock)
+        for node, _ in path:
+            node.used = now
+        return root, path, matched, now
 
     def _walk(self, key: tuple[int, ...], root: Node) -> tuple[list[tuple[Node, int]], int]:
         path, matched, node = [], 0, root
@@ -154,14 +157,15 @@ class PrefixCache:
         self.bytes += rest_bytes
         return node
 
-    def _leaves(self):
+    def _nodes(self):
         stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                yield node
+            stack.extend(node.children.values())
+            yield node
+
+    def _leaves(self):
+        return (node for node in self._nodes() if not node.children)
 
     def _make_room(self, nbytes: int, keep: Node) -> bool:
         """Evict least recently used leaves, never `keep` or its ancestors, until `nbytes` fit."""
@@ -210,16 +214,10 @@ class PagedPrefixCache(PrefixCache):
 
     def store_pages(self, ids: list[int], pages: list[int], namespace: str = "") -> None:
         """Hold the KV of `ids`, which `pages` (a row's, from position 0) hold."""
-        from backends.kv_pages import PAGE
-
         key = tuple(ids)
         if not key or self.budget_bytes <= 0:
             return
-        root = self._root(namespace)
-        path, matched = self._walk(key, root)
-        now = next(self._clock)
-        for node, _ in path:
-            node.used = now
+        root, path, matched, now = self._touch(key, namespace)
         if matched == len(key):
             return
         first, last = matched // PAGE, (len(key) - 1) // PAGE
@@ -238,8 +236,6 @@ class PagedPrefixCache(PrefixCache):
         """The pages that hold positions 0..matched-1 of a match (`match`'s path), page by page:
         where a page holds the end of one node and the start of the next, the deeper node's
         (its copy holds both; the other's holds another continuation past the shared end)."""
-        from backends.kv_pages import PAGE, pages_for
-
         pages = [0] * pages_for(matched)
         for node, n in path:
             first = node.start // PAGE
@@ -248,22 +244,13 @@ class PagedPrefixCache(PrefixCache):
         return pages
 
     def clear(self) -> None:
-        for leaf in list(self._nodes()):
-            self._forget(leaf)
+        for node in list(self._nodes()):
+            self._forget(node)
         super().clear()
-
-    def _nodes(self):
-        stack = [child for root in self.roots.values() for child in root.children.values()]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            yield node
 
     def _split_pages(self, node: Node, keep: int) -> Node:
         """Make `node` end after its first `keep` ids (a new child takes the rest, and the pages
         that hold it); returns it."""
-        from backends.kv_pages import PAGE
-
         if keep == len(node.ids):
             return node
         first, cut = node.start // PAGE, node.start + keep

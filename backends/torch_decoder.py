@@ -760,7 +760,7 @@ class BatchedDecoder:
         CPU's pool grown for the rest (by doubling where the budget allows, so that it is copied
         a few times, not at every admission)."""
         kv = self.kv
-        short = kv.fresh_pages(columns, len(shared)) - len(kv.free)
+        short = pages_for(columns) - len(shared) - len(kv.free)
         if short > 0:
             if self.use_graphs:
                 raise RuntimeError("the KV pool is full")  # `fits` admits no sequence past it
@@ -900,6 +900,8 @@ class BatchedDecoder:
         """Keep the KV of a slot (its prompt complete, or its text as it ends) for later prompts
         that start alike: the cache keeps the row's pages, no copy. Only the positions stored
         are read from them; the row, still decoding, writes past them."""
+        if self.prompts.limit_bytes <= 0:  # off (or no room for a page): nothing to build the ids for
+            return
         slot = self.slots[row]
         held = self.kv.held[row]
         ids = slot.cached_ids()[: len(held) * PAGE]  # (a decoder stepped past max_new_tokens wrote the scratch page)

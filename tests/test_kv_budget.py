@@ -164,23 +164,23 @@ async def test_the_default_budget_comes_from_the_available_memory(client, backen
         assert kv["bytes_per_token"] > 0
 
 
+def small_pool(layers: int, kv_heads: int, head_dim: int, context: int):
+    """A float32 CPU pool of 12 pages (the scratch page included) for 3 rows."""
+    import torch
+
+    from backends.kv_pages import PagedKV
+
+    return PagedKV(layers, kv_heads, head_dim, torch.float32, torch.device("cpu"), rows=3, context=context, pages=12)
+
+
 def test_the_pool_shrinks_under_held_pages_and_keeps_their_contents():
     """backends/kv_pages: pages held past a smaller pool's end move below it, with their keys and
     values and their table entries; pages freed go back to be taken again."""
     import torch
 
-    from backends.kv_pages import PAGE, PagedKV
+    from backends.kv_pages import PAGE
 
-    kv = PagedKV(
-        layers=2,
-        kv_heads=2,
-        head_dim=4,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        rows=3,
-        context=10 * PAGE,
-        pages=12,
-    )
+    kv = small_pool(layers=2, kv_heads=2, head_dim=4, context=10 * PAGE)
     kv.assign(0, 5 * PAGE)
     kv.assign(1, 3 * PAGE)
     kv.assign(2, 2 * PAGE)  # the last pages taken: ids 9 and 10
@@ -206,18 +206,9 @@ def test_a_page_that_rows_and_the_cache_share_returns_to_the_pool_once_none_hold
     lists and the rows' tables alike."""
     import torch
 
-    from backends.kv_pages import PAGE, PagedKV
+    from backends.kv_pages import PAGE
 
-    kv = PagedKV(
-        layers=1,
-        kv_heads=1,
-        head_dim=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        rows=3,
-        context=8 * PAGE,
-        pages=12,
-    )
+    kv = small_pool(layers=1, kv_heads=1, head_dim=2, context=8 * PAGE)
     kv.assign(0, 4 * PAGE)  # takes low pages first
     kv.assign(1, 5 * PAGE)  # pages 5..9
     columns = torch.arange(3 * PAGE)
