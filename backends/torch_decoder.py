@@ -73,13 +73,21 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 5
 # was not measured: 768 splits the difference.
 LOWER_RIGHT_FROM = 768
 MIN_LENGTH_BUCKET = 128
-# Prompts prefilled from position 0 on CUDA (every new prompt that no stored prefix shortens) are
-# padded to one of these lengths, and their group to a batch bucket, and replayed from a CUDA
-# graph of that shape (`_prefill_fresh`): an eager prefill of a short prompt was ~500 launches,
-# 10-15 ms on an H200 against ~2 ms of weights to read. Groups of more tokens than
-# PREFILL_GRAPH_TOKENS, longer prompts, and pieces that continue cached columns run eagerly.
+# Prompt pieces prefilled on CUDA are padded to one of these lengths, and their group to a batch
+# bucket, and replayed from a CUDA graph of that shape (`_prefill_padded`): an eager prefill of a
+# short prompt was ~500 launches, 10-15 ms on an H200 against ~2 ms of weights to read.
+# - New prompts (from position 0): groups of up to PREFILL_GRAPH_TOKENS.
+# - Pieces that continue cached columns (a stored prefix's tail: a chat's next turn; a long
+#   prompt's last chunk) attend to the columns before them too, through a mask: graphs for spans
+#   of CONTINUE_SPANS columns, groups of up to CONTINUE_GRAPH_TOKENS (past that the pass is
+#   compute-bound and launches cost little) whose gathered keys and values stay within
+#   CONTINUE_GRAPH_COLUMNS.
+# Longer pieces, bigger groups and longer spans run eagerly.
 PREFILL_LENGTHS = (16, 32, 64, 128, 256)
 PREFILL_GRAPH_TOKENS = 8192
+CONTINUE_SPANS = (512, 2048, 8192)
+CONTINUE_GRAPH_TOKENS = 1024
+CONTINUE_GRAPH_COLUMNS = 16384
 # The CPU's pool keeps at least this many pages (backends/kv_pages) when it shrinks.
 MIN_PAGES = MIN_LENGTH_BUCKET // PAGE
 
@@ -605,8 +613,8 @@ class BatchedDecoder:
         """`kv_cache_bytes`: on the CPU, the most bytes the KV cache may take (None: unbounded);
         `context`: the window served, if shorter than the weights' (a budget cut it);
         `draft_tokens`: the most prompt-lookup draft tokens a step verifies while one sequence
-        decodes (0: none); `prefill_graphs`: new prompts padded to a graph's shape
-        (`_prefill_fresh`); None: with CUDA graphs and the fused step. Without CUDA graphs
+        decodes (0: none); `prefill_graphs`: prompt pieces padded to a graph's shape
+        (`_prefill_padded`); None: with CUDA graphs and the fused step. Without CUDA graphs
         (the CPU, in tests) the padded pass runs eagerly."""
         self.weights = weights
         self.device = weights.device
@@ -686,8 +694,8 @@ class BatchedDecoder:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
         self.prefill_graphs = (self.use_graphs and self.fused) if prefill_graphs is None else prefill_graphs
-        self._fresh_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._fresh_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # `_fresh_buffers`
+        self._padded_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._padded_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # `_padded_buffers`
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -853,10 +861,10 @@ class BatchedDecoder:
         # the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
         prompt = sequence.prompt_ids
-        if self._fresh_shape([(row, prompt, 0)], (), [slot.lora_index], [self._long_prompt(prompt)]):
+        if self._padded_shape([(row, prompt, 0)], (), [slot.lora_index], [self._long_prompt(prompt)]):
             # A new prompt this short is prefilled whole from a CUDA graph (24 tokens of Phi-2 on
-            # an H200: 3 ms); a stored prefix would leave its tail to the eager prefill (12 ms of
-            # launches), so none is reused.
+            # an H200: 3 ms, the weights' read): its tail after a stored prefix would cost about
+            # as much, so none is reused.
             limit = 0
         reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=self._namespace(sequence))
         # The stored prefix's pages go into the row's table as they are (no copy): those it
@@ -1079,22 +1087,22 @@ class BatchedDecoder:
                 take = min(rest, budget)
                 if take < rest and parts and self.prefill_graphs and slot.cached == 0 and rest <= PREFILL_LENGTHS[-1]:
                     # A new prompt that a graph prefills whole waits for the next step rather
-                    # than be cut: its second piece (and every piece in its group) would be
-                    # prefilled eagerly, hundreds of launches (at 512 clients on an H200 the
-                    # eager passes were a quarter of the worker's time).
+                    # than be cut: its second piece would be a pass of its own (and before
+                    # pieces after cached columns were graphed, an eager one: at 512 clients
+                    # on an H200 the eager passes were a quarter of the worker's time).
                     break
                 parts.append((i, slot.sequence.prompt_ids[slot.cached : slot.cached + take], slot.cached))
                 budget -= take
         groups: dict[tuple[bool, int], list] = {}
         for part in parts:  # padding to the longest in a group wastes at most half of it
-            # New prompts apart from pieces that continue cached columns: those are prefilled
-            # eagerly, and new ones with them would be too.
+            # New prompts apart from pieces that continue cached columns: those attend to more
+            # columns, through a mask, which new ones need not.
             groups.setdefault((part[2] == 0, len(part[1]).bit_length()), []).append(part)
         passes = []
-        for (fresh, _), group in groups.items():
-            # New prompts in as many rows as one prefill graph takes (512 arriving at once: two
+        for group in groups.values():
+            # In as many rows as one prefill graph takes (512 new prompts arriving at once: two
             # graphed passes of 256 rather than one eager pass).
-            size = self._graph_rows(group) if fresh else 0
+            size = self._graph_rows(group)
             passes += [group[k : k + size] for k in range(0, len(group), size)] if size else [group]
         produced = {}
         for group in passes:
@@ -1171,9 +1179,9 @@ class BatchedDecoder:
 
         Padding writes past a piece's end, in columns its sequence has not reached: a decode
         step writes a column before any query reads it, and the mask hides the rest."""
-        shape = self._fresh_shape(parts, every_position, lora_rows, long_rope)
+        shape = self._padded_shape(parts, every_position, lora_rows, long_rope)
         if shape is not None:
-            return self._prefill_fresh(parts, *shape), {}
+            return self._prefill_padded(parts, *shape), {}
         w = self.weights
         n, length = len(parts), max(len(ids) for _, ids, _ in parts)
         slots = torch.tensor([slot for slot, _, _ in parts], device=self.device)
@@ -1214,92 +1222,115 @@ class BatchedDecoder:
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
 
-    def _fresh_shape(self, parts, every_position, lora_rows, long_rope) -> tuple[int, int] | None:
-        """The (rows, length) graph shape that these pieces are prefilled in, padded, or None
-        (eagerly, as they are): only new prompts from position 0, with no adapter, no prompt
-        logprobs, no longrope factors and no sliding window shorter than the padded length."""
+    def _padded_shape(self, parts, every_position, lora_rows, long_rope) -> tuple[int, int, int] | None:
+        """The (rows, length, span) graph shape that these pieces are prefilled in, padded, or
+        None (eagerly, as they are). `span`: 0 for new prompts, from position 0 (causal over
+        their own columns); else the columns that pieces after cached columns attend to,
+        bucketed. Only pieces with no adapter, no prompt logprobs and no longrope factors."""
         if not self.prefill_graphs or every_position or (long_rope and any(long_rope)):
-            return None
-        if any(start for _, _, start in parts):
             return None
         adapters = lora_rows if lora_rows is not None else [self.slots[i].lora_index for i, _, _ in parts]
         if max(adapters) >= 0:
             return None
         rows = bucket(len(parts), BATCH_BUCKETS)
         length = bucket(max(len(ids) for _, ids, _ in parts), PREFILL_LENGTHS)
-        return (rows, length) if self._graphable(rows, length) else None
+        span = self._span(parts)
+        return (rows, length, span) if self._graphable(rows, length, span) else None
+
+    @staticmethod
+    def _span(parts: list[tuple[int, list[int], int]]) -> int:
+        """0 for new prompts only; else the columns the pieces reach, in a CONTINUE_SPANS bucket."""
+        if not any(start for _, _, start in parts):
+            return 0
+        return bucket(max(start + len(ids) for _, ids, start in parts), CONTINUE_SPANS)
 
     def _graph_rows(self, parts: list[tuple[int, list[int], int]]) -> int:
-        """The most of these new prompts that one prefill graph takes (0: none)."""
+        """The most of these pieces that one prefill graph takes (0: none)."""
         longest = max(len(ids) for _, ids, _ in parts)
         if not self.prefill_graphs or longest > PREFILL_LENGTHS[-1]:
             return 0
-        length = bucket(longest, PREFILL_LENGTHS)
-        return max((rows for rows in BATCH_BUCKETS if self._graphable(rows, length)), default=0)
+        length, span = bucket(longest, PREFILL_LENGTHS), self._span(parts)
+        return max((rows for rows in BATCH_BUCKETS if self._graphable(rows, length, span)), default=0)
 
-    def _graphable(self, rows: int, length: int) -> bool:
-        """Whether a prefill graph of rows x length exists: buckets both, within
-        PREFILL_GRAPH_TOKENS and the cache, and no sliding window shorter than the length."""
-        return (
-            rows in BATCH_BUCKETS
-            and length in PREFILL_LENGTHS
-            and rows * length <= PREFILL_GRAPH_TOKENS
-            and length <= self.context
-            and not any(w is not None and w < length for w in self.weights.arch.windows)
-        )
+    def _graphable(self, rows: int, length: int, span: int = 0) -> bool:
+        """Whether a prefill graph of rows x length (after cached columns: attending to `span`)
+        exists: buckets, within the group limits and the cache; new prompts' with no sliding
+        window shorter than the length (theirs is plain causal attention, no mask)."""
+        if span:
+            fits = (
+                span in CONTINUE_SPANS
+                and span <= self.context
+                and rows * length <= CONTINUE_GRAPH_TOKENS
+                and rows * span <= CONTINUE_GRAPH_COLUMNS
+            )
+        else:
+            fits = rows * length <= PREFILL_GRAPH_TOKENS and not any(
+                w is not None and w < length for w in self.weights.arch.windows
+            )
+        return fits and rows in BATCH_BUCKETS and length in PREFILL_LENGTHS and length <= self.context
 
-    def _fresh_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _padded_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphs' inputs: [tokens; positions] [2, rows, length] and [slots; last index]
         [2, rows], at their largest; each graph reads a corner."""
-        if self._fresh_inputs is None:
+        if self._padded_inputs is None:
             rows = max(b for b in BATCH_BUCKETS if b * PREFILL_LENGTHS[0] <= PREFILL_GRAPH_TOKENS)
             grid = torch.zeros(2, rows, PREFILL_LENGTHS[-1], dtype=torch.long, device=self.device)
-            self._fresh_inputs = grid, torch.zeros(2, rows, dtype=torch.long, device=self.device)
-        return self._fresh_inputs
+            self._padded_inputs = grid, torch.zeros(2, rows, dtype=torch.long, device=self.device)
+        return self._padded_inputs
 
-    def _prefill_fresh(self, parts: list[tuple[int, list[int], int]], rows: int, length: int) -> torch.Tensor:
-        """The last-token logits of new prompts (slot, ids, 0), prefilled together padded to
-        rows x length. A prompt's padding tokens write its slot's columns past its end, which a
-        decode step writes before any query reads them; the padding rows write the cache's
-        scratch column of row 0, as a decode step's idle rows do; columns past a row's pages
-        land in the scratch page."""
-        grid, index = self._fresh_buffers()
-        if self.use_graphs and (rows, length) not in self._fresh_graphs:
-            self._fresh_graphs[rows, length] = self._capture_fresh(rows, length)
+    def _prefill_padded(
+        self, parts: list[tuple[int, list[int], int]], rows: int, length: int, span: int
+    ) -> torch.Tensor:
+        """The last-token logits of prompt pieces (slot, ids, first position), prefilled together
+        padded to rows x length. A piece's padding tokens write its slot's columns past its end
+        (its own pages: a stored prefix's shared pages end before the piece), which a decode
+        step writes before any query reads them; the padding rows write the cache's scratch
+        column of row 0, as a decode step's idle rows do; columns past a row's pages land in the
+        scratch page."""
+        grid, index = self._padded_buffers()
+        if self.use_graphs and (rows, length, span) not in self._padded_graphs:
+            self._padded_graphs[rows, length, span] = self._capture_padded(rows, length, span)
         host_grid = torch.zeros(2, rows, length, dtype=torch.long)
         host_grid[1] = self.scratch
         host_index = torch.zeros(2, rows, dtype=torch.long)
-        for r, (slot, ids, _) in enumerate(parts):
+        for r, (slot, ids, start) in enumerate(parts):
             host_grid[0, r, : len(ids)] = torch.tensor(ids)
-            host_grid[1, r] = torch.arange(length).clamp(max=self.scratch)
+            host_grid[1, r] = torch.arange(start, start + length).clamp(max=self.scratch)
             host_index[:, r] = torch.tensor([slot, len(ids) - 1])
         grid[:, :rows, :length].copy_(host_grid)
         index[:, :rows].copy_(host_index)
         if not self.use_graphs:
-            return self._fresh_pass(rows, length)[: len(parts)]
-        graph, logits = self._fresh_graphs[rows, length]
+            return self._padded_pass(rows, length, span)[: len(parts)]
+        graph, logits = self._padded_graphs[rows, length, span]
         graph.replay()
         return logits[: len(parts)].clone()  # the graph's output is written over by its next replay
 
-    def _fresh_pass(self, rows: int, length: int) -> torch.Tensor:
-        """The forward pass of `_prefill_fresh`, reading its inputs from the buffers (what a
-        graph captures): causal attention over each piece's own columns, from position 0."""
-        grid, index = self._fresh_buffers()
+    def _padded_pass(self, rows: int, length: int, span: int) -> torch.Tensor:
+        """The forward pass of `_prefill_padded`, reading its inputs from the buffers (what a
+        graph captures): new prompts' causal attention over their own columns, or, with a
+        span, each token's over its row's columns up to its own position (a mask made here,
+        from the positions)."""
+        grid, index = self._padded_buffers()
         tokens, positions = grid[0, :rows, :length], grid[1, :rows, :length]
         slots, last = index[0, :rows], index[1, :rows]
+        placed = (
+            _Placement(slots, positions, span, self._prefill_mask(positions, span))
+            if span
+            else _Placement(slots, positions, length, None)
+        )
         x = self.weights.embed[tokens]
         with prefill_attention():
-            x = self._prefill_layers(x, _Placement(slots, positions, length, None), {})
+            x = self._prefill_layers(x, placed, {})
         return self._logits(x[torch.arange(rows, device=self.device), last])
 
-    def _capture_fresh(self, rows: int, length: int):
-        """A CUDA graph of `_fresh_pass` at rows x length, captured with inputs that write only
-        the scratch column (captures may happen between requests' steps)."""
-        grid, index = self._fresh_buffers()
+    def _capture_padded(self, rows: int, length: int, span: int):
+        """A CUDA graph of `_padded_pass` at its shape, captured with inputs that write only the
+        scratch column (captures may happen between requests' steps)."""
+        grid, index = self._padded_buffers()
         grid[0].zero_()
         grid[1].fill_(self.scratch)
         index.zero_()
-        return self._capture_graph(lambda: self._fresh_pass(rows, length), warmups=1)
+        return self._capture_graph(lambda: self._padded_pass(rows, length, span), warmups=1)
 
     def _prefill_mask(self, positions: torch.Tensor, span: int, window: int | None = None) -> torch.Tensor:
         """The additive attention mask [n, 1, length, span] of pieces at `positions` [n, length]:
@@ -1706,8 +1737,15 @@ class BatchedDecoder:
             for span in (0,) if self.fused else spans:
                 self._replay(batch, min(span, self.context + 1))
         if self.prefill_graphs:
-            for rows in BATCH_BUCKETS:
-                for length in PREFILL_LENGTHS:
-                    if rows <= self.rows and self._graphable(rows, length) and (rows, length) not in self._fresh_graphs:
-                        self._fresh_graphs[rows, length] = self._capture_fresh(rows, length)
-            log.info("captured %d prefill graphs for new prompts", len(self._fresh_graphs))
+            for span in (0, *CONTINUE_SPANS):
+                for rows in BATCH_BUCKETS:
+                    for length in PREFILL_LENGTHS:
+                        shape = rows, length, span
+                        if rows <= self.rows and self._graphable(*shape) and shape not in self._padded_graphs:
+                            self._padded_graphs[shape] = self._capture_padded(*shape)
+            log.info(
+                "captured %d prefill graphs: %d for new prompts, %d for pieces after cached columns",
+                len(self._padded_graphs),
+                sum(1 for _, _, span in self._padded_graphs if not span),
+                sum(1 for _, _, span in self._padded_graphs if span),
+            )

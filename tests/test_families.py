@@ -103,19 +103,19 @@ def test_batched_equals_alone(family_backend):
 
 
 def test_new_prompts_padded_to_a_graphs_shape_compute_as_unpadded(family_backend, monkeypatch):
-    """On CUDA new prompts are prefilled padded to a graph's shape (`_prefill_fresh`: their tails
+    """On CUDA new prompts are prefilled padded to a graph's shape (`_prefill_padded`: their tails
     and the group's spare rows write columns no query reads); here the same padded pass runs
     eagerly. Windows of 16 and 32 and longrope's switch at 64 send the longer prompts to the
     unpadded prefill, which must agree with it as well."""
     weights = family_backend.decoder_weights
     padded_passes = []
-    original = BatchedDecoder._fresh_pass
+    original = BatchedDecoder._padded_pass
 
-    def counted(self, rows, length):
+    def counted(self, rows, length, span):
         padded_passes.append(rows)
-        return original(self, rows, length)
+        return original(self, rows, length, span)
 
-    monkeypatch.setattr(BatchedDecoder, "_fresh_pass", counted)
+    monkeypatch.setattr(BatchedDecoder, "_padded_pass", counted)
     for length in (3, 10, 16, 40):
         prompt = prompt_of(length)
         got = BatchedDecoder(weights, 1, prefill_graphs=True).logits_after(prompt)
@@ -128,6 +128,42 @@ def test_new_prompts_padded_to_a_graphs_shape_compute_as_unpadded(family_backend
     assert max(padded_passes) >= 2  # prompts arriving together were padded into one group
     for sequence in sequences:
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
+
+
+def test_pieces_after_cached_columns_padded_to_a_graphs_shape_compute_as_unpadded(family_backend, monkeypatch):
+    """On CUDA a piece after cached columns (a long prompt's later chunks, a stored prefix's
+    tail) is prefilled padded to a graph's shape too, its attention to the columns before it
+    through a mask made from the positions (`_padded_pass` with a span); here the same padded
+    pass runs eagerly. Sliding windows shorter than the span are masked in that pass; longrope's
+    long prompts go to the unpadded prefill."""
+    weights = family_backend.decoder_weights
+    spans = []
+    original = BatchedDecoder._padded_pass
+
+    def counted(self, rows, length, span):
+        spans.append(span)
+        return original(self, rows, length, span)
+
+    monkeypatch.setattr(BatchedDecoder, "_padded_pass", counted)
+    # Chunks of 16: prompts of 30-70 tokens are prefilled in 2-5 pieces, the later ones after
+    # cached columns, while the others decode.
+    sequences = [Sequence(i, prompt_of(n), Sampling(), 12) for i, n in enumerate([30, 70, 45, 9])]
+    chunked = BatchedDecoder(weights, 4, prefill_graphs=True, prefill_chunk=16)
+    together = drive(chunked, sequences, arrive_at={3: 4}).ids
+    long_rope = chunked.long_prompts_from is not None
+    assert any(spans) or long_rope
+    for sequence in sequences:
+        assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
+    # A stored prefix's tail: prompts past what a new prompt's graph takes reuse a stored one.
+    spans.clear()
+    first = prompt_of(300)
+    longer = first + prompt_of(340)[-25:]
+    cached = BatchedDecoder(weights, 2, prefill_graphs=True, prompt_cache_bytes=1 << 24)
+    drive(cached, [Sequence(1, first, Sampling(), 4)])
+    with_cache = drive(cached, [Sequence(2, longer, Sampling(), 12)])
+    assert with_cache.cached[2] >= 299
+    assert any(spans) or long_rope
+    assert with_cache.ids[2] == drive(BatchedDecoder(weights, 1), [Sequence(2, longer, Sampling(), 12)]).ids[2]
 
 
 def test_the_prompt_cache_changes_no_output(family_backend):

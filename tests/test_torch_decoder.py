@@ -45,11 +45,11 @@ def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
 
 
 def test_new_prompts_padded_to_a_graphs_shape_decode_as_alone(torch_backend):
-    # CUDA's graphed prefill of new prompts (`_prefill_fresh`), run eagerly on the CPU.
+    # CUDA's graphed prefill of new prompts (`_prefill_padded`), run eagerly on the CPU.
     requests = [(p, n, Sampling()) for p, n in zip(PROMPTS, [40, 7, 90, 1, 33, 60, 25], strict=False)]
     decoder = BatchedDecoder(torch_backend.decoder_weights, 4, prefill_graphs=True)
     out = run_batch(decoder, requests, torch_backend)
-    assert decoder._fresh_inputs is not None
+    assert decoder._padded_inputs is not None
     for i, (prompt, n, _) in enumerate(requests):
         assert out[i] == alone(torch_backend, prompt, n), prompt
 
@@ -62,19 +62,19 @@ def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_grap
     from backends import torch_decoder
 
     monkeypatch.setattr(torch_decoder, "PREFILL_GRAPH_TOKENS", 64)  # a graph takes 4 rows of 16
-    pieces, fresh = [], []
-    original_prefill, original_fresh = BatchedDecoder._prefill, BatchedDecoder._prefill_fresh
+    pieces, fresh, after = [], [], []
+    original_prefill, original_fresh = BatchedDecoder._prefill, BatchedDecoder._prefill_padded
 
     def prefill(self, parts, *args, **kwargs):
         pieces.extend((self.slots[i].sequence.id, start) for i, _, start in parts)
         return original_prefill(self, parts, *args, **kwargs)
 
-    def prefill_fresh(self, parts, rows, length):
-        fresh.append(len(parts))
-        return original_fresh(self, parts, rows, length)
+    def prefill_fresh(self, parts, rows, length, span):
+        (fresh if not span else after).append(len(parts))
+        return original_fresh(self, parts, rows, length, span)
 
     monkeypatch.setattr(BatchedDecoder, "_prefill", prefill)
-    monkeypatch.setattr(BatchedDecoder, "_prefill_fresh", prefill_fresh)
+    monkeypatch.setattr(BatchedDecoder, "_prefill_padded", prefill_fresh)
     weights = torch_backend.decoder_weights
     long = torch_backend.encode("A long prompt that the budget cuts into pieces. " * 3)
     short = [torch_backend.encode(f"Short prompt number {i} here") for i in range(9)]
@@ -85,6 +85,7 @@ def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_grap
     assert sorted(i for i, start in pieces if i > 0) == list(range(1, 10))  # each short one in one piece
     assert all(start == 0 for i, start in pieces if i > 0)
     assert sum(fresh) == len(short) + 1  # all graphed, and the long prompt's first piece
+    assert sum(after) == sum(1 for i, start in pieces if i == 0 and start)  # its later ones too
     for sequence in sequences:
         assert out[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
     # All nine at once, in one step's budget: passes of at most the 4 rows a graph takes.

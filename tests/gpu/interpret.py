@@ -155,7 +155,7 @@ def check_model(name: str, model: str, root: Path) -> None:
         got, _ = fresh._prefill([(0, ids[:12], 0), (1, ids[:7], 0)], lora_rows=[-1, -1])
         check(
             f"{name}: prefill of new prompts padded to a graph's shape",
-            fresh._fresh_inputs is not None and torch.allclose(got, short, atol=1e-5),
+            fresh._padded_inputs is not None and torch.allclose(got, short, atol=1e-5),
             f"{(got - short).abs().max():.1e}",
         )
 
