@@ -23,6 +23,10 @@ class Timing:
     cached_tokens: int = 0
     text: str = ""
     arrivals: list[float] = field(default_factory=list)  # each token line's arrival, seconds since sent
+    # The server's own time to first token (its summary's ttft_ms): from the request's arrival to
+    # the first token drawn. Text can come later: bytes of an unfinished character are held back
+    # (random weights' greedy ids are often such bytes), so `ttft` may count further steps.
+    server_ttft: float | None = None
 
     @property
     def decode_rate(self) -> float:  # tokens after the first / time after the first
@@ -53,6 +57,7 @@ class Result:
             "decode_tok_s": statistics.median(t.decode_rate for t in timings),
             "ttft_ms": statistics.median(t.ttft for t in timings) * 1000,
             "ttft_max_ms": max(t.ttft for t in timings) * 1000,
+            "server_ttft_ms": _median_ms([t.server_ttft for t in timings]),
             "e2e_tok_s": statistics.median(t.e2e_rate for t in timings),
             "p50_s": percentile(latencies, 50),
             "p95_s": percentile(latencies, 95),
@@ -66,6 +71,11 @@ class Result:
         }
 
 
+def _median_ms(seconds: list[float | None]) -> float | None:
+    known = [s for s in seconds if s is not None]
+    return statistics.median(known) * 1000 if known else None
+
+
 def percentile(ordered: list[float], p: float) -> float:
     index = min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))
     return ordered[index]
@@ -76,7 +86,8 @@ def progress(result: Result, run: int, timings: list[Timing], wall: float, warmu
     tag = "warm-up" if warmup else f"run {run}"
     print(
         f"[{result.mode} c={result.concurrency} {tag}] {len(timings)} requests, {tokens} tokens in {wall:.2f} s: "
-        f"{tokens / wall:.1f} tok/s aggregate, TTFT {statistics.median(t.ttft for t in timings) * 1000:.0f} ms",
+        f"{tokens / wall:.1f} tok/s aggregate, TTFT {statistics.median(t.ttft for t in timings) * 1000:.1f} ms"
+        + (f" (server's {server:.1f} ms)" if (server := _median_ms([t.server_ttft for t in timings])) else ""),
         file=sys.stderr,
         flush=True,
     )
