@@ -67,10 +67,13 @@ log = logging.getLogger("phi2_server.torch_decoder")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 # Prefill of one piece after cached columns (a prompt continuing a stored prefix, or a chunk of a
 # long one), on CUDA: from this many tokens, bottom-right causal attention (flash); shorter
-# pieces, an explicit mask (memory-efficient kernel). On an H200 (tests/gpu/kernels.py --only
-# continued): 1,050 tokens after 2 cached, 13.7 ms against 17.6 with the mask; 512 after 512,
-# 13.9 against 10.8; 15-100 after 1,000, 12.2-15.0 against 9.9-10.2. Between 512 and 1,050 it
-# was not measured: 768 splits the difference.
+# pieces, an explicit mask (memory-efficient kernel), or with the Triton kernels the paged
+# attention kernel, which reads the row's blocks in place. On an H200 (tests/gpu/kernels.py
+# --only continued): 1,050 tokens after 2 cached, 13.7 ms against 17.6 with the mask; 512 after
+# 512, 13.9 against 10.8; 15-100 after 1,000, 12.2-15.0 against 9.9-10.2. Between 512 and 1,050
+# it was not measured: 768 splits the difference. The paged kernel against the mask
+# (tests/gpu/first_token.py): 400-512 tokens after 512-1,500, 8.3-10.2 ms against 9.6-11.9;
+# 600 after 100, 12.3 against 12.0.
 LOWER_RIGHT_FROM = 768
 MIN_LENGTH_BUCKET = 128
 # Prompt pieces prefilled on CUDA are padded to one of these lengths, and their group to a batch
@@ -537,10 +540,17 @@ def lora_product(x, a, b, mask):
 
 class _Placement:
     """Where prefill pieces go: their slots [n], positions [n, length], the key span to attend
-    over, and the mask (None: plain causal from position 0)."""
+    over, and the mask (None: plain causal from position 0); with the Triton kernels, pieces
+    after cached columns give their first positions and lengths [n] instead (`paged`), and
+    attend through the rows' page tables (`triton_decode.paged_prefill_attention`)."""
 
-    def __init__(self, slots, positions, span: int, mask):
+    def __init__(self, slots, positions, span: int, mask, starts=None, lens=None):
         self.slots, self.positions, self.span, self.mask = slots, positions, span, mask
+        self.starts, self.lens = starts, lens
+
+    @property
+    def paged(self) -> bool:
+        return self.starts is not None
 
 
 class _Launch:
@@ -1196,7 +1206,8 @@ class BatchedDecoder:
                 mask = causal_lower_right(length, span)
             elif start:
                 # A short piece after cached columns: an explicit mask and the memory-efficient
-                # kernel (keys padded to a multiple of 8), as padded pieces have.
+                # kernel (keys padded to a multiple of 8), as padded pieces have (or the paged
+                # kernel, `_prefill_layers`).
                 span = min(-(-span // 8) * 8, self.context + 1)
                 mask = self._prefill_mask(positions, span)
         else:
@@ -1211,13 +1222,17 @@ class BatchedDecoder:
             positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.scratch).to(self.device)
             tokens = tokens.to(self.device)
             mask = self._prefill_mask(positions, span)
+        placed = _Placement(slots, positions, span, mask)
+        if mask is not None and self.fused:  # the paged kernel's, where `_prefill_layers` takes it
+            placed.starts = torch.tensor([start for _, _, start in parts], device=self.device)
+            placed.lens = torch.tensor([len(ids) for _, ids, _ in parts], device=self.device)
         x = w.embed[tokens]  # [n, length, hidden]
         lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
         adapted = (
             self._lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
         )
         with prefill_attention():
-            x = self._prefill_layers(x, _Placement(slots, positions, span, mask), adapted, long_rope)
+            x = self._prefill_layers(x, placed, adapted, long_rope)
         last = torch.tensor([len(ids) - 1 for _, ids, _ in parts], device=self.device)
         every = {r: self._logits(x[r, : len(parts[r][1])]) for r in every_position}
         return self._logits(x[torch.arange(n, device=self.device), last]), every
@@ -1293,6 +1308,7 @@ class BatchedDecoder:
         host_grid = torch.zeros(2, rows, length, dtype=torch.long)
         host_grid[1] = self.scratch
         host_index = torch.zeros(2, rows, dtype=torch.long)
+        host_index[1] = -1  # padding rows: no token (the paged kernel reads none of their columns)
         for r, (slot, ids, start) in enumerate(parts):
             host_grid[0, r, : len(ids)] = torch.tensor(ids)
             host_grid[1, r] = torch.arange(start, start + length).clamp(max=self.scratch)
@@ -1313,11 +1329,12 @@ class BatchedDecoder:
         grid, index = self._padded_buffers()
         tokens, positions = grid[0, :rows, :length], grid[1, :rows, :length]
         slots, last = index[0, :rows], index[1, :rows]
-        placed = (
-            _Placement(slots, positions, span, self._prefill_mask(positions, span))
-            if span
-            else _Placement(slots, positions, length, None)
-        )
+        if not span:
+            placed = _Placement(slots, positions, length, None)
+        elif self.fused:  # through the rows' page tables: no gather of their columns, no mask
+            placed = _Placement(slots, positions, span, None, positions[:, 0].contiguous(), last + 1)
+        else:
+            placed = _Placement(slots, positions, span, self._prefill_mask(positions, span))
         x = self.weights.embed[tokens]
         with prefill_attention():
             x = self._prefill_layers(x, placed, {})
@@ -1356,6 +1373,7 @@ class BatchedDecoder:
         # The rotary kernel takes one table: a group mixing longrope's long prompts with others
         # rotates in torch ops.
         kernels = self.fused and (long_rope is None or all(long_rope))
+        paged = kernels and placed.paged
         if kernels:
             from backends import triton_decode as fused
 
@@ -1394,8 +1412,15 @@ class BatchedDecoder:
                 rope_(q, cos, sin, shape.rotary_dim)
                 rope_(k, cos, sin, shape.rotary_dim)
                 self.kv.write(layer, placed.slots[:, None], placed.positions, k, v)
-            keys, values = self.kv.read(layer, placed.slots, placed.span)
             window = w.arch.windows[layer]
+            if paged:  # after cached columns: read through the page tables, its window in the kernel
+                attention = fused.paged_prefill_attention(
+                    y, self.kv.k[layer], self.kv.v[layer], self.kv.table, placed.slots, placed.starts, placed.lens,
+                    self.heads, window=window,
+                )  # fmt: skip
+                x = mlp_and_residual(x, attention, y, block, shape, lora)
+                continue
+            keys, values = self.kv.read(layer, placed.slots, placed.span)
             if window is not None and window >= placed.span:  # a window no shorter than every row's reach
                 window = None
             if window not in masks:

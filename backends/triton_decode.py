@@ -213,6 +213,94 @@ def _prefill_rotary(
 
 
 @triton.jit
+def _paged_prefill_attention(
+    q_ptr,
+    stride_q_row,
+    stride_q_token,
+    out_ptr,
+    stride_o_row,
+    stride_o_token,
+    k_ptr,
+    v_ptr,
+    stride_head,
+    stride_page,
+    table_ptr,
+    stride_table,
+    slots_ptr,
+    starts_ptr,
+    lens_ptr,
+    length,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (piece, query head, block of BLOCK_M of the piece's tokens): each token's attention
+    over its row's columns up to its own position (the last `window` of them with a sliding
+    window), read from the paged cache through the row's table, where the piece's own keys and
+    values are already written: no gather of the row's columns into a copy. A piece of `lens`
+    tokens starts at position `starts` of cache row `slots`; its tokens past `lens` (padding)
+    get zeros."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    n = tl.load(lens_ptr + row).to(tl.int32)
+    start = tl.load(starts_ptr + row).to(tl.int32)
+    pages = table_ptr + tl.load(slots_ptr + row).to(tl.int64) * stride_table
+    cache = (head // GROUP) * stride_head
+    m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < n
+    at = start + m  # each token's position
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + row * stride_q_row + m[:, None] * stride_q_token + head * HEAD_DIM + d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    end = start + tl.minimum(block * BLOCK_M + BLOCK_M, n)  # past the block's last real token
+    first = 0
+    if window > 0:
+        first = tl.maximum(start + block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for begin in range(first, end, BLOCK_N):
+        columns = begin + tl.arange(0, BLOCK_N)
+        c_ok = columns < end
+        page = tl.load(pages + columns // PAGE, mask=c_ok, other=0).to(tl.int64)
+        where = cache + page[:, None] * stride_page + (columns % PAGE)[:, None] * HEAD_DIM + d[None, :]
+        both = c_ok[:, None] & d_ok[None, :]
+        keys = tl.load(k_ptr + where, mask=both, other=0.0)
+        values = tl.load(v_ptr + where, mask=both, other=0.0)
+        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
+        visible = (columns[None, :] <= at[:, None]) & c_ok[None, :]
+        if window > 0:
+            visible = visible & (columns[None, :] > at[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        # A token that sees no column of this block yet (a window's start): no NaN from -inf - -inf.
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        p = tl.exp(scores - shift[:, None])
+        alpha = tl.exp(best - shift)
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
+        best = new_best
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out = tl.where(m_ok[:, None], out, 0.0)
+    tl.store(
+        out_ptr + row * stride_o_row + m[:, None] * stride_o_token + head * HEAD_DIM + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=(m[:, None] < length) & d_ok[None, :],
+    )
+
+
+@triton.jit
 def _attention_combine(
     y_ptr,
     stride_y,
@@ -554,6 +642,49 @@ def attention(
     return (mixed, xb) if parallel else mixed
 
 
+# Launch shape of `_paged_prefill_attention`: tokens and columns a block.
+PREFILL_ATTENTION = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4}
+
+
+def paged_prefill_attention(q, k_cache, v_cache, table, slots, starts, lens, heads: Heads, window: int | None = None):
+    """Attention of prompt pieces q [n, length, >= q_size] (rotated; rows and tokens may be
+    strided, as y's q part) over their rows' paged cache [kv_heads, pages, PAGE, head_dim]
+    (backends/kv_pages), which holds their own keys and values already: piece r is `lens[r]`
+    tokens from position `starts[r]` of cache row `slots[r]`, each token attending to the
+    row's columns up to its own position. Returns [n, length, q_size]; padding tokens get zeros.
+    Everything is read on the device: a CUDA graph can capture it."""
+    assert q.stride(-1) == 1 and all(t.is_contiguous() for t in (slots, starts, lens))
+    n, length = q.shape[0], q.shape[1]
+    out = torch.empty(n, length, heads.q_size, dtype=q.dtype, device=q.device)
+    block_m = PREFILL_ATTENTION["BLOCK_M"]
+    _paged_prefill_attention[(n, heads.heads, triton.cdiv(length, block_m))](
+        q,
+        q.stride(0),
+        q.stride(1),
+        out,
+        out.stride(0),
+        out.stride(1),
+        k_cache,
+        v_cache,
+        *_paged(k_cache, v_cache, table, heads),
+        slots,
+        starts,
+        lens,
+        length,
+        heads.head_dim**-0.5,
+        window or 0,
+        GROUP=heads.group,
+        HEAD_DIM=heads.head_dim,
+        D_PAD=max(16, triton.next_power_of_2(heads.head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=PREFILL_ATTENTION["BLOCK_N"],
+        PAGE=PAGE,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=PREFILL_ATTENTION["num_warps"],
+    )
+    return out
+
+
 def rms_norm(x, weight, eps: float):
     """transformers' RMSNorm of each row of x [rows, n], one kernel."""
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
@@ -592,6 +723,7 @@ def works(device, dtype, heads: Heads, hidden: int, inner: int, parallel: bool, 
             if gated:
                 silu_mul(torch.randn(rows, 2 * inner, device=device, dtype=dtype), inner)
         prefill_rotary(y, table, table, one, one - 1, *cache, pages, heads, *norms)
+        paged_prefill_attention(y[:, None], *cache, pages, one - 1, one - 1, one, heads)
         gumbel_argmax(y[:, :64].float(), one, one)
         torch.cuda.synchronize(device)
         return True

@@ -158,6 +158,23 @@ def check_model(name: str, model: str, root: Path) -> None:
             fresh._padded_inputs is not None and torch.allclose(got, short, atol=1e-5),
             f"{(got - short).abs().max():.1e}",
         )
+        # Pieces after cached columns padded to a graph's shape (a span): the paged attention
+        # kernel, past the tiny families' windows, beside a new prompt and a padding row.
+        expected, _ = plain._prefill([(0, ids[:60], 0), (1, ids[:50], 0), (2, ids[:9], 0)], lora_rows=[-1] * 3)
+        after = BatchedDecoder(w, 4, cuda_graphs=False, fused=True, prefill_graphs=True)
+        for row in range(4):
+            after._take_pages(row, len(ids) + 8)
+        after._prefill([(0, ids[:40], 0), (1, ids[:20], 0)], lora_rows=[-1, -1])
+        spans = []
+        after._padded_pass = lambda rows, length, span: spans.append(span) or type(after)._padded_pass(
+            after, rows, length, span
+        )
+        got, _ = after._prefill([(0, ids[40:60], 40), (1, ids[20:50], 20), (2, ids[:9], 0)], lora_rows=[-1] * 3)
+        check(
+            f"{name}: prefill of pieces after cached columns padded to a graph's shape, paged attention",
+            spans == [512] and torch.allclose(got, expected, atol=1e-5),
+            f"{spans} {(got - expected).abs().max():.1e}",
+        )
 
     # Decode: greedy with adapters, fused against the torch-ops step, long enough to pass the
     # tiny families' sliding windows (16, 32) and longrope's switch (64).

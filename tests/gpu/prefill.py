@@ -94,7 +94,7 @@ def parity(shape: str, dtype: str) -> dict:
     result["chunked_graphed_equals_alone"] = sum(
         chunked_ids[s.id] == drive(BatchedDecoder(weights, 1, context=CONTEXT), [s]).ids[s.id] for s in sequences
     )
-    cached = BatchedDecoder(weights, 2, context=CONTEXT, prompt_cache_bytes=1 << 28)
+    cached = BatchedDecoder(weights, 2, context=CONTEXT, prompt_cache_bytes=1 << 30)
     drive(cached, [Sequence(100, prompt_of(600, 9), Sampling(), 4)])
     turn = Sequence(101, prompt_of(600, 9) + prompt_of(30, 10), Sampling(), 24)
     with_cache = drive(cached, [turn])
