@@ -39,7 +39,7 @@ import aiohttp
 
 # Measurement records shared with the in-process studies; the studies themselves live in the
 # benchmarks package, each imported only when its flag selects it (benchmarks/__init__.py).
-from benchmarks.common import FILLER, QUESTIONS, Result, Timing, percentile, progress
+from benchmarks.common import FILLER, QUESTIONS, Result, Timing, median_ms, percentile, progress
 
 # -- over HTTP ----------------------------------------------------------------------------------
 
@@ -158,11 +158,11 @@ async def latency_workload(args) -> list[dict]:
             1:
         ]  # the first pays new shapes
         ttfts = sorted(t.ttft * 1000 for t in alone)
-        server = [t.server_ttft * 1000 for t in alone if t.server_ttft is not None]
+        server = median_ms([t.server_ttft for t in alone])
         rows.append(
             {
                 "workload": f"{alone[0].prompt_tokens}-token prompt alone, {len(alone)} rounds"
-                + (f" (the server's own TTFT median {statistics.median(server):.1f} ms)" if server else ""),
+                + (f" (the server's own TTFT median {server:.1f} ms)" if server is not None else ""),
                 "TTFT ms median / min / max": f"{statistics.median(ttfts):.1f} / {ttfts[0]:.1f} / {ttfts[-1]:.1f}",
             }
         )

@@ -81,10 +81,10 @@ MIN_LENGTH_BUCKET = 128
 # short prompt was ~500 launches, 10-15 ms on an H200 against ~2 ms of weights to read.
 # - New prompts (from position 0): groups of up to PREFILL_GRAPH_TOKENS.
 # - Pieces that continue cached columns (a stored prefix's tail: a chat's next turn; a long
-#   prompt's last chunk) attend to the columns before them too, through a mask: graphs for spans
-#   of CONTINUE_SPANS columns, groups of up to CONTINUE_GRAPH_TOKENS (past that the pass is
-#   compute-bound and launches cost little) whose gathered keys and values stay within
-#   CONTINUE_GRAPH_COLUMNS.
+#   prompt's last chunk) attend to the columns before them too (with the Triton kernels through
+#   the page tables, else a gather and a mask): graphs for spans of CONTINUE_SPANS columns,
+#   groups of up to CONTINUE_GRAPH_TOKENS (past that the pass is compute-bound and launches cost
+#   little) and CONTINUE_GRAPH_COLUMNS (what a gather copies, or the kernel reads).
 # Longer pieces, bigger groups and longer spans run eagerly.
 PREFILL_LENGTHS = (16, 32, 64, 128, 256)
 PREFILL_GRAPH_TOKENS = 8192
@@ -1222,10 +1222,11 @@ class BatchedDecoder:
             positions = (starts[:, None] + torch.arange(length)[None, :]).clamp(max=self.scratch).to(self.device)
             tokens = tokens.to(self.device)
             mask = self._prefill_mask(positions, span)
-        placed = _Placement(slots, positions, span, mask)
+        starts = lens = None
         if mask is not None and self.fused:  # the paged kernel's, where `_prefill_layers` takes it
-            placed.starts = torch.tensor([start for _, _, start in parts], device=self.device)
-            placed.lens = torch.tensor([len(ids) for _, ids, _ in parts], device=self.device)
+            starts = torch.tensor([start for _, _, start in parts], device=self.device)
+            lens = torch.tensor([len(ids) for _, ids, _ in parts], device=self.device)
+        placed = _Placement(slots, positions, span, mask, starts, lens)
         x = w.embed[tokens]  # [n, length, hidden]
         lora_rows = lora_rows or [self.slots[row].lora_index for row, _, _ in parts]
         adapted = (
@@ -1324,8 +1325,8 @@ class BatchedDecoder:
     def _padded_pass(self, rows: int, length: int, span: int) -> torch.Tensor:
         """The forward pass of `_prefill_padded`, reading its inputs from the buffers (what a
         graph captures): new prompts' causal attention over their own columns, or, with a
-        span, each token's over its row's columns up to its own position (a mask made here,
-        from the positions)."""
+        span, each token's over its row's columns up to its own position (through the page
+        tables with the Triton kernels, else a mask made here from the positions)."""
         grid, index = self._padded_buffers()
         tokens, positions = grid[0, :rows, :length], grid[1, :rows, :length]
         slots, last = index[0, :rows], index[1, :rows]
@@ -1412,32 +1413,38 @@ class BatchedDecoder:
                 rope_(q, cos, sin, shape.rotary_dim)
                 rope_(k, cos, sin, shape.rotary_dim)
                 self.kv.write(layer, placed.slots[:, None], placed.positions, k, v)
-            window = w.arch.windows[layer]
             if paged:  # after cached columns: read through the page tables, its window in the kernel
                 attention = fused.paged_prefill_attention(
                     y, self.kv.k[layer], self.kv.v[layer], self.kv.table, placed.slots, placed.starts, placed.lens,
-                    self.heads, window=window,
+                    self.heads, window=w.arch.windows[layer],
                 )  # fmt: skip
-                x = mlp_and_residual(x, attention, y, block, shape, lora)
-                continue
-            keys, values = self.kv.read(layer, placed.slots, placed.span)
-            if window is not None and window >= placed.span:  # a window no shorter than every row's reach
-                window = None
-            if window not in masks:
-                masks[window] = (
-                    placed.mask if window is None else self._prefill_mask(placed.positions, placed.span, window)
-                )
-            mask, grouped = masks[window], w.arch.group > 1
-            if mask is None:  # a piece from position 0: plain causal
-                attention = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=grouped
-                )
             else:
-                attention = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=grouped
-                )
-            x = mlp_and_residual(x, attention.transpose(1, 2).reshape(n, length, w.arch.q_size), y, block, shape, lora)
+                attention = self._gathered_attention(layer, q, placed, masks)
+            x = mlp_and_residual(x, attention, y, block, shape, lora)
         return x
+
+    def _gathered_attention(self, layer: int, q: torch.Tensor, placed: _Placement, masks: dict) -> torch.Tensor:
+        """SDPA of q [n, length, heads, head_dim] over a copy of the rows' first `placed.span`
+        columns, through the placement's mask (its sliding-window variants made once a pass, in
+        `masks`); [n, length, q_size]."""
+        w = self.weights
+        keys, values = self.kv.read(layer, placed.slots, placed.span)
+        window = w.arch.windows[layer]
+        if window is not None and window >= placed.span:  # a window no shorter than every row's reach
+            window = None
+        if window not in masks:
+            masks[window] = placed.mask if window is None else self._prefill_mask(placed.positions, placed.span, window)
+        mask, grouped = masks[window], w.arch.group > 1
+        if mask is None:  # a piece from position 0: plain causal
+            attention = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=grouped
+            )
+        else:
+            attention = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=grouped
+            )
+        n, length = q.shape[:2]
+        return attention.transpose(1, 2).reshape(n, length, w.arch.q_size)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The raw logits over the whole model vocabulary (logprobs are taken over all of it;

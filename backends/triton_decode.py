@@ -61,6 +61,19 @@ def _head(base, d, d_ok, partner, cos, sin, norm_ptr, eps, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _paged_columns(
+    k_ptr, v_ptr, pages, cache, columns, ok, d, d_ok, stride_page, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr
+):
+    """Keys and values [columns, D_PAD] of one key-value head (at offset `cache`) of a row whose
+    page table starts at `pages`: column c is at offset c % PAGE of page pages[c // PAGE]
+    (backends/kv_pages). Columns not `ok` and dimensions past the head read zeros."""
+    page = tl.load(pages + columns // PAGE, mask=ok, other=0).to(tl.int64)
+    where = cache + page[:, None] * stride_page + (columns % PAGE)[:, None] * HEAD_DIM + d[None, :]
+    both = ok[:, None] & d_ok[None, :]
+    return tl.load(k_ptr + where, mask=both, other=0.0), tl.load(v_ptr + where, mask=both, other=0.0)
+
+
+@triton.jit
 def _attention_split(
     y_ptr,
     stride_y,
@@ -139,11 +152,7 @@ def _attention_split(
     for begin in range(start, end, BLOCK_N):
         offsets = begin + tl.arange(0, BLOCK_N)
         ok = offsets < end
-        page = tl.load(pages + offsets // PAGE, mask=ok, other=0).to(tl.int64)
-        where = cache + page[:, None] * stride_page + (offsets % PAGE)[:, None] * HEAD_DIM + d[None, :]
-        both = ok[:, None] & d_ok[None, :]
-        keys = tl.load(k_ptr + where, mask=both, other=0.0)
-        values = tl.load(v_ptr + where, mask=both, other=0.0)
+        keys, values = _paged_columns(k_ptr, v_ptr, pages, cache, offsets, ok, d, d_ok, stride_page, HEAD_DIM, PAGE)
         scores = tl.where(ok, tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=0))
         p = tl.exp(scores - new_best)
@@ -273,11 +282,7 @@ def _paged_prefill_attention(
     for begin in range(first, end, BLOCK_N):
         columns = begin + tl.arange(0, BLOCK_N)
         c_ok = columns < end
-        page = tl.load(pages + columns // PAGE, mask=c_ok, other=0).to(tl.int64)
-        where = cache + page[:, None] * stride_page + (columns % PAGE)[:, None] * HEAD_DIM + d[None, :]
-        both = c_ok[:, None] & d_ok[None, :]
-        keys = tl.load(k_ptr + where, mask=both, other=0.0)
-        values = tl.load(v_ptr + where, mask=both, other=0.0)
+        keys, values = _paged_columns(k_ptr, v_ptr, pages, cache, columns, c_ok, d, d_ok, stride_page, HEAD_DIM, PAGE)
         scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
         visible = (columns[None, :] <= at[:, None]) & c_ok[None, :]
         if window > 0:

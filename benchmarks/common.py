@@ -57,7 +57,7 @@ class Result:
             "decode_tok_s": statistics.median(t.decode_rate for t in timings),
             "ttft_ms": statistics.median(t.ttft for t in timings) * 1000,
             "ttft_max_ms": max(t.ttft for t in timings) * 1000,
-            "server_ttft_ms": _median_ms([t.server_ttft for t in timings]),
+            "server_ttft_ms": median_ms([t.server_ttft for t in timings]),
             "e2e_tok_s": statistics.median(t.e2e_rate for t in timings),
             "p50_s": percentile(latencies, 50),
             "p95_s": percentile(latencies, 95),
@@ -71,7 +71,7 @@ class Result:
         }
 
 
-def _median_ms(seconds: list[float | None]) -> float | None:
+def median_ms(seconds: list[float | None]) -> float | None:
     known = [s for s in seconds if s is not None]
     return statistics.median(known) * 1000 if known else None
 
@@ -87,7 +87,7 @@ def progress(result: Result, run: int, timings: list[Timing], wall: float, warmu
     print(
         f"[{result.mode} c={result.concurrency} {tag}] {len(timings)} requests, {tokens} tokens in {wall:.2f} s: "
         f"{tokens / wall:.1f} tok/s aggregate, TTFT {statistics.median(t.ttft for t in timings) * 1000:.1f} ms"
-        + (f" (server's {server:.1f} ms)" if (server := _median_ms([t.server_ttft for t in timings])) else ""),
+        + (f" (server's {server:.1f} ms)" if (server := median_ms([t.server_ttft for t in timings])) else ""),
         file=sys.stderr,
         flush=True,
     )

@@ -102,20 +102,26 @@ def test_batched_equals_alone(family_backend):
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
 
 
+def record_padded_passes(monkeypatch) -> list[tuple[int, int]]:
+    """The (rows, span) of every padded prefill pass (`_padded_pass`) from now on, as they run."""
+    passes = []
+    original = BatchedDecoder._padded_pass
+
+    def recorded(self, rows, length, span):
+        passes.append((rows, span))
+        return original(self, rows, length, span)
+
+    monkeypatch.setattr(BatchedDecoder, "_padded_pass", recorded)
+    return passes
+
+
 def test_new_prompts_padded_to_a_graphs_shape_compute_as_unpadded(family_backend, monkeypatch):
     """On CUDA new prompts are prefilled padded to a graph's shape (`_prefill_padded`: their tails
     and the group's spare rows write columns no query reads); here the same padded pass runs
     eagerly. Windows of 16 and 32 and longrope's switch at 64 send the longer prompts to the
     unpadded prefill, which must agree with it as well."""
     weights = family_backend.decoder_weights
-    padded_passes = []
-    original = BatchedDecoder._padded_pass
-
-    def counted(self, rows, length, span):
-        padded_passes.append(rows)
-        return original(self, rows, length, span)
-
-    monkeypatch.setattr(BatchedDecoder, "_padded_pass", counted)
+    padded_passes = record_padded_passes(monkeypatch)  # (rows, span) of each
     for length in (3, 10, 16, 40):
         prompt = prompt_of(length)
         got = BatchedDecoder(weights, 1, prefill_graphs=True).logits_after(prompt)
@@ -125,7 +131,7 @@ def test_new_prompts_padded_to_a_graphs_shape_compute_as_unpadded(family_backend
     sequences = [Sequence(i, prompt_of(n), Sampling(), 20) for i, n in enumerate([3, 30, 10, 9, 45, 12])]
     padded_passes.clear()
     together = drive(BatchedDecoder(weights, 4, prefill_graphs=True), sequences, arrive_at={4: 3, 5: 3}).ids
-    assert max(padded_passes) >= 2  # prompts arriving together were padded into one group
+    assert max(rows for rows, _ in padded_passes) >= 2  # prompts arriving together were padded into one group
     for sequence in sequences:
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
 
@@ -137,32 +143,25 @@ def test_pieces_after_cached_columns_padded_to_a_graphs_shape_compute_as_unpadde
     pass runs eagerly. Sliding windows shorter than the span are masked in that pass; longrope's
     long prompts go to the unpadded prefill."""
     weights = family_backend.decoder_weights
-    spans = []
-    original = BatchedDecoder._padded_pass
-
-    def counted(self, rows, length, span):
-        spans.append(span)
-        return original(self, rows, length, span)
-
-    monkeypatch.setattr(BatchedDecoder, "_padded_pass", counted)
+    passes = record_padded_passes(monkeypatch)
     # Chunks of 16: prompts of 30-70 tokens are prefilled in 2-5 pieces, the later ones after
     # cached columns, while the others decode.
     sequences = [Sequence(i, prompt_of(n), Sampling(), 12) for i, n in enumerate([30, 70, 45, 9])]
     chunked = BatchedDecoder(weights, 4, prefill_graphs=True, prefill_chunk=16)
     together = drive(chunked, sequences, arrive_at={3: 4}).ids
     long_rope = chunked.long_prompts_from is not None
-    assert any(spans) or long_rope
+    assert any(span for _, span in passes) or long_rope
     for sequence in sequences:
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
     # A stored prefix's tail: prompts past what a new prompt's graph takes reuse a stored one.
-    spans.clear()
+    passes.clear()
     first = prompt_of(300)
     longer = first + prompt_of(340)[-25:]
     cached = BatchedDecoder(weights, 2, prefill_graphs=True, prompt_cache_bytes=1 << 24)
     drive(cached, [Sequence(1, first, Sampling(), 4)])
     with_cache = drive(cached, [Sequence(2, longer, Sampling(), 12)])
     assert with_cache.cached[2] >= 299
-    assert any(spans) or long_rope
+    assert any(span for _, span in passes) or long_rope
     assert with_cache.ids[2] == drive(BatchedDecoder(weights, 1), [Sequence(2, longer, Sampling(), 12)]).ids[2]
 
 

@@ -63,18 +63,18 @@ def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_grap
 
     monkeypatch.setattr(torch_decoder, "PREFILL_GRAPH_TOKENS", 64)  # a graph takes 4 rows of 16
     pieces, fresh, after = [], [], []
-    original_prefill, original_fresh = BatchedDecoder._prefill, BatchedDecoder._prefill_padded
+    original_prefill, original_padded = BatchedDecoder._prefill, BatchedDecoder._prefill_padded
 
     def prefill(self, parts, *args, **kwargs):
         pieces.extend((self.slots[i].sequence.id, start) for i, _, start in parts)
         return original_prefill(self, parts, *args, **kwargs)
 
-    def prefill_fresh(self, parts, rows, length, span):
+    def prefill_padded(self, parts, rows, length, span):
         (fresh if not span else after).append(len(parts))
-        return original_fresh(self, parts, rows, length, span)
+        return original_padded(self, parts, rows, length, span)
 
     monkeypatch.setattr(BatchedDecoder, "_prefill", prefill)
-    monkeypatch.setattr(BatchedDecoder, "_prefill_padded", prefill_fresh)
+    monkeypatch.setattr(BatchedDecoder, "_prefill_padded", prefill_padded)
     weights = torch_backend.decoder_weights
     long = torch_backend.encode("A long prompt that the budget cuts into pieces. " * 3)
     short = [torch_backend.encode(f"Short prompt number {i} here") for i in range(9)]

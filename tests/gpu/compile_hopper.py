@@ -1,5 +1,6 @@
-"""Compile the paged prefill attention kernel (backends/triton_decode.py) for an H200 (sm_90)
-on a machine without a GPU: Triton's front end checks what its interpreter does not (a variable
+"""Compile the paged attention kernels (backends/triton_decode.py: the prefill one, and the
+decode step's split attention, which share `_paged_columns`) for an H200 (sm_90) on a machine
+without a GPU: Triton's front end checks what its interpreter does not (a variable
 whose type differs between branches, for one), and the back end builds the PTX.
 
     python3 -m pip install --target /tmp/triton-interp triton==3.6.0 "numpy<2.3"
@@ -49,6 +50,39 @@ SHAPES = [
 ]
 
 
+# The decode step's `_attention_split` for Phi-2's heads in bfloat16 (as `attention` launches it).
+SPLIT_ARGUMENTS = {
+    "y_ptr": "*bf16",
+    "stride_y": "i32",
+    "cos_ptr": "*bf16",
+    "sin_ptr": "*bf16",
+    "stride_rot": "i32",
+    "pos_ptr": "*i64",
+    "active_ptr": "*i64",
+    "k_ptr": "*bf16",
+    "v_ptr": "*bf16",
+    "stride_head": "i64",
+    "stride_page": "i32",
+    "table_ptr": "*i64",
+    "stride_table": "i32",
+    "part_ptr": "*fp32",
+    "scale": "fp32",
+    "window": "i32",
+    "q_norm_ptr": "*bf16",
+    "k_norm_ptr": "*bf16",
+    "eps": "fp32",
+}
+SPLIT_CONSTANTS = dict(
+    Q_SIZE=2560, KV_SIZE=2560, GROUP=1, HEAD_DIM=80, ROT=32, D_PAD=128, BLOCK_N=16, SPLITS=16, QK_NORM=False, PAGE=16
+)
+
+
+def build(fn, signature: dict, constants: dict) -> None:
+    source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    print(f"ok   {fn.__name__} {constants}: {len(compiled.asm['ptx'])} characters of PTX", flush=True)
+
+
 def main() -> int:
     launch = triton_decode.PREFILL_ATTENTION
     for element, constants in SHAPES:
@@ -59,10 +93,8 @@ def main() -> int:
             "PAGE": triton_decode.PAGE,
         }
         signature = {name: kind.format(t=element) for name, kind in ARGUMENTS.items()}
-        signature.update(dict.fromkeys(constants, "constexpr"))
-        source = ASTSource(fn=triton_decode._paged_prefill_attention, signature=signature, constexprs=constants)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-        print(f"ok   {element} {constants}: {len(compiled.asm['ptx'])} characters of PTX", flush=True)
+        build(triton_decode._paged_prefill_attention, signature, constants)
+    build(triton_decode._attention_split, SPLIT_ARGUMENTS, SPLIT_CONSTANTS)
     return 0
 
 

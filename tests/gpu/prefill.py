@@ -5,7 +5,10 @@
 1. parity, per shape, float32 then bfloat16: new prompts prefilled padded from CUDA graphs
    (`BatchedDecoder._prefill_padded`) against the same prompts prefilled eagerly
    (`prefill_graphs=False`): the last-token logits of prompts of 3 to 250 tokens, and the greedy
-   ids of 8 prompts decoded together by each (and, graphed, each alone).
+   ids of 8 prompts decoded together by each (and, graphed, each alone); then pieces after
+   cached columns: 6 prompts of 40-790 tokens chunked 64 tokens a step while others decode
+   (graphed against eager and against each alone), and a 30-token tail after a stored 600-token
+   prefix against no prompt cache.
 2. in process, bfloat16: a 24-token prompt's prefill (`logits_after`, median of 30), and 64
    distinct prompts' prefill and first token (median of 5), graphed against eager.
 3. real servers driven by bench.py over HTTP (the server's own MAX_QUEUE unless --queue), 128
