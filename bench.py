@@ -143,8 +143,9 @@ async def system_prompt(session: aiohttp.ClientSession, url: str, tokens: int) -
 
 async def latency_workload(args) -> list[dict]:
     """Time to first token of a long prompt alone, then the inter-token latency of `--streams`
-    decoding streams, on their own and while long prompts arrive one after another (each new
-    prompt sent when the previous one's first tokens are back), against a running server."""
+    decoding streams (distinct prompts, sampled), on their own and while long prompts arrive
+    one after another (each new prompt sent when the previous one's first tokens are back),
+    against a running server."""
     rows = []
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
@@ -167,8 +168,27 @@ async def latency_workload(args) -> list[dict]:
             }
         )
         for arriving in (False, True):
-            body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
-            streams = [asyncio.create_task(stream_one(session, args.url, body)) for _ in range(args.streams)]
+            # Distinct prompts, sampled (issue 30's condition). Greedy streams of one prompt on
+            # random weights all write the same ids, and a run of byte tokens that forms no
+            # character is held back in every stream at once (a line of text comes only after
+            # it): their gaps measured the text, not the server's steps.
+            streams = [
+                asyncio.create_task(
+                    stream_one(
+                        session,
+                        args.url,
+                        {
+                            "prompt": f"Client {i} asks: {args.prompt}",
+                            "max_tokens": args.max_tokens,
+                            "ignore_eos": True,
+                            "temperature": 0.8,
+                            "top_p": 0.95,
+                            "seed": i,
+                        },
+                    )
+                )
+                for i in range(args.streams)
+            ]
             long_timings = []
             if arriving:
                 await asyncio.sleep(

@@ -1,7 +1,7 @@
 """Issue 30's single-request latency on a CUDA machine, in process (no HTTP), random bfloat16
 weights, the server's decoder (64 rows, a prompt cache):
 
-    python3 -P tests/gpu/first_token.py [--shape random:phi-2]
+    python3 -P tests/gpu/first_token.py [--shape random:phi-2] [--as-served]
 
 1. GPU time of the prefill graphs (a replay alone, CUDA events): new prompts and pieces after
    cached columns, by (rows, length, span).
@@ -11,6 +11,10 @@ weights, the server's decoder (64 rows, a prompt cache):
    24-token prompt greedy and sampled, a 1,000-token one cold greedy and sampled, the same sent
    again, and a chat's next turn (the 1,000 stored, 40 or 200 new tokens); and the time to
    tokenize a 1,052-token text.
+
+With --as-served, only 3., through the decoder the server makes with its defaults (its rows, KV
+pool and prompt cache by the GPU's memory), to tell what the decoder's settings cost from what
+the server around it does.
 """
 
 from __future__ import annotations
@@ -123,9 +127,26 @@ def first_tokens(decoder: BatchedDecoder, backend) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="random:phi-2")
+    parser.add_argument(
+        "--as-served",
+        action="store_true",
+        help="the decoder the server makes with its defaults (MAX_BATCH and the KV pool by the GPU's memory, "
+        "the default prompt cache), warmed up as at start, first tokens only",
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    backend = load_backend("torch", LoadOptions(model=args.shape, device="cuda", dtype="bfloat16", warmup=False))
+    options = LoadOptions(model=args.shape, device="cuda", dtype="bfloat16", warmup=args.as_served)
+    started = time.perf_counter()
+    backend = load_backend("torch", options)
+    if args.as_served:
+        decoder = backend.decoder(backend.max_batch)
+        print(
+            f"as served: {decoder.capacity} rows, {decoder.kv.pages} pages, loaded and warmed up in "
+            f"{time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
+        first_tokens(decoder, backend)
+        return 0
     decoder = BatchedDecoder(backend.decoder_weights, 64, prompt_cache_bytes=2 << 30)
     started = time.perf_counter()
     decoder.capture()
