@@ -1561,7 +1561,11 @@ class BatchedDecoder:
 
     def _sampling_to_device(self, rows: list[int]):
         """The sampled rows' index and settings (scale, top_k, top_p, min_p, seed) on the device,
-        through pinned buffers (two in turn, as the masks), and which filters any row uses."""
+        through pinned buffers, and which filters any row uses. Four buffers in turn: a step
+        draws up to three times before it waits for the device (`_finish`: the rows of grammars
+        not armed yet, then the constrained ones, then the plain sampled rows), and a buffer may
+        be filled again only once its copy has run; with two, the third draw wrote its rows'
+        index and settings over the first's before the first was copied."""
         if self._sampling_host is None:
             pinned = self.device.type == "cuda"
             self._sampling_host = [
@@ -1569,10 +1573,10 @@ class BatchedDecoder:
                     torch.zeros(3, self.rows, dtype=torch.long, pin_memory=pinned),
                     torch.zeros(3, self.rows, dtype=torch.float32, pin_memory=pinned),
                 )
-                for _ in range(2)
+                for _ in range(4)
             ]
         whole, real = self._sampling_host[self._sampling_flip]
-        self._sampling_flip ^= 1
+        self._sampling_flip = (self._sampling_flip + 1) % len(self._sampling_host)
         n, decodable = len(rows), self.weights.decodable
         ints, floats = whole.numpy()[:, :n], real.numpy()[:, :n]
         # Whole rows of settings at once: a row at a time into numpy took 0.64 ms a step at 512
