@@ -70,61 +70,90 @@ def bandwidths() -> dict:
     return {"copy_bytes_s": 2 * nbytes / copy, "read_bytes_s": nbytes / read}
 
 
-def attention_sweep() -> list[dict]:
-    """attention_block (split, combine) per launch shape, against the unfused step's attention
-    (rotary, cache writes, baddbmm, softmax, bmm over the power-of-two span), 8 layers in turn."""
+def attention_case(rows: int, context: int, layers: int, device: str = "cuda", dtype=torch.bfloat16):
+    """Phi-2's decode attention at `rows` x `context`, `layers` deep: (reference, kernel), each
+    a function over the layers returning the last layer's attention output [rows, hidden].
+    reference is the unfused step's attention (rotary, cache writes, baddbmm, masked softmax,
+    bmm over the power-of-two span) on contiguous caches; kernel is td.attention (split,
+    combine) on a paged copy of the same caches, one table row of consecutive pages a row."""
+    from backends.kv_pages import PAGE
     from backends.torch_decoder import MIN_LENGTH_BUCKET, rope_
 
     hidden, heads, head_dim, rot, inner = 2560, 32, 80, 32, 10240
+    span = max(MIN_LENGTH_BUCKET, triton_pow2(context + 1))
+    width = -(-span // PAGE)
+    contiguous = [
+        (
+            torch.randn(rows, heads, width * PAGE, head_dim, device=device, dtype=dtype),
+            torch.randn(rows, heads, width * PAGE, head_dim, device=device, dtype=dtype),
+        )
+        for _ in range(layers)
+    ]
+
+    def paged(cache):  # [rows, heads, width * PAGE, d] -> [heads, rows * width, PAGE, d]
+        return cache.transpose(0, 1).reshape(heads, rows * width, PAGE, head_dim).clone()
+
+    caches = [(paged(k), paged(v)) for k, v in contiguous]
+    table = torch.arange(rows * width, device=device, dtype=torch.int32).view(rows, width)
+    y = torch.randn(rows, 3 * hidden + inner, device=device, dtype=dtype)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype)
+    b_out = torch.randn(hidden, device=device, dtype=dtype)
+    frequencies = torch.rand(rot // 2, device=device)
+    angles = torch.arange(width * PAGE, device=device, dtype=torch.float32)[:, None] * frequencies
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(dtype)  # rotate_half's sign folded in
+    positions = torch.full((rows,), context, device=device, dtype=torch.long)
+    active = torch.ones(rows, device=device, dtype=torch.long)
+    every = torch.arange(rows, device=device)
+    bias = torch.zeros(rows * heads, 1, span, device=device, dtype=dtype)
+    bias[..., context + 1 :] = float("-inf")
+    heads_arg = td.Heads(heads, heads, head_dim, rot)
+
+    def reference():
+        for k_cache, v_cache in contiguous:
+            qkv = y[:, : 3 * hidden].view(rows, 3, heads, head_dim).clone()
+            rope_(qkv[:, :2], cos[positions][:, None, None, :], sin[positions][:, None, None, :], rot)
+            q, k, v = qkv.unbind(1)
+            k_cache[every, :, positions] = k
+            v_cache[every, :, positions] = v
+            keys = k_cache[:, :, :span].reshape(rows * heads, -1, head_dim)
+            values = v_cache[:, :, :span].reshape(rows * heads, -1, head_dim)
+            scores = torch.baddbmm(
+                bias, q.reshape(rows * heads, 1, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5
+            )
+            attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(rows, hidden)
+            torch.cat((attention, F.gelu(y[:, 3 * hidden :], approximate="tanh")), dim=-1)
+        return attention
+
+    def kernel():
+        for k_cache, v_cache in caches:
+            mixed, _ = td.attention(
+                y, cos, sin, positions, active, k_cache, v_cache, table, heads_arg, x=x, b_out=b_out, inner=inner
+            )
+        return mixed[:, :hidden]
+
+    return reference, kernel
+
+
+def attention_sweep() -> list[dict]:
+    """td.attention's launch shapes (split, combine) against the unfused step's attention, 8
+    layers in turn, each shape's output checked against the reference's."""
     defaults = dict(td.ATTENTION)
     rows_out = []
     configs = [dict(BLOCK_N=bn, num_warps=wp, work=2048) for bn in (16, 32) for wp in (1, 2)] + [
         dict(BLOCK_N=16, num_warps=None, work=2048)
     ]
     for rows, context in ((1, 128), (1, 1044), (64, 128), (64, 1044), (128, 160)):
-        layers = 8
-        length = context + 2
-        caches = [
-            (
-                torch.randn(rows, heads, length, head_dim, device="cuda", dtype=torch.bfloat16),
-                torch.randn(rows, heads, length, head_dim, device="cuda", dtype=torch.bfloat16),
-            )
-            for _ in range(layers)
-        ]
-        y = torch.randn(rows, 3 * hidden + inner, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-        b_out = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-        cos, sin = (
-            torch.randn(length, rot, device="cuda", dtype=torch.bfloat16),
-            torch.randn(length, rot, device="cuda", dtype=torch.bfloat16),
-        )
-        positions = torch.full((rows,), context, device="cuda", dtype=torch.long)
-        active = torch.ones(rows, device="cuda", dtype=torch.long)
+        layers, heads, head_dim = 8, 32, 80
+        reference, kernel = attention_case(rows, context, layers)
         nbytes = rows * context * heads * head_dim * 2 * 2
-        span = max(MIN_LENGTH_BUCKET, triton_pow2(context + 1))
-
-        def reference():
-            for k_cache, v_cache in caches:
-                qkv = y[:, : 3 * hidden].view(rows, 3, heads, head_dim)
-                rope_(qkv[:, :2], cos[positions][:, None, None, :], sin[positions][:, None, None, :], rot)
-                q, k, v = qkv.unbind(1)
-                k_cache[torch.arange(rows, device="cuda"), :, positions] = k
-                v_cache[torch.arange(rows, device="cuda"), :, positions] = v
-                keys = k_cache[:, :, :span].reshape(rows * heads, -1, head_dim)
-                values = v_cache[:, :, :span].reshape(rows * heads, -1, head_dim)
-                bias = torch.zeros(rows * heads, 1, keys.shape[1], device="cuda", dtype=torch.bfloat16)
-                scores = torch.baddbmm(
-                    bias, q.reshape(rows * heads, 1, head_dim), keys.transpose(1, 2), alpha=head_dim**-0.5
-                )
-                attention = torch.bmm(torch.softmax(scores, dim=-1), values).view(rows, hidden)
-                torch.cat((attention, F.gelu(y[:, 3 * hidden :], approximate="tanh")), dim=-1)
-
+        expected = reference().float()
         seconds = graph_time(reference) / layers
         rows_out.append(
             {
                 "rows": rows,
                 "context": context,
-                "kernel": f"unfused (span {span})",
+                "kernel": "unfused",
                 "us": seconds * 1e6,
                 "TB_s": nbytes / seconds / 1e12,
             }
@@ -132,15 +161,8 @@ def attention_sweep() -> list[dict]:
         for config in configs:
             td.ATTENTION.update(config)
             try:
-                seconds = (
-                    graph_time(
-                        lambda: [
-                            td.attention_block(y, x, cos, sin, positions, active, k, v, b_out, hidden, head_dim, rot)
-                            for k, v in caches
-                        ]
-                    )
-                    / layers
-                )
+                error = (kernel().float() - expected).abs().max().item()
+                seconds = graph_time(kernel) / layers
                 rows_out.append(
                     {
                         "rows": rows,
@@ -149,6 +171,7 @@ def attention_sweep() -> list[dict]:
                         "us": seconds * 1e6,
                         "TB_s": nbytes / seconds / 1e12,
                         "splits": td.splits_for(rows, heads),
+                        "max_error": error,
                     }
                 )
             except Exception as exc:
@@ -160,7 +183,7 @@ def attention_sweep() -> list[dict]:
                         "error": f"{type(exc).__name__}: {exc}"[:200],
                     }
                 )
-        caches = None  # freed before empty_cache; rebound, not deleted: the lambdas above name it
+        reference = kernel = None  # their caches freed before empty_cache
         torch.cuda.empty_cache()
     td.ATTENTION.update(defaults)
     return rows_out
@@ -245,6 +268,13 @@ def profile(backend, batch: int, fused: bool) -> dict:
     }
 
 
+def hold_row(decoder, columns: int, row: int = 0) -> None:
+    """Give `row` its own pages for `columns` columns, as admission does, so that prefill passes
+    called directly write and read them (a row that holds none points at the scratch page)."""
+    decoder.kv.release([row])
+    decoder._take_pages(row, columns)
+
+
 def prefill_profile(backend, tokens: int = 1044) -> dict:
     ids = (backend.encode(PROMPT) * 100)[:tokens]
     result = {}
@@ -263,6 +293,7 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
         result[f"chunk_{chunk}_first_token_ms"] = [round(t * 1000, 2) for t in times]
     pieces = []  # the prompt in 512-token pieces, as when streams are decoding
     with torch.inference_mode():
+        hold_row(decoder, tokens)
         for _ in range(3):
             row = []
             for at in range(0, tokens, 512):
@@ -273,6 +304,7 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
                 row.append(round((time.perf_counter() - started) * 1000, 2))
             pieces.append(row)
     result["pieces_512_ms"] = pieces
+    decoder.kv.release([0])
     decoder.clear()
     decoder.add(Sequence(9, list(ids), Sampling(), 4))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -305,6 +337,7 @@ def continued(backend) -> list[dict]:
             torch_decoder.LOWER_RIGHT_FROM = threshold
             times = []
             with torch.inference_mode():
+                hold_row(decoder, cached + new)
                 for _ in range(6):
                     decoder._prefill([(0, ids[:cached], 0)], lora_rows=[-1])
                     torch.cuda.synchronize()
