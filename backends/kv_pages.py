@@ -56,6 +56,7 @@ class PagedKV:
         self.pages = 0
         self.free: list[int] = []  # a stack: the pages freed last are taken first (the CPU's are warm)
         self.peak_pages = 0
+        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # `gathered`'s, on the CPU
         self.resize(max(pages, 1))
 
     # -- pages -----------------------------------------------------------------------------------
@@ -135,6 +136,7 @@ class PagedKV:
         pages = max(pages, 1)
         if pages < self.pages:
             self._compact(pages)
+            self._gather_buffers = None  # sequences left: the next gather sizes them again
         keep = min(pages, self.pages)
         for cache in (self.k, self.v):
             for layer in range(self.layers):  # a layer at a time: one is held twice at most
@@ -203,15 +205,33 @@ class PagedKV:
         self.v[layer][:, page, offset] = v.movedim(-2, 0)
 
     def read(self, layer: int, rows: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Columns 0..span-1 of `rows`, keys and values [n, kv_heads, span, head_dim] (a gather:
-        a copy, contiguous for each (row, head) across its pages)."""
+        """Columns 0..span-1 of `rows`, keys and values [n, kv_heads, span, head_dim] (a gather,
+        `gathered`: contiguous for each (row, head) across its pages)."""
         pages = self.table[rows, : pages_for(span)]  # [n, p]
         n = pages.shape[0]
+        keys, values = self.gathered(layer, pages.reshape(-1))
+        return tuple(
+            whole.view(self.kv_heads, n, -1, self.head_dim)[:, :, :span].transpose(0, 1) for whole in (keys, values)
+        )
 
-        def gather(cache):
-            return cache[:, pages].reshape(self.kv_heads, n, -1, self.head_dim)[:, :, :span].transpose(0, 1)
-
-        return gather(self.k[layer]), gather(self.v[layer])
+    def gathered(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of `pages` (ids [n]) in that order, [kv_heads, n, PAGE, head_dim]
+        each: a copy, by index_select of whole pages (on a 2-vCPU EPYC 3-4x faster than indexing
+        the pool with the table). On the CPU the copies go to two kept buffers, which the next
+        call overwrites: there a fresh tensor of tens of MB cost more than the copy itself (page
+        faults; 5 rows of Phi-2 at 1,040 columns, 53 MB: 43 ms fresh, 11 ms kept). The buffers
+        keep the largest gather's size until the pool shrinks: at most one layer's keys and
+        values for every row at full context."""
+        k, v = self.k[layer], self.v[layer]
+        if self.device.type != "cpu":
+            return k.index_select(1, pages), v.index_select(1, pages)
+        shape = (self.kv_heads, pages.numel(), PAGE, self.head_dim)
+        size = shape[0] * shape[1] * PAGE * self.head_dim
+        if self._gather_buffers is None or self._gather_buffers[0].numel() < size:
+            self._gather_buffers = None  # the old pair freed before the new one is taken
+            self._gather_buffers = tuple(torch.empty(size, dtype=self.dtype) for _ in range(2))
+        k_out, v_out = (buffer[:size].view(shape) for buffer in self._gather_buffers)
+        return torch.index_select(k, 1, pages, out=k_out), torch.index_select(v, 1, pages, out=v_out)
 
     def columns_of(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Columns start..end-1 held in `pages` (a row's) in every layer, [layers, kv_heads, n,
