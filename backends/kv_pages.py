@@ -26,6 +26,8 @@ most while it copies.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 PAGE = 16  # positions a page: the Triton decode kernel's column block (triton_decode.ATTENTION)
@@ -226,7 +228,7 @@ class PagedKV:
         if self.device.type != "cpu":
             return k.index_select(1, pages), v.index_select(1, pages)
         shape = (self.kv_heads, pages.numel(), PAGE, self.head_dim)
-        size = shape[0] * shape[1] * PAGE * self.head_dim
+        size = math.prod(shape)
         if self._gather_buffers is None or self._gather_buffers[0].numel() < size:
             self._gather_buffers = None  # the old pair freed before the new one is taken
             self._gather_buffers = tuple(torch.empty(size, dtype=self.dtype) for _ in range(2))

@@ -1499,10 +1499,7 @@ class BatchedDecoder:
             self.inputs[:, :batch].copy_(
                 self._host_inputs[:, :batch], non_blocking=True
             )  # tokens, positions, advance, adapter
-        if self.use_graphs:
-            logits, greedy = self._replay(batch, span, lora)
-        else:
-            logits, greedy = self._decode_step(batch, span, lora, self._reach_groups(rows, batch))
+        logits, greedy = self._replay(batch, span, lora) if self.use_graphs else self._decode_step(batch, span, lora)
         masked = [i for i in rows if self.slots[i].masked]
         launched = _Launch(
             rows,
@@ -1626,16 +1623,17 @@ class BatchedDecoder:
             n *= 2
         return buckets + [self.context + 1]
 
-    def _reach_groups(self, rows: list[int], batch: int) -> list[tuple[torch.Tensor, int]] | None:
+    def _reach_groups(self, batch: int) -> list[tuple[torch.Tensor, int]] | None:
         """For an eager step: rows 0..batch-1 grouped by the columns they attend to (by length
         bucket), each group with its longest reach, or None if they share one bucket. Gathering
         every row's pages up to the longest row's reach cost a 2-vCPU EPYC 3.7 s a step for one
         row at 1,040 columns beside 4 short ones (random Phi-2, float32), against 1.3 s before
-        the cache was paged, when attention read the rows in place. Idle rows (prefilling, or
-        free) write to the scratch column and their output is dropped: they attend to 1."""
-        reach = [1] * batch
-        for i in rows:
-            reach[i] = self.slots[i].cached + 1
+        the cache was paged, when attention read the rows in place. The reach comes from the
+        step's host inputs (`_launch`): a decoding row's position + 1; idle rows (prefilling,
+        or free) write to the scratch column and their output is dropped: they attend to 1."""
+        host = self._host_inputs.numpy()
+        positions, advancing = host[1, :batch].tolist(), host[2, :batch].tolist()
+        reach = [position + 1 if advance else 1 for position, advance in zip(positions, advancing, strict=True)]
         buckets = self._length_buckets()
         grouped: dict[int, list[int]] = {}
         for i, columns in enumerate(reach):
@@ -1647,12 +1645,10 @@ class BatchedDecoder:
         ]
 
     @torch.inference_mode()
-    def _decode_step(
-        self, batch: int, span: int, lora: int = 0, groups: list[tuple[torch.Tensor, int]] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_step(self, batch: int, span: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and greedy tokens for rows 0..batch-1, attending to cache columns 0..span-1
-        (or, eager, in `groups` of like reach: `_reach_groups`), with each row's adapter if
-        `lora` (the adapter buffers' version) is not 0."""
+        (eager and not compiled: in groups of like reach, `_reach_groups`), with each row's
+        adapter if `lora` (the adapter buffers' version) is not 0."""
         if self.fused:
             return self._fused_step(batch, lora)
         w = self.weights
@@ -1674,6 +1670,7 @@ class BatchedDecoder:
         # Eager and not compiled: groups and the kept gather buffers (python state a graph or
         # torch.compile would not follow).
         plain = not self.use_graphs and self._layer is decode_block
+        groups = self._reach_groups(batch) if plain else None
         for layer, block in enumerate(w.layers):
             bias = biases[w.arch.windows[layer]]
             x = self._layer(
@@ -1689,7 +1686,7 @@ class BatchedDecoder:
                 *block,
                 shape=self._shape,
                 lora=adapted.get(layer),
-                groups=groups if plain else None,
+                groups=groups,
                 gather=partial(self.kv.gathered, layer) if plain else None,
             )
         logits = self._logits(x)

@@ -252,3 +252,20 @@ def live_server(log_dir, max_batch):
     yield start
     for server in servers:
         server.close()
+
+
+@pytest.fixture
+def reach_groups(monkeypatch) -> list:
+    """What every eager decode step's `_reach_groups` returns from now on (the groups of rows
+    that attend together, or None for one group), as the steps run."""
+    from backends.torch_decoder import BatchedDecoder
+
+    found = []
+    original = BatchedDecoder._reach_groups
+
+    def recorded(self, batch):
+        found.append(original(self, batch))
+        return found[-1]
+
+    monkeypatch.setattr(BatchedDecoder, "_reach_groups", recorded)
+    return found

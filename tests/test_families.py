@@ -90,12 +90,9 @@ def test_logits_equal_transformers_at_every_step(family_backend, length):
             assert abs(logprob - float(reference[token])) <= 1e-5 * scale
 
 
-def test_batched_equals_alone(family_backend, monkeypatch):
+def test_batched_equals_alone(family_backend, reach_groups):
     # 150 tokens: a row past 128 columns beside shorter ones, which attend in another group
     # (`_reach_groups`); windows and longrope's switch lie inside both.
-    groups = []
-    reach_groups = BatchedDecoder._reach_groups
-    monkeypatch.setattr(BatchedDecoder, "_reach_groups", lambda *a: groups.append(reach_groups(*a)) or groups[-1])
     weights = family_backend.decoder_weights
     lengths = [3, 30, 17, 70, 9, 45, 150]
     sequences = [
@@ -103,7 +100,7 @@ def test_batched_equals_alone(family_backend, monkeypatch):
         for i, n in enumerate(lengths)
     ]
     together = drive(BatchedDecoder(weights, 4, prefill_chunk=16), sequences, arrive_at={4: 5, 5: 9, 6: 2}).ids
-    assert any(found is not None for found in groups)
+    assert any(found is not None for found in reach_groups)
     for sequence in sequences:
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id], sequence.id
 

@@ -134,19 +134,10 @@ def test_long_generations_grow_the_cache_and_give_it_back(torch_backend):
     assert out[1] == alone(torch_backend, "The quick brown", 150)
 
 
-def test_rows_of_unlike_reach_attend_in_groups_and_decode_as_alone(torch_backend, monkeypatch):
+def test_rows_of_unlike_reach_attend_in_groups_and_decode_as_alone(torch_backend, reach_groups):
     """An eager step's rows attend in groups of like reach (`_reach_groups`: the CPU gathers a
     row's pages only up to its own length bucket): rows past 256 columns beside short ones, a
     sampled one, and one still prefilling, each decode as alone."""
-    groups = []
-    reach_groups = BatchedDecoder._reach_groups
-
-    def recorded(self, rows, batch):
-        found = reach_groups(self, rows, batch)
-        groups.append(found)
-        return found
-
-    monkeypatch.setattr(BatchedDecoder, "_reach_groups", recorded)
     long = " ".join(["The quick brown fox jumps over the lazy dog."] * 24)  # 240 tokens
     requests = [
         (long, 40, Sampling()),
@@ -157,7 +148,7 @@ def test_rows_of_unlike_reach_attend_in_groups_and_decode_as_alone(torch_backend
     ]
     decoder = BatchedDecoder(torch_backend.decoder_weights, 4, prefill_chunk=16)
     out = run_batch(decoder, requests, torch_backend)
-    assert any(found is not None and len(found) >= 2 for found in groups)
+    assert any(found is not None and len(found) >= 2 for found in reach_groups)
     for i, (prompt, n, sampling) in enumerate(requests):
         assert out[i] == alone(torch_backend, prompt, n, sampling), prompt
 
