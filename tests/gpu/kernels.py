@@ -304,7 +304,8 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
                 row.append(round((time.perf_counter() - started) * 1000, 2))
             pieces.append(row)
     result["pieces_512_ms"] = pieces
-    decoder.kv.release([0])
+    with torch.inference_mode():  # the table is an inference tensor
+        decoder.kv.release([0])
     decoder.clear()
     decoder.add(Sequence(9, list(ids), Sampling(), 4))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
