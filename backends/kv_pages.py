@@ -59,6 +59,7 @@ class PagedKV:
         self.free: list[int] = []  # a stack: the pages freed last are taken first (the CPU's are warm)
         self.peak_pages = 0
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # `gathered`'s, on the CPU
+        self._whole: tuple[torch.Tensor, torch.Tensor] | None = None  # a GPU's k and v of every layer (`resize`)
         self.resize(max(pages, 1))
 
     # -- pages -----------------------------------------------------------------------------------
@@ -118,6 +119,10 @@ class PagedKV:
     def copy_page(self, source: int, target: int) -> None:
         """Page `target` holds what `source` does, in every layer (a shared prefix that ends
         part-way into a page: the row writes the rest of its copy)."""
+        if self._whole is not None:
+            for whole in self._whole:
+                whole[:, :, target] = whole[:, :, source]
+            return
         for cache in (self.k, self.v):
             for layer in range(self.layers):
                 cache[layer][:, target] = cache[layer][:, source]
@@ -140,12 +145,22 @@ class PagedKV:
             self._compact(pages)
             self._gather_buffers = None  # sequences left: the next gather sizes them again
         keep = min(pages, self.pages)
-        for cache in (self.k, self.v):
-            for layer in range(self.layers):  # a layer at a time: one is held twice at most
-                new = torch.zeros(self._shape(pages), dtype=self.dtype, device=self.device)
-                if keep:
-                    new[:, :keep] = cache[layer][:, :keep]
-                cache[layer] = new
+        if not keep and self.device.type != "cpu":
+            # A GPU's pool, allocated once: every layer's keys (and values) in one tensor, so
+            # that `copy_page` is one kernel, not one a layer (64 launches for Phi-2: 0.65 ms of
+            # a prompt cache hit's first token on an H200).
+            self._whole = tuple(
+                torch.zeros(self.layers, *self._shape(pages), dtype=self.dtype, device=self.device) for _ in range(2)
+            )
+            self.k[:], self.v[:] = self._whole[0].unbind(), self._whole[1].unbind()
+        else:
+            self._whole = None
+            for cache in (self.k, self.v):
+                for layer in range(self.layers):  # a layer at a time: one is held twice at most
+                    new = torch.zeros(self._shape(pages), dtype=self.dtype, device=self.device)
+                    if keep:
+                        new[:, :keep] = cache[layer][:, :keep]
+                    cache[layer] = new
         if pages > self.pages:
             self.free = list(range(pages - 1, max(self.pages, 1) - 1, -1)) + self.free
             grown = pages - len(self.row_refs)
