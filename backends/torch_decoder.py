@@ -1344,16 +1344,20 @@ class BatchedDecoder:
 
     def _padded_pass(self, rows: int, length: int, span: int) -> torch.Tensor:
         """The forward pass of `_prefill_padded`, reading its inputs from the buffers (what a
-        graph captures): new prompts' causal attention over their own columns, or, with a
-        span, each token's over its row's columns up to its own position (through the page
-        tables with the Triton kernels, else a mask made here from the positions)."""
+        graph captures): each token's attention over its row's columns up to its own
+        position, through the page tables with the Triton kernels; else, for new prompts,
+        causal attention over a gather of their own columns, and for pieces after cached
+        columns (a span) a mask made here from the positions."""
         grid, index = self._padded_buffers()
         tokens, positions = grid[0, :rows, :length], grid[1, :rows, :length]
         slots, last = index[0, :rows], index[1, :rows]
-        if not span:
+        if self.fused:
+            # Through the rows' page tables, new prompts too (their own keys and values, written
+            # a kernel earlier): no gather of their columns, no mask. A new 24-token prompt of
+            # Phi-2 on an H200: the gather and flash attention took 0.5 of its 2.75 ms.
+            placed = _Placement(slots, positions, span or length, None, positions[:, 0].contiguous(), last + 1)
+        elif not span:
             placed = _Placement(slots, positions, length, None)
-        elif self.fused:  # through the rows' page tables: no gather of their columns, no mask
-            placed = _Placement(slots, positions, span, None, positions[:, 0].contiguous(), last + 1)
         else:
             placed = _Placement(slots, positions, span, self._prefill_mask(positions, span))
         x = self.weights.embed[tokens]

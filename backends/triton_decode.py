@@ -276,6 +276,9 @@ def _paged_prefill_attention(
     first = 0
     if window > 0:
         first = tl.maximum(start + block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    # A block of padding alone reads nothing: a padding row (no tokens) starts at the scratch
+    # column, and its loop would read every column up to it.
+    end = tl.where(block * BLOCK_M < n, end, first)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)

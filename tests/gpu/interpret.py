@@ -146,13 +146,15 @@ def check_model(name: str, model: str, root: Path) -> None:
             torch.allclose(padded, reference, atol=1e-5),
             f"{(padded - reference).abs().max():.1e}",
         )
-        # New prompts padded to a prefill graph's shape (what CUDA replays), short enough for
-        # the tiny families' windows of 16.
-        short, _ = plain._prefill([(0, ids[:12], 0), (1, ids[:7], 0)], lora_rows=[-1, -1])
+        # New prompts padded to a prefill graph's shape (what CUDA replays; the paged attention
+        # kernel), short enough for the tiny families' windows of 16: three prompts in four
+        # rows, the last a padding row (no tokens, no columns read).
+        prompts = [(0, ids[:12], 0), (1, ids[:7], 0), (2, ids[3:14], 0)]
+        short, _ = plain._prefill(prompts, lora_rows=[-1] * 3)
         fresh = BatchedDecoder(w, 4, cuda_graphs=False, fused=True, prefill_graphs=True)
-        for row in range(2):
+        for row in range(3):
             fresh._take_pages(row, 16)
-        got, _ = fresh._prefill([(0, ids[:12], 0), (1, ids[:7], 0)], lora_rows=[-1, -1])
+        got, _ = fresh._prefill(prompts, lora_rows=[-1] * 3)
         check(
             f"{name}: prefill of new prompts padded to a graph's shape",
             fresh._padded_inputs is not None and torch.allclose(got, short, atol=1e-5),
