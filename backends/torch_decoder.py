@@ -1440,7 +1440,7 @@ class BatchedDecoder:
             if paged:  # after cached columns: read through the page tables, its window in the kernel
                 attention = fused.paged_prefill_attention(
                     y, self.kv.k[layer], self.kv.v[layer], self.kv.table, placed.slots, placed.starts, placed.lens,
-                    self.heads, window=w.arch.windows[layer],
+                    self.heads, window=w.arch.windows[layer], reach=placed.span,
                 )  # fmt: skip
             else:
                 attention = self._gathered_attention(layer, q, placed, masks)

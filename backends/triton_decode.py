@@ -241,6 +241,7 @@ def _paged_prefill_attention(
     length,
     scale,
     window,
+    part_ptr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -248,16 +249,21 @@ def _paged_prefill_attention(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    """One (piece, query head, block of BLOCK_M of the piece's tokens): each token's attention
-    over its row's columns up to its own position (the last `window` of them with a sliding
-    window), read from the paged cache through the row's table, where the piece's own keys and
-    values are already written: no gather of the row's columns into a copy. A piece of `lens`
-    tokens starts at position `starts` of cache row `slots`; its tokens past `lens` (padding)
-    get zeros."""
+    """One (piece, query head, block of BLOCK_M of the piece's tokens, split of its columns):
+    each token's attention over its row's columns up to its own position (the last `window` of
+    them with a sliding window), read from the paged cache through the row's table, where the
+    piece's own keys and values are already written: no gather of the row's columns into a copy.
+    A piece of `lens` tokens starts at position `starts` of cache row `slots`; its tokens past
+    `lens` (padding) get zeros. With SPLITS > 1 the block's columns are cut in SPLITS ranges
+    (flash-decoding, for a short piece after many columns: otherwise a few programs read them
+    all), each program's softmax maximum, sum and weighted values go to part [n, heads, SPLITS,
+    length, D_PAD + 2], and `_paged_prefill_combine` writes the output."""
     row = tl.program_id(0)
     head = tl.program_id(1)
-    block = tl.program_id(2)
+    block = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     n = tl.load(lens_ptr + row).to(tl.int32)
     start = tl.load(starts_ptr + row).to(tl.int32)
     pages = table_ptr + tl.load(slots_ptr + row).to(tl.int64) * stride_table
@@ -279,6 +285,10 @@ def _paged_prefill_attention(
     # A block of padding alone reads nothing: a padding row (no tokens) starts at the scratch
     # column, and its loop would read every column up to it.
     end = tl.where(block * BLOCK_M < n, end, first)
+    if SPLITS > 1:  # this program's share of the block's columns, whole BLOCK_N at a time
+        chunk = tl.cdiv(tl.cdiv(end - first, SPLITS), BLOCK_N) * BLOCK_N
+        first = first + split * chunk
+        end = tl.minimum(first + chunk, end)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     best = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
@@ -299,12 +309,67 @@ def _paged_prefill_attention(
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
         best = new_best
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    out = tl.where(m_ok[:, None], out, 0.0)
+    if SPLITS > 1:
+        part = part_ptr + (((row * tl.num_programs(1) + head) * SPLITS + split) * length + m) * (D_PAD + 2)
+        in_piece = m < length
+        tl.store(part[:, None] + d[None, :], acc, mask=in_piece[:, None])
+        tl.store(part + D_PAD, best, mask=in_piece)
+        tl.store(part + D_PAD + 1, total, mask=in_piece)
+    else:
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        out = tl.where(m_ok[:, None], out, 0.0)
+        tl.store(
+            out_ptr + row * stride_o_row + m[:, None] * stride_o_token + head * HEAD_DIM + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=(m[:, None] < length) & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _paged_prefill_combine(
+    part_ptr,
+    lens_ptr,
+    out_ptr,
+    stride_o_row,
+    stride_o_token,
+    length,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """One (piece, query head, block of BLOCK_M tokens): its splits' partial softmaxes
+    (`_paged_prefill_attention` with SPLITS > 1) merged into the attention output. A split that
+    read no column has sum 0 and counts for nothing; a token that no split saw (padding) gets
+    zeros."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < length
+    real = m < tl.load(lens_ptr + row).to(tl.int32)
+    d = tl.arange(0, D_PAD)
+    parts = part_ptr + ((row * tl.num_programs(1) + head) * SPLITS * length + m) * (D_PAD + 2)
+    best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for split in range(SPLITS):
+        part = parts + split * length * (D_PAD + 2)
+        split_total = tl.load(part + D_PAD + 1, mask=m_ok, other=0.0)
+        split_best = tl.load(part + D_PAD, mask=m_ok, other=float("-inf"))
+        best = tl.maximum(best, tl.where(split_total > 0, split_best, float("-inf")))
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for split in range(SPLITS):
+        part = parts + split * length * (D_PAD + 2)
+        split_total = tl.load(part + D_PAD + 1, mask=m_ok, other=0.0)
+        split_best = tl.load(part + D_PAD, mask=m_ok, other=0.0)
+        weight = tl.where(split_total > 0, tl.exp(split_best - shift), 0.0)
+        acc += tl.load(part[:, None] + d[None, :], mask=m_ok[:, None], other=0.0) * weight[:, None]
+        total += split_total * weight
+    out = tl.where(real[:, None], acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
     tl.store(
         out_ptr + row * stride_o_row + m[:, None] * stride_o_token + head * HEAD_DIM + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=(m[:, None] < length) & d_ok[None, :],
+        mask=m_ok[:, None] & (d < HEAD_DIM)[None, :],
     )
 
 
@@ -652,20 +717,47 @@ def attention(
 
 # Launch shape of `_paged_prefill_attention`: tokens and columns a block.
 PREFILL_ATTENTION = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4}
+# Its column splits: programs enough to fill an H200's 132 multiprocessors a few times over, each
+# split at least PREFILL_SPLIT_COLUMNS columns of the bound its caller gives.
+PREFILL_PROGRAMS, PREFILL_MAX_SPLITS, PREFILL_SPLIT_COLUMNS = 512, 16, 256
 
 
-def paged_prefill_attention(q, k_cache, v_cache, table, slots, starts, lens, heads: Heads, window: int | None = None):
+def prefill_splits(programs: int, reach: int | None) -> int:
+    """How many ways `_paged_prefill_attention` cuts each block's columns: 1 unless its
+    (piece, head, block) programs are few and the pieces may reach far (`reach`: a bound on the
+    columns any piece attends to, known on the host); a power of two."""
+    if not reach:
+        return 1
+    splits = min(PREFILL_MAX_SPLITS, PREFILL_PROGRAMS // max(programs, 1), reach // PREFILL_SPLIT_COLUMNS)
+    return 1 << (splits.bit_length() - 1) if splits > 1 else 1
+
+
+def paged_prefill_attention(
+    q, k_cache, v_cache, table, slots, starts, lens, heads: Heads, window: int | None = None, reach: int | None = None,
+    splits: int | None = None,
+):  # fmt: skip
     """Attention of prompt pieces q [n, length, >= q_size] (rotated; rows and tokens may be
     strided, as y's q part) over their rows' paged cache [kv_heads, pages, PAGE, head_dim]
     (backends/kv_pages), which holds their own keys and values already: piece r is `lens[r]`
     tokens from position `starts[r]` of cache row `slots[r]`, each token attending to the
-    row's columns up to its own position. Returns [n, length, q_size]; padding tokens get zeros.
-    Everything is read on the device: a CUDA graph can capture it."""
+    row's columns up to its own position. `reach`, if given, bounds the columns a piece reaches
+    (start + length): a short piece after many columns has them read by several programs each
+    (`prefill_splits`; `splits` sets their number). Returns [n, length, q_size]; padding tokens
+    get zeros. Everything is read on the device: a CUDA graph can capture it."""
     assert q.stride(-1) == 1 and all(t.is_contiguous() for t in (slots, starts, lens))
     n, length = q.shape[0], q.shape[1]
     out = torch.empty(n, length, heads.q_size, dtype=q.dtype, device=q.device)
     block_m = PREFILL_ATTENTION["BLOCK_M"]
-    _paged_prefill_attention[(n, heads.heads, triton.cdiv(length, block_m))](
+    blocks = triton.cdiv(length, block_m)
+    if splits is None:
+        splits = prefill_splits(n * heads.heads * blocks, reach)
+    d_pad = max(16, triton.next_power_of_2(heads.head_dim))
+    part = (
+        torch.empty(n * heads.heads * splits * length * (d_pad + 2), dtype=torch.float32, device=q.device)
+        if splits > 1
+        else out  # not read
+    )
+    _paged_prefill_attention[(n, heads.heads, blocks * splits)](
         q,
         q.stride(0),
         q.stride(1),
@@ -681,15 +773,31 @@ def paged_prefill_attention(q, k_cache, v_cache, table, slots, starts, lens, hea
         length,
         heads.head_dim**-0.5,
         window or 0,
+        part,
         GROUP=heads.group,
         HEAD_DIM=heads.head_dim,
-        D_PAD=max(16, triton.next_power_of_2(heads.head_dim)),
+        D_PAD=d_pad,
         BLOCK_M=block_m,
         BLOCK_N=PREFILL_ATTENTION["BLOCK_N"],
         PAGE=PAGE,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLITS=splits,
         num_warps=PREFILL_ATTENTION["num_warps"],
     )
+    if splits > 1:
+        _paged_prefill_combine[(n, heads.heads, blocks)](
+            part,
+            lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            length,
+            HEAD_DIM=heads.head_dim,
+            D_PAD=d_pad,
+            BLOCK_M=block_m,
+            SPLITS=splits,
+            num_warps=PREFILL_ATTENTION["num_warps"],
+        )
     return out
 
 
@@ -731,7 +839,8 @@ def works(device, dtype, heads: Heads, hidden: int, inner: int, parallel: bool, 
             if gated:
                 silu_mul(torch.randn(rows, 2 * inner, device=device, dtype=dtype), inner)
         prefill_rotary(y, table, table, one, one - 1, *cache, pages, heads, *norms)
-        paged_prefill_attention(y[:, None], *cache, pages, one - 1, one - 1, one, heads)
+        for splits in (1, 2):  # a short piece after many columns takes the split variant
+            paged_prefill_attention(y[:, None], *cache, pages, one - 1, one - 1, one, heads, splits=splits)
         gumbel_argmax(y[:, :64].float(), one, one)
         torch.cuda.synchronize(device)
         return True

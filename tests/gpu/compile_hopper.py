@@ -1,7 +1,8 @@
-"""Compile the paged attention kernels (backends/triton_decode.py: the prefill one, and the
-decode step's split attention, which share `_paged_columns`) for an H200 (sm_90) on a machine
-without a GPU: Triton's front end checks what its interpreter does not (a variable
-whose type differs between branches, for one), and the back end builds the PTX.
+"""Compile the paged attention kernels (backends/triton_decode.py: the prefill one, whole and
+split with its combine, and the decode step's split attention, which share `_paged_columns`)
+for an H200 (sm_90) on a machine without a GPU: Triton's front end checks what its interpreter
+does not (a variable whose type differs between branches, for one), and the back end builds
+the PTX.
 
     python3 -m pip install --target /tmp/triton-interp triton==3.6.0 "numpy<2.3"
     PYTHONPATH=/tmp/triton-interp .venv/bin/python tests/gpu/compile_hopper.py
@@ -41,6 +42,16 @@ ARGUMENTS = {
     "length": "i32",
     "scale": "fp32",
     "window": "i32",
+    "part_ptr": "*fp32",
+}
+# Its splits' combine (`paged_prefill_attention` with splits > 1).
+COMBINE_ARGUMENTS = {
+    "part_ptr": "*fp32",
+    "lens_ptr": "*i64",
+    "out_ptr": "*{t}",
+    "stride_o_row": "i32",
+    "stride_o_token": "i32",
+    "length": "i32",
 }
 # (the element type, the constants): Phi-2's heads in bfloat16, Llama's grouped ones in float32.
 SHAPES = [
@@ -93,7 +104,14 @@ def main() -> int:
             "PAGE": triton_decode.PAGE,
         }
         signature = {name: kind.format(t=element) for name, kind in ARGUMENTS.items()}
-        build(triton_decode._paged_prefill_attention, signature, constants)
+        for splits in (1, 8):
+            build(triton_decode._paged_prefill_attention, signature, {**constants, "SPLITS": splits})
+        combine = {name: kind.format(t=element) for name, kind in COMBINE_ARGUMENTS.items()}
+        build(
+            triton_decode._paged_prefill_combine,
+            combine,
+            {"HEAD_DIM": constants["HEAD_DIM"], "D_PAD": constants["D_PAD"], "BLOCK_M": launch["BLOCK_M"], "SPLITS": 8},
+        )
     build(triton_decode._attention_split, SPLIT_ARGUMENTS, SPLIT_CONSTANTS)
     return 0
 
