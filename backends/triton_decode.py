@@ -716,7 +716,7 @@ def attention(
 
 
 # Launch shape of `_paged_prefill_attention`: tokens and columns a block.
-PREFILL_ATTENTION = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4}
+PREFILL_ATTENTION = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 # Its column splits: programs enough to fill an H200's 132 multiprocessors a few times over, each
 # split at least PREFILL_SPLIT_COLUMNS columns of the bound its caller gives.
 PREFILL_PROGRAMS, PREFILL_MAX_SPLITS, PREFILL_SPLIT_COLUMNS = 512, 16, 256
@@ -783,6 +783,7 @@ def paged_prefill_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLITS=splits,
         num_warps=PREFILL_ATTENTION["num_warps"],
+        num_stages=PREFILL_ATTENTION["num_stages"],
     )
     if splits > 1:
         _paged_prefill_combine[(n, heads.heads, blocks)](

@@ -88,9 +88,9 @@ SPLIT_CONSTANTS = dict(
 )
 
 
-def build(fn, signature: dict, constants: dict) -> None:
+def build(fn, signature: dict, constants: dict, options: dict | None = None) -> None:
     source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     print(f"ok   {fn.__name__} {constants}: {len(compiled.asm['ptx'])} characters of PTX", flush=True)
 
 
@@ -105,7 +105,12 @@ def main() -> int:
         }
         signature = {name: kind.format(t=element) for name, kind in ARGUMENTS.items()}
         for splits in (1, 8):
-            build(triton_decode._paged_prefill_attention, signature, {**constants, "SPLITS": splits})
+            build(
+                triton_decode._paged_prefill_attention,
+                signature,
+                {**constants, "SPLITS": splits},
+                {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]},
+            )
         combine = {name: kind.format(t=element) for name, kind in COMBINE_ARGUMENTS.items()}
         build(
             triton_decode._paged_prefill_combine,
