@@ -1105,7 +1105,15 @@ def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None
     )
 
 
-async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation) -> list[int]:
+# A request's first INLINE_ENCODE_CHARS characters of prompt text are tokenized on the loop, the
+# rest on the app's pool. A short prompt's encoding (25 tokens: 0.08 ms on a 2-core EPYC; 256
+# characters of any text well under 0.5 ms) costs less than the hop to the pool and back, which
+# every request paid before its first token (0.43-0.55 ms on the same machine, of which 0.05 ms
+# encoding). The budget is per request, so a list of many short prompts still goes to the pool.
+INLINE_ENCODE_CHARS = 256
+
+
+async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation, inline: bool = False) -> list[int]:
     if isinstance(gen.prompt, list):
         if len(gen.prompt) > backend.info.context_length:
             return gen.prompt  # refused as too long, without a look at every id
@@ -1116,6 +1124,8 @@ async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation)
                 field=gen.prompt_field,
             )
         return gen.prompt
+    if inline:
+        return backend.encode(gen.prompt)
     # Tokenizing a long prompt takes milliseconds: off the loop, on the app's own small pool.
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(request.app[TOKENIZER_POOL], backend.encode, gen.prompt)
@@ -1177,9 +1187,10 @@ async def adapter_for(request: web.Request, name: str | None) -> Adapter | None:
 async def submit(
     request: web.Request, gens: list[Generation], adapter: str | None = None, cache_salt: str | None = None
 ) -> list[Ticket]:
-    """Tokenize (off the loop), check the limits, and queue the requests for the worker, all or
-    none: the choices of one HTTP request, with the adapter it chose (see `adapter_for`), in
-    its prompt cache namespace (its key's where there are several keys, and its salt's)."""
+    """Tokenize (off the loop but for a short prompt), check the limits, and queue the requests
+    for the worker, all or none: the choices of one HTTP request, with the adapter it chose (see
+    `adapter_for`), in its prompt cache namespace (its key's where there are several keys, and
+    its salt's)."""
     received_at = request[RECEIVED_AT]
     namespace = request.get(CACHE_NAMESPACE, "")
     if cache_salt is not None:
@@ -1192,10 +1203,13 @@ async def submit(
     loaded = await adapter_for(request, adapter)
     context = backend.info.context_length
     jobs, encoded = [], {}
+    inline_left = INLINE_ENCODE_CHARS
     for gen in gens:
         key = gen.prompt if isinstance(gen.prompt, str) else tuple(gen.prompt)
         if key not in encoded:  # the n choices of a prompt share its tokens
-            encoded[key] = await prompt_ids_of(request, backend, gen)
+            inline = isinstance(gen.prompt, str) and len(gen.prompt) <= inline_left
+            inline_left -= len(gen.prompt) if inline else 0
+            encoded[key] = await prompt_ids_of(request, backend, gen, inline)
         prompt_ids = encoded[key]
         if any(not 0 <= token < backend.vocab_size for token, _ in gen.sampling.logit_bias):
             raise ApiError(

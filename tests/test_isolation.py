@@ -455,6 +455,27 @@ async def test_large_bodies_and_answers_are_handled_off_the_event_loop(make_clie
     assert small.status == 200
 
 
+async def test_only_a_short_prompt_is_tokenized_on_the_event_loop(make_client, backend, monkeypatch):
+    """A request's first INLINE_ENCODE_CHARS characters of prompt text are encoded on the loop
+    (cheaper than the hop to the pool); a longer prompt, and a list of short prompts past that
+    budget, go to the pool."""
+    import phi2_server
+
+    client = await make_client(lambda: backend)
+    seen: list[str] = []
+    monkeypatch.setattr(backend, "encode", recording(backend.encode, seen))
+    loop_thread = threading.current_thread().name
+    short = "Hi " * 20
+    long = "Hi " * (phi2_server.INLINE_ENCODE_CHARS // 3 + 1)
+    many = [f"{i} {short}" for i in range(6)]  # 62 characters each: 4 within the budget
+    for prompt, on_loop in [(short, 1), (long, 0), (many, 4)]:
+        seen.clear()
+        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert response.status == 200, await response.text()
+        calls = len(prompt) if isinstance(prompt, list) else 1
+        assert (seen.count(loop_thread), len(seen)) == (on_loop, calls), seen
+
+
 @pytest.mark.parametrize("path, depth", [("/v1/chat/completions", 490), ("/generate", 990), ("/generate", 5000)])
 async def test_deep_nesting_is_a_400_naming_it(make_client, backend, log_dir, path, depth):
     client = await make_client(lambda: backend)
