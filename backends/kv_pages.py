@@ -233,8 +233,9 @@ class PagedKV:
 
     def gathered(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of `pages` (ids [n]) in that order, [kv_heads, n, PAGE, head_dim]
-        each: a copy, by index_select of whole pages (on a 2-vCPU EPYC 3-4x faster than indexing
-        the pool with the table). On the CPU the copies go to two kept buffers, which the next
+        each: on the CPU a view of the pool where the pages are consecutive, else a copy, by
+        index_select of whole pages (on a 2-vCPU EPYC 3-4x faster than indexing the pool with
+        the table). On the CPU the copies go to two kept buffers, which the next
         call overwrites: there a fresh tensor of tens of MB cost more than the copy itself (page
         faults; 5 rows of Phi-2 at 1,040 columns, 53 MB: 43 ms fresh, 11 ms kept). The buffers
         keep the largest gather's size until the pool shrinks: at most one layer's keys and
@@ -242,6 +243,12 @@ class PagedKV:
         k, v = self.k[layer], self.v[layer]
         if self.device.type != "cpu":
             return k.index_select(1, pages), v.index_select(1, pages)
+        count = pages.numel()
+        first = int(pages[0]) if count else 0
+        if count > 1 and int(pages[-1]) == first + count - 1 and bool((pages.diff() == 1).all()):
+            # Consecutive pages (a row alone in its pool takes them in order): a view, no copy.
+            # The copy was 2 x 1.6 ms a layer for a row of 1,040 columns of Phi-2 on this CPU.
+            return k[:, first : first + count], v[:, first : first + count]
         shape = (self.kv_heads, pages.numel(), PAGE, self.head_dim)
         size = math.prod(shape)
         if self._gather_buffers is None or self._gather_buffers[0].numel() < size:

@@ -545,8 +545,10 @@ def decode_attention(q, gather, table, bias, shape: Shape) -> torch.Tensor:
     batch, span = q.shape[0], bias.shape[-1]
     kv_heads, group, head_dim = shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim
     keys, values = gather(table[:, : -(-span // PAGE)].reshape(-1))
-    keys = keys.view(kv_heads * batch, -1, head_dim)[:, :span]
-    values = values.view(kv_heads * batch, -1, head_dim)[:, :span]
+    # reshape, not view: a gather may be a view of the pool (`PagedKV.gathered`), which several
+    # rows' consecutive pages cannot be viewed as [kv_heads * batch, ...] from (then a copy).
+    keys = keys.reshape(kv_heads * batch, -1, head_dim)[:, :span]
+    values = values.reshape(kv_heads * batch, -1, head_dim)[:, :span]
     queries = q.reshape(batch, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * batch, group, head_dim)
     scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=head_dim**-0.5)
     attention = torch.bmm(torch.softmax(scores, dim=-1), values)

@@ -252,3 +252,44 @@ def test_a_pool_allocated_whole_has_room_for_the_prompt_cache_it_is_made_with(to
     whole.clear(prompt_cache_bytes=1 << 30)
     assert whole.prompt_cache_usage().budget_bytes == whole.cache_pages * whole.kv.page_bytes <= 1 << 22
     assert whole.cache_pages > 0 and whole.kv.pages == 1 + 2 * -(-(whole.context + 1) // PAGE) + whole.cache_pages
+
+
+def test_consecutive_pages_are_read_in_place_on_the_cpu_and_give_what_a_copy_gives():
+    """backends/kv_pages `gathered`: a run of consecutive pages (a row alone takes them in order)
+    is a view of the pool, not a copy; other pages are copied. Decode attention over rows whose
+    pages run on from one row to the next (a view it cannot reshape per row) equals attention
+    over copies."""
+    from functools import partial
+
+    import torch
+
+    from backends.kv_pages import PAGE
+    from backends.torch_decoder import Shape, decode_attention
+
+    kv = small_pool(layers=1, kv_heads=2, head_dim=4, context=10 * PAGE)
+    kv.assign(0, 3 * PAGE)  # pages 1, 2, 3
+    kv.assign(1, 4 * PAGE)  # pages 4..7: row 0's run goes on
+    for row, columns in ((0, 3 * PAGE), (1, 4 * PAGE)):
+        keys = torch.randn(columns, 2, 4)
+        kv.write(0, torch.tensor(row), torch.arange(columns), keys, keys.flip(0))
+    pool = kv.k[0].untyped_storage().data_ptr()
+    in_place = kv.gathered(0, kv.table[0, :3])
+    assert in_place[0].untyped_storage().data_ptr() == pool
+    assert torch.equal(in_place[0], kv.k[0].index_select(1, kv.table[0, :3]))
+    copied = kv.gathered(0, torch.tensor([3, 1, 2]))
+    assert copied[0].untyped_storage().data_ptr() != pool
+    assert torch.equal(copied[0], kv.k[0].index_select(1, torch.tensor([3, 1, 2])))
+
+    shape = Shape(8, heads=4, kv_heads=2, head_dim=4, rotary_dim=4, inner=8, eps=1e-5, rms_norm=False,
+                  parallel=True, gated=False, activation=None)  # fmt: skip
+    span = 3 * PAGE
+    q = torch.randn(2, 4, 4)
+    bias = torch.zeros(2 * 2, 1, span)
+    table = kv.table[:2].clone()
+    table[1, :3] = torch.tensor([4, 5, 6])  # both rows' first 3 pages: 1..6, one run
+
+    def copies(pages):
+        return kv.k[0].index_select(1, pages), kv.v[0].index_select(1, pages)
+
+    got = decode_attention(q, partial(kv.gathered, 0), table, bias, shape)
+    assert torch.allclose(got, decode_attention(q, copies, table, bias, shape))
