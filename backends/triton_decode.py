@@ -94,6 +94,8 @@ def _attention_split(
     q_norm_ptr,
     k_norm_ptr,
     eps,
+    fill,
+    split_columns,
     Q_SIZE: tl.constexpr,
     KV_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -111,7 +113,12 @@ def _attention_split(
     head reads the key-value head it shares with GROUP - 1 others; split 0 of the first of them
     also writes the new token's k (rotated) and v to the cache at the row's position. The cache
     is paged (backends/kv_pages): column c of a row is at offset c % PAGE of the page that the
-    row's table entry c // PAGE names."""
+    row's table entry c // PAGE names.
+
+    A row's columns go to `fill` splits, or to one per `split_columns` where that is more (at most
+    SPLITS, the grid's): a long row among short ones is read by as many programs as its length
+    asks, not by one per head that the whole step waits for. Splits past a row's own write an
+    empty part."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,7 +150,8 @@ def _attention_split(
             tl.store(k_ptr + at + d, k, mask=d_ok)
             v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
             tl.store(v_ptr + at + d, v, mask=d_ok)
-    chunk = tl.cdiv(tl.cdiv(live - first, SPLITS), BLOCK_N) * BLOCK_N
+    splits = tl.minimum(tl.maximum(fill, tl.cdiv(live - first, split_columns)), SPLITS)
+    chunk = tl.cdiv(tl.cdiv(live - first, splits), BLOCK_N) * BLOCK_N
     start = first + split * chunk
     end = tl.minimum(start + chunk, live)
     best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
@@ -600,13 +608,34 @@ def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, table, heads
 
 # Launch shapes of `_attention_split`, measured on an H200 (tests/gpu/kernels.py, BENCHMARKS.md):
 # 16 columns a loop step; 2 warps a program up to 16 rows, 1 beyond (more programs resident).
-ATTENTION = {"BLOCK_N": 16, "num_warps": None, "max_splits": 16, "work": 2048}
+# A row's columns are split `fill_splits` ways (enough programs to fill the GPU at small batch),
+# or one split per `split_columns` where its length asks for more, within `max_splits` and a grid
+# of at most `max_programs`.
+ATTENTION = {
+    "BLOCK_N": 16,
+    "num_warps": None,
+    "max_splits": 16,
+    "work": 2048,
+    "split_columns": 256,
+    "max_programs": 65536,
+}
 
 
-def splits_for(rows: int, heads: int) -> int:
-    """Splits of each row's columns: enough (row, head, split) programs to fill the GPU at small
+def fill_splits(rows: int, heads: int) -> int:
+    """Splits of every row's columns: enough (row, head, split) programs to fill the GPU at small
     batch, one split where rows x heads already do."""
     return max(1, min(ATTENTION["max_splits"], ATTENTION["work"] // (rows * heads)))
+
+
+def splits_for(rows: int, heads: int, columns: int) -> int:
+    """The grid's splits a (row, head), for rows of up to `columns` columns: `fill_splits`, or as
+    many as the longest row may take (one per `split_columns`)."""
+    by_length = min(
+        ATTENTION["max_splits"],
+        -(-columns // ATTENTION["split_columns"]),
+        ATTENTION["max_programs"] // (rows * heads),
+    )
+    return max(fill_splits(rows, heads), by_length, 1)
 
 
 def _attention_warps(rows: int) -> int:
@@ -641,7 +670,7 @@ def attention(
     For a parallel block (Phi: `x` given, y = [q; k; v; fc1]) it returns (mixed, xb) instead:
     mixed = [attention output, gelu(fc1)] for the out GEMM, xb = x + b_out for it to add to."""
     rows = y.shape[0]
-    splits = splits_for(rows, heads.heads)
+    splits = splits_for(rows, heads.heads, table.shape[1] * PAGE)
     d_pad = triton.next_power_of_2(heads.head_dim)
     parts = torch.empty(rows, heads.heads, splits, d_pad + 2, dtype=torch.float32, device=y.device)
     scale = heads.head_dim**-0.5
@@ -672,6 +701,8 @@ def attention(
         q_w,
         k_w,
         heads.eps,
+        fill_splits(rows, heads.heads),
+        ATTENTION["split_columns"],
         BLOCK_N=ATTENTION["BLOCK_N"],
         SPLITS=splits,
         PAGE=PAGE,

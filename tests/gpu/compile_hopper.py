@@ -82,6 +82,8 @@ SPLIT_ARGUMENTS = {
     "q_norm_ptr": "*bf16",
     "k_norm_ptr": "*bf16",
     "eps": "fp32",
+    "fill": "i32",
+    "split_columns": "i32",
 }
 SPLIT_CONSTANTS = dict(
     Q_SIZE=2560, KV_SIZE=2560, GROUP=1, HEAD_DIM=80, ROT=32, D_PAD=128, BLOCK_N=16, SPLITS=16, QK_NORM=False, PAGE=16

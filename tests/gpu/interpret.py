@@ -69,7 +69,9 @@ def main() -> int:
     from backends import triton_decode
     from backends.tiny import TINY_FAMILIES, write_tiny_family
 
-    triton_decode.ATTENTION["max_splits"] = 2  # the interpreter runs every program in numpy: 2 splits still combine
+    # The interpreter runs every program in numpy: few splits still combine. A split per 16
+    # columns gives the rows of a step split counts of their own (by their lengths).
+    triton_decode.ATTENTION.update(max_splits=3, split_columns=16)
 
     root = Path(tempfile.mkdtemp(prefix="families-"))
     tiny = load_backend("torch", LoadOptions(model="tiny", device="cpu", dtype="float32", warmup=False))
