@@ -86,8 +86,13 @@ MIN_LENGTH_BUCKET = 128
 #   the page tables, else a gather and a mask): graphs for spans of CONTINUE_SPANS columns,
 #   groups of up to CONTINUE_GRAPH_TOKENS (past that the pass is compute-bound and launches cost
 #   little) and CONTINUE_GRAPH_COLUMNS (what a gather copies, or the kernel reads).
-# Longer pieces, bigger groups and longer spans run eagerly.
-PREFILL_LENGTHS = (16, 32, 64, 128, 256)
+# Longer pieces, bigger groups and longer spans run eagerly. 512 is the piece a long prompt is cut
+# into while streams decode (`prefill_chunk`): eager, such a step took 17-22 ms on an H200, its
+# launches, not its GEMMs, the most of it; graphed, 13 (BENCHMARKS.md, "A long row among short ones").
+PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512)
+# A new prompt of up to this many tokens is prefilled whole from a graph even where a stored
+# prefix would shorten it (its tail would cost about as much); a longer one continues the prefix.
+WHOLE_FROM_GRAPH = 256
 PREFILL_GRAPH_TOKENS = 8192
 CONTINUE_SPANS = (512, 2048, 8192)
 CONTINUE_GRAPH_TOKENS = 1024
@@ -893,7 +898,9 @@ class BatchedDecoder:
         # the logits of every prompt position: that prompt is prefilled whole.
         limit = 0 if sequence.prompt_logprobs is not None else len(sequence.prompt_ids) - 1
         prompt = sequence.prompt_ids
-        if self._padded_shape([(row, prompt, 0)], (), [slot.lora_index], [self._long_prompt(prompt)]):
+        if len(prompt) <= WHOLE_FROM_GRAPH and self._padded_shape(
+            [(row, prompt, 0)], (), [slot.lora_index], [self._long_prompt(prompt)]
+        ):
             # A new prompt this short is prefilled whole from a CUDA graph (24 tokens of Phi-2 on
             # an H200: 3 ms, the weights' read): its tail after a stored prefix would cost about
             # as much, so none is reused.
