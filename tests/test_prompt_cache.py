@@ -110,6 +110,44 @@ def test_the_store_never_exceeds_its_budget_and_evicts_the_least_recently_used()
     assert off.usage().entries == 0 and off.match([1, 2, 3], limit=2) == (0, [])
 
 
+class CheckedCache(PrefixCache):
+    """A store that checks each eviction against the whole tree: no leaf left in it was used
+    before the one that leaves (a parent is used whenever its children are, so the path a store
+    extends, used last, never beats it)."""
+
+    evicted: list[object]
+
+    def _forget(self, node) -> None:
+        self.evicted.append(node)
+        left = [leaf.used for leaf in self._leaves()]
+        assert not left or min(left) >= node.used
+        super()._forget(node)
+
+
+def test_eviction_takes_the_least_recently_used_leaf_among_many():
+    """Hundreds of entries that share prefixes, matched and stored in a random order under a
+    budget a fraction of them fit: every eviction is of the least recently used leaf (without a
+    walk of the tree for it), the bytes counted are the nodes' own, and an evicted entry lets go
+    of its tensors."""
+    import random
+
+    rng = random.Random(3)
+    cache = CheckedCache(budget_bytes=8 * 600)
+    cache.evicted = []
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 12))] for _ in range(12)]
+    for _ in range(600):
+        ids = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 20))]
+        if rng.random() < 0.3:
+            cache.match(ids, limit=len(ids))
+        else:
+            store(cache, ids)
+        assert cache.bytes <= cache.budget_bytes
+        assert cache.bytes == sum(node.nbytes for node in cache._nodes())
+        assert len(cache._candidates) <= max(cache._rebuild_at, 4 * sum(1 for _ in cache._leaves())) + 1
+    assert len(cache.evicted) > 100
+    assert all(node.k is None and node.v is None for node in cache.evicted)
+
+
 def test_common_prefix():
     assert common_prefix((1, 2, 3), (1, 2, 3)) == 3
     assert common_prefix((1, 2, 3), (1, 2)) == 2
