@@ -193,8 +193,6 @@ class PrefixCache:
         while node is not None:
             protected.add(id(node))
             node = node.parent
-        if len(self._candidates) > self._rebuild_at:
-            self._rebuild_candidates()
         spared = []  # protected leaves: candidates again after this store
         try:
             while self.bytes + nbytes > self.limit_bytes:
@@ -217,6 +215,10 @@ class PrefixCache:
 
     def _candidate(self, node: Node) -> None:
         heapq.heappush(self._candidates, (node.used, next(self._order), node))
+        # Rebuilt here, not where evictions happen: a cache that never fills still pushes an
+        # entry at every match of a leaf, and would keep them all.
+        if len(self._candidates) > self._rebuild_at:
+            self._rebuild_candidates()
 
     def _oldest_leaf(self) -> Node | None:
         """The least recently used leaf in the tree (taken off the candidates), or None."""

@@ -148,6 +148,19 @@ def test_eviction_takes_the_least_recently_used_leaf_among_many():
     assert all(node.k is None and node.v is None for node in cache.evicted)
 
 
+def test_a_cache_that_never_fills_keeps_its_eviction_candidates_bounded():
+    """Every match of a leaf queues it as an eviction candidate again; a cache with room to spare
+    never evicts, and still keeps that queue within a few entries a leaf (a server answering the
+    same prompt all day must not grow)."""
+    cache = PrefixCache(budget_bytes=1 << 30)
+    for n in range(3):
+        store(cache, [n, 1, 2, 3])
+    for _ in range(5000):
+        assert cache.match([1, 1, 2, 3], limit=4)[0] == 4
+    assert cache.usage().entries == 3
+    assert len(cache._candidates) <= cache._rebuild_at <= 64
+
+
 def test_common_prefix():
     assert common_prefix((1, 2, 3), (1, 2, 3)) == 3
     assert common_prefix((1, 2, 3), (1, 2)) == 2
