@@ -13,7 +13,8 @@ Sequences join and leave between steps. Each active sequence owns one row (rows 
 max_new_tokens, so a decode step is one pass over rows 0..b-1 for every live sequence at once,
 each at its own position, with its own sampling. New prompts are prefilled
 together, padded to the longest of like length, at most `prefill_chunk` tokens a step, so a
-long prompt does not stall the sequences already decoding for more than a chunk's time.
+long prompt does not stall the sequences already decoding for more than a chunk's time; on CUDA
+those pieces run on a stream of their own, beside the decode steps (`_step`).
 
 On CUDA a Phi block's decode step is cuBLAS's two GEMMs with Triton kernels between them
 (backends/triton_decode: attention over each row's live columns, rotary, GELU, the residual),
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from contextlib import nullcontext
 from functools import partial
 from typing import NamedTuple
 
@@ -590,6 +592,25 @@ class _Launch:
         self.sampled = sampled  # rows whose token the device samples (`_finish`)
 
 
+class _Prefill:
+    """Prompt pieces launched and not yet read: each pass's pieces (slot, ids, first position),
+    last-position logits and every-position logits; `beside`: launched before a decode step, to
+    be read once done (`_step`); on CUDA, `side` is the stream they run on, and `done` the event
+    that marks their end (on the CPU they are done once launched)."""
+
+    def __init__(self, side, beside: bool = False):
+        self.side = side
+        self.beside = beside
+        self.passes: list[tuple[list[tuple[_Slot, list[int], int]], torch.Tensor, dict]] = []
+        self.done: torch.cuda.Event | None = None
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def slots(self) -> list[_Slot]:
+        return [slot for group, _, _ in self.passes for slot, _, _ in group]
+
+
 class _Slot:
     def __init__(
         self,
@@ -646,13 +667,15 @@ class BatchedDecoder:
         context: int | None = None,
         draft_tokens: int = 0,
         prefill_graphs: bool | None = None,
+        overlap_prefill: bool | None = None,
     ):
         """`kv_cache_bytes`: on the CPU, the most bytes the KV cache may take (None: unbounded);
         `context`: the window served, if shorter than the weights' (a budget cut it);
         `draft_tokens`: the most prompt-lookup draft tokens a step verifies while one sequence
         decodes (0: none); `prefill_graphs`: prompt pieces padded to a graph's shape
         (`_prefill_padded`); None: with CUDA graphs and the fused step. Without CUDA graphs
-        (the CPU, in tests) the padded pass runs eagerly."""
+        (the CPU, in tests) the padded pass runs eagerly. `overlap_prefill`: prompt pieces run
+        on a CUDA stream of their own while decode steps run (None: on CUDA with graphs)."""
         self.weights = weights
         self.device = weights.device
         self.dtype = weights.embed.dtype
@@ -727,6 +750,13 @@ class BatchedDecoder:
         self._sampling_flip = 0
         self._inflight: _Launch | None = None
         self._stash: dict[int, int] | None = None
+        # Prompt pieces beside the decode steps: on CUDA with graphs, on a stream of their own
+        # (`_step`), their graphs in a memory pool of their own, as the two run at once.
+        self.overlap_prefill = self.use_graphs and on_cuda if overlap_prefill is None else overlap_prefill
+        self._side = torch.cuda.Stream(self.device) if self.overlap_prefill and on_cuda else None
+        self._prefilling: _Prefill | None = None
+        self._prefill_pool = None
+        self._prefill_capture: torch.cuda.Stream | None = None  # the stream their graphs are captured on
         self.logprobs: dict[int, StepLogprobs] = {}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
@@ -832,6 +862,7 @@ class BatchedDecoder:
         decoder for the worker, keeping the cache memory and the graphs)."""
         self._drain()
         self._stash = None
+        self._prefilling = None  # what it wrote is forgotten with its rows
         self.slots.clear()
         self.index.clear()
         self.lora.table.users = [0] * self.lora.size  # the adapters stay in their slots, unused
@@ -872,11 +903,20 @@ class BatchedDecoder:
             if index >= 0:
                 self.lora.release(index)
 
-    def _drain(self) -> None:
-        """Read a step still in flight before the slots change under it."""
+    def _drain(self, prefill: bool = True) -> None:
+        """Read a step still in flight before the slots change under it; with `prefill`, what
+        the device does next waits for prompt pieces still running beside the steps."""
         if self._inflight is not None:
             produced, self._inflight = self._collect(self._inflight), None
             self._stash = {**(self._stash or {}), **produced}
+        if prefill:
+            self._after_prefill()
+
+    def _after_prefill(self) -> None:
+        """The device's next work on this stream waits for the prompt pieces in flight (no wait
+        on the host): before their rows' pages or table rows change, or buffers that they read."""
+        if self._prefilling is not None and self._prefilling.side is not None:
+            torch.cuda.current_stream().wait_stream(self._prefilling.side)
 
     @torch.inference_mode()
     def add(self, sequence: Sequence) -> int:
@@ -963,7 +1003,18 @@ class BatchedDecoder:
         gone = [i for i in dict.fromkeys(sequence_ids) if i in self.index]
         if not gone:
             return
-        self._drain()
+        self._drain(prefill=False)
+        kept = len(self.slots) - len(gone)
+        if self._prefilling is not None:
+            # Pieces still running beside the steps write through their rows' tables: if one of
+            # those rows is freed or moves, the device's next work waits for them (the host
+            # does not). One whose sequences all left is not read.
+            rows = {self.index[slot.sequence.id] for slot in self._prefilling.slots() if slot.sequence.id in self.index}
+            leaving = {self.index[i] for i in gone}
+            if any(row in leaving or row >= kept for row in rows):
+                self._after_prefill()
+            if rows <= leaving:
+                self._prefilling = None
         for sequence_id in gone:
             row = self.index[sequence_id]
             slot = self.slots[row]
@@ -972,7 +1023,6 @@ class BatchedDecoder:
             if slot.lora_index >= 0:
                 self.lora.release(slot.lora_index)
         freed = {self.index.pop(sequence_id) for sequence_id in gone}
-        kept = len(self.slots) - len(freed)
         holes = sorted(row for row in freed if row < kept)
         movers = [row for row in range(kept, len(self.slots)) if row not in freed]  # as many as the holes
         self.kv.release(sorted(freed))  # what the cache keeps stays held
@@ -989,7 +1039,9 @@ class BatchedDecoder:
         whose prompt just finished), or for a sequence decoding alone the tokens of a verified
         draft (`_verify`). On CUDA, when every running sequence decodes greedily and no prompt
         waits, steps are chained: the next step is launched, fed its tokens on the device, before
-        this one's are read, so the GPU never waits for Python."""
+        this one's are read, so the GPU never waits for Python. Prompt pieces launched while
+        streams decode run beside the steps; a prompt's first token comes with the step that
+        finds its last piece done."""
         self.logprobs = {}
         verified = self._verify()
         if verified is not None:
@@ -1000,7 +1052,13 @@ class BatchedDecoder:
         """A step of prompt lookup, when one sequence decodes alone and its text offers a draft:
         its next input and the draft prefilled as one piece, and the longest prefix the model
         agrees with kept, with the model's own token after it. None: no draft this step."""
-        if self.draft_tokens <= 0 or len(self.slots) != 1 or self._stash is not None or self._inflight is not None:
+        if (
+            self.draft_tokens <= 0
+            or len(self.slots) != 1
+            or self._stash is not None
+            or self._inflight is not None
+            or self._prefilling is not None
+        ):
             return None
         slot = self.slots[0]
         if slot.lookup is None or slot.next_token is None:
@@ -1036,14 +1094,30 @@ class BatchedDecoder:
                 return produced
             produced, self._inflight = self._collect(self._inflight), None
             return produced
-        produced = self._prefill_some()
+        produced = {}
+        if self._prefilling is not None and self._prefilling.ready():
+            produced.update(self._end_prefill(self._prefilling))
+            self._prefilling = None
         decoding = [i for i, s in enumerate(self.slots) if s.next_token is not None and s.sequence.id not in produced]
+        if self._prefilling is None:
+            # While streams decode, prompt pieces run beside their steps (on CUDA, on a stream of
+            # their own: a 512-token piece of Phi-2 took 6 ms on an H200 and a 64-row decode step
+            # 5.6, one after the other 11.5; side by side, two steps of 7.8 ms ran while it took
+            # 15.8). Their first tokens come with the step in which they are found done.
+            launched = self._start_prefill(overlap=bool(decoding) and self.overlap_prefill)
+            if launched is not None and not launched.beside:
+                produced.update(self._end_prefill(launched))
+            else:
+                self._prefilling = launched
         if decoding:
             launched = self._launch(decoding)
             if self._can_chain(launched):
                 self._inflight = launched  # its tokens come with the next step
             else:
                 produced.update(self._collect(launched))
+        if self._prefilling is not None and (not decoding or self._prefilling.ready()):
+            produced.update(self._end_prefill(self._prefilling))  # nothing else to do meanwhile: wait
+            self._prefilling = None
         return produced
 
     def _can_chain(self, launched: _Launch) -> bool:
@@ -1111,9 +1185,11 @@ class BatchedDecoder:
 
     # -- prefill ---------------------------------------------------------------------------------
 
-    def _prefill_some(self) -> dict[int, int]:
-        """Process up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
-        length together in one padded pass (64 clients arriving at once: a few passes, not 64)."""
+    def _start_prefill(self, overlap: bool) -> _Prefill | None:
+        """Launch up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
+        length together in one padded pass (64 clients arriving at once: a few passes, not 64);
+        None if no prompt waits. With `overlap` (streams decode meanwhile), on the side stream:
+        the decode steps that follow run beside the passes instead of after them (`_step`)."""
         budget = self.prefill_chunk
         if self.use_graphs and not any(slot.next_token is not None for slot in self.slots):
             budget = max(budget, self.context)  # no stream waits on this step: whole prompts, one pass each
@@ -1132,6 +1208,8 @@ class BatchedDecoder:
                     break
                 parts.append((i, slot.sequence.prompt_ids[slot.cached : slot.cached + take], slot.cached))
                 budget -= take
+        if not parts:
+            return None
         groups: dict[tuple[bool, int], list] = {}
         for part in parts:  # padding to the longest in a group wastes at most half of it
             # New prompts apart from pieces that continue cached columns: those attend to more
@@ -1143,57 +1221,89 @@ class BatchedDecoder:
             # graphed passes of 256 rather than one eager pass).
             size = self._graph_rows(group)
             passes += [group[k : k + size] for k in range(0, len(group), size)] if size else [group]
+        side = self._side if overlap else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # the pages and tables as the host left them
+        launched = _Prefill(side, beside=overlap)
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            for group in passes:
+                scored = [r for r, (i, _, _) in enumerate(group) if self.slots[i].sequence.prompt_logprobs is not None]
+                logits, every = self._prefill(
+                    group,
+                    every_position=scored,
+                    long_rope=[self._long_prompt(self.slots[i].sequence.prompt_ids) for i, _, _ in group],
+                )
+                launched.passes.append(([(self.slots[i], ids, start) for i, ids, start in group], logits, every))
+            if side is not None:
+                launched.done = torch.cuda.Event()
+                launched.done.record(side)
+        return launched
+
+    def _end_prefill(self, launched: _Prefill) -> dict[int, int]:
+        """Read launched prompt pieces (waiting for them if need be): the prompts they finished
+        take their first tokens, and are stored in the prompt cache. Pieces whose sequence left
+        meanwhile are passed over."""
+        side = launched.side
+        if side is not None:
+            launched.done.synchronize()  # on an event: the GIL is free meanwhile
+            torch.cuda.current_stream().wait_stream(side)  # decode steps read what the pieces wrote
         produced = {}
-        for group in passes:
-            scored = [r for r, (i, _, _) in enumerate(group) if self.slots[i].sequence.prompt_logprobs is not None]
-            logits, every = self._prefill(
-                group,
-                every_position=scored,
-                long_rope=[self._long_prompt(self.slots[i].sequence.prompt_ids) for i, _, _ in group],
-            )
-            first = []  # (slot, row, its first token)
-            done = [
-                r
-                for r, (i, ids, start) in enumerate(group)
-                if start + len(ids) == len(self.slots[i].sequence.prompt_ids)
-            ]
-            tokens = logits[:, : self.weights.decodable].argmax(dim=-1)
-            # Rows that draw their tokens on the device (no grammar) draw the first one there too,
-            # from their seed and the last prompt position, as the decode steps draw the rest: a
-            # draw on the host cost a 35-token prompt's first token ~4 ms on an H200.
-            drawn = [
-                r for r in done if self.slots[group[r][0]].sampled and self.slots[group[r][0]].chooser.matcher is None
-            ]
-            if drawn:
-                rows = [group[r][0] for r in drawn]
-                _, *settings, flags = self._sampling_to_device(rows)
-                at = torch.tensor([len(self.slots[i].sequence.prompt_ids) - 1 for i in rows], device=self.device)
-                picked = torch.tensor(drawn, device=self.device)
-                scores = logits[picked, : self.weights.decodable]
-                tokens.index_copy_(0, picked, sample_on_device(scores, *settings, at, *flags))
-            greedy = tokens.tolist()
-            # The first tokens of the other prompts that did not finish greedy-plain are chosen
-            # together, read back with one wait (64 sampled prompts arriving at once: one wait, not 64).
-            chosen = [r for r in done if not self.slots[group[r][0]].chooser.plain and r not in drawn]
-            if chosen:
-                index = torch.tensor(chosen, device=logits.device)
-                for r, token in zip(
-                    chosen, choose_rows(logits[index], [self.slots[group[r][0]].chooser for r in chosen]), strict=False
-                ):
-                    greedy[r] = token
-            for r, ((i, ids, start), token) in enumerate(zip(group, greedy, strict=False)):
-                slot = self.slots[i]
-                if r in every:
-                    self._score_prompt(slot, every[r], start, len(ids))
-                slot.cached = start + len(ids)
-                if slot.cached == len(slot.sequence.prompt_ids):
-                    first.append((i, r, token))
-                    slot.next_token = token
-                    slot.generated.append(token)
-                    produced[slot.sequence.id] = token
-                    # Its prompt, for requests that arrive while it generates (its pages: no copy).
-                    self._store(i)
-            self._report(logits, first)
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            for group, logits, every in launched.passes:
+                produced.update(self._first_tokens(group, logits, every))
+        return produced
+
+    def _first_tokens(
+        self, group: list[tuple[_Slot, list[int], int]], logits: torch.Tensor, every: dict
+    ) -> dict[int, int]:
+        """After a pass over prompt pieces (slot, ids, first position): the slots' cache counts
+        move past them, and the prompts they finished take their first tokens from `logits`
+        (the pieces' last positions'); `every`: each position's logits, of the pieces whose
+        prompt logprobs were asked for."""
+        rows = {}  # the pass's row -> its slot's row now (rows move as sequences leave)
+        for r, (slot, _, _) in enumerate(group):
+            row = self.index.get(slot.sequence.id)
+            if row is not None and self.slots[row] is slot:
+                rows[r] = row
+        done = [r for r in rows if group[r][2] + len(group[r][1]) == len(group[r][0].sequence.prompt_ids)]
+        tokens = logits[:, : self.weights.decodable].argmax(dim=-1)
+        # Rows that draw their tokens on the device (no grammar) draw the first one there too,
+        # from their seed and the last prompt position, as the decode steps draw the rest: a
+        # draw on the host cost a 35-token prompt's first token ~4 ms on an H200.
+        drawn = [r for r in done if group[r][0].sampled and group[r][0].chooser.matcher is None]
+        if drawn:
+            slots = [rows[r] for r in drawn]
+            _, *settings, flags = self._sampling_to_device(slots)
+            at = torch.tensor([len(self.slots[i].sequence.prompt_ids) - 1 for i in slots], device=self.device)
+            picked = torch.tensor(drawn, device=self.device)
+            scores = logits[picked, : self.weights.decodable]
+            tokens.index_copy_(0, picked, sample_on_device(scores, *settings, at, *flags))
+        greedy = tokens.tolist()
+        # The first tokens of the other prompts that did not finish greedy-plain are chosen
+        # together, read back with one wait (64 sampled prompts arriving at once: one wait, not 64).
+        chosen = [r for r in done if not group[r][0].chooser.plain and r not in drawn]
+        if chosen:
+            index = torch.tensor(chosen, device=logits.device)
+            for r, token in zip(
+                chosen, choose_rows(logits[index], [group[r][0].chooser for r in chosen]), strict=False
+            ):
+                greedy[r] = token
+        first = []  # (slot, row, its first token)
+        produced = {}
+        for r, i in rows.items():
+            slot, ids, start = group[r]
+            token = greedy[r]
+            if r in every:
+                self._score_prompt(slot, every[r], start, len(ids))
+            slot.cached = start + len(ids)
+            if slot.cached == len(slot.sequence.prompt_ids):
+                first.append((i, r, token))
+                slot.next_token = token
+                slot.generated.append(token)
+                produced[slot.sequence.id] = token
+                # Its prompt, for requests that arrive while it generates (its pages: no copy).
+                self._store(i)
+        self._report(logits, first)
         return produced
 
     def _score_prompt(self, slot: _Slot, logits: torch.Tensor, start: int, length: int) -> None:
@@ -1335,16 +1445,19 @@ class BatchedDecoder:
         grid, index = self._padded_buffers()
         if self.use_graphs and (rows, length, span) not in self._padded_graphs:
             self._padded_graphs[rows, length, span] = self._capture_padded(rows, length, span)
-        host_grid = torch.zeros(2, rows, length, dtype=torch.long)
+        # Pinned: copied without a wait for the stream's work before it (the pinned allocator
+        # keeps the block until its copy has run), so the passes of one step queue at once.
+        pinned = self.device.type == "cuda"
+        host_grid = torch.zeros(2, rows, length, dtype=torch.long, pin_memory=pinned)
         host_grid[1] = self.scratch
-        host_index = torch.zeros(2, rows, dtype=torch.long)
+        host_index = torch.zeros(2, rows, dtype=torch.long, pin_memory=pinned)
         host_index[1] = -1  # padding rows: no token (the paged kernel reads none of their columns)
         for r, (slot, ids, start) in enumerate(parts):
             host_grid[0, r, : len(ids)] = torch.tensor(ids)
             host_grid[1, r] = torch.arange(start, start + length).clamp(max=self.scratch)
             host_index[:, r] = torch.tensor([slot, len(ids) - 1])
-        grid[:, :rows, :length].copy_(host_grid)
-        index[:, :rows].copy_(host_index)
+        grid[:, :rows, :length].copy_(host_grid, non_blocking=pinned)
+        index[:, :rows].copy_(host_index, non_blocking=pinned)
         if not self.use_graphs:
             return self._padded_pass(rows, length, span)[: len(parts)]
         graph, logits = self._padded_graphs[rows, length, span]
@@ -1381,7 +1494,7 @@ class BatchedDecoder:
         grid[0].zero_()
         grid[1].fill_(self.scratch)
         index.zero_()
-        return self._capture_graph(lambda: self._padded_pass(rows, length, span), warmups=1)
+        return self._capture_graph(lambda: self._padded_pass(rows, length, span), warmups=1, prefill=True)
 
     def _prefill_mask(self, positions: torch.Tensor, span: int, window: int | None = None) -> torch.Tensor:
         """The additive attention mask [n, 1, length, span] of pieces at `positions` [n, length]:
@@ -1808,9 +1921,11 @@ class BatchedDecoder:
         )
         return captured
 
-    def _capture_graph(self, run, warmups: int):
-        """(a CUDA graph of `run`, its output), in the graphs' shared memory pool; `run` runs
-        `warmups` times first, outside the capture, for its kernels and workspaces."""
+    def _capture_graph(self, run, warmups: int, prefill: bool = False):
+        """(a CUDA graph of `run`, its output), in the graphs' shared memory pool (the prefill
+        graphs in one of their own when they run beside the decode steps: graphs that share a
+        pool must not run at once); `run` runs `warmups` times first, outside the capture, for
+        its kernels and workspaces."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -1818,9 +1933,21 @@ class BatchedDecoder:
                 run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        apart = prefill and self._side is not None
+        if apart:
+            # Captured on a stream of their own as well: cuBLAS's workspace is the capturing
+            # stream's, and two graphs running at once must not share one.
+            if self._prefill_capture is None:
+                self._prefill_capture = torch.cuda.Stream(self.device)
+            capturing = torch.cuda.graph(graph, pool=self._prefill_pool, stream=self._prefill_capture)
+        else:
+            capturing = torch.cuda.graph(graph, pool=self._pool)
+        with capturing:
             out = run()
-        self._pool = graph.pool()
+        if apart:
+            self._prefill_pool = graph.pool()
+        else:
+            self._pool = graph.pool()
         return graph, out
 
     @torch.inference_mode()

@@ -96,6 +96,93 @@ def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_grap
         assert together[sequence.id] == out[sequence.id]
 
 
+def flat(steps) -> list:
+    """A sequence's logprob events as one list: each token's id, logprob and alternatives."""
+    scored = [t for step in steps for t in (*(step.prompt or ()), step.token)]
+    return [x for t in scored for x in (t.token, t.logprob, *(v for pair in t.top for v in pair))]
+
+
+@pytest.fixture
+def slow_prefill(monkeypatch):
+    """Prompt pieces launched beside the decode steps stay in flight for `hold` checks (a slow
+    device's: on the CPU they are done once launched), however many steps that takes."""
+    from backends import torch_decoder
+
+    held = {"hold": 4}
+    ready = torch_decoder._Prefill.ready
+
+    def slow(self):
+        self.checks = getattr(self, "checks", 0) + 1
+        return self.checks > held["hold"] and ready(self)
+
+    monkeypatch.setattr(torch_decoder._Prefill, "ready", slow)
+    return held
+
+
+def test_prompt_pieces_beside_decode_steps_leave_every_sequence_as_alone(torch_backend, slow_prefill):
+    """With prompt pieces run beside the decode steps (CUDA's second stream; held in flight here
+    for a few steps each), streams decode on while a prompt is prefilled, its first token comes
+    with the step that finds its last piece done, and every sequence decodes as alone: greedy,
+    seeded, with prompt logprobs, and when a stream leaves, which moves the prompt's row while
+    its piece runs."""
+    weights = torch_backend.decoder_weights
+    long = torch_backend.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 4))
+    sequences = [
+        Sequence(0, torch_backend.encode("Once upon"), Sampling(), 30),
+        Sequence(1, torch_backend.encode("Hello world"), Sampling(temperature=0.9, seed=3), 30),
+        Sequence(2, long, Sampling(), 12),
+        Sequence(
+            3, torch_backend.encode("Alice: How are you today?\nBob:"), Sampling(), 10, logprobs=2, prompt_logprobs=2
+        ),
+        Sequence(4, torch_backend.encode("zq"), Sampling(temperature=1.2, seed=8), 20, logprobs=1),
+    ]
+    decoder = BatchedDecoder(weights, 4, prefill_chunk=8, overlap_prefill=True)
+    beside = []  # steps that gave streams tokens while pieces were still in flight
+
+    def watch(step, tokens):
+        if decoder._prefilling is not None and tokens:
+            beside.append(step)
+
+    out = drive(decoder, sequences, arrive_at={2: 2, 3: 5, 4: 9}, stop_after={0: 6}, on_tokens=watch)
+    assert len(beside) >= 6
+    assert len(out.ids[0]) == 6
+    for sequence in sequences[1:]:
+        single = drive(BatchedDecoder(weights, 1), [sequence])
+        assert out.ids[sequence.id] == single.ids[sequence.id], sequence.id
+        if sequence.logprobs is not None:  # the same tokens scored, to float32's rounding
+            assert flat(out.logprobs[sequence.id]) == pytest.approx(flat(single.logprobs[sequence.id]), abs=1e-4)
+    assert not decoder.slots and decoder._prefilling is None
+
+
+def test_a_sequence_that_leaves_while_its_prompt_pieces_run_disturbs_no_other(torch_backend, slow_prefill):
+    weights = torch_backend.decoder_weights
+    stream = Sequence(1, torch_backend.encode("Once upon"), Sampling(), 24)
+    leaving = Sequence(2, torch_backend.encode("The quick brown fox jumps over the lazy dog. " * 3), Sampling(), 8)
+    after = Sequence(3, torch_backend.encode("Hello world"), Sampling(), 10)
+    decoder = BatchedDecoder(weights, 2, prefill_chunk=8, overlap_prefill=True)
+    ids: dict[int, list[int]] = {1: [], 3: []}
+
+    def step():
+        for seq_id, tokens in decoder.step().items():
+            ids[seq_id] += tokens
+        decoder.remove(*[s.sequence.id for s in decoder.slots if len(s.generated) >= s.sequence.max_new_tokens])
+
+    decoder.add(stream)
+    while not ids[1]:
+        step()
+    decoder.add(leaving)
+    for _ in range(2):
+        step()  # the stream decodes while the other's first piece runs
+    assert decoder._prefilling is not None and len(ids[1]) == 3
+    decoder.remove(2)
+    assert decoder._prefilling is None  # its pieces are not read: nobody waits for them
+    decoder.add(after)  # takes the pages the leaver gave back
+    while decoder.slots:
+        step()
+    assert ids[1] == drive(BatchedDecoder(weights, 1), [stream]).ids[1]
+    assert ids[3] == drive(BatchedDecoder(weights, 1), [after]).ids[3]
+
+
 @pytest.mark.parametrize("cut", [(5, 12), (150, 170)])  # the second after the cache has grown
 def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_backend, cut):
     # Removing slot 1 of 4 moves the last sequence into it: its cache must move intact.
