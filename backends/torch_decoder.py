@@ -753,6 +753,8 @@ class BatchedDecoder:
         # Prompt pieces beside the decode steps: on CUDA with graphs, on a stream of their own
         # (`_step`), their graphs in a memory pool of their own, as the two run at once.
         self.overlap_prefill = self.use_graphs and on_cuda if overlap_prefill is None else overlap_prefill
+        # The most prompt tokens launched beside the steps at once (`_start_prefill`).
+        self.overlap_budget = max(self.prefill_chunk, min(self.context, PREFILL_GRAPH_TOKENS))
         self._side = torch.cuda.Stream(self.device) if self.overlap_prefill and on_cuda else None
         self._prefilling: _Prefill | None = None
         self._prefill_pool = None
@@ -1188,12 +1190,18 @@ class BatchedDecoder:
     def _start_prefill(self, overlap: bool) -> _Prefill | None:
         """Launch up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
         length together in one padded pass (64 clients arriving at once: a few passes, not 64);
-        None if no prompt waits. With `overlap` (streams decode meanwhile), on the side stream:
-        the decode steps that follow run beside the passes instead of after them (`_step`)."""
-        budget = self.prefill_chunk
-        if self.use_graphs and not any(slot.next_token is not None for slot in self.slots):
+        None if no prompt waits. With `overlap` (streams decode meanwhile), on the side stream,
+        where the decode steps that follow run beside the passes instead of after them
+        (`_step`): then up to `overlap_budget` tokens, in pieces of `prefill_chunk`, one after
+        another (a piece read by the side stream's idle time between steps cost an arriving
+        1,052-token prompt a step's wait for each of its three pieces)."""
+        budget, piece = self.prefill_chunk, None
+        if overlap:
+            budget, piece = self.overlap_budget, self.prefill_chunk
+        elif self.use_graphs and not any(slot.next_token is not None for slot in self.slots):
             budget = max(budget, self.context)  # no stream waits on this step: whole prompts, one pass each
         parts = []  # (slot, the prompt ids to process now, their first position)
+        order = []  # each part's place among its slot's pieces
         for i, slot in enumerate(self.slots):
             if budget <= 0:
                 break
@@ -1206,17 +1214,22 @@ class BatchedDecoder:
                     # pieces after cached columns were graphed, an eager one: at 512 clients
                     # on an H200 the eager passes were a quarter of the worker's time).
                     break
-                parts.append((i, slot.sequence.prompt_ids[slot.cached : slot.cached + take], slot.cached))
+                for k, at in enumerate(range(slot.cached, slot.cached + take, piece or take)):
+                    end = min(at + (piece or take), slot.cached + take)
+                    parts.append((i, slot.sequence.prompt_ids[at:end], at))
+                    order.append(k)
                 budget -= take
         if not parts:
             return None
-        groups: dict[tuple[bool, int], list] = {}
-        for part in parts:  # padding to the longest in a group wastes at most half of it
+        groups: dict[tuple[int, bool, int], list] = {}
+        for k, part in zip(order, parts, strict=True):  # padding to the longest in a group wastes at most half of it
             # New prompts apart from pieces that continue cached columns: those attend to more
-            # columns, through a mask, which new ones need not.
-            groups.setdefault((part[2] == 0, len(part[1]).bit_length()), []).append(part)
+            # columns, through a mask, which new ones need not. A prompt's later pieces in
+            # passes after its earlier ones': they attend to what those write.
+            groups.setdefault((k, part[2] == 0, len(part[1]).bit_length()), []).append(part)
         passes = []
-        for group in groups.values():
+        for key in sorted(groups, key=lambda key: key[0]):
+            group = groups[key]
             # In as many rows as one prefill graph takes (512 new prompts arriving at once: two
             # graphed passes of 256 rather than one eager pass).
             size = self._graph_rows(group)

@@ -138,13 +138,16 @@ def test_prompt_pieces_beside_decode_steps_leave_every_sequence_as_alone(torch_b
     ]
     decoder = BatchedDecoder(weights, 4, prefill_chunk=8, overlap_prefill=True)
     beside = []  # steps that gave streams tokens while pieces were still in flight
+    launched = []  # the passes of each launch seen in flight
 
     def watch(step, tokens):
         if decoder._prefilling is not None and tokens:
             beside.append(step)
+            launched.append(len(decoder._prefilling.passes))
 
     out = drive(decoder, sequences, arrive_at={2: 2, 3: 5, 4: 9}, stop_after={0: 6}, on_tokens=watch)
     assert len(beside) >= 6
+    assert max(launched) >= len(long) // 8  # a prompt's pieces launched together, one after another
     assert len(out.ids[0]) == 6
     for sequence in sequences[1:]:
         single = drive(BatchedDecoder(weights, 1), [sequence])
