@@ -119,7 +119,8 @@ def slow_prefill(monkeypatch):
     return held
 
 
-def test_prompt_pieces_beside_decode_steps_leave_every_sequence_as_alone(torch_backend, slow_prefill):
+@pytest.mark.parametrize("padded", [False, True])  # eager pieces; padded to a graph's shape, as on CUDA
+def test_prompt_pieces_beside_decode_steps_leave_every_sequence_as_alone(torch_backend, slow_prefill, padded):
     """With prompt pieces run beside the decode steps (CUDA's second stream; held in flight here
     for a few steps each), streams decode on while a prompt is prefilled, its first token comes
     with the step that finds its last piece done, and every sequence decodes as alone: greedy,
@@ -136,7 +137,7 @@ def test_prompt_pieces_beside_decode_steps_leave_every_sequence_as_alone(torch_b
         ),
         Sequence(4, torch_backend.encode("zq"), Sampling(temperature=1.2, seed=8), 20, logprobs=1),
     ]
-    decoder = BatchedDecoder(weights, 4, prefill_chunk=8, overlap_prefill=True)
+    decoder = BatchedDecoder(weights, 4, prefill_chunk=8, overlap_prefill=True, prefill_graphs=padded)
     beside = []  # steps that gave streams tokens while pieces were still in flight
     launched = []  # the passes of each launch seen in flight
 
@@ -148,6 +149,7 @@ def test_prompt_pieces_beside_decode_steps_leave_every_sequence_as_alone(torch_b
     out = drive(decoder, sequences, arrive_at={2: 2, 3: 5, 4: 9}, stop_after={0: 6}, on_tokens=watch)
     assert len(beside) >= 6
     assert max(launched) >= len(long) // 8  # a prompt's pieces launched together, one after another
+    assert (decoder._padded_inputs is not None) == padded
     assert len(out.ids[0]) == 6
     for sequence in sequences[1:]:
         single = drive(BatchedDecoder(weights, 1), [sequence])
