@@ -23,7 +23,7 @@ chained on the device (sampled rows drawn there too), so the GPU does not wait f
 between them. The other families, quantized weights, and CUDA without Triton take the step in
 torch ops (`decode_block`, compiled on CUDA by default), one graph per (batch, attention-length)
 bucket. On the CPU that step runs eagerly and the cache's pool grows and shrinks with what its
-sequences hold.
+sequences hold; a step's one prompt piece goes through the decode step's own pass (`_mixed_step`).
 
 While one sequence decodes alone, a step may verify a prompt-lookup draft instead
 (`draft_tokens`, backends/prompt_lookup): its next input and the draft go through the prefill
@@ -531,15 +531,22 @@ def decode_block(
     k_pool[:, page, offset] = k.transpose(0, 1)
     v_pool[:, page, offset] = v.transpose(0, 1)
     gather = gather or (lambda pages: (k_pool.index_select(1, pages), v_pool.index_select(1, pages)))
-    if groups is None:
-        attention = decode_attention(q, gather, table[: x.shape[0]], bias, shape)
-    else:
-        attention = q.new_empty(x.shape[0], shape.heads * shape.head_dim)
-        kv_heads, batch, full = shape.kv_heads, x.shape[0], bias.shape[-1]
-        for index, span in groups:
-            group_bias = bias.view(kv_heads, batch, 1, full)[:, index, :, :span].reshape(-1, 1, span)
-            attention[index] = decode_attention(q[index], gather, table[index], group_bias, shape)
+    attention = grouped_decode_attention(q, gather, table, bias, shape, groups)
     return mlp_and_residual(x, attention, y, block, shape, lora)
+
+
+def grouped_decode_attention(q, gather, table, bias, shape: Shape, groups=None) -> torch.Tensor:
+    """`decode_attention` of rows 0..b-1 (q [b, heads, head_dim]), all at once or, with
+    `groups`, in groups of like reach (each attending to its own longest reach only)."""
+    batch = q.shape[0]
+    if groups is None:
+        return decode_attention(q, gather, table[:batch], bias, shape)
+    attention = q.new_empty(batch, shape.heads * shape.head_dim)
+    kv_heads, full = shape.kv_heads, bias.shape[-1]
+    for index, span in groups:
+        group_bias = bias.view(kv_heads, batch, 1, full)[:, index, :, :span].reshape(-1, 1, span)
+        attention[index] = decode_attention(q[index], gather, table[index], group_bias, shape)
+    return attention
 
 
 def decode_attention(q, gather, table, bias, shape: Shape) -> torch.Tensor:
@@ -590,6 +597,7 @@ class _Launch:
         self.batch = batch
         self.masked = masked  # rows whose token the device chooses under their grammar's mask (`_finish`)
         self.sampled = sampled  # rows whose token the device samples (`_finish`)
+        self.piece_logits: torch.Tensor | None = None  # a prompt piece's, prefilled in the same pass (`_mixed_step`)
 
 
 class _Prefill:
@@ -1106,17 +1114,26 @@ class BatchedDecoder:
             # their own: a 512-token piece of Phi-2 took 6 ms on an H200 and a 64-row decode step
             # 5.6, one after the other 11.5; side by side, two steps of 7.8 ms ran while it took
             # 15.8). Their first tokens come with the step in which they are found done.
-            launched = self._start_prefill(overlap=bool(decoding) and self.overlap_prefill)
-            if launched is not None and not launched.beside:
-                produced.update(self._end_prefill(launched))
-            else:
-                self._prefilling = launched
+            overlap = bool(decoding) and self.overlap_prefill
+            passes = self._prefill_passes(overlap)
+            piece = self._fusable(passes) if decoding and not overlap else None
+            if piece is None and passes:
+                launched = self._start_prefill(passes, overlap)
+                if launched.beside:
+                    self._prefilling = launched
+                else:
+                    produced.update(self._end_prefill(launched))
+        else:
+            piece = None
         if decoding:
-            launched = self._launch(decoding)
+            launched = self._launch(decoding, piece=piece)
             if self._can_chain(launched):
                 self._inflight = launched  # its tokens come with the next step
             else:
                 produced.update(self._collect(launched))
+            if piece is not None:  # prefilled in the step's own pass (`_mixed_step`)
+                slot, ids, start = piece
+                produced.update(self._first_tokens([(self.slots[slot], ids, start)], launched.piece_logits, {}))
         if self._prefilling is not None and (not decoding or self._prefilling.ready()):
             produced.update(self._end_prefill(self._prefilling))  # nothing else to do meanwhile: wait
             self._prefilling = None
@@ -1187,8 +1204,9 @@ class BatchedDecoder:
 
     # -- prefill ---------------------------------------------------------------------------------
 
-    def _start_prefill(self, overlap: bool) -> _Prefill | None:
-        """Launch up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
+    def _prefill_passes(self, overlap: bool) -> list[list[tuple[int, list[int], int]]]:
+        """The passes of prompt pieces (slot, ids, first position) to launch now (`_start_prefill`):
+        up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
         length together in one padded pass (64 clients arriving at once: a few passes, not 64);
         None if no prompt waits. With `overlap` (streams decode meanwhile), on the side stream,
         where the decode steps that follow run beside the passes instead of after them
@@ -1220,7 +1238,7 @@ class BatchedDecoder:
                     order.append(k)
                 budget -= take
         if not parts:
-            return None
+            return []
         groups: dict[tuple[int, bool, int], list] = {}
         for k, part in zip(order, parts, strict=True):  # padding to the longest in a group wastes at most half of it
             # New prompts apart from pieces that continue cached columns: those attend to more
@@ -1234,6 +1252,10 @@ class BatchedDecoder:
             # graphed passes of 256 rather than one eager pass).
             size = self._graph_rows(group)
             passes += [group[k : k + size] for k in range(0, len(group), size)] if size else [group]
+        return passes
+
+    def _start_prefill(self, passes: list[list[tuple[int, list[int], int]]], overlap: bool) -> _Prefill:
+        """Launch `passes` (`_prefill_passes`), on the side stream with `overlap`."""
         side = self._side if overlap else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())  # the pages and tables as the host left them
@@ -1614,11 +1636,15 @@ class BatchedDecoder:
 
     # -- decode ----------------------------------------------------------------------------------
 
-    def _launch(self, rows: list[int], chained: bool = False, finish: bool = True) -> _Launch:
+    def _launch(
+        self, rows: list[int], chained: bool = False, finish: bool = True, piece: tuple | None = None
+    ) -> _Launch:
         """Start a decode step for the slots in `rows` (their inputs from the host, or, chained,
         from the previous step on the device). The other rows up to the batch bucket idle: they
         write to the cache's last column, which no sequence uses, and their output is dropped.
-        Unless `finish`, the caller `_finish`es it (when its masks are known)."""
+        Unless `finish`, the caller `_finish`es it (when its masks are known). `piece`: a prompt
+        piece (slot, ids, first position) prefilled in the same pass (`_fusable`), its last
+        position's logits in the launch's `piece_logits`."""
         ahead = 1 if chained else 0  # a chained step's inputs sit one position past the slots' own count
         longest = max(self.slots[i].cached for i in rows) + 1 + ahead
         batch = bucket(len(self.slots), BATCH_BUCKETS) if self.use_graphs else len(self.slots)
@@ -1638,7 +1664,13 @@ class BatchedDecoder:
             self.inputs[:, :batch].copy_(
                 self._host_inputs[:, :batch], non_blocking=True
             )  # tokens, positions, advance, adapter
-        logits, greedy = self._replay(batch, span, lora) if self.use_graphs else self._decode_step(batch, span, lora)
+        piece_logits = None
+        if piece is not None:
+            logits, greedy, piece_logits = self._mixed_step(batch, span, piece)
+        elif self.use_graphs:
+            logits, greedy = self._replay(batch, span, lora)
+        else:
+            logits, greedy = self._decode_step(batch, span, lora)
         masked = [i for i in rows if self.slots[i].masked]
         launched = _Launch(
             rows,
@@ -1649,6 +1681,7 @@ class BatchedDecoder:
             masked,
             [i for i in rows if self.slots[i].sampled and not self.slots[i].masked],
         )
+        launched.piece_logits = piece_logits
         if finish:
             self._finish(launched)
         return launched
@@ -1795,16 +1828,7 @@ class BatchedDecoder:
         rows = torch.arange(batch, device=self.device)
         x = w.embed[tokens]  # [b, hidden]
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        columns = torch.arange(span, device=self.device)[None, :]
-        biases = {}  # window -> the columns each row may not see, per key-value head
-        for window in set(w.arch.windows):
-            visible = columns <= positions[:, None]
-            if window is not None:
-                visible &= columns > positions[:, None] - window
-            visible[:, 0] |= ~visible.any(dim=-1)  # see `_prefill_mask`
-            bias = torch.zeros(batch, span, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-            kv_heads = w.arch.kv_heads
-            biases[window] = bias[None, :, None, :].expand(kv_heads, batch, 1, span).reshape(kv_heads * batch, 1, span)
+        biases = self._decode_biases(positions, span)
         adapted = self._lora_layers(self.inputs[3, :batch]) if lora else {}
         # Eager and not compiled: groups and the kept gather buffers (python state a graph or
         # torch.compile would not follow).
@@ -1830,6 +1854,94 @@ class BatchedDecoder:
             )
         logits = self._logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
+
+    def _decode_biases(self, positions: torch.Tensor, span: int) -> dict:
+        """For decode rows at `positions` [b]: per sliding window (None: none), the columns
+        0..span-1 each row may not see, per key-value head ([kv_heads * b, 1, span])."""
+        batch, kv_heads = positions.shape[0], self.weights.arch.kv_heads
+        columns = torch.arange(span, device=self.device)[None, :]
+        biases = {}
+        for window in set(self.weights.arch.windows):
+            visible = columns <= positions[:, None]
+            if window is not None:
+                visible &= columns > positions[:, None] - window
+            visible[:, 0] |= ~visible.any(dim=-1)  # see `_prefill_mask`
+            bias = torch.zeros(batch, span, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            biases[window] = bias[None, :, None, :].expand(kv_heads, batch, 1, span).reshape(kv_heads * batch, 1, span)
+        return biases
+
+    def _fusable(self, passes: list[list[tuple[int, list[int], int]]]) -> tuple[int, list[int], int] | None:
+        """The one prompt piece (slot, ids, first position) of a step that its decode step's pass
+        takes along (`_mixed_step`), or None. On the CPU, eager and plain: a step that prefilled a
+        64-token piece and then decoded 4 rows read the weights twice (659 + 231 ms of random
+        Phi-2 in bfloat16 on 2 AMX cores), where one pass over both is about the piece's alone.
+        Not with adapters, prompt logprobs or longrope's long factors (their passes differ)."""
+        if self.use_graphs or self.fused or self._layer is not decode_block:
+            return None
+        if len(passes) != 1 or len(passes[0]) != 1:
+            return None
+        slot, ids, start = passes[0][0]
+        sequence = self.slots[slot].sequence
+        if sequence.prompt_logprobs is not None or self._long_prompt(sequence.prompt_ids):
+            return None
+        if any(s.lora_index >= 0 for s in self.slots):
+            return None
+        return slot, ids, start
+
+    @torch.inference_mode()
+    def _mixed_step(self, batch: int, span: int, piece: tuple[int, list[int], int]):
+        """One eager pass for a decode step (rows 0..batch-1, as `_decode_step`) and one prompt
+        piece (slot, ids, first position) together: every GEMM over the step's rows and the
+        piece's tokens at once, attention apart (the rows in groups of like reach, the piece
+        causally over its slot's columns). Returns the rows' logits and greedy tokens, and the
+        piece's last position's logits ([1, vocab])."""
+        w, shape = self.weights, self._shape
+        slot, ids, start = piece
+        tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
+        rows = torch.arange(batch, device=self.device)
+        piece_positions = torch.arange(start, start + len(ids), device=self.device)
+        x = w.embed[torch.cat((tokens, torch.tensor(ids, device=self.device)))]  # [b + length, hidden]
+        at = torch.cat((positions, piece_positions))
+        cos, sin = self.cos[at][:, None, :], self.sin[at][:, None, :]
+        biases = self._decode_biases(positions, span)
+        groups = self._reach_groups(batch)
+        # The piece's attention as a padded prefill's (`_gathered_attention`): its slot's columns
+        # up to its end, through a causal mask.
+        reach = min(-(-(start + len(ids)) // 8) * 8, self.context + 1)
+        placed = _Placement(
+            torch.tensor([slot], device=self.device),
+            piece_positions[None, :],
+            reach,
+            self._prefill_mask(piece_positions[None, :], reach),
+        )
+        masks = {}
+        for layer, block in enumerate(w.layers):
+            h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+            y = linear(h, block.w_in, block.b_in)
+            q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [b + length, heads, head_dim]
+            rope_(q, cos, sin, shape.rotary_dim)
+            rope_(k, cos, sin, shape.rotary_dim)
+            k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
+            page, offset = self.kv.table[rows, positions // PAGE], positions % PAGE
+            k_pool[:, page, offset] = k[:batch].transpose(0, 1)
+            v_pool[:, page, offset] = v[:batch].transpose(0, 1)
+            self.kv.write(layer, placed.slots, piece_positions, k[batch:], v[batch:])
+            attention = torch.cat(
+                (
+                    grouped_decode_attention(
+                        q[:batch],
+                        partial(self.kv.gathered, layer),
+                        self.kv.table,
+                        biases[w.arch.windows[layer]],
+                        shape,
+                        groups,
+                    ),
+                    self._gathered_attention(layer, q[None, batch:], placed, masks)[0],
+                )
+            )
+            x = mlp_and_residual(x, attention, y, block, shape, None)
+        logits = self._logits(x[:batch])
+        return logits, logits[:, : w.decodable].argmax(dim=-1), self._logits(x[-1:])
 
     def _fused_step(self, batch: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step: cuBLAS for the GEMMs of a block (two for Phi, four for the others),

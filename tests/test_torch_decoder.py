@@ -96,6 +96,38 @@ def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_grap
         assert together[sequence.id] == out[sequence.id]
 
 
+def test_a_prompt_piece_rides_along_in_the_decode_steps_pass(torch_backend, monkeypatch):
+    """On the CPU a step's one prompt piece is prefilled in its decode step's own pass
+    (`_mixed_step`: the weights read once for both), and every sequence still decodes as alone:
+    greedy, seeded, with logprobs, its prompt finishing in such a step or not."""
+    pieces = []
+    original = BatchedDecoder._mixed_step
+
+    def counted(self, batch, span, piece):
+        pieces.append(len(piece[1]))
+        return original(self, batch, span, piece)
+
+    monkeypatch.setattr(BatchedDecoder, "_mixed_step", counted)
+    weights = torch_backend.decoder_weights
+    long = torch_backend.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 4))
+    sequences = [
+        Sequence(0, torch_backend.encode("Once upon"), Sampling(), 30),
+        Sequence(1, torch_backend.encode("Hello world"), Sampling(temperature=0.9, seed=3), 30, logprobs=2),
+        Sequence(2, long, Sampling(), 10),
+        Sequence(3, torch_backend.encode("zq"), Sampling(temperature=1.2, seed=8), 10),
+    ]
+    out = drive(BatchedDecoder(weights, 4, prefill_chunk=8), sequences, arrive_at={2: 2, 3: 3})
+    assert len(pieces) >= len(long) // 8 - 1 and max(pieces) == 8
+    for sequence in sequences:
+        single = drive(BatchedDecoder(weights, 1), [sequence])
+        assert out.ids[sequence.id] == single.ids[sequence.id], sequence.id
+    assert flat(out.logprobs[1]) == pytest.approx(flat(single_logprobs(weights, sequences[1])), abs=1e-4)
+
+
+def single_logprobs(weights, sequence):
+    return drive(BatchedDecoder(weights, 1), [sequence]).logprobs[sequence.id]
+
+
 def flat(steps) -> list:
     """A sequence's logprob events as one list: each token's id, logprob and alternatives."""
     scored = [t for step in steps for t in (*(step.prompt or ()), step.token)]
