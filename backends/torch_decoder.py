@@ -1109,6 +1109,7 @@ class BatchedDecoder:
             produced.update(self._end_prefill(self._prefilling))
             self._prefilling = None
         decoding = [i for i, s in enumerate(self.slots) if s.next_token is not None and s.sequence.id not in produced]
+        piece = None  # a prompt piece that the decode step's own pass takes along (`_fusable`)
         if self._prefilling is None:
             # While streams decode, prompt pieces run beside their steps (on CUDA, on a stream of
             # their own: a 512-token piece of Phi-2 took 6 ms on an H200 and a 64-row decode step
@@ -1123,8 +1124,6 @@ class BatchedDecoder:
                     self._prefilling = launched
                 else:
                     produced.update(self._end_prefill(launched))
-        else:
-            piece = None
         if decoding:
             launched = self._launch(decoding, piece=piece)
             if self._can_chain(launched):
@@ -1208,7 +1207,7 @@ class BatchedDecoder:
         """The passes of prompt pieces (slot, ids, first position) to launch now (`_start_prefill`):
         up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
         length together in one padded pass (64 clients arriving at once: a few passes, not 64);
-        None if no prompt waits. With `overlap` (streams decode meanwhile), on the side stream,
+        none if no prompt waits. With `overlap` (streams decode meanwhile), on the side stream,
         where the decode steps that follow run beside the passes instead of after them
         (`_step`): then up to `overlap_budget` tokens, in pieces of `prefill_chunk`, one after
         another (a piece read by the side stream's idle time between steps cost an arriving
@@ -1902,6 +1901,7 @@ class BatchedDecoder:
         piece_positions = torch.arange(start, start + len(ids), device=self.device)
         x = w.embed[torch.cat((tokens, torch.tensor(ids, device=self.device)))]  # [b + length, hidden]
         at = torch.cat((positions, piece_positions))
+        owners = torch.cat((rows, torch.full((len(ids),), slot, device=self.device)))  # each token's cache row
         cos, sin = self.cos[at][:, None, :], self.sin[at][:, None, :]
         biases = self._decode_biases(positions, span)
         groups = self._reach_groups(batch)
@@ -1921,11 +1921,7 @@ class BatchedDecoder:
             q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [b + length, heads, head_dim]
             rope_(q, cos, sin, shape.rotary_dim)
             rope_(k, cos, sin, shape.rotary_dim)
-            k_pool, v_pool = self.kv.k[layer], self.kv.v[layer]
-            page, offset = self.kv.table[rows, positions // PAGE], positions % PAGE
-            k_pool[:, page, offset] = k[:batch].transpose(0, 1)
-            v_pool[:, page, offset] = v[:batch].transpose(0, 1)
-            self.kv.write(layer, placed.slots, piece_positions, k[batch:], v[batch:])
+            self.kv.write(layer, owners, at, k, v)
             attention = torch.cat(
                 (
                     grouped_decode_attention(
