@@ -33,6 +33,7 @@ are written over by the next step, as a padded prefill's are. Measurements: BENC
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 from contextlib import nullcontext
@@ -597,7 +598,7 @@ class _Launch:
         self.batch = batch
         self.masked = masked  # rows whose token the device chooses under their grammar's mask (`_finish`)
         self.sampled = sampled  # rows whose token the device samples (`_finish`)
-        self.piece_logits: torch.Tensor | None = None  # a prompt piece's, prefilled in the same pass (`_mixed_step`)
+        self.piece_logits: torch.Tensor | None = None  # prompt pieces', prefilled in the same pass (`_mixed_step`)
 
 
 class _Prefill:
@@ -627,8 +628,10 @@ class _Slot:
         lora_index: int,
         device_sampling: bool = False,
         draft_tokens: int = 0,
+        arrival: int = 0,
     ):
         self.sequence = sequence
+        self.arrival = arrival  # when it joined, counted by the decoder (rows move as others leave)
         self.chooser = chooser
         self.lora_index = lora_index  # its adapter's slot in the decoder's FusedLoraSlots; -1: the base model
         self.cached = 0  # tokens in the cache: the prompt as far as prefilled, then the generated ones fed back
@@ -703,6 +706,7 @@ class BatchedDecoder:
             self.cos_long, self.sin_long = self.weights.long_rotary_tables(self.context + 1, self.dtype)
         self.slots: list[_Slot] = []
         self.index: dict[int, int] = {}  # sequence id -> slot
+        self._arrivals = itertools.count()  # each slot's arrival, in the order they join
         self.rows = bucket(max_batch, BATCH_BUCKETS) if self.use_graphs else max_batch
         # The KV cache: pages of PAGE positions from one pool, a table of each row's pages
         # (backends/kv_pages). A row takes the pages of its prompt and max_new_tokens when it
@@ -942,6 +946,7 @@ class BatchedDecoder:
             self._place(sequence.adapter),
             device_sampling=self.fused and self.use_graphs,
             draft_tokens=self.draft_tokens,
+            arrival=next(self._arrivals),
         )
         # A stored prefix goes straight into the slot's rows (at least the last prompt token is
         # left to prefill: the first sampled token needs fresh logits). Prompt logprobs need
@@ -1109,7 +1114,7 @@ class BatchedDecoder:
             produced.update(self._end_prefill(self._prefilling))
             self._prefilling = None
         decoding = [i for i, s in enumerate(self.slots) if s.next_token is not None and s.sequence.id not in produced]
-        piece = None  # a prompt piece that the decode step's own pass takes along (`_fusable`)
+        pieces = None  # prompt pieces that the decode step's own pass takes along (`_fusable`)
         if self._prefilling is None:
             # While streams decode, prompt pieces run beside their steps (on CUDA, on a stream of
             # their own: a 512-token piece of Phi-2 took 6 ms on an H200 and a 64-row decode step
@@ -1117,26 +1122,30 @@ class BatchedDecoder:
             # 15.8). Their first tokens come with the step in which they are found done.
             overlap = bool(decoding) and self.overlap_prefill
             passes = self._prefill_passes(overlap)
-            piece = self._fusable(passes) if decoding and not overlap else None
-            if piece is None and passes:
+            pieces = self._fusable(passes, bool(decoding)) if not overlap else None
+            if pieces is None and passes:
                 launched = self._start_prefill(passes, overlap)
                 if launched.beside:
                     self._prefilling = launched
                 else:
                     produced.update(self._end_prefill(launched))
+            elif pieces and not decoding:  # several passes' pieces, and no rows: one pass for them
+                produced.update(self._first_tokens(self._slots_of(pieces), self._mixed_step(0, 0, pieces)[2], {}))
         if decoding:
-            launched = self._launch(decoding, piece=piece)
+            launched = self._launch(decoding, pieces=pieces)
             if self._can_chain(launched):
                 self._inflight = launched  # its tokens come with the next step
             else:
                 produced.update(self._collect(launched))
-            if piece is not None:  # prefilled in the step's own pass (`_mixed_step`)
-                slot, ids, start = piece
-                produced.update(self._first_tokens([(self.slots[slot], ids, start)], launched.piece_logits, {}))
+            if pieces:  # prefilled in the step's own pass (`_mixed_step`)
+                produced.update(self._first_tokens(self._slots_of(pieces), launched.piece_logits, {}))
         if self._prefilling is not None and (not decoding or self._prefilling.ready()):
             produced.update(self._end_prefill(self._prefilling))  # nothing else to do meanwhile: wait
             self._prefilling = None
         return produced
+
+    def _slots_of(self, pieces: list[tuple[int, list[int], int]]) -> list[tuple[_Slot, list[int], int]]:
+        return [(self.slots[i], ids, start) for i, ids, start in pieces]
 
     def _can_chain(self, launched: _Launch) -> bool:
         return (
@@ -1205,7 +1214,7 @@ class BatchedDecoder:
 
     def _prefill_passes(self, overlap: bool) -> list[list[tuple[int, list[int], int]]]:
         """The passes of prompt pieces (slot, ids, first position) to launch now (`_start_prefill`):
-        up to `prefill_chunk` prompt tokens, oldest request first, prompts of like
+        up to `prefill_chunk` prompt tokens (shared as `_prefill_takes` says), prompts of like
         length together in one padded pass (64 clients arriving at once: a few passes, not 64);
         none if no prompt waits. With `overlap` (streams decode meanwhile), on the side stream,
         where the decode steps that follow run beside the passes instead of after them
@@ -1219,23 +1228,12 @@ class BatchedDecoder:
             budget = max(budget, self.context)  # no stream waits on this step: whole prompts, one pass each
         parts = []  # (slot, the prompt ids to process now, their first position)
         order = []  # each part's place among its slot's pieces
-        for i, slot in enumerate(self.slots):
-            if budget <= 0:
-                break
-            if slot.next_token is None:
-                rest = len(slot.sequence.prompt_ids) - slot.cached
-                take = min(rest, budget)
-                if take < rest and parts and self.prefill_graphs and slot.cached == 0 and rest <= PREFILL_LENGTHS[-1]:
-                    # A new prompt that a graph prefills whole waits for the next step rather
-                    # than be cut: its second piece would be a pass of its own (and before
-                    # pieces after cached columns were graphed, an eager one: at 512 clients
-                    # on an H200 the eager passes were a quarter of the worker's time).
-                    break
-                for k, at in enumerate(range(slot.cached, slot.cached + take, piece or take)):
-                    end = min(at + (piece or take), slot.cached + take)
-                    parts.append((i, slot.sequence.prompt_ids[at:end], at))
-                    order.append(k)
-                budget -= take
+        for i, take in self._prefill_takes(budget).items():
+            slot = self.slots[i]
+            for k, at in enumerate(range(slot.cached, slot.cached + take, piece or take)):
+                end = min(at + (piece or take), slot.cached + take)
+                parts.append((i, slot.sequence.prompt_ids[at:end], at))
+                order.append(k)
         if not parts:
             return []
         groups: dict[tuple[int, bool, int], list] = {}
@@ -1252,6 +1250,42 @@ class BatchedDecoder:
             size = self._graph_rows(group)
             passes += [group[k : k + size] for k in range(0, len(group), size)] if size else [group]
         return passes
+
+    def _prefill_takes(self, budget: int) -> dict[int, int]:
+        """How many prompt tokens each waiting slot prefills this step, within `budget`: with
+        others waiting, the oldest prompt takes up to half of it first; then the prompts with the
+        fewest tokens left take what remains, fewest first (like ones in arrival order). A short
+        prompt that arrives behind a long one waits a step or two, not for all of the long one's
+        pieces (on the CPU, 64 tokens a step, 4 short prompts behind a 2,032-token one waited
+        ~30 s for their first tokens); the oldest still gets at least half of every step's
+        budget, so prompts that keep arriving cannot hold it back, and like prompts arriving
+        together are prefilled first come, first served."""
+        waiting = sorted(
+            (i for i, slot in enumerate(self.slots) if slot.next_token is None), key=lambda i: self.slots[i].arrival
+        )
+        rest = {i: len(self.slots[i].sequence.prompt_ids) - self.slots[i].cached for i in waiting}
+
+        def whole(i: int) -> bool:
+            # A new prompt that a graph prefills whole is not cut: its second piece would be a
+            # pass of its own (and before pieces after cached columns were graphed, an eager
+            # one: at 512 clients on an H200 the eager passes were a quarter of the worker's time).
+            return self.prefill_graphs and self.slots[i].cached == 0 and rest[i] <= PREFILL_LENGTHS[-1]
+
+        takes = {}
+        if len(waiting) > 1:
+            oldest = waiting[0]
+            takes[oldest] = rest[oldest] if whole(oldest) and rest[oldest] <= budget else min(rest[oldest], budget // 2)
+            budget -= takes[oldest]
+        for i in sorted(waiting, key=lambda i: rest[i] - takes.get(i, 0)):  # a stable sort: arrival order among like
+            left = rest[i] - takes.get(i, 0)
+            if budget <= 0:
+                break
+            if not left or (left > budget and takes and whole(i)):
+                continue  # (a prompt cut short waits for a later step)
+            take = min(left, budget)
+            takes[i] = takes.get(i, 0) + take
+            budget -= take
+        return {i: take for i, take in takes.items() if take}
 
     def _start_prefill(self, passes: list[list[tuple[int, list[int], int]]], overlap: bool) -> _Prefill:
         """Launch `passes` (`_prefill_passes`), on the side stream with `overlap`."""
@@ -1636,14 +1670,14 @@ class BatchedDecoder:
     # -- decode ----------------------------------------------------------------------------------
 
     def _launch(
-        self, rows: list[int], chained: bool = False, finish: bool = True, piece: tuple | None = None
+        self, rows: list[int], chained: bool = False, finish: bool = True, pieces: list | None = None
     ) -> _Launch:
         """Start a decode step for the slots in `rows` (their inputs from the host, or, chained,
         from the previous step on the device). The other rows up to the batch bucket idle: they
         write to the cache's last column, which no sequence uses, and their output is dropped.
-        Unless `finish`, the caller `_finish`es it (when its masks are known). `piece`: a prompt
-        piece (slot, ids, first position) prefilled in the same pass (`_fusable`), its last
-        position's logits in the launch's `piece_logits`."""
+        Unless `finish`, the caller `_finish`es it (when its masks are known). `pieces`: prompt
+        pieces (slot, ids, first position) prefilled in the same pass (`_fusable`), their last
+        positions' logits in the launch's `piece_logits`."""
         ahead = 1 if chained else 0  # a chained step's inputs sit one position past the slots' own count
         longest = max(self.slots[i].cached for i in rows) + 1 + ahead
         batch = bucket(len(self.slots), BATCH_BUCKETS) if self.use_graphs else len(self.slots)
@@ -1664,8 +1698,8 @@ class BatchedDecoder:
                 self._host_inputs[:, :batch], non_blocking=True
             )  # tokens, positions, advance, adapter
         piece_logits = None
-        if piece is not None:
-            logits, greedy, piece_logits = self._mixed_step(batch, span, piece)
+        if pieces:
+            logits, greedy, piece_logits = self._mixed_step(batch, span, pieces)
         elif self.use_graphs:
             logits, greedy = self._replay(batch, span, lora)
         else:
@@ -1869,75 +1903,91 @@ class BatchedDecoder:
             biases[window] = bias[None, :, None, :].expand(kv_heads, batch, 1, span).reshape(kv_heads * batch, 1, span)
         return biases
 
-    def _fusable(self, passes: list[list[tuple[int, list[int], int]]]) -> tuple[int, list[int], int] | None:
-        """The one prompt piece (slot, ids, first position) of a step that its decode step's pass
-        takes along (`_mixed_step`), or None. On the CPU, eager and plain: a step that prefilled a
-        64-token piece and then decoded 4 rows read the weights twice (659 + 231 ms of random
-        Phi-2 in bfloat16 on 2 AMX cores), where one pass over both is about the piece's alone.
-        Not with adapters, prompt logprobs or longrope's long factors (their passes differ)."""
-        if self.use_graphs or self.fused or self._layer is not decode_block:
+    def _fusable(self, passes: list[list[tuple[int, list[int], int]]], decoding: bool) -> list | None:
+        """The prompt pieces (slot, ids, first position) of a step that go through one pass with
+        its decode rows (`_mixed_step`), or None. On the CPU, eager and plain: a step that
+        prefilled a 64-token piece and then decoded 4 rows read the weights twice (659 + 231 ms
+        of random Phi-2 in bfloat16 on 2 AMX cores), where one pass over both is about the
+        piece's alone. With no row decoding, only pieces that would take several passes (a
+        long prompt's next piece and short prompts sharing the step, `_prefill_takes`). Not
+        with adapters, prompt logprobs or longrope's long factors (their passes differ)."""
+        if self.use_graphs or self.fused or self.prefill_graphs or self._layer is not decode_block:
+            return None  # (prefill_graphs: CUDA's padded passes, which tests run on the CPU too)
+        if not passes or not (decoding or len(passes) > 1):
             return None
-        if len(passes) != 1 or len(passes[0]) != 1:
+        pieces = [part for group in passes for part in group]
+        if len({slot for slot, _, _ in pieces}) < len(pieces):  # a slot's later pieces read its earlier ones'
             return None
-        slot, ids, start = passes[0][0]
-        sequence = self.slots[slot].sequence
-        if sequence.prompt_logprobs is not None or self._long_prompt(sequence.prompt_ids):
-            return None
+        for slot, _, _ in pieces:
+            sequence = self.slots[slot].sequence
+            if sequence.prompt_logprobs is not None or self._long_prompt(sequence.prompt_ids):
+                return None
         if any(s.lora_index >= 0 for s in self.slots):
             return None
-        return slot, ids, start
+        return pieces
 
     @torch.inference_mode()
-    def _mixed_step(self, batch: int, span: int, piece: tuple[int, list[int], int]):
-        """One eager pass for a decode step (rows 0..batch-1, as `_decode_step`) and one prompt
-        piece (slot, ids, first position) together: every GEMM over the step's rows and the
-        piece's tokens at once, attention apart (the rows in groups of like reach, the piece
-        causally over its slot's columns). Returns the rows' logits and greedy tokens, and the
-        piece's last position's logits ([1, vocab])."""
+    def _mixed_step(self, batch: int, span: int, pieces: list[tuple[int, list[int], int]]):
+        """One eager pass for a decode step (rows 0..batch-1, as `_decode_step`; none if batch is
+        0) and prompt pieces (slot, ids, first position) together: every GEMM over the step's
+        rows and the pieces' tokens at once, attention apart (the rows in groups of like reach,
+        each piece causally over its slot's columns). Returns the rows' logits and greedy tokens
+        (None without rows), and the logits of each piece's last position ([pieces, vocab])."""
         w, shape = self.weights, self._shape
-        slot, ids, start = piece
+        ids = [token for _, piece, _ in pieces for token in piece]
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         rows = torch.arange(batch, device=self.device)
-        piece_positions = torch.arange(start, start + len(ids), device=self.device)
-        x = w.embed[torch.cat((tokens, torch.tensor(ids, device=self.device)))]  # [b + length, hidden]
+        starts = torch.tensor([start for _, _, start in pieces])
+        lengths = torch.tensor([len(piece) for _, piece, _ in pieces])
+        # Each piece token's position: its piece's start plus its place in the piece.
+        offsets = torch.arange(len(ids)) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
+        piece_positions = (starts.repeat_interleave(lengths) + offsets).to(self.device)
+        slots = torch.tensor([slot for slot, _, _ in pieces]).repeat_interleave(lengths).to(self.device)
+        x = w.embed[torch.cat((tokens, torch.tensor(ids, device=self.device)))]  # [b + tokens, hidden]
         at = torch.cat((positions, piece_positions))
-        owners = torch.cat((rows, torch.full((len(ids),), slot, device=self.device)))  # each token's cache row
+        owners = torch.cat((rows, slots))  # each token's cache row
         cos, sin = self.cos[at][:, None, :], self.sin[at][:, None, :]
-        biases = self._decode_biases(positions, span)
-        groups = self._reach_groups(batch)
-        # The piece's attention as a padded prefill's (`_gathered_attention`): its slot's columns
-        # up to its end, through a causal mask.
-        reach = min(-(-(start + len(ids)) // 8) * 8, self.context + 1)
-        placed = _Placement(
-            torch.tensor([slot], device=self.device),
-            piece_positions[None, :],
-            reach,
-            self._prefill_mask(piece_positions[None, :], reach),
-        )
-        masks = {}
+        biases = self._decode_biases(positions, span) if batch else {}
+        groups = self._reach_groups(batch) if batch else None
+        # Each piece's attention as a padded prefill's (`_gathered_attention`): its slot's
+        # columns up to its end, through a causal mask (each piece's sliding-window variants
+        # made once a pass, in its own dict).
+        placed, bounds, end = [], [], batch
+        for slot, piece, start in pieces:
+            at_piece = torch.arange(start, start + len(piece), device=self.device)[None, :]
+            reach = min(-(-(start + len(piece)) // 8) * 8, self.context + 1)
+            placed.append(
+                (
+                    _Placement(
+                        torch.tensor([slot], device=self.device), at_piece, reach, self._prefill_mask(at_piece, reach)
+                    ),
+                    {},
+                )
+            )
+            bounds.append((end, end + len(piece)))
+            end += len(piece)
         for layer, block in enumerate(w.layers):
             h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
             y = linear(h, block.w_in, block.b_in)
-            q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [b + length, heads, head_dim]
+            q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [b + tokens, heads, head_dim]
             rope_(q, cos, sin, shape.rotary_dim)
             rope_(k, cos, sin, shape.rotary_dim)
             self.kv.write(layer, owners, at, k, v)
-            attention = torch.cat(
-                (
-                    grouped_decode_attention(
-                        q[:batch],
-                        partial(self.kv.gathered, layer),
-                        self.kv.table,
-                        biases[w.arch.windows[layer]],
-                        shape,
-                        groups,
-                    ),
-                    self._gathered_attention(layer, q[None, batch:], placed, masks)[0],
-                )
-            )
-            x = mlp_and_residual(x, attention, y, block, shape, None)
+            parts = [
+                self._gathered_attention(layer, q[None, lo:hi], where, masks)[0]
+                for (where, masks), (lo, hi) in zip(placed, bounds, strict=True)
+            ]
+            if batch:
+                gather = partial(self.kv.gathered, layer)
+                bias = biases[w.arch.windows[layer]]
+                parts.insert(0, grouped_decode_attention(q[:batch], gather, self.kv.table, bias, shape, groups))
+            x = mlp_and_residual(x, torch.cat(parts), y, block, shape, None)
+        last = torch.tensor([hi - 1 for _, hi in bounds], device=self.device)
+        piece_logits = self._logits(x[last])
+        if not batch:
+            return None, None, piece_logits
         logits = self._logits(x[:batch])
-        return logits, logits[:, : w.decodable].argmax(dim=-1), self._logits(x[-1:])
+        return logits, logits[:, : w.decodable].argmax(dim=-1), piece_logits
 
     def _fused_step(self, batch: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step: cuBLAS for the GEMMs of a block (two for Phi, four for the others),

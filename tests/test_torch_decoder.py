@@ -3,6 +3,8 @@ decodes exactly as it would alone, whoever joins or leaves, however long its pro
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from backends import Sampling, Sequence
@@ -103,9 +105,9 @@ def test_a_prompt_piece_rides_along_in_the_decode_steps_pass(torch_backend, monk
     pieces = []
     original = BatchedDecoder._mixed_step
 
-    def counted(self, batch, span, piece):
-        pieces.append(len(piece[1]))
-        return original(self, batch, span, piece)
+    def counted(self, batch, span, fused):
+        pieces.extend(len(ids) for _, ids, _ in fused)
+        return original(self, batch, span, fused)
 
     monkeypatch.setattr(BatchedDecoder, "_mixed_step", counted)
     weights = torch_backend.decoder_weights
@@ -123,6 +125,69 @@ def test_a_prompt_piece_rides_along_in_the_decode_steps_pass(torch_backend, monk
         assert out.ids[sequence.id] == single.ids[sequence.id], sequence.id
         if sequence.logprobs is not None:
             assert flat(out.logprobs[sequence.id]) == pytest.approx(flat(single.logprobs[sequence.id]), abs=1e-4)
+
+
+def test_short_prompts_arriving_behind_a_long_one_share_the_step_budget(torch_backend, monkeypatch):
+    """A step's prompt budget goes first to half for the oldest waiting prompt, then to the
+    prompts with the fewest tokens left (`_prefill_takes`): short prompts arriving behind a long
+    one get their first tokens within a few steps, not after all of its pieces; the long one
+    still gets half of every step's budget; a step's several pieces go through one pass, with
+    decode rows or none (`_mixed_step`); every sequence decodes as alone."""
+    passes = []  # each fused pass: (decode rows, its pieces' lengths)
+    original = BatchedDecoder._mixed_step
+
+    def counted(self, batch, span, fused):
+        passes.append((batch, [len(ids) for _, ids, _ in fused]))
+        return original(self, batch, span, fused)
+
+    monkeypatch.setattr(BatchedDecoder, "_mixed_step", counted)
+    weights = torch_backend.decoder_weights
+    long = torch_backend.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 14))
+    short = ["Once upon", "Hello world", "zq", "def f(x):\n"]
+    sequences = [Sequence(0, long, Sampling(), 6)] + [
+        Sequence(i + 1, torch_backend.encode(p), Sampling(temperature=0.9, seed=i) if i % 2 else Sampling(), 12)
+        for i, p in enumerate(short)
+    ]
+    sequences[2] = dataclasses.replace(sequences[2], logprobs=2)
+    chunk = 16
+    assert len(long) > 6 * chunk and all(len(s.prompt_ids) <= chunk // 2 for s in sequences[1:])
+    first: dict[int, int] = {}  # each sequence's step of its first token
+
+    def record(step, tokens):
+        for seq_id in tokens:
+            first.setdefault(seq_id, step)
+
+    out = drive(
+        BatchedDecoder(weights, 5, prefill_chunk=chunk), sequences, arrive_at={1: 1, 2: 1, 3: 2, 4: 2}, on_tokens=record
+    )
+    # The short ones arrive at steps 1-2 and are through within a step or two of it (half the
+    # budget beside the long one's half); oldest first, they would have waited for the long
+    # prompt's last piece.
+    assert all(first[i] <= 3 for i in range(1, 5)), first
+    # The long one: its whole budget alone (step 0), at least half of it since.
+    assert first[0] <= 1 + -(-(len(long) - chunk) // (chunk // 2)), (first[0], len(long))
+    assert any(batch == 0 and len(lengths) > 1 for batch, lengths in passes)  # pieces together, no row decoding
+    assert any(batch > 0 and len(lengths) > 1 for batch, lengths in passes)  # pieces together, with rows
+    for sequence in sequences:
+        single = drive(BatchedDecoder(weights, 1), [sequence])
+        assert out.ids[sequence.id] == single.ids[sequence.id], sequence.id
+        if sequence.logprobs is not None:
+            assert flat(out.logprobs[sequence.id]) == pytest.approx(flat(single.logprobs[sequence.id]), abs=1e-4)
+
+
+def test_like_prompts_arriving_together_are_prefilled_first_come_first_served(torch_backend):
+    """Prompts of one length arriving together go in arrival order, each through its whole
+    prompt before the next starts (shared out, all of them would wait for the last piece)."""
+    weights = torch_backend.decoder_weights
+    prompt = torch_backend.encode("The quick brown fox jumps over the lazy dog. " * 2)
+    sequences = [Sequence(i, prompt, Sampling(), 3) for i in range(3)]
+    first: dict[int, int] = {}
+    drive(
+        BatchedDecoder(weights, 3, prefill_chunk=len(prompt) // 2 + 1),
+        sequences,
+        on_tokens=lambda step, tokens: [first.setdefault(i, step) for i in tokens],
+    )
+    assert first[0] < first[1] < first[2], first
 
 
 def flat(steps) -> list:
