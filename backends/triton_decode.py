@@ -9,8 +9,10 @@ mask. Here each family's block is its GEMMs with these between them:
    the new k and v written to the cache at the row's position (split 0 of the first query head
    of each key-value head), and an online softmax over the split's share of the row's live
    columns: 0..position-1, or its sliding window's (flash-decoding: at batch 1 the heads alone
-   would leave most of the GPU idle, so each row's columns are split up to 16 ways). A query
-   head reads the key-value head it shares (GQA).
+   would leave most of the GPU idle, so each row's columns are split up to 16 ways). With
+   grouped heads (GQA) and at least `GROUPED_FROM_KV_HEADS` key-value heads,
+   `_attention_split_grouped` instead: a program per key-value head takes the query heads that
+   share it together, through tensor-core products.
 2. `_attention_combine`: the splits and the new token itself -> the attention output; for a
    parallel block (Phi) also GELU of fc1 and x + the out bias, laid out for its one out GEMM.
 3. Sequential blocks (Llama, Mistral, Qwen2/3, Phi-3): `_rms_norm` before each of their two
@@ -74,6 +76,12 @@ def _paged_columns(
 
 
 @triton.jit
+def _row_splits(live, first, fill, split_columns, SPLITS: tl.constexpr):
+    """How many of the grid's SPLITS a row's columns first..live-1 go to (`_attention_split`)."""
+    return tl.minimum(tl.maximum(fill, tl.cdiv(live - first, split_columns)), SPLITS)
+
+
+@triton.jit
 def _attention_split(
     y_ptr,
     stride_y,
@@ -117,8 +125,9 @@ def _attention_split(
 
     A row's columns go to `fill` splits, or to one per `split_columns` where that is more (at most
     SPLITS, the grid's): a long row among short ones is read by as many programs as its length
-    asks, not by one per head that the whole step waits for. Splits past a row's own write an
-    empty part."""
+    asks, not by one per head that the whole step waits for. Splits past a row's own do nothing
+    (the grid's splits are for the longest row a table may hold: at 256 rows of a 32k-context
+    model, 16 a head, where a row of 300 columns takes 2)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,11 +143,6 @@ def _attention_split(
     base = y_ptr + row * stride_y
     cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
-    q = (
-        _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
-        .to(dtype)
-        .to(tl.float32)
-    )
     cache = kv_head * stride_head
     pages = table_ptr + row * stride_table
     if split == 0:
@@ -150,28 +154,142 @@ def _attention_split(
             tl.store(k_ptr + at + d, k, mask=d_ok)
             v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
             tl.store(v_ptr + at + d, v, mask=d_ok)
-    splits = tl.minimum(tl.maximum(fill, tl.cdiv(live - first, split_columns)), SPLITS)
-    chunk = tl.cdiv(tl.cdiv(live - first, splits), BLOCK_N) * BLOCK_N
-    start = first + split * chunk
-    end = tl.minimum(start + chunk, live)
-    best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
-    total = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
-    acc = tl.zeros([D_PAD], dtype=tl.float32)
-    for begin in range(start, end, BLOCK_N):
-        offsets = begin + tl.arange(0, BLOCK_N)
-        ok = offsets < end
-        keys, values = _paged_columns(k_ptr, v_ptr, pages, cache, offsets, ok, d, d_ok, stride_page, HEAD_DIM, PAGE)
-        scores = tl.where(ok, tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, axis=0))
-        p = tl.exp(scores - new_best)
-        alpha = tl.exp(best - new_best)
-        acc = acc * alpha + tl.sum(p[:, None] * values.to(tl.float32), axis=0)
-        total = total * alpha + tl.sum(p, axis=0)
-        best = new_best
-    out = part_ptr + ((row * tl.num_programs(1) + head) * SPLITS + split) * (D_PAD + 2)
-    tl.store(out + d, acc)
-    tl.store(out + D_PAD, best)
-    tl.store(out + D_PAD + 1, total)
+    splits = _row_splits(live, first, fill, split_columns, SPLITS)
+    if split < splits:  # past the row's splits: nothing to read, and `_attention_combine` reads no part
+        q = (
+            _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+            .to(dtype)
+            .to(tl.float32)
+        )
+        chunk = tl.cdiv(tl.cdiv(live - first, splits), BLOCK_N) * BLOCK_N
+        start = first + split * chunk
+        end = tl.minimum(start + chunk, live)
+        best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
+        total = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
+        acc = tl.zeros([D_PAD], dtype=tl.float32)
+        for begin in range(start, end, BLOCK_N):
+            offsets = begin + tl.arange(0, BLOCK_N)
+            ok = offsets < end
+            keys, values = _paged_columns(k_ptr, v_ptr, pages, cache, offsets, ok, d, d_ok, stride_page, HEAD_DIM, PAGE)
+            scores = tl.where(ok, tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=0))
+            p = tl.exp(scores - new_best)
+            alpha = tl.exp(best - new_best)
+            acc = acc * alpha + tl.sum(p[:, None] * values.to(tl.float32), axis=0)
+            total = total * alpha + tl.sum(p, axis=0)
+            best = new_best
+        out = part_ptr + ((row * tl.num_programs(1) + head) * SPLITS + split) * (D_PAD + 2)
+        tl.store(out + d, acc)
+        tl.store(out + D_PAD, best)
+        tl.store(out + D_PAD + 1, total)
+
+
+@triton.jit
+def _attention_split_grouped(
+    y_ptr,
+    stride_y,
+    cos_ptr,
+    sin_ptr,
+    stride_rot,
+    pos_ptr,
+    active_ptr,
+    k_ptr,
+    v_ptr,
+    stride_head,
+    stride_page,
+    table_ptr,
+    stride_table,
+    part_ptr,
+    scale,
+    window,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    fill,
+    split_columns,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    PAGE: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """`_attention_split` for grouped heads (GQA): one program per (row, key-value head,
+    split) for the GROUP query heads that share it, as a [G_PAD, D_PAD] tile, so each page of
+    keys and values is read once for all of them (not once per query head), and the scores and
+    the weighted values are tensor-core products (tl.dot). Its part rows are the query heads',
+    as `_attention_split` writes them, for `_attention_combine`. The weights p are rounded to
+    the model's dtype for the values' product, as transformers' eager attention rounds its
+    softmax."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    position = tl.load(pos_ptr + row)
+    live = position * tl.load(active_ptr + row)  # idle rows attend to no cached column
+    first = tl.where(window > 0, tl.maximum(live - window + 1, 0), 0)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    rotated = d < ROT
+    partner = tl.where(rotated, (d + ROT // 2) % ROT, d)
+    dtype = y_ptr.dtype.element_ty
+    base = y_ptr + row * stride_y
+    cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
+    cache = kv_head * stride_head
+    pages = table_ptr + row * stride_table
+    if split == 0:
+        k = _head(
+            base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM
+        ).to(dtype)
+        at = cache + tl.load(pages + position // PAGE).to(tl.int64) * stride_page + (position % PAGE) * HEAD_DIM
+        tl.store(k_ptr + at + d, k, mask=d_ok)
+        v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
+        tl.store(v_ptr + at + d, v, mask=d_ok)
+    splits = _row_splits(live, first, fill, split_columns, SPLITS)
+    if split < splits:  # (as `_attention_split`)
+        g = tl.arange(0, G_PAD)
+        g_ok = g < GROUP
+        heads = kv_head * GROUP + g
+        both = g_ok[:, None] & d_ok[None, :]
+        x = tl.load(base + heads[:, None] * HEAD_DIM + d[None, :], mask=both, other=0.0)
+        p = tl.load(base + heads[:, None] * HEAD_DIM + partner[None, :], mask=both, other=0.0)
+        if QK_NORM:  # as `_head`, a row per query head
+            xf = x.to(tl.float32)
+            inverse = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
+            w = tl.load(q_norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+            wp = tl.load(q_norm_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)
+            x = ((xf * inverse[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
+            p = ((p.to(tl.float32) * inverse[:, None]).to(dtype).to(tl.float32) * wp[None, :]).to(dtype)
+        q = (x.to(tl.float32) * cos[None, :] + p.to(tl.float32) * sin[None, :]).to(dtype)
+        chunk = tl.cdiv(tl.cdiv(live - first, splits), BLOCK_N) * BLOCK_N
+        start = first + split * chunk
+        end = tl.minimum(start + chunk, live)
+        best = tl.full([G_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        for begin in range(start, end, BLOCK_N):
+            offsets = begin + tl.arange(0, BLOCK_N)
+            ok = offsets < end
+            keys, values = _paged_columns(k_ptr, v_ptr, pages, cache, offsets, ok, d, d_ok, stride_page, HEAD_DIM, PAGE)
+            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            weights = tl.exp(scores - new_best[:, None])
+            alpha = tl.exp(best - new_best)
+            acc = acc * alpha[:, None] + tl.dot(weights.to(dtype), values, input_precision=PRECISION)
+            total = total * alpha + tl.sum(weights, axis=1)
+            best = new_best
+        out = part_ptr + ((row * HEADS + heads) * SPLITS + split) * (D_PAD + 2)
+        tl.store(out[:, None] + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(out + D_PAD, best, mask=g_ok)
+        tl.store(out + D_PAD + 1, total, mask=g_ok)
 
 
 @triton.jit
@@ -389,6 +507,10 @@ def _attention_combine(
     sin_ptr,
     stride_rot,
     pos_ptr,
+    active_ptr,
+    window,
+    fill,
+    split_columns,
     part_ptr,
     scale,
     mixed_ptr,
@@ -447,7 +569,9 @@ def _attention_combine(
         total = best * 0.0 + 1.0
         acc = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0).to(tl.float32)
         parts = part_ptr + (row * HEADS + head) * SPLITS * (D_PAD + 2)
-        for split in range(SPLITS):
+        live = position * tl.load(active_ptr + row)
+        first = tl.where(window > 0, tl.maximum(live - window + 1, 0), 0)
+        for split in range(_row_splits(live, first, fill, split_columns, SPLITS)):  # the parts written
             part = parts + split * (D_PAD + 2)
             split_best = tl.load(part + D_PAD)
             split_total = tl.load(part + D_PAD + 1)
@@ -619,6 +743,15 @@ ATTENTION = {
     "split_columns": 256,
     "max_programs": 65536,
 }
+# Launch shape of `_attention_split_grouped` (grouped heads), measured on an H200 with
+# Llama-3.2-1B's and Qwen2.5-1.5B's heads (BENCHMARKS.md): per layer at 256 rows x 300 columns
+# 88.4 -> 49.7 us and 84.1 -> 30.3 us against a program per query head.
+GROUPED_ATTENTION = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}
+# Models with fewer key-value heads keep a program per query head: with Qwen2.5-1.5B's 2 the
+# grouped step was faster in process (255 rows: 5.15 -> 3.44 ms) but its server slower over
+# HTTP in every pairing (64 clients 20.6-21.0k tok/s against 21.9-22.9k); Llama-3.2-1B's 8
+# gained there too (64 clients 20.3k -> 26.1k, 256: 26.1k -> 38.4k). Why is not known yet.
+GROUPED_FROM_KV_HEADS = 4
 
 
 def fill_splits(rows: int, heads: int) -> int:
@@ -674,6 +807,7 @@ def attention(
     d_pad = triton.next_power_of_2(heads.head_dim)
     parts = torch.empty(rows, heads.heads, splits, d_pad + 2, dtype=torch.float32, device=y.device)
     scale = heads.head_dim**-0.5
+    fill = fill_splits(rows, heads.heads)
     q_w, k_w, qk_norm = _norm_args(q_norm, k_norm, y)
     common = dict(
         Q_SIZE=heads.q_size,
@@ -684,7 +818,7 @@ def attention(
         D_PAD=d_pad,
         QK_NORM=qk_norm,
     )
-    _attention_split[(rows, heads.heads, splits)](
+    args = (
         y,
         y.stride(0),
         cos,
@@ -701,14 +835,29 @@ def attention(
         q_w,
         k_w,
         heads.eps,
-        fill_splits(rows, heads.heads),
+        fill,
         ATTENTION["split_columns"],
-        BLOCK_N=ATTENTION["BLOCK_N"],
-        SPLITS=splits,
-        PAGE=PAGE,
-        num_warps=_attention_warps(rows),
-        **common,
     )
+    if heads.group > 1 and heads.kv_heads >= GROUPED_FROM_KV_HEADS:
+        _attention_split_grouped[(rows, heads.kv_heads, splits)](
+            *args,
+            SPLITS=splits,
+            PAGE=PAGE,
+            G_PAD=max(16, triton.next_power_of_2(heads.group)),  # tl.dot's least rows
+            HEADS=heads.heads,
+            PRECISION="ieee" if y.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
+            **GROUPED_ATTENTION,
+            **common,
+        )
+    else:
+        _attention_split[(rows, heads.heads, splits)](
+            *args,
+            BLOCK_N=ATTENTION["BLOCK_N"],
+            SPLITS=splits,
+            PAGE=PAGE,
+            num_warps=_attention_warps(rows),
+            **common,
+        )
     parallel = x is not None
     hidden = x.shape[1] if parallel else 0
     mixed = torch.empty(rows, heads.q_size + (inner if parallel else 0), dtype=y.dtype, device=y.device)
@@ -722,6 +871,10 @@ def attention(
         sin,
         cos.stride(0),
         positions,
+        active,
+        window or 0,
+        fill,
+        ATTENTION["split_columns"],
         parts,
         scale,
         mixed,
