@@ -200,6 +200,44 @@ def test_the_pool_shrinks_under_held_pages_and_keeps_their_contents():
     assert kv.held_pages == 0 and sorted(kv.free) == list(range(1, 7))
 
 
+def test_a_grown_pool_zeroes_a_page_when_a_row_first_takes_it(monkeypatch):
+    """backends/kv_pages on the CPU: growing the pool leaves its new pages untouched (memory a
+    doubled pool's sequences do not use yet is not written), a page is zeros when a row first
+    takes it whatever the allocator returned, and what rows hold survives the growth."""
+    import torch
+
+    from backends.kv_pages import PAGE
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))  # garbage
+    kv = small_pool(layers=2, kv_heads=2, head_dim=4, context=40 * PAGE)
+    assert kv.zeroed == 1  # the scratch page only
+    kv.assign(0, 3 * PAGE)
+    assert kv.zeroed == 4
+    columns = torch.arange(3 * PAGE)
+    for layer in range(2):
+        keys = torch.randn(3 * PAGE, 2, 4)
+        kv.write(layer, torch.tensor(0), columns, keys, -keys)
+    before = kv.columns_of(kv.held[0], 0, 3 * PAGE)
+    kv.resize(64)
+    assert kv.pages == 64 and kv.zeroed == 4  # nothing past what rows took was written
+    assert all(torch.equal(a, b) for a, b in zip(before, kv.columns_of(kv.held[0], 0, 3 * PAGE), strict=True))
+    kv.assign(1, 30 * PAGE)
+    assert kv.zeroed == 1 + 3 + 30
+    for layer in range(2):
+        for cache in (kv.k, kv.v):
+            pages = cache[layer][:, kv.held[1] + [0]]
+            assert torch.equal(pages, torch.zeros_like(pages))
+    kv.assign(2, 6 * PAGE)  # pages 34..39
+    kv.write(0, torch.tensor(2), torch.arange(6 * PAGE), torch.ones(6 * PAGE, 2, 4), torch.ones(6 * PAGE, 2, 4))
+    kv.release([0, 1])
+    kv.resize(12)  # a shrink: row 2's pages move into freed ones below 12, with their contents
+    assert max(kv.held[2]) < 12 and kv.zeroed == 12
+    keys, values = kv.columns_of(kv.held[2], 0, 6 * PAGE)  # layer 0 written, layer 1 zeros
+    assert torch.equal(keys[0], torch.ones_like(keys[0])) and torch.equal(values[1], torch.zeros_like(values[1]))
+    assert not any(torch.isnan(cache[layer]).any() for cache in (kv.k, kv.v) for layer in range(2))
+
+
 def test_a_page_that_rows_and_the_cache_share_returns_to_the_pool_once_none_holds_it():
     """backends/kv_pages: a page kept by the prompt cache (`keep`) and taken by rows (`assign`'s
     `shared`) is counted once; a shrink moves a shared page once, and renumbers the cache's
