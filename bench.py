@@ -679,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         (
             args.kv_budget,
-            "| server | statuses (long, 4 short) | long prompt | short, slowest | peak resident "
+            "| server | statuses (long, 4 short) | long prompt | short, slowest first text | short, slowest "
+            "| peak resident "
             "| weights + KV budget + prompt cache budget | KV peak |",
             "kv_budget:kv_budget",
         ),

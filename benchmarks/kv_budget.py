@@ -1,9 +1,9 @@
 """The KV budget under a full-context prompt: a spawned server with its default settings (set
 PHI2_DTYPE=float32 for what `auto` picks on an AVX2 CPU) gets one prompt at the full context and,
 while it is prefilled, 4 short clients. Reported: whether every request was answered, the long
-request's time, the short ones' time to their last token, the server's peak resident memory
-(VmHWM) against the weights, the KV budget and the prompt cache's budget, and the KV cache's own
-peak from /model/info."""
+request's time, the short ones' time to their first text (streamed) and to their last token, the
+server's peak resident memory (VmHWM) against the weights, the KV budget and the prompt cache's
+budget, and the KV cache's own peak from /model/info."""
 
 from __future__ import annotations
 
@@ -15,12 +15,16 @@ import time
 import aiohttp
 
 
-async def complete(session, url: str, prompt, tokens: int) -> tuple[int, float]:
+async def complete(session, url: str, prompt, tokens: int) -> tuple[int, float, float]:
+    """(status, seconds to the last byte, seconds to the first streamed text)."""
     started = time.perf_counter()
-    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
+    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    first = None
     async with session.post(url + "/v1/completions", json=body) as response:
-        await response.read()
-        return response.status, time.perf_counter() - started
+        async for line in response.content:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - started
+        return response.status, time.perf_counter() - started, first if first is not None else float("nan")
 
 
 async def workload(url: str, short_tokens: int) -> dict:
@@ -37,7 +41,7 @@ async def workload(url: str, short_tokens: int) -> dict:
         short = await asyncio.gather(
             *(complete(session, url, f"Client {i} says hello and", short_tokens) for i in range(4))
         )
-        long_status, long_s = await long
+        long_status, long_s, _ = await long
         async with session.get(url + "/model/info") as response:
             after = await response.json()
     return {"info": info, "after": after, "long": (long_status, long_s), "short": short, "context": context}
@@ -57,14 +61,15 @@ def kv_budget(args) -> list[dict]:
     gib = 2**30
     weights, budget = info["weight_bytes"] / gib, kv["budget_bytes"] / gib
     prompt_cache = info["prompt_cache"]["budget_bytes"] / gib
-    statuses = [got["long"][0]] + [status for status, _ in got["short"]]
+    statuses = [got["long"][0]] + [status for status, _, _ in got["short"]]
     row = {
         "model": os.environ["PHI2_MODEL"],
         "dtype": info["dtype"],
         "context": got["context"],
         "statuses": statuses,
         "long_s": round(got["long"][1], 1),
-        "short_s": [round(s, 1) for _, s in got["short"]],
+        "short_s": [round(s, 1) for _, s, _ in got["short"]],
+        "short_ttft_s": [round(t, 1) for _, _, t in got["short"]],
         "peak_rss_gib": peak,
         "weights_gib": round(weights, 2),
         "kv_budget_gib": round(budget, 2),
@@ -73,7 +78,8 @@ def kv_budget(args) -> list[dict]:
     }
     print(
         f"| {row['model']} {row['dtype']}, context {row['context']} | {statuses} | {row['long_s']} s | "
-        f"{max(row['short_s'])} s | {peak:.2f} GiB | {weights:.2f} + {budget:.2f} + {prompt_cache:.2f} GiB | "
+        f"{max(row['short_ttft_s'])} s | {max(row['short_s'])} s | "
+        f"{peak:.2f} GiB | {weights:.2f} + {budget:.2f} + {prompt_cache:.2f} GiB | "
         f"{row['kv_peak_gib']} GiB |",
         flush=True,
     )
