@@ -13,17 +13,19 @@ Sequences join and leave between steps. Each active sequence owns one row (rows 
 max_new_tokens, so a decode step is one pass over rows 0..b-1 for every live sequence at once,
 each at its own position, with its own sampling. New prompts are prefilled
 together, padded to the longest of like length, at most `prefill_chunk` tokens a step, so a
-long prompt does not stall the sequences already decoding for more than a chunk's time; on CUDA
-those pieces run on a stream of their own, beside the decode steps (`_step`).
+long prompt does not stall the sequences already decoding for more than a chunk's time; short
+prompts arriving behind a long one share that budget with it (`_prefill_takes`). On CUDA those
+pieces run on a stream of their own, beside the decode steps (`_step`).
 
-On CUDA a Phi block's decode step is cuBLAS's two GEMMs with Triton kernels between them
-(backends/triton_decode: attention over each row's live columns, rotary, GELU, the residual),
-captured once per batch bucket and replayed from a CUDA graph; greedy and sampled steps are
-chained on the device (sampled rows drawn there too), so the GPU does not wait for Python
-between them. The other families, quantized weights, and CUDA without Triton take the step in
-torch ops (`decode_block`, compiled on CUDA by default), one graph per (batch, attention-length)
-bucket. On the CPU that step runs eagerly and the cache's pool grows and shrinks with what its
-sequences hold; a step's one prompt piece goes through the decode step's own pass (`_mixed_step`).
+On CUDA a block's decode step is cuBLAS's GEMMs with Triton kernels between them
+(backends/triton_decode: attention over each row's live columns, rotary, GELU or SiLU, the
+norms, the residual), captured once per batch bucket and replayed from a CUDA graph; greedy and
+sampled steps are chained on the device (sampled rows drawn there too), so the GPU does not wait
+for Python between them. Quantized weights, a block neither parallel nor RMS-normed, and CUDA
+without Triton take the step in torch ops (`decode_block`, compiled on CUDA by default), one
+graph per (batch, attention-length) bucket.
+On the CPU that step runs eagerly and the cache's pool grows and shrinks with what its
+sequences hold; a step's prompt pieces go through the decode step's own pass (`_mixed_step`).
 
 While one sequence decodes alone, a step may verify a prompt-lookup draft instead
 (`draft_tokens`, backends/prompt_lookup): its next input and the draft go through the prefill
