@@ -18,16 +18,19 @@ ends part-way is copied (`copy_page`), as vLLM shares only full blocks.
 
 A row takes the pages of everything it may reach (prompt and max_tokens) when it is admitted
 (`assign`), so a running sequence never waits for memory and none is preempted; admission waits
-instead (the engine asks `fits`). On CUDA the pool is allocated whole (CUDA graphs hold its
-address); on the CPU it grows by doubling within the budget and shrinks once it holds over
-twice what its sequences use (`resize`), a layer at a time, so that one layer is held twice at
-most while it copies; a grown pool's pages are zeroed when a row first takes them, so memory
-that no sequence uses yet is not touched.
+instead (the engine asks `fits`). The pool's most pages (`most_pages`: the budget's) are laid out
+once and never copied: on a GPU allocated whole (CUDA graphs hold its address); on the CPU as
+address space that the system backs with memory only where a page is first written (an anonymous
+mapping), so that the memory follows what sequences use. There the pool's extent grows with what
+rows take and shrinks once it holds over twice what its sequences use (`resize`): the pages held
+past the new end move below it and the memory past it goes back to the system.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
+import os
 
 import torch
 
@@ -39,9 +42,22 @@ def pages_for(columns: int) -> int:
 
 
 class PagedKV:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, rows: int, context: int, pages: int):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+        rows: int,
+        context: int,
+        pages: int,
+        most_pages: int | None = None,
+        whole: bool | None = None,
+    ):
         """A pool of `pages` pages (the scratch page included) for `rows` rows of up to
-        `context` + 1 columns each."""
+        `context` + 1 columns each, which may grow to `most_pages` (default `pages`); `whole`
+        (default: off the CPU), it is `most_pages` pages from the start, allocated."""
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.page_bytes = 2 * layers * kv_heads * PAGE * head_dim * dtype.itemsize
@@ -56,15 +72,22 @@ class PagedKV:
         self.row_pages = 0  # pages that some row holds
         self.k: list[torch.Tensor | None] = [None] * layers
         self.v: list[torch.Tensor | None] = [None] * layers
+        self.grows = device.type == "cpu" if whole is None else not whole
+        assert not self.grows or device.type == "cpu", "a pool grows only in the CPU's memory"
+        self.most_pages = max(most_pages or pages, pages, 1)
+        # Keys and values of every layer: [2, layers, kv_heads, most_pages, PAGE, head_dim]; each
+        # layer's k and v are views of the first `pages` pages of theirs.
+        self._region: mmap.mmap | None = None
+        if self.grows:
+            self._whole = self._reserve((2, layers, *self._shape(self.most_pages)))
+        else:
+            self._whole = torch.zeros(2, layers, *self._shape(self.most_pages), dtype=dtype, device=device)
+            pages = self.most_pages
         self.pages = 0
         self.free: list[int] = []  # a stack: the pages freed last are taken first (the CPU's are warm)
         self.peak_pages = 0
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # `gathered`'s, on the CPU
-        self._whole: tuple[torch.Tensor, torch.Tensor] | None = None  # a GPU's k and v of every layer (`resize`)
-        # Pages 0..zeroed-1 hold zeros or what was written; on the CPU the others anything. Every
-        # page a row or the prompt cache holds is below it.
-        self.zeroed = 0
-        self.resize(max(pages, 1))
+        self.resize(pages)
 
     # -- pages -----------------------------------------------------------------------------------
 
@@ -82,10 +105,7 @@ class PagedKV:
         caller has made sure that the pool has them (`resize`)."""
         n = pages_for(columns)
         assert not self.held[row] and len(shared) <= n <= len(self.free) + len(shared) and n <= self.width
-        fresh = [self.free.pop() for _ in range(n - len(shared))]
-        if fresh:
-            self._zero_until(max(fresh) + 1)
-        taken = [*shared, *fresh]
+        taken = [*shared, *(self.free.pop() for _ in range(n - len(shared)))]
         for page in taken:
             if self.row_refs[page] == 0:
                 self.row_pages += 1
@@ -126,13 +146,9 @@ class PagedKV:
     def copy_page(self, source: int, target: int) -> None:
         """Page `target` holds what `source` does, in every layer (a shared prefix that ends
         part-way into a page: the row writes the rest of its copy)."""
-        if self._whole is not None:
-            for whole in self._whole:
-                whole[:, :, target] = whole[:, :, source]
-            return
-        for cache in (self.k, self.v):
-            for layer in range(self.layers):
-                cache[layer][:, target] = cache[layer][:, source]
+        # One copy for every layer (one kernel on a GPU: a copy a layer was 64 launches for
+        # Phi-2, 0.65 ms of a prompt cache hit's first token on an H200).
+        self._whole[:, :, :, target] = self._whole[:, :, :, source]
 
     def move(self, targets: list[int], sources: list[int]) -> None:
         """Rows `sources` become rows `targets` (which hold nothing): a table copy, no KV copy."""
@@ -145,37 +161,19 @@ class PagedKV:
             self.held[t], self.held[s] = self.held[s], []
 
     def resize(self, pages: int) -> None:
-        """A pool of `pages` pages, the held ones kept at their ids; shrinking first moves the
-        pages held past the new end into free ones below it (and their table entries)."""
+        """The pool's first `pages` pages (within `most_pages`), the held ones kept at their ids;
+        shrinking first moves the pages held past the new end into free ones below it (and their
+        table entries) and gives the memory past it back. Nothing is copied or zeroed: the pages
+        a row takes hold zeros (never written, or given back) or what an earlier row wrote, which
+        it writes before it reads them unmasked."""
         pages = max(pages, 1)
+        assert pages <= self.most_pages and (self.grows or not self.pages)
         if pages < self.pages:
             self._compact(pages)
             self._gather_buffers = None  # sequences left: the next gather sizes them again
-        keep = min(pages, self.pages)
-        if not keep and self.device.type != "cpu":
-            # A GPU's pool, allocated once: every layer's keys (and values) in one tensor, so
-            # that `copy_page` is one kernel, not one a layer (64 launches for Phi-2: 0.65 ms of
-            # a prompt cache hit's first token on an H200).
-            self._whole = tuple(
-                torch.zeros(self.layers, *self._shape(pages), dtype=self.dtype, device=self.device) for _ in range(2)
-            )
-            self.k[:], self.v[:] = self._whole[0].unbind(), self._whole[1].unbind()
-            self.zeroed = pages
-        else:
-            # Not zeroed here: a page is zeroed when a row first takes it (`assign`), so a grown
-            # pool touches only the memory its sequences use. Zeroing every new page of a pool
-            # doubled to 516 pages of random Phi-2 (2.7 GB) held the worker 14-17 s on a 2-vCPU
-            # VM whose memory is backed on first touch, while a short prompt's admission waited.
-            self._whole = None
-            used = min(keep, self.zeroed)  # the pages past it were never taken: nothing to keep
-            for cache in (self.k, self.v):
-                for layer in range(self.layers):  # a layer at a time: one is held twice at most
-                    new = torch.empty(self._shape(pages), dtype=self.dtype, device=self.device)
-                    if used:
-                        new[:, :used] = cache[layer][:, :used]
-                    cache[layer] = new
-            self.zeroed = used
-            self._zero_until(1)  # the scratch page
+            self._give_back(pages)
+        self.k[:] = self._whole[0, :, :, :pages].unbind()
+        self.v[:] = self._whole[1, :, :, :pages].unbind()
         if pages > self.pages:
             self.free = list(range(pages - 1, max(self.pages, 1) - 1, -1)) + self.free
             grown = pages - len(self.row_refs)
@@ -187,6 +185,37 @@ class PagedKV:
         self.pages = pages
         self.peak_pages = max(self.peak_pages, pages)
 
+    def _reserve(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed CPU tensor of `shape` whose memory is taken only where it is written: an
+        anonymous private mapping (the system backs a page with zeros when it is first touched),
+        without transparent huge pages (one 2 MB page a (layer, head) where a few KB are used).
+        Growing a pool of copies instead held the worker 14-17 s for 2.7 GB of random Phi-2 on a
+        2-vCPU VM (the copy, and zeroing memory backed on first touch) while a short prompt's
+        admission waited. Where there is no such mapping (not POSIX), the tensor is allocated
+        zeroed, whole."""
+        size = math.prod(shape) * self.dtype.itemsize
+        if os.name != "posix":
+            return torch.zeros(shape, dtype=self.dtype)
+        self._region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            self._region.madvise(mmap.MADV_NOHUGEPAGE)
+        # The tensor holds the mapping (a buffer export) for as long as it lives.
+        return torch.frombuffer(self._region, dtype=torch.uint8).view(self.dtype).view(shape)
+
+    def _give_back(self, pages: int) -> None:
+        """The memory of pages `pages`.. of every (layer, head) goes back to the system (Linux's
+        MADV_DONTNEED: they read as zeros after; elsewhere advice only)."""
+        if self._region is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = PAGE * self.head_dim * self.dtype.itemsize  # one head's page, in bytes
+        stripe = self.most_pages * page  # one (k or v, layer, head)'s pages
+        system = mmap.PAGESIZE
+        for i in range(2 * self.layers * self.kv_heads):
+            start = -(-(i * stripe + pages * page) // system) * system
+            end = (i + 1) * stripe // system * system
+            if end > start:
+                self._region.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def _longs(self, values: list[int]) -> torch.Tensor:
         """Ids for the table, on its device without a wait: a plain host tensor's copy to a GPU
         waits for the work queued before it (a decode step in flight), pinned memory's does not
@@ -197,17 +226,6 @@ class PagedKV:
 
     def _shape(self, pages: int) -> tuple[int, int, int, int]:
         return (self.kv_heads, pages, PAGE, self.head_dim)
-
-    def _zero_until(self, end: int) -> None:
-        """Zero pages zeroed..end-1 in every layer (they may hold anything): a page a row holds
-        is read, masked, before the row writes it, and a masked NaN still poisons a softmax's
-        weighted sum."""
-        if end <= self.zeroed:
-            return
-        for cache in (self.k, self.v):
-            for layer in range(self.layers):
-                cache[layer][:, self.zeroed : end].zero_()
-        self.zeroed = end
 
     def _compact(self, pages: int) -> None:
         low = sorted(page for page in self.free if page < pages)

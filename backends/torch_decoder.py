@@ -713,9 +713,10 @@ class BatchedDecoder:
         # The KV cache: pages of PAGE positions from one pool, a table of each row's pages
         # (backends/kv_pages). A row takes the pages of its prompt and max_new_tokens when it
         # joins, and the engine admits a sequence only if they fit (`fits`): one long prompt
-        # cannot take the process past its memory. On CUDA the pool is allocated whole, once
-        # (graphs hold its address): `kv_cache_bytes` of it, or a full-context row for each row;
-        # on the CPU it grows and shrinks with what the rows hold, within `kv_cache_bytes`.
+        # cannot take the process past its memory. The pool is laid out once for
+        # `kv_cache_bytes` (or a full-context row for each row) and the prompt cache's budget:
+        # on a GPU allocated whole (graphs hold its address), on the CPU as address space that
+        # memory backs where rows write (backends/kv_pages).
         arch = weights.arch
         self.per_position = 2 * len(weights.layers) * arch.kv_heads * weights.head_dim * self.dtype.itemsize
         self.kv_budget = kv_cache_bytes
@@ -724,12 +725,9 @@ class BatchedDecoder:
         # The prompt cache keeps its pages in the same pool (it shares them with the rows that
         # reuse them): room for its budget besides the rows'.
         self.cache_pages = self._cache_pages(prompt_cache_bytes, page_bytes)
-        if self.use_graphs:
-            full_rows = self.rows * pages_for(self.context + 1)
-            rows_pages = int(kv_cache_bytes // page_bytes) - 1 if kv_cache_bytes else full_rows
-            pages = 1 + rows_pages + self.cache_pages
-        else:
-            pages = 1 + MIN_PAGES
+        full_rows = self.rows * pages_for(self.context + 1)
+        rows_pages = int(kv_cache_bytes // page_bytes) - 1 if kv_cache_bytes else full_rows
+        most_pages = 1 + rows_pages + self.cache_pages
         self.kv = PagedKV(
             len(weights.layers),
             arch.kv_heads,
@@ -738,7 +736,9 @@ class BatchedDecoder:
             self.device,
             self.rows,
             self.context,
-            pages,
+            min(1 + MIN_PAGES, most_pages),  # on the CPU: its extent grows with what rows take
+            most_pages,
+            whole=self.use_graphs or self.device.type != "cpu",
         )
         self.prompts = PagedPrefixCache(prompt_cache_bytes, self.kv, self.cache_pages)
         self._shape = self.weights.shape
@@ -791,9 +791,9 @@ class BatchedDecoder:
 
     def kv_cache_usage(self) -> KvCacheUsage:
         kv = self.kv
-        # On CUDA the whole pool but the prompt cache's share is the budget: allocated at once,
+        # On a GPU the whole pool but the prompt cache's share is the budget: allocated at once,
         # in what KV_CACHE_BYTES allowed. Blocks count the cache's too (one pool).
-        budget = (kv.pages - self.cache_pages) * kv.page_bytes if self.use_graphs else self.kv_budget or 0
+        budget = self.kv_budget or 0 if kv.grows else (kv.pages - self.cache_pages) * kv.page_bytes
         return KvCacheUsage(
             budget_bytes=budget,
             used_bytes=kv.row_pages * kv.page_bytes,
@@ -814,56 +814,41 @@ class BatchedDecoder:
     def _need(self, sequence: Sequence) -> int:
         return len(sequence.prompt_ids) + sequence.max_new_tokens
 
-    def _row_page_limit(self) -> int | None:
-        """The most pages the rows may hold, the scratch page included (None: unbounded). On the
-        CPU a resize holds one layer twice while it copies."""
-        if self.use_graphs:
-            return self.kv.pages - self.cache_pages
-        if self.kv_budget is None:
-            return None
-        layers = len(self.weights.layers)
-        return int(self.kv_budget / (self.kv.page_bytes * (1 + 1 / layers)))
-
-    def _page_limit(self) -> int | None:
-        """The most pages the pool may have: the rows' and the prompt cache's."""
-        limit = self._row_page_limit()
-        return None if limit is None else limit + self.cache_pages
+    def _row_page_limit(self) -> int:
+        """The most pages the rows may hold, the scratch page included: the pool's but the
+        prompt cache's share."""
+        return self.kv.most_pages - self.cache_pages
 
     def _cache_pages(self, prompt_cache_bytes: int, page_bytes: int) -> int:
-        """The most pages the prompt cache keeps: its budget's; on the CPU, where a resize holds
-        one layer twice while it copies, that much less (the pool stays within KV_CACHE_BYTES
-        and PROMPT_CACHE_BYTES together)."""
-        if self.use_graphs:
-            return prompt_cache_bytes // page_bytes
-        return int(prompt_cache_bytes / (page_bytes * (1 + 1 / len(self.weights.layers))))
+        """The most pages the prompt cache keeps: its budget's."""
+        return prompt_cache_bytes // page_bytes
+
+    def has_room_for(self, prompt_cache_bytes: int) -> bool:
+        """Whether the pool has room for a prompt cache of that budget (`clear`)."""
+        return self._cache_pages(prompt_cache_bytes, self.kv.page_bytes) <= self.cache_pages
 
     def fits(self, needs: list[int]) -> bool:
         """Whether new sequences of `needs` positions each fit beside the active ones (counted
         whole: what they may share of stored prompts is not known yet)."""
         if len(self.slots) + len(needs) > self.capacity:
             return False
-        limit = self._row_page_limit()
         wanted = sum(pages_for(self._columns(n)) for n in needs)
-        return limit is None or 1 + self.kv.row_pages + wanted <= limit
+        return 1 + self.kv.row_pages + wanted <= self._row_page_limit()
 
     def _take_pages(self, row: int, columns: int, shared: list[int] = ()) -> None:
         """Give a row the pages of `columns` columns, `shared` (a stored prefix's) first, the
-        CPU's pool grown for the rest (by doubling where the budget allows, so that it is copied
-        a few times, not at every admission)."""
+        CPU's pool's extent grown for the rest (no copy: backends/kv_pages)."""
         kv = self.kv
         short = pages_for(columns) - len(shared) - len(kv.free)
         if short > 0:
-            if self.use_graphs:
+            if not kv.grows or kv.pages + short > kv.most_pages:
                 raise RuntimeError("the KV pool is full")  # `fits` admits no sequence past it
-            limit = self._page_limit()
-            needed = kv.pages + short
-            doubled = max(needed, 2 * kv.pages)
-            kv.resize(doubled if limit is None or doubled <= limit else needed)
+            kv.resize(kv.pages + short)
         kv.assign(row, columns, shared)
 
     def _shrink(self) -> None:
         """On the CPU, give memory back once the pool holds over twice what its sequences use."""
-        if self.use_graphs:
+        if not self.kv.grows:
             return
         kv = self.kv
         enough = max(kv.held_pages, MIN_PAGES) + 1
@@ -884,10 +869,10 @@ class BatchedDecoder:
         self.lora.table.users = [0] * self.lora.size  # the adapters stay in their slots, unused
         self.prompts.clear()
         self.kv.release([row for row, held in enumerate(self.kv.held) if held])
-        # The pool makes room for the prompt cache's budget; on CUDA it was allocated whole,
-        # with room for the budget it was made with, which a new one cannot exceed.
-        if self.use_graphs:
-            prompt_cache_bytes = min(prompt_cache_bytes, self.cache_pages * self.kv.page_bytes)
+        # The pool was laid out with room for the prompt cache budget it was made with, which a
+        # new one cannot exceed.
+        if self._cache_pages(prompt_cache_bytes, self.kv.page_bytes) > self.cache_pages:
+            prompt_cache_bytes = self.cache_pages * self.kv.page_bytes
         self.cache_pages = self._cache_pages(prompt_cache_bytes, self.kv.page_bytes)
         self.prompts = PagedPrefixCache(prompt_cache_bytes, self.kv, self.cache_pages)
         self._shrink()

@@ -295,6 +295,9 @@ class TorchBackend(TokenizerMethods):
                 or decoder.capacity != max_batch
                 or decoder.adapter_slots != self.max_adapters
                 or not mine
+                # A CPU pool's room for the prompt cache is laid out when it is made (cheap to
+                # make again, unlike a GPU's graphs; there a larger budget is cut to the room).
+                or (decoder.kv.grows and not decoder.has_room_for(budget))
             ):
                 decoder = torch_decoder.BatchedDecoder(
                     self.decoder_weights,
@@ -379,16 +382,14 @@ def kv_bytes_per_position(model) -> int | None:
 
 def budget_window(model, window: int, budget: int) -> int:
     """On a CPU, the context window cut to what one sequence's KV takes within `budget` (its
-    pages and the scratch page, backends/kv_pages, with one layer held twice while the pool
-    grows), said in the log; a budget that holds almost nothing is a startup error."""
-    from backends.architecture import Architecture
+    pages and the scratch page, backends/kv_pages), said in the log; a budget that holds almost
+    nothing is a startup error."""
     from backends.kv_pages import PAGE
 
     per_position = kv_bytes_per_position(model)
     if per_position is None:
         return window
-    layers = Architecture.of(model.config).layers
-    fits = (int(budget / (PAGE * per_position * (1 + 1 / layers))) - 1) * PAGE
+    fits = (budget // (PAGE * per_position) - 1) * PAGE
     if fits >= window:
         return window
     if fits < 16:

@@ -326,9 +326,7 @@ def chunked_decoder(backend, name: str):
     if name == "torch":
         from backends.torch_decoder import BatchedDecoder
 
-        decoder = BatchedDecoder(backend.decoder_weights, 2, prefill_chunk=4)
-        decoder.clear(prompt_cache_bytes=1 << 30)
-        return decoder
+        return BatchedDecoder(backend.decoder_weights, 2, prefill_chunk=4, prompt_cache_bytes=1 << 30)
     from backends.mlx_runtime import BatchDecoder
 
     return BatchDecoder(backend, 2, prefill_step=4, prompt_cache_bytes=1 << 30)
