@@ -871,7 +871,7 @@ class BatchedDecoder:
         self.kv.release([row for row, held in enumerate(self.kv.held) if held])
         # The pool was laid out with room for the prompt cache budget it was made with, which a
         # new one cannot exceed.
-        if self._cache_pages(prompt_cache_bytes, self.kv.page_bytes) > self.cache_pages:
+        if not self.has_room_for(prompt_cache_bytes):
             prompt_cache_bytes = self.cache_pages * self.kv.page_bytes
         self.cache_pages = self._cache_pages(prompt_cache_bytes, self.kv.page_bytes)
         self.prompts = PagedPrefixCache(prompt_cache_bytes, self.kv, self.cache_pages)
