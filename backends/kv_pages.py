@@ -70,19 +70,22 @@ class PagedKV:
         self.kept_refs: list[int] = []
         self.kept: dict[int, list[int]] = {}
         self.row_pages = 0  # pages that some row holds
-        self.k: list[torch.Tensor | None] = [None] * layers
-        self.v: list[torch.Tensor | None] = [None] * layers
         self.grows = device.type == "cpu" if whole is None else not whole
         assert not self.grows or device.type == "cpu", "a pool grows only in the CPU's memory"
         self.most_pages = max(most_pages or pages, pages, 1)
-        # Keys and values of every layer: [2, layers, kv_heads, most_pages, PAGE, head_dim]; each
-        # layer's k and v are views of the first `pages` pages of theirs.
+        # Keys and values of every layer: [2, layers, kv_heads, most_pages, PAGE, head_dim]. Each
+        # layer's k and v are its whole (contiguous) part, `most_pages` pages of which the tables
+        # name only the first `pages`: on the CPU a view of fewer pages is not contiguous, and
+        # index_select and index_put on it copied the layer first (Phi-2, a 2,032-token prompt's
+        # chunks beside 4 short rows on a 2-vCPU EPYC: 185 ms of copies in two steps of 1.3 s).
         self._region: mmap.mmap | None = None
         if self.grows:
             self._whole = self._reserve((2, layers, *self._shape(self.most_pages)))
         else:
             self._whole = torch.zeros(2, layers, *self._shape(self.most_pages), dtype=dtype, device=device)
             pages = self.most_pages
+        self.k: list[torch.Tensor] = list(self._whole[0].unbind())
+        self.v: list[torch.Tensor] = list(self._whole[1].unbind())
         self.pages = 0
         self.free: list[int] = []  # a stack: the pages freed last are taken first (the CPU's are warm)
         self.peak_pages = 0
@@ -172,8 +175,6 @@ class PagedKV:
             self._compact(pages)
             self._gather_buffers = None  # sequences left: the next gather sizes them again
             self._give_back(pages)
-        self.k[:] = self._whole[0, :, :, :pages].unbind()
-        self.v[:] = self._whole[1, :, :, :pages].unbind()
         if pages > self.pages:
             self.free = list(range(pages - 1, max(self.pages, 1) - 1, -1)) + self.free
             grown = pages - len(self.row_refs)

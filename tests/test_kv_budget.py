@@ -200,6 +200,16 @@ def test_the_pool_shrinks_under_held_pages_and_keeps_their_contents():
     assert kv.held_pages == 0 and sorted(kv.free) == list(range(1, 7))
 
 
+def test_each_layer_of_a_growing_pool_is_contiguous():
+    """The CPU's index_select and index_put copy a non-contiguous tensor whole before indexing it:
+    a layer's keys and values seen as only the pool's extent (not contiguous) cost a layer's copy
+    at every gather and write (185 ms a step of Phi-2 at 2,000 columns)."""
+    kv = small_pool(layers=2, kv_heads=3, head_dim=4, context=10 * 16, most=40)
+    for pages in (12, 30, 5):
+        kv.resize(pages)
+        assert all(cache[layer].is_contiguous() for cache in (kv.k, kv.v) for layer in range(2))
+
+
 def resident_bytes() -> int:
     """This process's resident memory (Linux)."""
     import mmap
