@@ -245,9 +245,7 @@ class PagedKV:
             self.kept_refs[new_page], self.kept_refs[old_page] = self.kept_refs[old_page], 0
         old = torch.tensor(list(moves), device=self.device)
         new = torch.tensor(list(moves.values()), device=self.device)
-        for cache in (self.k, self.v):
-            for layer in range(self.layers):
-                cache[layer][:, new] = cache[layer][:, old]
+        self._whole[:, :, :, new] = self._whole[:, :, :, old]  # every layer's keys and values at once
         for row, held in enumerate(self.held):
             if held:
                 self.table[row, : len(held)].copy_(torch.tensor(held, dtype=torch.long))
