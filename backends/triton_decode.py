@@ -63,6 +63,29 @@ def _head(base, d, d_ok, partner, cos, sin, norm_ptr, eps, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _head_tiles(base, d0, ok0, partner0, cos0, sin0, d1, ok1, partner1, cos1, sin1, norm_ptr, eps, HEAD_DIM, QK_NORM):
+    """`_head` with the head's dims in two tiles (`_attention_split`), its q/k norm over both."""
+    x0 = tl.load(base + d0, mask=ok0, other=0.0)
+    p0 = tl.load(base + partner0, mask=ok0, other=0.0)
+    x1 = tl.load(base + d1, mask=ok1, other=0.0)
+    p1 = tl.load(base + partner1, mask=ok1, other=0.0)
+    if QK_NORM:
+        dtype = x0.dtype
+        x0f = x0.to(tl.float32)
+        x1f = x1.to(tl.float32)
+        scale = 1.0 / tl.sqrt((tl.sum(x0f * x0f, axis=0) + tl.sum(x1f * x1f, axis=0)) / HEAD_DIM + eps)
+        w0 = tl.load(norm_ptr + d0, mask=ok0, other=0.0).to(tl.float32)
+        w1 = tl.load(norm_ptr + d1, mask=ok1, other=0.0).to(tl.float32)
+        wp0 = tl.load(norm_ptr + partner0, mask=ok0, other=0.0).to(tl.float32)
+        wp1 = tl.load(norm_ptr + partner1, mask=ok1, other=0.0).to(tl.float32)
+        x0 = ((x0f * scale).to(dtype).to(tl.float32) * w0).to(dtype)
+        x1 = ((x1f * scale).to(dtype).to(tl.float32) * w1).to(dtype)
+        p0 = ((p0.to(tl.float32) * scale).to(dtype).to(tl.float32) * wp0).to(dtype)
+        p1 = ((p1.to(tl.float32) * scale).to(dtype).to(tl.float32) * wp1).to(dtype)
+    return x0.to(tl.float32) * cos0 + p0.to(tl.float32) * sin0, x1.to(tl.float32) * cos1 + p1.to(tl.float32) * sin1
+
+
+@triton.jit
 def _paged_columns(
     k_ptr, v_ptr, pages, cache, columns, ok, d, d_ok, stride_page, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr
 ):
@@ -110,6 +133,8 @@ def _attention_split(
     HEAD_DIM: tl.constexpr,
     ROT: tl.constexpr,
     D_PAD: tl.constexpr,
+    D_LO: tl.constexpr,
+    D_HI: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     QK_NORM: tl.constexpr,
@@ -127,7 +152,13 @@ def _attention_split(
     SPLITS, the grid's): a long row among short ones is read by as many programs as its length
     asks, not by one per head that the whole step waits for. Splits past a row's own do nothing
     (the grid's splits are for the longest row a table may hold: at 256 rows of a 32k-context
-    model, 16 a head, where a row of 300 columns takes 2)."""
+    model, 16 a head, where a row of 300 columns takes 2).
+
+    A head's dims are read as two tiles, D_LO + D_HI (`_tiles`: 80 = 64 + 16), and a block's
+    columns past the split's end read its last column again, weighed 0: where the tiles cover the
+    head exactly the loads take no mask. With one tile padded to a power of two and masked loads,
+    ptxas issued a block's loads one after another, each after the previous one's sum (its SASS
+    for Phi-2's 80 dims), so each block waited for memory several times over."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -135,51 +166,102 @@ def _attention_split(
     position = tl.load(pos_ptr + row)
     live = position * tl.load(active_ptr + row)  # idle rows attend to no cached column
     first = tl.where(window > 0, tl.maximum(live - window + 1, 0), 0)
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    rotated = d < ROT
-    partner = tl.where(rotated, (d + ROT // 2) % ROT, d)  # rotate_half as a roll, its sign in the sin table
+    d0 = tl.arange(0, D_LO)
+    d1 = D_LO + tl.arange(0, D_HI)
+    ok0 = d0 < HEAD_DIM
+    ok1 = d1 < HEAD_DIM
+    rot0 = d0 < ROT
+    rot1 = d1 < ROT
+    partner0 = tl.where(rot0, (d0 + ROT // 2) % ROT, d0)  # rotate_half as a roll, its sign in the sin table
+    partner1 = tl.where(rot1, (d1 + ROT // 2) % ROT, d1)
     dtype = y_ptr.dtype.element_ty
     base = y_ptr + row * stride_y
-    cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
-    sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
+    rotation = position * stride_rot
+    cos0 = tl.load(cos_ptr + rotation + d0, mask=rot0, other=1.0).to(tl.float32)
+    sin0 = tl.load(sin_ptr + rotation + d0, mask=rot0, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos_ptr + rotation + d1, mask=rot1, other=1.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + rotation + d1, mask=rot1, other=0.0).to(tl.float32)
     cache = kv_head * stride_head
     pages = table_ptr + row * stride_table
     if split == 0:
         if head % GROUP == 0:
-            k = _head(
-                base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM
-            ).to(dtype)
+            k0, k1 = _head_tiles(
+                base + Q_SIZE + kv_head * HEAD_DIM,
+                d0,
+                ok0,
+                partner0,
+                cos0,
+                sin0,
+                d1,
+                ok1,
+                partner1,
+                cos1,
+                sin1,
+                k_norm_ptr,
+                eps,
+                HEAD_DIM,
+                QK_NORM,
+            )
             at = cache + tl.load(pages + position // PAGE).to(tl.int64) * stride_page + (position % PAGE) * HEAD_DIM
-            tl.store(k_ptr + at + d, k, mask=d_ok)
-            v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
-            tl.store(v_ptr + at + d, v, mask=d_ok)
+            tl.store(k_ptr + at + d0, k0.to(dtype), mask=ok0)
+            tl.store(k_ptr + at + d1, k1.to(dtype), mask=ok1)
+            v = base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM
+            tl.store(v_ptr + at + d0, tl.load(v + d0, mask=ok0, other=0.0), mask=ok0)
+            tl.store(v_ptr + at + d1, tl.load(v + d1, mask=ok1, other=0.0), mask=ok1)
     splits = _row_splits(live, first, fill, split_columns, SPLITS)
     if split < splits:  # past the row's splits: nothing to read, and `_attention_combine` reads no part
-        q = (
-            _head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
-            .to(dtype)
-            .to(tl.float32)
+        q0, q1 = _head_tiles(
+            base + head * HEAD_DIM,
+            d0,
+            ok0,
+            partner0,
+            cos0,
+            sin0,
+            d1,
+            ok1,
+            partner1,
+            cos1,
+            sin1,
+            q_norm_ptr,
+            eps,
+            HEAD_DIM,
+            QK_NORM,
         )
+        q0 = q0.to(dtype).to(tl.float32)
+        q1 = q1.to(dtype).to(tl.float32)
         chunk = tl.cdiv(tl.cdiv(live - first, splits), BLOCK_N) * BLOCK_N
         start = first + split * chunk
         end = tl.minimum(start + chunk, live)
         best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
         total = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
-        acc = tl.zeros([D_PAD], dtype=tl.float32)
+        acc0 = tl.zeros([D_LO], dtype=tl.float32)
+        acc1 = tl.zeros([D_HI], dtype=tl.float32)
         for begin in range(start, end, BLOCK_N):
             offsets = begin + tl.arange(0, BLOCK_N)
             ok = offsets < end
-            keys, values = _paged_columns(k_ptr, v_ptr, pages, cache, offsets, ok, d, d_ok, stride_page, HEAD_DIM, PAGE)
-            scores = tl.where(ok, tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
+            columns = tl.minimum(offsets, end - 1)  # written columns all: no mask on the loads
+            page = tl.load(pages + columns // PAGE).to(tl.int64)
+            at = cache + page[:, None] * stride_page + (columns % PAGE)[:, None] * HEAD_DIM
+            key0 = tl.load(k_ptr + at + d0[None, :])
+            value0 = tl.load(v_ptr + at + d0[None, :])
+            if D_LO + D_HI == HEAD_DIM:
+                key1 = tl.load(k_ptr + at + d1[None, :])
+                value1 = tl.load(v_ptr + at + d1[None, :])
+            else:  # the second tile runs past the head (112 = 64 + 48 of 64)
+                key1 = tl.load(k_ptr + at + d1[None, :], mask=ok1[None, :], other=0.0)
+                value1 = tl.load(v_ptr + at + d1[None, :], mask=ok1[None, :], other=0.0)
+            dots = tl.sum(key0.to(tl.float32) * q0[None, :], axis=1) + tl.sum(key1.to(tl.float32) * q1[None, :], axis=1)
+            scores = tl.where(ok, dots * scale, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=0))
             p = tl.exp(scores - new_best)
             alpha = tl.exp(best - new_best)
-            acc = acc * alpha + tl.sum(p[:, None] * values.to(tl.float32), axis=0)
+            acc0 = acc0 * alpha + tl.sum(p[:, None] * value0.to(tl.float32), axis=0)
+            acc1 = acc1 * alpha + tl.sum(p[:, None] * value1.to(tl.float32), axis=0)
             total = total * alpha + tl.sum(p, axis=0)
             best = new_best
         out = part_ptr + ((row * tl.num_programs(1) + head) * SPLITS + split) * (D_PAD + 2)
-        tl.store(out + d, acc)
+        tl.store(out + d0, acc0)
+        tl.store(out + d1, acc1)
         tl.store(out + D_PAD, best)
         tl.store(out + D_PAD + 1, total)
 
@@ -771,6 +853,14 @@ def splits_for(rows: int, heads: int, columns: int) -> int:
     return max(fill_splits(rows, heads), by_length, 1)
 
 
+def _tiles(head_dim: int) -> tuple[int, int]:
+    """`_attention_split`'s two tiles of a head's dims: half the power of two that holds it, and
+    the rest padded to a power of two (80 = 64 + 16, 96 = 64 + 32, 128 = 64 + 64, 112 = 64 + 48
+    of 64)."""
+    low = triton.next_power_of_2(head_dim) // 2
+    return low, triton.next_power_of_2(head_dim - low)
+
+
 def _attention_warps(rows: int) -> int:
     return ATTENTION["num_warps"] or (2 if rows <= 16 else 1)
 
@@ -850,8 +940,11 @@ def attention(
             **common,
         )
     else:
+        d_lo, d_hi = _tiles(heads.head_dim)
         _attention_split[(rows, heads.heads, splits)](
             *args,
+            D_LO=d_lo,
+            D_HI=d_hi,
             BLOCK_N=ATTENTION["BLOCK_N"],
             SPLITS=splits,
             PAGE=PAGE,

@@ -1,11 +1,13 @@
-"""Phi-2's decode attention split kernel (backends/triton_decode.py `_attention_split`) against
-launch-shape variants and a variant that reads head dims 80 as 64 + 16 instead of one tile padded
-to 128, on a paged cache of Phi-2's heads: rows x columns as the server's steps see them. Prints
+"""The decode step's split attention kernel (backends/triton_decode.py `_attention_split`, a head's
+dims in two tiles) against its launch shapes and against the kernel before it (one tile padded to
+a power of two, masked loads), on a paged cache of Phi-2's, Phi-3-mini's and Qwen2.5-1.5B's heads
+(the models that take the per-head kernel): rows x columns as the server's steps see them. Prints
 each variant's time (CUDA events, triton.testing.do_bench) and the bandwidth of the keys and
 values it reads, in the same run as a device-to-device copy; checks each variant's partial
-softmaxes against the shipped kernel's.
+softmaxes, merged, against the shipped launch's.
 
     python3 -P tests/gpu/attention_sweep.py
+    PYTHONPATH=/tmp/triton-interp TRITON_INTERPRET=1 .venv/bin/python -P tests/gpu/attention_sweep.py   # agreement only
 """
 
 import sys
@@ -26,7 +28,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: TRITON_INTERPRE
 
 
 @triton.jit
-def _split_two_tiles(
+def _split_one_tile(
     y_ptr,
     stride_y,
     cos_ptr,
@@ -54,89 +56,67 @@ def _split_two_tiles(
     HEAD_DIM: tl.constexpr,
     ROT: tl.constexpr,
     D_PAD: tl.constexpr,
-    D_LO: tl.constexpr,
-    D_HI: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     QK_NORM: tl.constexpr,
     PAGE: tl.constexpr,
-    SCALAR_PAGE: tl.constexpr = False,
 ):
-    """`_attention_split` with a head's dims read as two tiles, D_LO + D_HI (64 + 16 for 80);
-    SCALAR_PAGE (BLOCK_N == PAGE, columns from 0): one page id a block, loaded once."""
+    """`_attention_split` before 2026-12-05: a head's dims as one tile padded to a power of two
+    (80 of 128), its loads masked on the columns and the dims."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = head // GROUP
     position = tl.load(pos_ptr + row)
-    live = position * tl.load(active_ptr + row)
+    live = position * tl.load(active_ptr + row)  # idle rows attend to no cached column
     first = tl.where(window > 0, tl.maximum(live - window + 1, 0), 0)
-    d0 = tl.arange(0, D_LO)
-    d1 = D_LO + tl.arange(0, D_HI)
-    ok0 = d0 < HEAD_DIM
-    ok1 = d1 < HEAD_DIM
-    rot0 = d0 < ROT
-    rot1 = d1 < ROT
-    partner0 = tl.where(rot0, (d0 + ROT // 2) % ROT, d0)
-    partner1 = tl.where(rot1, (d1 + ROT // 2) % ROT, d1)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    rotated = d < ROT
+    partner = tl.where(rotated, (d + ROT // 2) % ROT, d)  # rotate_half as a roll, its sign in the sin table
     dtype = y_ptr.dtype.element_ty
     base = y_ptr + row * stride_y
-    cos0 = tl.load(cos_ptr + position * stride_rot + d0, mask=rot0, other=1.0).to(tl.float32)
-    sin0 = tl.load(sin_ptr + position * stride_rot + d0, mask=rot0, other=0.0).to(tl.float32)
-    cos1 = tl.load(cos_ptr + position * stride_rot + d1, mask=rot1, other=1.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + position * stride_rot + d1, mask=rot1, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + position * stride_rot + d, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_rot + d, mask=rotated, other=0.0).to(tl.float32)
     cache = kv_head * stride_head
     pages = table_ptr + row * stride_table
     if split == 0:
         if head % GROUP == 0:
-            kb = base + Q_SIZE + kv_head * HEAD_DIM
-            k0 = td._head(kb, d0, ok0, partner0, cos0, sin0, k_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype)
-            k1 = td._head(kb, d1, ok1, partner1, cos1, sin1, k_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype)
+            k = td._head(
+                base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM
+            ).to(dtype)
             at = cache + tl.load(pages + position // PAGE).to(tl.int64) * stride_page + (position % PAGE) * HEAD_DIM
-            tl.store(k_ptr + at + d0, k0, mask=ok0)
-            tl.store(k_ptr + at + d1, k1, mask=ok1)
-            vb = base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM
-            tl.store(v_ptr + at + d0, tl.load(vb + d0, mask=ok0, other=0.0), mask=ok0)
-            tl.store(v_ptr + at + d1, tl.load(vb + d1, mask=ok1, other=0.0), mask=ok1)
+            tl.store(k_ptr + at + d, k, mask=d_ok)
+            v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
+            tl.store(v_ptr + at + d, v, mask=d_ok)
     splits = td._row_splits(live, first, fill, split_columns, SPLITS)
-    if split < splits:
-        qb = base + head * HEAD_DIM
-        q0 = td._head(qb, d0, ok0, partner0, cos0, sin0, q_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype).to(tl.float32)
-        q1 = td._head(qb, d1, ok1, partner1, cos1, sin1, q_norm_ptr, eps, HEAD_DIM, QK_NORM).to(dtype).to(tl.float32)
+    if split < splits:  # past the row's splits: nothing to read, and `_attention_combine` reads no part
+        q = (
+            td._head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+            .to(dtype)
+            .to(tl.float32)
+        )
         chunk = tl.cdiv(tl.cdiv(live - first, splits), BLOCK_N) * BLOCK_N
         start = first + split * chunk
         end = tl.minimum(start + chunk, live)
         best = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)
         total = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
-        acc0 = tl.zeros([D_LO], dtype=tl.float32)
-        acc1 = tl.zeros([D_HI], dtype=tl.float32)
+        acc = tl.zeros([D_PAD], dtype=tl.float32)
         for begin in range(start, end, BLOCK_N):
             offsets = begin + tl.arange(0, BLOCK_N)
             ok = offsets < end
-            if SCALAR_PAGE:
-                page_at = cache + tl.load(pages + begin // PAGE).to(tl.int64) * stride_page
-                row_at = page_at + tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM
-            else:
-                page = tl.load(pages + offsets // PAGE, mask=ok, other=0).to(tl.int64)
-                row_at = cache + page[:, None] * stride_page + (offsets % PAGE)[:, None] * HEAD_DIM
-            m0 = ok[:, None] & ok0[None, :]
-            m1 = ok[:, None] & ok1[None, :]
-            key0 = tl.load(k_ptr + row_at + d0[None, :], mask=m0, other=0.0)
-            key1 = tl.load(k_ptr + row_at + d1[None, :], mask=m1, other=0.0)
-            val0 = tl.load(v_ptr + row_at + d0[None, :], mask=m0, other=0.0)
-            val1 = tl.load(v_ptr + row_at + d1[None, :], mask=m1, other=0.0)
-            dots = tl.sum(key0.to(tl.float32) * q0[None, :], axis=1) + tl.sum(key1.to(tl.float32) * q1[None, :], axis=1)
-            scores = tl.where(ok, dots * scale, float("-inf"))
+            keys, values = td._paged_columns(
+                k_ptr, v_ptr, pages, cache, offsets, ok, d, d_ok, stride_page, HEAD_DIM, PAGE
+            )
+            scores = tl.where(ok, tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=0))
             p = tl.exp(scores - new_best)
             alpha = tl.exp(best - new_best)
-            acc0 = acc0 * alpha + tl.sum(p[:, None] * val0.to(tl.float32), axis=0)
-            acc1 = acc1 * alpha + tl.sum(p[:, None] * val1.to(tl.float32), axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * values.to(tl.float32), axis=0)
             total = total * alpha + tl.sum(p, axis=0)
             best = new_best
         out = part_ptr + ((row * tl.num_programs(1) + head) * SPLITS + split) * (D_PAD + 2)
-        tl.store(out + d0, acc0)
-        tl.store(out + d1, acc1, mask=ok1)
+        tl.store(out + d, acc)
         tl.store(out + D_PAD, best)
         tl.store(out + D_PAD + 1, total)
 
@@ -160,7 +140,7 @@ def setup(rows: int, columns: int, heads: td.Heads, dtype=torch.bfloat16):
     return y, cos, sin, positions, active, k, v, table
 
 
-def launcher(kernel, case, heads: td.Heads, block_n: int, warps: int, stages: int, two_tiles, scalar_page=False):
+def launcher(kernel, case, heads: td.Heads, block_n: int, warps: int):
     y, cos, sin, positions, active, k, v, table = case
     rows = y.shape[0]
     splits = td.splits_for(rows, heads.heads, table.shape[1] * PAGE)
@@ -168,10 +148,9 @@ def launcher(kernel, case, heads: td.Heads, block_n: int, warps: int, stages: in
     parts = torch.zeros(rows, heads.heads, splits, d_pad + 2, dtype=torch.float32, device=DEV)
     parts[..., d_pad] = float("-inf")  # splits past a row's own write nothing: they weigh nothing
     fill = td.fill_splits(rows, heads.heads)
-    extra = {}
-    if two_tiles:
-        lo = triton.next_power_of_2(heads.head_dim) // 2
-        extra = {"D_LO": lo, "D_HI": triton.next_power_of_2(heads.head_dim - lo), "SCALAR_PAGE": scalar_page}
+    tiles = {}
+    if kernel is td._attention_split:
+        tiles = dict(zip(("D_LO", "D_HI"), td._tiles(heads.head_dim), strict=True))
     args = (y, y.stride(0), cos, sin, cos.stride(0), positions, active, k, v, *td._paged(k, v, table, heads), parts)
     args += (heads.head_dim**-0.5, 0, y, y, heads.eps, fill, td.ATTENTION["split_columns"])
 
@@ -189,8 +168,7 @@ def launcher(kernel, case, heads: td.Heads, block_n: int, warps: int, stages: in
             SPLITS=splits,
             PAGE=PAGE,
             num_warps=warps,
-            **({"num_stages": stages} if stages else {}),
-            **extra,
+            **tiles,
         )
 
     return run, parts
@@ -217,16 +195,19 @@ def main() -> int:
     timed = DEV == "cuda"
     if timed:
         print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (read + write)", flush=True)
-    shapes = {"phi-2": td.Heads(32, 32, 80, 32), "phi-3-mini": td.Heads(32, 32, 96, 96)}
-    variants = [("shipped", False, 16, None, None)]
-    variants += [("two tiles, page once", "scalar", 16, warps, stages) for warps in (1, 2, 4) for stages in (1, 3)]
-    for two in (False, True):
+    shapes = {
+        "phi-2": td.Heads(32, 32, 80, 32),
+        "phi-3-mini": td.Heads(32, 32, 96, 96),
+        "qwen2.5-1.5b": td.Heads(12, 2, 128, 128),  # 2 key-value heads: the per-head kernel too
+    }
+    block_n = td.ATTENTION["BLOCK_N"]
+    variants = [("shipped", td._attention_split, block_n, None), ("one tile (before)", _split_one_tile, block_n, None)]
+    for name, kernel in (("two tiles", td._attention_split), ("one tile (before)", _split_one_tile)):
         for block_n in (16, 32, 64):
             for warps in (1, 2, 4):
-                for stages in (1, 3):
-                    variants.append(("two tiles" if two else "one tile", two, block_n, warps, stages))
-    if not timed:  # the interpreter: one of each kind
-        variants = [variants[0], variants[1], variants[-1], ("one tile", False, 64, 1, 1)]
+                variants.append((name, kernel, block_n, warps))
+    if not timed:  # the interpreter: a few of each kind
+        variants = variants[:2] + [v for v in variants[2:] if v[2:] in ((32, 2), (64, 1))]
     failures = 0
     for shape_name, heads in shapes.items():
         sizes = ((1, 1044), (64, 300), (256, 300), (512, 300), (64, 1000)) if timed else ((3, 40),)
@@ -235,11 +216,10 @@ def main() -> int:
             kv_bytes = rows * columns * heads.kv_heads * heads.head_dim * 2 * 2
             results = []
             reference = None
-            for name, two, block_n, warps, stages in variants:
+            for name, kernel, block_n, warps in variants:
                 warps = warps or td._attention_warps(rows)
-                kernel = _split_two_tiles if two else td._attention_split
                 try:
-                    run, parts = launcher(kernel, case, heads, block_n, warps, stages, bool(two), two == "scalar")
+                    run, parts = launcher(kernel, case, heads, block_n, warps)
                     run()
                     if timed:
                         torch.cuda.synchronize()
@@ -249,16 +229,16 @@ def main() -> int:
                     error = (got - reference).abs().max().item()
                     ms = do_bench(run, warmup=10, rep=100) if timed else 1.0
                 except Exception as e:  # a shape that does not compile: say so, go on
-                    print(f"  {name} BLOCK_N {block_n} warps {warps} stages {stages}: {type(e).__name__} {e}"[:200])
+                    print(f"  {name} BLOCK_N {block_n} warps {warps}: {type(e).__name__} {e}"[:200])
                     continue
                 bad = error > 1e-2
                 failures += bad
-                results.append((ms, name, block_n, warps, stages, error))
+                results.append((ms, name, block_n, warps, error))
             shipped = results[0][0]
             print(f"{shape_name} rows {rows} x {columns} columns ({kv_bytes / 1e6:.0f} MB of keys and values):")
-            for ms, name, block_n, warps, stages, error in sorted(results)[:8] + [results[0]]:
+            for ms, name, block_n, warps, error in sorted(results)[:6] + results[:2]:
                 print(
-                    f"  {name:20} BLOCK_N {block_n:2} warps {warps} stages {stages}: {ms * 1000:7.1f} us "
+                    f"  {name:18} BLOCK_N {block_n:2} warps {warps}: {ms * 1000:7.1f} us "
                     f"{kv_bytes / ms / 1e9:5.2f} TB/s  x{shipped / ms:4.2f}  error {error:.1e}",
                     flush=True,
                 )

@@ -138,6 +138,8 @@ def case(name, heads, rows, lengths, width, dtype, window=None, qk_norm=False, p
 def main() -> int:
     gqa = td.Heads(8, 2, 32, 16)
     mha = td.Heads(4, 4, 32, 32)
+    phi = td.Heads(4, 4, 80, 32)  # Phi-2's head: two tiles, 64 + 16, partial rotary
+    odd = td.Heads(4, 2, 112, 112)  # 64 + 48 of a 64 tile: the second tile's loads masked
     dtypes = [torch.float32] + ([torch.bfloat16] if dev == "cuda" else [])
     failures = 0
     for dtype in dtypes:
@@ -150,6 +152,9 @@ def main() -> int:
             ("a table as wide as a long context", gqa, 4, [30, 5, 60, 12], 64, {}),
             ("one row alone over 700 columns", gqa, 1, [700], 48, {}),
             ("ungrouped heads, rows of different lengths", mha, 4, [9, 70, 33, 1], 8, {}),
+            ("Phi-2's 80 dims, a parallel block", phi, 4, [9, 70, 33, 1], 8, {"parallel": True, "idle": (3,)}),
+            ("80 dims with q/k norms", phi, 3, [20, 7, 45], 4, {"qk_norm": True}),
+            ("112 dims, a sliding window", odd, 3, [50, 10, 31], 4, {"window": 24}),
         ]
         for name, heads, rows, lengths, width, options in cases:
             failures += case(name, heads, rows, lengths, width, dtype, **options)

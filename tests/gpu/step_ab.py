@@ -1,0 +1,91 @@
+r"""The decoder's graphed decode step with this tree's `triton_decode.attention` against another
+tree's (a copy of its backends/triton_decode.py), alternating, in one process: rows x columns
+per shape, random bfloat16 weights, each step's time from 100 graph replays.
+
+    git show REV:backends/triton_decode.py > abtest/old_triton_decode.py
+    python3 -P tests/gpu/step_ab.py [random:phi-2 ...]
+
+The decoder calls `triton_decode.attention` through the module at capture, so each decoder
+built after the swap captures that tree's kernels; everything else is this tree's.
+"""
+
+import gc
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends import triton_decode as td  # noqa: E402
+from backends.torch_decoder import BatchedDecoder  # noqa: E402
+
+CASES = ((1, 300), (64, 300), (256, 300), (64, 1000))
+DEVICE, DTYPE = (
+    ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+)  # the CPU: the script's flow only
+
+
+def load_old():
+    spec = importlib.util.spec_from_file_location("old_triton_decode", ROOT / "abtest" / "old_triton_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def step_ms(weights, rows: int, columns: int) -> float:
+    decoder = BatchedDecoder(weights, rows, prefill_graphs=False, kv_cache_bytes=60 << 30)  # the server passes a budget
+    decoder.capture(spans=(0,))
+    decoder.clear()
+    for i in range(rows):
+        decoder.add(Sequence(i, [5 + (i * 7 + j) % 5000 for j in range(columns)], Sampling(), 128))
+    while any(s.next_token is None for s in decoder.slots[:rows]):
+        decoder.step()
+    for _ in range(5):
+        decoder.step()
+    steps = 100
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        decoder.step()
+    sync()
+    return (time.perf_counter() - start) / steps * 1000
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    shapes = sys.argv[1:] or ["random:phi-2", "random:phi-3-mini", "random:qwen2.5-1.5b"]
+    trees = {"old": load_old().attention, "new": td.attention}
+    for shape in shapes:
+        backend = load_backend("torch", LoadOptions(model=shape, device=DEVICE, dtype=DTYPE, warmup=False))
+        weights = backend.decoder_weights
+        for rows, columns in CASES:
+            times = {name: [] for name in trees}
+            for name in [*trees, *trees]:
+                td.attention = trees[name]
+                times[name].append(step_ms(weights, rows, columns))
+                release()
+            td.attention = trees["new"]
+            said = "  ".join(f"{name} " + ", ".join(f"{ms:.3f}" for ms in got) + " ms" for name, got in times.items())
+            print(f"{shape} {rows} rows x {columns} columns: {said}", flush=True)
+        del backend, weights
+        release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
