@@ -142,7 +142,7 @@ class Settings:
     )
     max_body_bytes: int = setting(1024 * 1024, "largest request body in bytes; larger gets 413")
     max_queue: int = setting(
-        0, "requests that may wait for a batch slot; more get 503 (0: MAX_BATCH as applied, at least 64)"
+        0, "requests that may wait for a batch slot; more get 503 (0: twice MAX_BATCH as applied, at least 64)"
     )
     max_batch: int = setting(
         0, "sequences decoded together in one step (0: on CUDA a row per 512 positions of the KV pool; 8 elsewhere)"

@@ -29,7 +29,7 @@ from backends.text import KeepTokens
 log = logging.getLogger("phi2_server.engine")
 
 FLUSH_INTERVAL = 0.008  # seconds: text reaches clients in pieces at most this far apart
-MIN_QUEUE = 64  # MAX_QUEUE's default is MAX_BATCH, at least this
+MIN_QUEUE = 64  # MAX_QUEUE's default is twice MAX_BATCH, at least this
 
 
 class NotAccepting(Exception):
@@ -468,9 +468,11 @@ class Engine:
             self.backend = self._load()
             # The decoder exists before the first request is accepted (its prompt cache is reported).
             self.max_batch = self.max_batch or self.backend.max_batch  # 0: the backend's default
-            # 0: as many as a batch holds, at least 64, so that a burst of clients that the
-            # batch (512 rows on an H200) takes in at its next step is not turned away first.
-            self.max_queue = self.max_queue or max(MIN_QUEUE, self.max_batch)
+            # 0: twice what a batch holds, at least 64. A burst of clients that the batch (256
+            # rows on an H100, 512 on an H200) takes in at its next step fits, and so does as
+            # many again waiting for the rows that free up next: with the batch's size alone,
+            # 512 clients on an H100's 256 rows got 503s before any of them had waited.
+            self.max_queue = self.max_queue or max(MIN_QUEUE, 2 * self.max_batch)
             self._decoder = self._new_decoder(self.backend)
             # What loading made (the model's modules, tensors' Python objects, the libraries'
             # modules) lives as long as the process: out of the collector's sight, a full

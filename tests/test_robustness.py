@@ -119,6 +119,28 @@ async def test_overload_gets_503_with_retry_after_at_once(make_client, backend):
         assert (await response.json())["tokens_used"] == 20
 
 
+async def test_default_queue_holds_twice_the_batch(make_client, backend):
+    # MAX_QUEUE's default: a burst of twice MAX_BATCH clients is taken in (the batch's rows busy,
+    # as many again waiting), the next gets 503. With the batch alone as the queue, 512 clients
+    # on an H100's 256 rows got 503s.
+    gate = Gate(after=1)
+    # 33 rows: a queue of 66 is past the least (64), and the 100 requests are as many as the test
+    # client's connections.
+    client = await make_client(lambda: GatedBackend(backend, gate), max_batch=33)
+    engine = engine_of(client)
+    assert engine.max_queue == 66
+    running = [await client.post("/generate/stream", json=LONG) for _ in range(33)]
+    body = {"prompt": "Once upon", "max_tokens": 2, "ignore_eos": True}
+    waiting = [asyncio.create_task(client.post("/generate", json=body)) for _ in range(66)]
+    await wait_until(lambda: engine.waiting == 66)
+    rejected = await client.post("/generate", json=body)
+    assert rejected.status == 503
+    gate.release()
+    for response in running:
+        response.close()
+    assert [r.status for r in await asyncio.gather(*waiting)] == [200] * 66
+
+
 async def test_request_timeout_ends_streams_and_answers_504(make_client, backend):
     # Each request gets one token and is then held past its REQUEST_TIMEOUT.
     client = await make_client(lambda: GatedBackend(backend, Gate(after=1)), request_timeout=0.3)
