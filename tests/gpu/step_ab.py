@@ -1,9 +1,10 @@
-r"""The decoder's graphed decode step with this tree's `triton_decode.attention` against another
-tree's (a copy of its backends/triton_decode.py), alternating, in one process: rows x columns
-per shape, random bfloat16 weights, each step's time from 100 graph replays.
+r"""The decoder's graphed decode step with this tree's `triton_decode.attention` against other
+versions of it (each a copy of backends/triton_decode.py in abtest/, named by its file), alternating,
+in one process: rows x columns per shape, random bfloat16 weights, each step's time from 100
+graph replays.
 
-    git show REV:backends/triton_decode.py > abtest/old_triton_decode.py
-    python3 -P tests/gpu/step_ab.py [random:phi-2 ...]
+    git show REV:backends/triton_decode.py > abtest/old.py
+    STEP_CASES=64x300,256x300 python3 -P tests/gpu/step_ab.py [random:phi-2 ...]
 
 The decoder calls `triton_decode.attention` through the module at capture, so each decoder
 built after the swap captures that tree's kernels; everything else is this tree's.
@@ -11,6 +12,7 @@ built after the swap captures that tree's kernels; everything else is this tree'
 
 import gc
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,17 +26,24 @@ from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
 from backends import triton_decode as td  # noqa: E402
 from backends.torch_decoder import BatchedDecoder  # noqa: E402
 
-CASES = ((1, 300), (64, 300), (256, 300), (64, 1000))
+CASES = [
+    tuple(int(n) for n in case.split("x"))
+    for case in (os.environ.get("STEP_CASES") or "1x300,64x300,256x300,64x1000").split(",")
+]
 DEVICE, DTYPE = (
     ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
 )  # the CPU: the script's flow only
 
 
-def load_old():
-    spec = importlib.util.spec_from_file_location("old_triton_decode", ROOT / "abtest" / "old_triton_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_variants() -> dict:
+    """abtest/NAME.py's `attention` by NAME."""
+    variants = {}
+    for path in sorted((ROOT / "abtest").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"abtest_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        variants[path.stem] = module.attention
+    return variants
 
 
 def step_ms(weights, rows: int, columns: int) -> float:
@@ -69,7 +78,7 @@ def release() -> None:
 
 def main() -> int:
     shapes = sys.argv[1:] or ["random:phi-2", "random:phi-3-mini", "random:qwen2.5-1.5b"]
-    trees = {"old": load_old().attention, "new": td.attention}
+    trees = {**load_variants(), "new": td.attention}
     for shape in shapes:
         backend = load_backend("torch", LoadOptions(model=shape, device=DEVICE, dtype=DTYPE, warmup=False))
         weights = backend.decoder_weights
