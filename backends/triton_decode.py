@@ -813,12 +813,16 @@ def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, table, heads
 
 
 # Launch shapes of `_attention_split`, measured on an H200 (tests/gpu/kernels.py, BENCHMARKS.md):
-# 16 columns a loop step; 2 warps a program up to 16 rows, 1 beyond (more programs resident).
+# 16 columns a loop step, 64 for heads of 80 dims (Phi-2: its graphed step 3-8% shorter on an
+# H200 at 64-512 rows of 90-300 columns, the same within 1% on an H100; 96 and 128 dims were
+# slower with 32 or 64, tests/gpu/step_ab.py); 2 warps a program up to 16 rows, 1 beyond (more
+# programs resident).
 # A row's columns are split `fill_splits` ways (enough programs to fill the GPU at small batch),
 # or one split per `split_columns` where its length asks for more, within `max_splits` and a grid
 # of at most `max_programs`.
 ATTENTION = {
     "BLOCK_N": 16,
+    "BLOCK_N_BY_HEAD_DIM": {80: 64},
     "num_warps": None,
     "max_splits": 16,
     "work": 2048,
@@ -859,6 +863,11 @@ def _tiles(head_dim: int) -> tuple[int, int]:
     of 64)."""
     low = triton.next_power_of_2(head_dim) // 2
     return low, triton.next_power_of_2(head_dim - low)
+
+
+def attention_block(head_dim: int) -> int:
+    """`_attention_split`'s columns a loop step for heads of `head_dim` dims."""
+    return ATTENTION["BLOCK_N_BY_HEAD_DIM"].get(head_dim, ATTENTION["BLOCK_N"])
 
 
 def _attention_warps(rows: int) -> int:
@@ -945,7 +954,7 @@ def attention(
             *args,
             D_LO=d_lo,
             D_HI=d_hi,
-            BLOCK_N=ATTENTION["BLOCK_N"],
+            BLOCK_N=attention_block(heads.head_dim),
             SPLITS=splits,
             PAGE=PAGE,
             num_warps=_attention_warps(rows),

@@ -200,8 +200,9 @@ def main() -> int:
         "phi-3-mini": td.Heads(32, 32, 96, 96),
         "qwen2.5-1.5b": td.Heads(12, 2, 128, 128),  # 2 key-value heads: the per-head kernel too
     }
-    block_n = td.ATTENTION["BLOCK_N"]
-    variants = [("shipped", td._attention_split, block_n, None), ("one tile (before)", _split_one_tile, block_n, None)]
+    # The shipped kernel at the shipped launch shape (None: `td.attention_block` of the head's dims),
+    # the one-tile kernel at 16 columns a step, as it shipped.
+    variants = [("shipped", td._attention_split, None, None), ("one tile (before)", _split_one_tile, 16, None)]
     for name, kernel in (("two tiles", td._attention_split), ("one tile (before)", _split_one_tile)):
         for block_n in (16, 32, 64):
             for warps in (1, 2, 4):
@@ -218,6 +219,7 @@ def main() -> int:
             reference = None
             for name, kernel, block_n, warps in variants:
                 warps = warps or td._attention_warps(rows)
+                block_n = block_n or td.attention_block(heads.head_dim)
                 try:
                     run, parts = launcher(kernel, case, heads, block_n, warps)
                     run()
