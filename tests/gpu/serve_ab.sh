@@ -3,37 +3,26 @@
 # (random:phi-2 unless SHAPE says otherwise): bench.py --latency (a 1,044-token prompt alone,
 # then 63 sampled streams with and without such prompts arriving), one client for 512 tokens,
 # then 64, 256 and 512 clients with distinct sampled prompts for 128 tokens. The client is this
-# tree's bench.py for every server. First the GPU's copy bandwidth; after each server, the batch-1
-# decode limit it sets for the weights that server reported. A tree may be named twice (A B A) to see the
-# drift between servers. From the repository root:
+# tree's bench.py for every server. First the GPU's copy bandwidth; after each server, the
+# batch-1 decode limit it sets for the weights that server reported. A tree may be named twice
+# (A B A) to see the drift between servers. From the repository root:
 #   OUT=/tmp/ab bash tests/gpu/serve_ab.sh new=. old=/path/to/other/tree new=.
 set -u
 OUT=${OUT:?set OUT to a folder}
 SHAPE=${SHAPE:-random:phi-2}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 - "$OUT" <<'PY'
-import sys
-
-import torch
-
-# Device-to-device copy of 2 GiB: bytes read + bytes written over the time, the limit a
-# decode step that reads its weights once works against.
-size = 1 << 31
-a = torch.empty(size, dtype=torch.uint8, device="cuda")
-b = torch.empty_like(a)
-for _ in range(3):
-    b.copy_(a)
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-start.record()
-for _ in range(20):
-    b.copy_(a)
-end.record()
-torch.cuda.synchronize()
-copy = 2 * size * 20 / (start.elapsed_time(end) / 1000)
+# The copy bandwidth by check.py's copy_bandwidth (loaded by path: -P keeps this folder's
+# kernels.py from shadowing the `kernels` package).
+python3 -P -c '
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("gpu_check", "tests/gpu/check.py")
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+copy = check.copy_bandwidth()
 print(f"copy {copy / 1e12:.2f} TB/s", flush=True)
-open(f"{sys.argv[1]}/copy_bytes_s", "w").write(str(copy))
-PY
+open(sys.argv[1] + "/copy_bytes_s", "w").write(str(copy))
+' "$OUT"
 port=8200
 for pair in "$@"; do
   name=${pair%%=*}
