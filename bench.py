@@ -13,7 +13,7 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --llama-cpp DIR          # against llama.cpp's llama-server built in DIR, same weights
     python bench.py --chat 4                 # a chat re-sending its history: prompt cache on, then off
     python bench.py --shared-prefix 4        # 4 clients sharing a system prompt: cache on, then off
-    python bench.py --latency --url URL      # a long prompt's TTFT; streams' inter-token latency as long prompts arrive
+    python bench.py --latency --url URL      # prompts' TTFT; streams' inter-token latency as long prompts arrive
 
 The model and runtime come from the same environment variables as the server (PHI2_MODEL,
 PHI2_BACKEND, PHI2_DTYPE, ...). Every request forces its token count (`ignore_eos`), so runs
@@ -137,12 +137,20 @@ async def bench_http(args, concurrency: int) -> Result:
 async def system_prompt(session: aiohttp.ClientSession, url: str, tokens: int) -> str:
     """A system prompt of about `tokens` tokens of the served tokenizer (measured on the server)."""
     probe = await stream_one(session, url, {"prompt": FILLER * 4, "max_tokens": 1, "ignore_eos": True})
-    repeats = max(1, round(tokens / (probe.prompt_tokens / 4)))
-    return FILLER * repeats
+    per_filler = probe.prompt_tokens / 4
+    if tokens < per_filler:  # a prompt shorter than the filler: its first words, at the filler's rate
+        words = FILLER.split()
+        return " ".join(words[: max(1, round(len(words) * tokens / per_filler))])
+    return FILLER * round(tokens / per_filler)
+
+
+SHORT_PROMPT_TOKENS = 20  # with its distinct first line, about issue 30's 24 tokens
+SHORT_ROUNDS = 30
 
 
 async def latency_workload(args) -> list[dict]:
-    """Time to first token of a long prompt alone, then the inter-token latency of `--streams`
+    """Time to first token of a short prompt alone, of a long prompt alone and of the same long
+    prompt sent again (a prompt-cache hit), then the inter-token latency of `--streams`
     decoding streams (distinct prompts, sampled), on their own and while long prompts arrive
     one after another (each new prompt sent when the previous one's first tokens are back),
     against a running server."""
@@ -155,18 +163,33 @@ async def latency_workload(args) -> list[dict]:
         def long_body(i: int) -> dict:  # a distinct first line: no stored prefix to reuse
             return {"prompt": f"Request {i}.\n" + long_prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
 
-        alone = [await stream_one(session, args.url, long_body(i)) for i in range(args.rounds + 1)][
-            1:
-        ]  # the first pays new shapes
-        ttfts = sorted(t.ttft * 1000 for t in alone)
-        server = median_ms([t.server_ttft for t in alone])
-        rows.append(
-            {
-                "workload": f"{alone[0].prompt_tokens}-token prompt alone, {len(alone)} rounds"
+        def ttft_row(workload: str, timings: list[Timing]) -> dict:
+            ttfts = sorted(t.ttft * 1000 for t in timings)
+            server = median_ms([t.server_ttft for t in timings])
+            return {
+                "workload": f"{timings[0].prompt_tokens}-token prompt {workload}, {len(timings)} rounds"
                 + (f" (the server's own TTFT median {server:.1f} ms)" if server is not None else ""),
                 "TTFT ms median / min / max": f"{statistics.median(ttfts):.1f} / {ttfts[0]:.1f} / {ttfts[-1]:.1f}",
             }
-        )
+
+        # Issue 30's batch-1 TTFT: a short prompt, new each time (no stored prefix), one at a time.
+        short_prompt = await system_prompt(session, args.url, SHORT_PROMPT_TOKENS)
+        short = [
+            await stream_one(
+                session,
+                args.url,
+                {"prompt": f"Request {i}.\n" + short_prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0},
+            )
+            for i in range(SHORT_ROUNDS + 5)
+        ][5:]  # the first ones pay new shapes
+        rows.append(ttft_row("alone", short))
+        alone = [await stream_one(session, args.url, long_body(i)) for i in range(args.rounds + 1)][
+            1:
+        ]  # the first pays new shapes
+        rows.append(ttft_row("alone", alone))
+        # The same prompts again: the prompt cache holds all but their last token.
+        again = [await stream_one(session, args.url, long_body(i)) for i in range(1, args.rounds + 1)]
+        rows.append(ttft_row(f"sent again ({again[0].cached_tokens} tokens cached)", again))
         for arriving in (False, True):
             # Distinct prompts, sampled (issue 30's condition). Greedy streams of one prompt on
             # random weights all write the same ids, and a run of byte tokens that forms no
@@ -579,8 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--latency",
         action="store_true",
-        help="TTFT of a long prompt alone, then --streams streams' inter-token latency without and with long "
-        "prompts arriving (a running server, --url)",
+        help="TTFT of a short prompt alone, of a long prompt alone and sent again, then --streams streams' "
+        "inter-token latency without and with long prompts arriving (a running server, --url)",
     )
     parser.add_argument(
         "--long-prompt-tokens", type=int, default=1044, help="the long prompt of --latency (default: %(default)s)"

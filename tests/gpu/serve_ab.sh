@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 30's HTTP rows for servers of several trees in turn, on one GPU, at the server's defaults
-# (random:phi-2 unless SHAPE says otherwise): bench.py --latency (a 1,044-token prompt alone,
-# then 63 sampled streams with and without such prompts arriving), one client for 512 tokens,
-# then 64, 256 and 512 clients with distinct sampled prompts for 128 tokens. The client is this
-# tree's bench.py for every server. First the GPU's copy bandwidth; after each server, the
-# batch-1 decode limit it sets for the weights that server reported. A tree may be named twice
-# (A B A) to see the drift between servers. From the repository root:
+# (random:phi-2 unless SHAPE says otherwise): bench.py --latency (a 24-token prompt alone, a
+# 1,044-token prompt alone and sent again, then 63 sampled streams with and without such prompts
+# arriving), one client for 512 tokens, then 64, 256 and 512 clients with distinct sampled
+# prompts for 128 tokens. The client is this tree's bench.py for every server. First the GPU's
+# copy bandwidth; after each server, the batch-1 decode limit it sets for the weights that server
+# reported. A tree may be named twice (A B A) to see the drift between servers. From the
+# repository root:
 #   OUT=/tmp/ab bash tests/gpu/serve_ab.sh new=. old=/path/to/other/tree new=.
 set -u
 OUT=${OUT:?set OUT to a folder}
@@ -41,7 +42,7 @@ for pair in "$@"; do
   url=http://127.0.0.1:$port
   curl -fs "$url/model/info" > "$OUT/info-$name-$port.json"
   echo "== $name ($tree): ready after $((SECONDS - start)) s; $(python3 -c 'import json, sys; i = json.load(open(sys.argv[1])); print("max_batch", i.get("max_batch"), "kv_cache", i.get("kv_cache"))' "$OUT/info-$name-$port.json")"
-  python3 bench.py --url $url --latency --max-tokens 512 --json "$OUT/latency-$name-$port.json" | tail -3
+  python3 bench.py --url $url --latency --max-tokens 512 --json "$OUT/latency-$name-$port.json" | tail -5
   python3 bench.py --url $url --concurrency 1 --max-tokens 512 --runs 3 --label "$name" \
     --json "$OUT/one-$name-$port.json" | tail -1
   for clients in 64 256 512; do  # a level each, so that one level's failure leaves the others' rows
