@@ -4340,6 +4340,22 @@ def runner_options(app: web.Application) -> dict[str, Any]:
     }
 
 
+# Connections the kernel completes before the server accepts them. aiohttp's default of 128 is
+# less than the clients that reach a GPU server at once: while the event loop was busy handing a
+# step's 256 stream ends over, the next 256 clients' connections overflowed it, the kernel
+# dropped their SYNs, and clients resend a SYN only after a second (3 of 256 clients waited
+# 1.06 s for a first token the server produced in 39 ms; BENCHMARKS.md, "The listen backlog").
+# uvicorn and gunicorn listen with 2048 too; the kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 2048
+
+
+async def listen(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
+    """Serve `runner` on host:port (also the tests' servers: the same listening socket)."""
+    site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
+    await site.start()
+    return site
+
+
 async def serve(app: web.Application) -> int:
     settings = app[SETTINGS]
     if not app[API_KEYS] and settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -4351,7 +4367,7 @@ async def serve(app: web.Application) -> int:
     runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_grace + 5, **runner_options(app))
     await runner.setup()
     try:
-        await web.TCPSite(runner, settings.host, settings.port).start()
+        await listen(runner, settings.host, settings.port)
     except OSError as exc:
         print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
         await runner.cleanup()

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from backends import Backend, LoadOptions, load_backend
 from backends.tiny import write_tiny_checkpoint
-from phi2_server import ENGINE, LOAD_DONE, Settings, create_app, runner_options
+from phi2_server import ENGINE, LOAD_DONE, Settings, create_app, listen, runner_options
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -223,7 +223,7 @@ class LiveServer:
 
         async def start():
             await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+            await listen(self.runner, "127.0.0.1", 0)
             await asyncio.wait_for(app[LOAD_DONE].wait(), 30)
             return self.runner.addresses[0][1]
 

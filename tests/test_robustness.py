@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+from pathlib import Path
 
+import pytest
 from conftest import engine_of, wait_idle, wait_until
 from fakes import FailingBackend, Gate, GatedBackend
 from test_request_log import read_log
@@ -234,3 +237,37 @@ async def test_one_log_line_per_request_under_load_with_rotation(make_client, ba
     assert status_counts[503] == overflow
     assert status_counts[499] == 1
     assert status_counts[422] == 1
+
+
+def test_a_burst_of_connections_waits_for_a_busy_event_loop(live_server, torch_backend, tiny_path):
+    """Clients that connect while the event loop is busy wait in the kernel's listen queue
+    (`LISTEN_BACKLOG`), not for a SYN their kernel resends a second later: 300 connections
+    complete while the loop accepts none, then each one is answered."""
+    burst = 300
+    somaxconn = Path("/proc/sys/net/core/somaxconn")
+    if not somaxconn.exists() or int(somaxconn.read_text()) < burst:
+        pytest.skip("the kernel caps a listen queue below the burst (net.core.somaxconn)")
+    server = live_server(lambda: torch_backend, model=str(tiny_path))
+    port = int(server.url.rsplit(":", 1)[1])
+    blocked, release = threading.Event(), threading.Event()
+
+    def busy() -> None:  # the event loop stays here: nothing is accepted meanwhile
+        blocked.set()
+        release.wait(60)
+
+    server.loop.call_soon_threadsafe(busy)
+    assert blocked.wait(10)
+    connections = []
+    try:
+        for _ in range(burst):
+            # A connection the listen queue had no room for would wait for its SYN's resending
+            # (1 s, 3 s, ...) and then for the loop: this timeout fails the test instead.
+            connections.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+    finally:
+        release.set()
+        statuses = []
+        for connection in connections:
+            with connection:
+                connection.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+                statuses.append(connection.makefile("rb").readline().split()[1])
+    assert statuses == [b"200"] * burst
