@@ -11,6 +11,9 @@
 set -u
 OUT=${OUT:?set OUT to a folder}
 SHAPE=${SHAPE:-random:phi-2}
+LEVELS=${LEVELS:-64 256 512}  # the distinct clients' levels
+RUNS=${RUNS:-3}                # runs of each level, the first a warm-up
+LATENCY=${LATENCY:-1}          # 0: no bench.py --latency and no one-client rows
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # The copy bandwidth by check.py's copy_bandwidth (loaded by path: -P keeps this folder's
@@ -42,11 +45,13 @@ for pair in "$@"; do
   url=http://127.0.0.1:$port
   curl -fs "$url/model/info" > "$OUT/info-$name-$port.json"
   echo "== $name ($tree): ready after $((SECONDS - start)) s; $(python3 -c 'import json, sys; i = json.load(open(sys.argv[1])); print("max_batch", i.get("max_batch"), "kv_cache", i.get("kv_cache"))' "$OUT/info-$name-$port.json")"
-  python3 bench.py --url $url --latency --max-tokens 512 --json "$OUT/latency-$name-$port.json" | tail -5
-  python3 bench.py --url $url --concurrency 1 --max-tokens 512 --runs 3 --label "$name" \
-    --json "$OUT/one-$name-$port.json" | tail -1
-  for clients in 64 256 512; do  # a level each, so that one level's failure leaves the others' rows
-    python3 bench.py --url $url --distinct --concurrency $clients --max-tokens 128 --runs 3 --label "$name" \
+  if [ "$LATENCY" = 1 ]; then
+    python3 bench.py --url $url --latency --max-tokens 512 --json "$OUT/latency-$name-$port.json" | tail -5
+    python3 bench.py --url $url --concurrency 1 --max-tokens 512 --runs 3 --label "$name" \
+      --json "$OUT/one-$name-$port.json" | tail -1
+  fi
+  for clients in $LEVELS; do  # a level each, so that one level's failure leaves the others' rows
+    python3 bench.py --url $url --distinct --concurrency $clients --max-tokens 128 --runs $RUNS --label "$name" \
       --json "$OUT/distinct-$name-$clients-$port.json" | tail -1
   done
   kill $server; wait $server
