@@ -160,8 +160,14 @@ async def latency_workload(args) -> list[dict]:
     ) as session:
         long_prompt = await system_prompt(session, args.url, args.long_prompt_tokens)
 
-        def long_body(i: int) -> dict:  # a distinct first line: no stored prefix to reuse
-            return {"prompt": f"Request {i}.\n" + long_prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        def alone_body(first_line: str, text: str) -> dict:  # a distinct first line: no stored prefix to reuse
+            return {"prompt": f"{first_line}\n{text}", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+
+        def long_body(i: int) -> dict:
+            return alone_body(f"Request {i}.", long_prompt)
+
+        async def in_turn(bodies) -> list[Timing]:
+            return [await stream_one(session, args.url, body) for body in bodies]
 
         def ttft_row(workload: str, timings: list[Timing]) -> dict:
             ttfts = sorted(t.ttft * 1000 for t in timings)
@@ -172,23 +178,16 @@ async def latency_workload(args) -> list[dict]:
                 "TTFT ms median / min / max": f"{statistics.median(ttfts):.1f} / {ttfts[0]:.1f} / {ttfts[-1]:.1f}",
             }
 
-        # Issue 30's batch-1 TTFT: a short prompt, new each time (no stored prefix), one at a time.
+        # Issue 30's batch-1 TTFT: a short prompt, new each time, one at a time. Its first line
+        # differs from the long prompts' from the first token: the short prompt is the filler's
+        # first words, so "Request 1." before both would make the long one a partial cache hit.
         short_prompt = await system_prompt(session, args.url, SHORT_PROMPT_TOKENS)
-        short = [
-            await stream_one(
-                session,
-                args.url,
-                {"prompt": f"Request {i}.\n" + short_prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0},
-            )
-            for i in range(SHORT_ROUNDS + 5)
-        ][5:]  # the first ones pay new shapes
-        rows.append(ttft_row("alone", short))
-        alone = [await stream_one(session, args.url, long_body(i)) for i in range(args.rounds + 1)][
-            1:
-        ]  # the first pays new shapes
-        rows.append(ttft_row("alone", alone))
+        short = await in_turn(alone_body(f"Short one {i}.", short_prompt) for i in range(SHORT_ROUNDS + 5))
+        rows.append(ttft_row("alone", short[5:]))  # the first ones pay new shapes
+        alone = await in_turn(long_body(i) for i in range(args.rounds + 1))
+        rows.append(ttft_row("alone", alone[1:]))  # the first pays new shapes
         # The same prompts again: the prompt cache holds all but their last token.
-        again = [await stream_one(session, args.url, long_body(i)) for i in range(1, args.rounds + 1)]
+        again = await in_turn(long_body(i) for i in range(1, args.rounds + 1))
         rows.append(ttft_row(f"sent again ({again[0].cached_tokens} tokens cached)", again))
         for arriving in (False, True):
             # Distinct prompts, sampled (issue 30's condition). Greedy streams of one prompt on
