@@ -1989,11 +1989,7 @@ class BatchedDecoder:
         arch, eps = w.arch, w.shape.eps
         for layer, block in enumerate(w.layers):
             lora = adapted.get(layer)
-            h = (
-                fused.rms_norm(x, block.norm1_w, eps)
-                if arch.rms_norm
-                else F.layer_norm(x, (w.hidden,), block.norm1_w, block.norm1_b, eps)
-            )
+            h = fused.norm(x, block.norm1_w, block.norm1_b, eps, arch.rms_norm)
             y = F.linear(h, block.w_in, block.b_in)
             if lora is not None:
                 y = y + lora_product(h, *lora[0])
@@ -2033,7 +2029,7 @@ class BatchedDecoder:
             x = torch.addmm(x if block.b_out is None else x + block.b_out, attended, block.w_out.t())
             if lora is not None:
                 x = x + lora_product(attended, *lora[1])
-            h = fused.rms_norm(x, block.norm2_w, eps)
+            h = fused.norm(x, block.norm2_w, None, eps, rms=True)
             u = F.linear(h, block.w_up, block.b_up)
             if lora is not None:
                 u = u + lora_product(h, *lora[2])
@@ -2041,7 +2037,7 @@ class BatchedDecoder:
             x = torch.addmm(x if block.b_down is None else x + block.b_down, g, block.w_down.t())
             if lora is not None:
                 x = x + lora_product(g, *lora[3])
-        logits = self._logits(x)
+        logits = linear(fused.norm(x, *w.final_norm, eps, arch.rms_norm), *w.lm_head)  # as `_logits`
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
     def _lora_layers(self, row_slots: torch.Tensor, prefill: bool = False) -> dict[int, list[tuple]]:

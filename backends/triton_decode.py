@@ -15,8 +15,9 @@ mask. Here each family's block is its GEMMs with these between them:
    share it together, through tensor-core products.
 2. `_attention_combine`: the splits and the new token itself -> the attention output; for a
    parallel block (Phi) also GELU of fc1 and x + the out bias, laid out for its one out GEMM.
-3. Sequential blocks (Llama, Mistral, Qwen2/3, Phi-3): `_rms_norm` before each of their two
-   GEMMs over the residual, and `_silu_mul` between [gate; up] and down.
+3. `_norm`: Phi's LayerNorm before its block's one GEMM over the residual; the sequential
+   blocks' (Llama, Mistral, Qwen2/3, Phi-3) RMSNorm before each of their two, and `_silu_mul`
+   between [gate; up] and down. The final norm before the LM head too.
 
 Prefill uses `_prefill_rotary`: rotary on q in place and k, v to the cache, one kernel a block.
 
@@ -683,18 +684,26 @@ def _attention_combine(
 
 
 @triton.jit
-def _rms_norm(x_ptr, stride_x, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
-    """Per row: x * rsqrt(mean(x^2) + eps) in float32, rounded to the dtype, times the weight (as
-    transformers' RMSNorm)."""
+def _norm(x_ptr, stride_x, w_ptr, b_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr):
+    """Per row, in float32: RMSNorm as transformers computes it (x * rsqrt(mean(x^2) + eps),
+    rounded to the dtype, times the weight), or LayerNorm as torch does ((x - mean) * rstd *
+    weight + bias, rounded once). Torch's LayerNorm kernel took ~6 us a row of 2,560 at batch 1
+    inside the step (BENCHMARKS.md), this one about what the RMSNorm takes."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     dtype = x.dtype
     xf = x.to(tl.float32)
-    scale = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, ((xf * scale).to(dtype).to(tl.float32) * w).to(dtype), mask=ok)
+    if RMS:
+        scale = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        out = (xf * scale).to(dtype).to(tl.float32) * w
+    else:
+        centered = tl.where(ok, xf - tl.sum(xf, axis=0) / N, 0.0)
+        scale = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / N + eps)
+        out = centered * scale * w + tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, out.to(dtype), mask=ok)
 
 
 @triton.jit
@@ -1088,11 +1097,21 @@ def paged_prefill_attention(
     return out
 
 
-def rms_norm(x, weight, eps: float):
-    """transformers' RMSNorm of each row of x [rows, n], one kernel."""
+def norm(x, weight, bias, eps: float, rms: bool):
+    """Each row of x [rows, n] normalized: transformers' RMSNorm (`rms`, no bias) or LayerNorm
+    with its bias, as torch_decoder.norm computes them, one kernel."""
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-    _rms_norm[(x.shape[0],)](
-        x, x.stride(0), weight, out, eps, N=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4
+    _norm[(x.shape[0],)](
+        x,
+        x.stride(0),
+        weight,
+        weight if bias is None else bias,  # not read without a bias
+        out,
+        eps,
+        N=x.shape[1],
+        BLOCK=triton.next_power_of_2(x.shape[1]),
+        RMS=rms,
+        num_warps=4,
     )
     return out
 
@@ -1118,11 +1137,12 @@ def works(device, dtype, heads: Heads, hidden: int, inner: int, parallel: bool, 
         table = torch.ones(4, heads.rotary_dim, device=device, dtype=dtype)
         one = torch.ones(rows, dtype=torch.long, device=device)
         norms = (torch.ones(heads.head_dim, device=device, dtype=dtype),) * 2 if qk_norm else (None, None)
-        if parallel:
+        if parallel:  # Phi: LayerNorm (architecture.py), the others RMSNorm
             attention(y, table, table, one, one, *cache, pages, heads, x=x, b_out=x[0], inner=inner)
+            norm(x, x[0], x[0], 1e-5, rms=False)
         else:
             attention(y, table, table, one, one, *cache, pages, heads, window=2, q_norm=norms[0], k_norm=norms[1])
-            rms_norm(x, x[0], 1e-6)
+            norm(x, x[0], None, 1e-6, rms=True)
             if gated:
                 silu_mul(torch.randn(rows, 2 * inner, device=device, dtype=dtype), inner)
         prefill_rotary(y, table, table, one, one - 1, *cache, pages, heads, *norms)

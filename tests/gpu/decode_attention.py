@@ -2,7 +2,8 @@
 or, for grouped heads, `_attention_split_grouped`, then `_attention_combine`) against a torch
 reference over the same paged cache: rows of different lengths, idle rows, a sliding window,
 Qwen3's q/k norms, a parallel (Phi) block's extra outputs, a table as wide as a long context's
-(most of the grid's splits past every row's), and one row alone over a long context.
+(most of the grid's splits past every row's), and one row alone over a long context. Then the
+step's norms (`norm`: LayerNorm and RMSNorm) against torch's.
 
     python3 -P tests/gpu/decode_attention.py            # a GPU: float32 and bfloat16
     PYTHONPATH=/tmp/triton-interp TRITON_INTERPRET=1 .venv/bin/python tests/gpu/decode_attention.py   # the CPU
@@ -135,6 +136,24 @@ def case(name, heads, rows, lengths, width, dtype, window=None, qk_norm=False, p
     return failures
 
 
+def norm_case(n: int, rms: bool, dtype) -> int:
+    """`td.norm` of rows with an offset (LayerNorm must center them) against the torch step's."""
+    from backends.torch_decoder import norm
+
+    torch.manual_seed(n)
+    x = (torch.randn(5, n, device=dev) * 3 + torch.randn(5, 1, device=dev) * 4).to(dtype)
+    weight = (1 + 0.3 * torch.randn(n, device=dev)).to(dtype)
+    bias = None if rms else (0.5 * torch.randn(n, device=dev)).to(dtype)
+    eps = 1e-6 if rms else 1e-5
+    want = norm(x, weight, bias, eps, rms).float()
+    got = td.norm(x, weight, bias, eps, rms).float()
+    error = ((got - want).abs() / want.abs().clamp(min=1)).max().item()
+    ok = error <= (1e-5 if dtype == torch.float32 else 1e-2)
+    name = f"{'RMSNorm' if rms else 'LayerNorm'} of {n}"
+    print(f"{'ok  ' if ok else 'FAIL'} {name:44} {str(dtype)[6:]:8} {'norm':15} max error {error:.2e}", flush=True)
+    return not ok
+
+
 def main() -> int:
     gqa = td.Heads(8, 2, 32, 16)
     mha = td.Heads(4, 4, 32, 32)
@@ -158,6 +177,8 @@ def main() -> int:
         ]
         for name, heads, rows, lengths, width, options in cases:
             failures += case(name, heads, rows, lengths, width, dtype, **options)
+        for n, rms in ((2560, False), (2048, True), (3072, True), (96, False)):
+            failures += norm_case(n, rms, dtype)
     print("all ok" if not failures else f"{failures} failed")
     return 1 if failures else 0
 

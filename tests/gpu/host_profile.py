@@ -1,6 +1,6 @@
 """Where a decode step's time goes at hundreds of rows (issue 30), in process on a CUDA machine.
 
-    python3 -P tests/gpu/host_profile.py --out $OUT [--shape random:phi-2] [--rows 128,512]
+    python3 -P tests/gpu/host_profile.py --out $OUT [--shape random:phi-2] [--rows 128,512] [--modes greedy]
 
 (-P: this folder's kernels.py would shadow the `kernels` package that transformers may import.)
 
@@ -81,6 +81,7 @@ def main() -> int:
     parser.add_argument("--rows", default="128,512")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,8 @@ def main() -> int:
     for rows in (int(r) for r in args.rows.split(",")):
         decoder = BatchedDecoder(backend.decoder_weights, rows, context=2048, kv_cache_bytes=40 << 30)
         decoder.capture()
-        for mode, sampling in MODES.items():
+        for mode in args.modes.split(","):
+            sampling = MODES[mode]
             key = f"{rows} rows {mode}"
             results[key] = profile(decoder, rows, sampling, args.tokens)
             print(key, f"{results[key]['step_ms_median']:.2f} ms a step, {results[key]['tok_s']:.0f} tok/s", flush=True)
