@@ -160,8 +160,17 @@ async def latency_workload(args) -> list[dict]:
     ) as session:
         long_prompt = await system_prompt(session, args.url, args.long_prompt_tokens)
 
-        def alone_body(first_line: str, text: str) -> dict:  # a distinct first line: no stored prefix to reuse
-            return {"prompt": f"{first_line}\n{text}", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        def alone_body(first_line: str, text: str) -> dict:
+            # A prompt cache namespace of its own (`cache_salt`, by its distinct first line): no
+            # stored prefix to reuse. Without one, "Request 2." found "Request" stored by
+            # "Request 1.", and the "cold" prompt was a piece after a cached column.
+            return {
+                "prompt": f"{first_line}\n{text}",
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "temperature": 0,
+                "cache_salt": first_line,
+            }
 
         def long_body(i: int) -> dict:
             return alone_body(f"Request {i}.", long_prompt)
@@ -178,9 +187,7 @@ async def latency_workload(args) -> list[dict]:
                 "TTFT ms median / min / max": f"{statistics.median(ttfts):.1f} / {ttfts[0]:.1f} / {ttfts[-1]:.1f}",
             }
 
-        # Issue 30's batch-1 TTFT: a short prompt, new each time, one at a time. Its first line
-        # differs from the long prompts' from the first token: the short prompt is the filler's
-        # first words, so "Request 1." before both would make the long one a partial cache hit.
+        # Issue 30's batch-1 TTFT: a short prompt, new each time, one at a time.
         short_prompt = await system_prompt(session, args.url, SHORT_PROMPT_TOKENS)
         short = await in_turn(alone_body(f"Short one {i}.", short_prompt) for i in range(SHORT_ROUNDS + 5))
         rows.append(ttft_row("alone", short[5:]))  # the first ones pay new shapes
