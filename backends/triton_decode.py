@@ -430,7 +430,12 @@ def _prefill_rotary(
     tl.store(base + head * HEAD_DIM + d, q.to(dtype), mask=d_ok)
 
 
-@triton.jit
+# A piece's length and the sliding window are plain values, not part of the compiled variant.
+# Triton compiles a kernel once for each class of an integer argument's value (1, a multiple of
+# 16, any other), and compiling this one takes ~0.9 s: works() builds it at length 1 and the
+# prefill graphs at multiples of 16, so a long piece of any other length (the first long prompt
+# that found a few tokens in the prompt cache) waited for a compile of its own.
+@triton.jit(do_not_specialize=["length", "window"])
 def _paged_prefill_attention(
     q_ptr,
     stride_q_row,
@@ -534,7 +539,7 @@ def _paged_prefill_attention(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["length"])  # (as `_paged_prefill_attention`)
 def _paged_prefill_combine(
     part_ptr,
     lens_ptr,
@@ -1146,8 +1151,10 @@ def works(device, dtype, heads: Heads, hidden: int, inner: int, parallel: bool, 
             if gated:
                 silu_mul(torch.randn(rows, 2 * inner, device=device, dtype=dtype), inner)
         prefill_rotary(y, table, table, one, one - 1, *cache, pages, heads, *norms)
-        for splits in (1, 2):  # a short piece after many columns takes the split variant
-            paged_prefill_attention(y[:, None], *cache, pages, one - 1, one - 1, one, heads, splits=splits)
+        # Every split count `prefill_splits` may choose (a short piece after many columns is
+        # read by several programs): compiled here, not in a request's prefill.
+        for k in range(PREFILL_MAX_SPLITS.bit_length()):
+            paged_prefill_attention(y[:, None], *cache, pages, one - 1, one - 1, one, heads, splits=1 << k)
         gumbel_argmax(y[:, :64].float(), one, one)
         torch.cuda.synchronize(device)
         return True
