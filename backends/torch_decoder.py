@@ -1647,11 +1647,12 @@ class BatchedDecoder:
         n, length = q.shape[:2]
         return attention.transpose(1, 2).reshape(n, length, w.arch.q_size)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, normalize=norm) -> torch.Tensor:
         """The raw logits over the whole model vocabulary (logprobs are taken over all of it;
-        the choice of a token is limited to the ids the tokenizer can decode)."""
+        the choice of a token is limited to the ids the tokenizer can decode). `normalize`: the
+        final norm (the fused step passes its Triton kernel, `triton_decode.norm`)."""
         w = self.weights
-        x = norm(x, *w.final_norm, w.shape.eps, w.shape.rms_norm)
+        x = normalize(x, *w.final_norm, w.shape.eps, w.shape.rms_norm)
         return linear(x, *w.lm_head)
 
     # -- decode ----------------------------------------------------------------------------------
@@ -2037,7 +2038,7 @@ class BatchedDecoder:
             x = torch.addmm(x if block.b_down is None else x + block.b_down, g, block.w_down.t())
             if lora is not None:
                 x = x + lora_product(g, *lora[3])
-        logits = linear(fused.norm(x, *w.final_norm, eps, arch.rms_norm), *w.lm_head)  # as `_logits`
+        logits = self._logits(x, fused.norm)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
     def _lora_layers(self, row_slots: torch.Tensor, prefill: bool = False) -> dict[int, list[tuple]]:

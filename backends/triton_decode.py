@@ -689,7 +689,18 @@ def _attention_combine(
 
 
 @triton.jit
-def _norm(x_ptr, stride_x, w_ptr, b_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr):
+def _norm(
+    x_ptr,
+    stride_x,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """Per row, in float32: RMSNorm as transformers computes it (x * rsqrt(mean(x^2) + eps),
     rounded to the dtype, times the weight), or LayerNorm as torch does ((x - mean) * rstd *
     weight + bias, rounded once). Torch's LayerNorm kernel took ~6 us a row of 2,560 at batch 1
@@ -707,7 +718,9 @@ def _norm(x_ptr, stride_x, w_ptr, b_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: t
     else:
         centered = tl.where(ok, xf - tl.sum(xf, axis=0) / N, 0.0)
         scale = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / N + eps)
-        out = centered * scale * w + tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        out = centered * scale * w
+        if HAS_BIAS:
+            out += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, out.to(dtype), mask=ok)
 
 
@@ -1103,19 +1116,20 @@ def paged_prefill_attention(
 
 
 def norm(x, weight, bias, eps: float, rms: bool):
-    """Each row of x [rows, n] normalized: transformers' RMSNorm (`rms`, no bias) or LayerNorm
-    with its bias, as torch_decoder.norm computes them, one kernel."""
+    """Each row of x [rows, n] normalized: transformers' RMSNorm (`rms`; no bias) or LayerNorm
+    (with `bias` if given), as torch_decoder.norm computes them, one kernel (its arguments)."""
     out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     _norm[(x.shape[0],)](
         x,
         x.stride(0),
         weight,
-        weight if bias is None else bias,  # not read without a bias
+        weight if bias is None else bias,  # not read without one
         out,
         eps,
         N=x.shape[1],
         BLOCK=triton.next_power_of_2(x.shape[1]),
         RMS=rms,
+        HAS_BIAS=bias is not None,
         num_warps=4,
     )
     return out

@@ -136,20 +136,20 @@ def case(name, heads, rows, lengths, width, dtype, window=None, qk_norm=False, p
     return failures
 
 
-def norm_case(n: int, rms: bool, dtype) -> int:
+def norm_case(n: int, rms: bool, dtype, with_bias: bool = True) -> int:
     """`td.norm` of rows with an offset (LayerNorm must center them) against the torch step's."""
     from backends.torch_decoder import norm
 
     torch.manual_seed(n)
     x = (torch.randn(5, n, device=dev) * 3 + torch.randn(5, 1, device=dev) * 4).to(dtype)
     weight = (1 + 0.3 * torch.randn(n, device=dev)).to(dtype)
-    bias = None if rms else (0.5 * torch.randn(n, device=dev)).to(dtype)
+    bias = None if rms or not with_bias else (0.5 * torch.randn(n, device=dev)).to(dtype)
     eps = 1e-6 if rms else 1e-5
     want = norm(x, weight, bias, eps, rms).float()
     got = td.norm(x, weight, bias, eps, rms).float()
     error = ((got - want).abs() / want.abs().clamp(min=1)).max().item()
     ok = error <= (1e-5 if dtype == torch.float32 else 1e-2)
-    name = f"{'RMSNorm' if rms else 'LayerNorm'} of {n}"
+    name = f"{'RMSNorm' if rms else 'LayerNorm'} of {n}{'' if bias is not None or rms else ', no bias'}"
     print(f"{'ok  ' if ok else 'FAIL'} {name:44} {str(dtype)[6:]:8} {'norm':15} max error {error:.2e}", flush=True)
     return not ok
 
@@ -179,6 +179,7 @@ def main() -> int:
             failures += case(name, heads, rows, lengths, width, dtype, **options)
         for n, rms in ((2560, False), (2048, True), (3072, True), (96, False)):
             failures += norm_case(n, rms, dtype)
+        failures += norm_case(1024, False, dtype, with_bias=False)
     print("all ok" if not failures else f"{failures} failed")
     return 1 if failures else 0
 
