@@ -131,7 +131,7 @@ class Inbox:
 
     What an asyncio.Queue would do, with less work per event: a list and, while its handler
     waits, one future. At hundreds of streams the event loop's work per token is what bounds
-    throughput (BENCHMARKS.md, "The event loop's work per token")."""
+    throughput (BENCHMARKS.md, D-event-batches)."""
 
     __slots__ = ("_items", "_waiter")
 
@@ -220,7 +220,7 @@ class Courier:
     all of them as soon as it is done. With a few streams every flush goes out at once; with
     hundreds, when the event loop rather than the model sets the pace, each write carries the
     tokens of several steps instead of the loop falling further behind with a write per token
-    (BENCHMARKS.md, "The event loop's work per token")."""
+    (BENCHMARKS.md, D-event-batches)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -468,17 +468,12 @@ class Engine:
             self.backend = self._load()
             # The decoder exists before the first request is accepted (its prompt cache is reported).
             self.max_batch = self.max_batch or self.backend.max_batch  # 0: the backend's default
-            # 0: twice what a batch holds, at least 64. A burst of clients that the batch (256
-            # rows on an H100, 512 on an H200) takes in at its next step fits, and so does as
-            # many again waiting for the rows that free up next: with the batch's size alone,
-            # 512 clients on an H100's 256 rows got 503s before any of them had waited.
+            # 0: twice what a batch holds, at least 64: a burst the batch takes in at its next step
+            # fits, and as many again waiting for rows, not 503s (BENCHMARKS.md, D-queue).
             self.max_queue = self.max_queue or max(MIN_QUEUE, 2 * self.max_batch)
             self._decoder = self._new_decoder(self.backend)
-            # What loading made (the model's modules, tensors' Python objects, the libraries'
-            # modules) lives as long as the process: out of the collector's sight, a full
-            # collection does not walk it. On an H200 serving Phi-2 each full collection stopped
-            # every stream for 154-210 ms (the p99 inter-token gap); vLLM freezes its startup
-            # objects too.
+            # What loading made lives as long as the process: frozen, a full collection does not walk
+            # it and stop every stream (BENCHMARKS.md, D-gc-freeze); vLLM freezes its startup objects.
             gc.collect()
             gc.freeze()
         except BaseException as exc:  # reported through /health and the startup error

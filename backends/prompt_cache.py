@@ -64,9 +64,8 @@ class PrefixCache:
         # Eviction candidates, oldest first: (used, order, node) for every node that became a leaf
         # or was used while one. An entry goes stale when its node is used again, gets children
         # or leaves the tree; stale entries are skipped when popped, and the heap is rebuilt from
-        # the tree once they are most of it. Walking the tree for its leaves at every store was
-        # 0.8 ms a store on an H200's host once the cache was full (~340 nodes): 24-32 ms each
-        # time 30-34 sequences ended together.
+        # the tree once they are most of it; a walk of the tree for its leaves at every store
+        # stalled every stream when many sequences ended together (BENCHMARKS.md, D-evict-heap).
         self._candidates: list[tuple[int, int, Node]] = []
         self._order = itertools.count()
         self._rebuild_at = 64

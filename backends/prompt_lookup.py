@@ -17,9 +17,8 @@ from __future__ import annotations
 from backends import ModelLoadError, Sequence
 
 # Draft tokens a step verifies by default where drafts pay: one sequence decoding on a CPU, whose
-# step streams every weight for one token, so a few more tokens in the same pass cost little. On
-# the 2-core CPU with int8 weights a pass of 1 + 3 tokens took 1.2 decode steps, one of 1 + 4
-# took 1.9 (BENCHMARKS.md). On CUDA a graphed step is cheaper than an eager verify pass: 0.
+# step streams every weight for one token, so up to 3 more tokens in the same pass cost little. On
+# CUDA a graphed step is cheaper than an eager verify pass: 0 (BENCHMARKS.md, D-draft-tokens).
 DEFAULT_DRAFT_TOKENS = 3
 MAX_DRAFT_TOKENS = 32  # a verify pass is a prefill of this many tokens at most
 
@@ -35,7 +34,7 @@ def applied_draft_tokens(requested: int, default: int) -> int:
 
 MAX_NGRAM = 3  # the longest n-gram looked up
 # The shortest: one shared token alone (a space, a comma) predicts little, and a draft the model
-# rejects costs a verify pass that is slower than a decode step (measured: BENCHMARKS.md).
+# rejects costs a verify pass that is slower than a decode step (BENCHMARKS.md, D-draft-tokens).
 MIN_NGRAM = 2
 
 

@@ -99,8 +99,8 @@ def restore(file: Path, model, device: torch.device) -> tuple[list[dict], Quanti
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"no weights for {missing[:3]}")
-    # Layers in parallel: w8a8's weights are packed again for fbgemm, one thread a matrix (25 s
-    # of Phi-2's start in one thread); the other kinds are only views of the file.
+    # Layers in parallel: w8a8's weights are packed again for fbgemm, one thread a matrix (in one
+    # thread most of a start: BENCHMARKS.md, D-w8a8-threads); the other kinds are views of the file.
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         blocks = list(pool.map(lambda layer: {name: _unpack(value) for name, value in layer.items()}, saved["blocks"]))
     head = _unpack(saved["head"]) if saved.get("head") is not None else None

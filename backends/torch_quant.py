@@ -7,7 +7,8 @@ CPU is compute-bound.
 
 - **int8**: symmetric, one scale per output channel. CPU: `aten._weight_int8pack_mm`. CUDA: the
   weight is dequantized inside the decode step, which torch.compile may fuse into the matrix
-  product (as gpt-fast does); torch's CUDA int8pack kernel measured far slower (BENCHMARKS.md).
+  product (as gpt-fast does); torch's CUDA int8pack kernel measured far slower (BENCHMARKS.md,
+  D-int8-cuda).
 - **int4**: asymmetric, a scale and a zero per group of input channels (group size 128, or the
   largest of 128/64/32 dividing the input width). CPU: `aten._weight_int4pack_mm_for_cpu`; CUDA:
   `aten._weight_int4pack_mm` (tinygemm), both on tinygemm's layout: w = (q - 8) * scale + zero.
@@ -101,15 +102,13 @@ class Int8Weight(QuantizedWeight):
         self.on_cuda = weight.is_cuda
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's int8pack kernel on the CPU; on CUDA it exists but measured 10x slower than
-        # bfloat16 at batch 1 on an H200 (BENCHMARKS.md), so the weight is dequantized there.
+        # torch's int8pack kernel on the CPU; on CUDA it is far slower than bfloat16, so the weight
+        # is dequantized there (BENCHMARKS.md, D-int8-cuda).
         if self.on_cuda:
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales
         if x.dtype == torch.float32:
-            # int8pack's float32 kernel is a slow one: one Phi-2 block-in product took 23 ms at
-            # one row and 221 ms at four on an AVX2 EPYC, against 4.9 and 6.9 ms with bfloat16
-            # activations (float32 weights: 14.7 ms). So a float32 model (auto's choice without
-            # native bfloat16) multiplies in bfloat16, as a bfloat16 model does.
+            # int8pack's float32 kernel is slower than float32 weights, its bfloat16 one far faster:
+            # a float32 model multiplies in bfloat16 too (BENCHMARKS.md, D-int8-bf16-act).
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales.to(torch.bfloat16))
             return y.float()
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -164,7 +163,7 @@ class Int8DynamicWeight(QuantizedWeight):
     llama.cpp's Q8_0 dot products do. fbgemm's dynamic int8 linear quantizes its input on the
     fly, multiplies in integers (AVX2 `vpmaddubsw`, VNNI where present) and scales back to
     float32. `reduce_range` keeps the activations to 7 bits, so that AVX2's 16-bit pairwise
-    sums cannot saturate. Measured against the weight-only kernel and float32 in BENCHMARKS.md;
+    sums cannot saturate. Measured against weight-only int8 and float32 (BENCHMARKS.md, D-w8a8);
     it needs no bfloat16 (the activations are float32 whatever the model's dtype).
 
     fbgemm takes one range for all the rows of a call (a decode step's sequences, a prefill
@@ -195,9 +194,9 @@ class Int8DynamicWeight(QuantizedWeight):
         self.packed = torch.ops.quantized.linear_prepack(q, None)
         self._range_row = torch.zeros(1, self.in_features)
         self._range_row[0, 0] = 1.0
-        # The weight's row sums, from its packed form: a row of ones quantizes exactly (to 127
-        # at a scale of 1/127), so this product is the sum (an int8 sum over the mapped file
-        # took 8 s of Phi-2's start).
+        # The weight's row sums, from its packed form: a row of ones quantizes exactly (to 127 at a
+        # scale of 1/127), so this product is the sum; summing the mapped file was slow
+        # (BENCHMARKS.md, D-row-sums).
         self._row_sums = torch.ops.quantized.linear_dynamic(torch.ones(1, self.in_features), self.packed, True)[0]
 
     def state(self) -> dict:
@@ -239,13 +238,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     return F.linear(x, weight, bias)
 
 
-# One row in bfloat16 (a decode step alone) on the CPU: oneDNN's product streamed Phi-2's
-# 17,920 x 2,560 block matrix at 21 GB/s on an AMD EPYC with AVX512-BF16, ATen's own bfloat16
-# GEMV (oneDNN off) at 36 GB/s, and its 51,200-row output head at 16 against 30; from 4 rows
-# on oneDNN was 2.3-9x faster (BENCHMARKS.md). Which is faster for one row depends on the CPU,
-# so it is measured once per dtype on the first such product. The switch is torch's
-# process-wide oneDNN flag, held off only around the product (under a lock): while serving,
-# the worker thread is the only one that multiplies.
+# One row in bfloat16 (a decode step alone) on the CPU: ATen's own GEMV (oneDNN off) can stream
+# faster than oneDNN's, which wins from 4 rows (BENCHMARKS.md, D-onednn-gemv). Which is faster for
+# one row depends on the CPU, so it is measured once per dtype on the first such product. The
+# switch is torch's process-wide oneDNN flag, held off only around the product (under a lock):
+# while serving, the worker thread is the only one that multiplies.
 _GEMV_WITHOUT_ONEDNN: dict[torch.dtype, bool] = {}
 _ONEDNN_SWITCH = threading.Lock()
 
@@ -280,11 +277,9 @@ def _best_time(fn) -> float:
     return min(times)
 
 
-# A decode step on the CPU multiplies a few rows (one a sequence) by each weight. For x @ W.T
-# with 2-8 rows, MKL's sgemm ran 3-4x slower than one row on an AMD EPYC (AVX2), while W @ x.T,
-# the same product, ran as fast as one row: the weights streamed once, as a step should
-# (8192 x 2048 float32: 1 row 4.7 ms, 4 rows 20.7 ms as x @ W.T and 5.2 ms as W @ x.T). Which
-# is faster depends on the CPU and the BLAS, so it is measured once per (rows, dtype) on the
+# A decode step on the CPU multiplies a few rows (one a sequence) by each weight; with some BLAS
+# x @ W.T is far slower for 2-8 rows than W @ x.T, the same product (BENCHMARKS.md, D-skinny-rows).
+# Which is faster depends on the CPU and the BLAS, so it is measured once per (rows, dtype) on the
 # first such product, and that one is used from then on.
 SKINNY_ROWS = 16
 _WEIGHT_FIRST: dict[tuple[int, torch.dtype], bool] = {}

@@ -22,8 +22,8 @@ mask. Here each family's block is its GEMMs with these between them:
 Prefill uses `_prefill_rotary`: rotary on q in place and k, v to the cache, one kernel a block.
 
 A Triton GEMV with LayerNorm in its prologue was measured too (commit deda8ee): inside the step it
-did not beat cuBLAS (BENCHMARKS.md), so the GEMMs stay cuBLAS. Arithmetic is float32, rounded to
-the model's dtype where the unfused step rounds.
+did not beat cuBLAS (BENCHMARKS.md, D-cublas-gemms), so the GEMMs stay cuBLAS. Arithmetic is
+float32, rounded to the model's dtype where the unfused step rounds.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def _attention_split(
     columns past the split's end read its last column again, weighed 0: where the tiles cover the
     head exactly the loads take no mask. With one tile padded to a power of two and masked loads,
     ptxas issued a block's loads one after another, each after the previous one's sum (its SASS
-    for Phi-2's 80 dims), so each block waited for memory several times over."""
+    for Phi-2's 80 dims), so each block waited for memory several times over (BENCHMARKS.md,
+    D-two-tiles)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -430,11 +431,9 @@ def _prefill_rotary(
     tl.store(base + head * HEAD_DIM + d, q.to(dtype), mask=d_ok)
 
 
-# A piece's length and the sliding window are plain values, not part of the compiled variant.
-# Triton compiles a kernel once for each class of an integer argument's value (1, a multiple of
-# 16, any other), and compiling this one takes ~0.9 s: works() builds it at length 1 and the
-# prefill graphs at multiples of 16, so a long piece of any other length (the first long prompt
-# that found a few tokens in the prompt cache) waited for a compile of its own.
+# A piece's length and the window are plain values: specialized, Triton compiles a variant per class
+# (1, a multiple of 16, other), and a piece of a class not built at start waited for one
+# (BENCHMARKS.md, D-no-specialize).
 @triton.jit(do_not_specialize=["length", "window"])
 def _paged_prefill_attention(
     q_ptr,
@@ -703,8 +702,8 @@ def _norm(
 ):
     """Per row, in float32: RMSNorm as transformers computes it (x * rsqrt(mean(x^2) + eps),
     rounded to the dtype, times the weight), or LayerNorm as torch does ((x - mean) * rstd *
-    weight + bias, rounded once). Torch's LayerNorm kernel took ~6 us a row of 2,560 at batch 1
-    inside the step (BENCHMARKS.md), this one about what the RMSNorm takes."""
+    weight + bias, rounded once). In the step it takes less than torch's LayerNorm kernel
+    (BENCHMARKS.md, D-layernorm-triton)."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -839,14 +838,11 @@ def prefill_rotary(y, cos, sin, positions, slots, k_cache, v_cache, table, heads
     )
 
 
-# Launch shapes of `_attention_split`, measured on an H200 (tests/gpu/kernels.py, BENCHMARKS.md):
-# 16 columns a loop step, 64 for heads of 80 dims (Phi-2: its graphed step 3-8% shorter on an
-# H200 at 64-512 rows of 90-300 columns, the same within 1% on an H100; 96 and 128 dims were
-# slower with 32 or 64, tests/gpu/step_ab.py); 2 warps a program up to 16 rows, 1 beyond (more
-# programs resident).
+# Launch shapes of `_attention_split`: 16 columns a loop step, 64 for 80-dim heads (Phi-2's step
+# shorter; 96 and 128 dims were not, BENCHMARKS.md, D-block-n); 2 warps up to 16 rows, 1 beyond.
 # A row's columns are split `fill_splits` ways (enough programs to fill the GPU at small batch),
 # or one split per `split_columns` where its length asks for more, within `max_splits` and a grid
-# of at most `max_programs`.
+# of at most `max_programs` (BENCHMARKS.md, D-split-columns).
 ATTENTION = {
     "BLOCK_N": 16,
     "BLOCK_N_BY_HEAD_DIM": {80: 64},
@@ -856,14 +852,11 @@ ATTENTION = {
     "split_columns": 256,
     "max_programs": 65536,
 }
-# Launch shape of `_attention_split_grouped` (grouped heads), measured on an H200 with
-# Llama-3.2-1B's and Qwen2.5-1.5B's heads (BENCHMARKS.md): per layer at 256 rows x 300 columns
-# 88.4 -> 49.7 us and 84.1 -> 30.3 us against a program per query head.
+# Launch shape of `_attention_split_grouped`: the query heads of a key-value head as one tile,
+# faster than a program per query head for grouped heads (BENCHMARKS.md, D-grouped).
 GROUPED_ATTENTION = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}
-# Models with fewer key-value heads keep a program per query head: with Qwen2.5-1.5B's 2 the
-# grouped step was faster in process (255 rows: 5.15 -> 3.44 ms) but its server slower over
-# HTTP in every pairing (64 clients 20.6-21.0k tok/s against 21.9-22.9k); Llama-3.2-1B's 8
-# gained there too (64 clients 20.3k -> 26.1k, 256: 26.1k -> 38.4k). Why is not known yet.
+# Fewer key-value heads keep a program per query head: Qwen2.5-1.5B's 2 made its step faster but
+# its server slower, for a reason not yet known (BENCHMARKS.md, D-grouped).
 GROUPED_FROM_KV_HEADS = 4
 
 
@@ -1028,10 +1021,10 @@ def attention(
     return (mixed, xb) if parallel else mixed
 
 
-# Launch shape of `_paged_prefill_attention`: tokens and columns a block.
+# Launch shape of `_paged_prefill_attention`: tokens and columns a block (BENCHMARKS.md, D-prefill-splits).
 PREFILL_ATTENTION = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-# Its column splits: programs enough to fill an H200's 132 multiprocessors a few times over, each
-# split at least PREFILL_SPLIT_COLUMNS columns of the bound its caller gives.
+# Its column splits: enough programs to fill an H200's 132 multiprocessors a few times over, each
+# at least PREFILL_SPLIT_COLUMNS columns of its caller's bound (BENCHMARKS.md, D-prefill-splits).
 PREFILL_PROGRAMS, PREFILL_MAX_SPLITS, PREFILL_SPLIT_COLUMNS = 512, 16, 256
 
 
