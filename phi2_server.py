@@ -1689,8 +1689,10 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 # -- OpenAI-compatible API: request schemas ----------------------------------------------------
 # The same worker, limits and log as the native routes; OpenAI's wire format and defaults.
 # Unset optional fields may come as null, and what a local server can ignore is accepted (user,
-# store, metadata, service_tier ...); a field that asks for what this server cannot do (tools,
-# audio, response_format other than text) is a 400 that names it. docs/api.md, "OpenAI-compatible API".
+# store, metadata, service_tier ...); a field that asks for what this server cannot do (audio, content
+# parts or modalities other than text, prediction, web_search_options, a completion's suffix) is a
+# 400 that names it (`x-unsupported`). Tools and response_format (text, json_object, json_schema)
+# are served. docs/api.md, "OpenAI-compatible API".
 
 MAX_CHOICES = 16  # n and best_of: each choice is a sequence of its own in the batch
 MAX_PROMPTS = 64  # prompts in one completions request (lm-eval sends a batch of them)
