@@ -3508,479 +3508,48 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-# -- OpenAPI: the native answers' schemas (the requests' are the validation's own) -------------
-
-ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type"],
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "field": {"type": "string"}},
-        }
-    },
-}
-QUEUE_SCHEMA = {
-    "type": "object",
-    "required": ["waiting", "active"],
-    "properties": {"waiting": {"type": "integer"}, "active": {"type": "integer"}},
-}
-HEALTH_SCHEMA = {
-    "type": "object",
-    "required": ["status", "model_loaded", "queue"],
-    "properties": {
-        "status": {"enum": ["loading", "ok", "error"]},
-        "model_loaded": {"type": "boolean"},
-        "queue": QUEUE_SCHEMA,
-    },
-}
-READY_SCHEMA = {
-    "type": "object",
-    "required": ["ready", "status", "draining"],
-    "properties": {
-        "ready": {"type": "boolean"},
-        "status": {"enum": ["loading", "ok", "error"]},
-        "draining": {
-            "type": "boolean",
-            "description": (
-                "shutting down: requests are still served for DRAIN_DELAY seconds, but a load balancer "
-                "should send no more"
-            ),
-        },
-    },
-}
-ADAPTER_FACTS_SCHEMA = {
-    "type": "object",
-    "required": ["name", "path", "problem"],
-    "properties": {
-        "name": {"type": "string"},
-        "path": {"type": "string"},
-        "fine_tune_type": {"type": "string"},
-        "rank": {"type": "integer"},
-        "scale": {"type": "number"},
-        "num_layers": {"type": "integer"},
-        "keys": {"type": "array", "items": {"type": "string"}},
-        "problem": {
-            "type": ["string", "null"],
-            "description": "why it cannot be used, where its config already shows that",
-        },
-    },
-}
-INFO_SCHEMA = {
-    "type": "object",
-    "required": [
-        "model",
-        "backend",
-        "device",
-        "dtype",
-        "adapter_path",
-        "adapter_applied",
-        "load_time_s",
-        "context_length",
-    ],
-    "properties": {
-        "model": {"type": "string"},
-        "backend": {"enum": ["torch", "mlx"]},
-        "device": {"type": "string"},
-        "dtype": {"type": "string"},
-        "adapter_path": {"type": ["string", "null"]},
-        "adapter_applied": {"type": "boolean"},
-        "load_time_s": {"type": "number"},
-        "context_length": {"type": "integer"},
-        "max_batch": {
-            "type": "integer",
-            "description": "MAX_BATCH as applied: the most sequences decoded together (0 chose the runtime's default)",
-        },
-        "stats": {"type": "object"},
-        "quantization": {
-            "type": ["object", "null"],
-            "description": "null for full-precision weights",
-            "properties": {
-                "method": {"type": "string"},
-                "bits": {"type": "integer"},
-                "group_size": {"type": ["integer", "null"]},
-            },
-        },
-        "prompt_cache": {
-            "type": "object",
-            "properties": {
-                "budget_bytes": {"type": "integer"},
-                "bytes": {"type": "integer"},
-                "entries": {"type": "integer"},
-            },
-        },
-        "kv_cache": {
-            "type": "object",
-            "description": "the KV of the sequences decoding (null counts: the runtime does not count them, MLX)",
-            "properties": {
-                "budget_bytes": {"type": "integer", "description": "KV_CACHE_BYTES as applied; 0: none"},
-                "used_bytes": {"type": ["integer", "null"], "description": "bytes of the blocks sequences hold"},
-                "reserved_bytes": {"type": ["integer", "null"]},
-                "peak_bytes": {"type": ["integer", "null"], "description": "the most the pool has allocated"},
-                "bytes_per_token": {"type": ["integer", "null"]},
-                "allocated_bytes": {
-                    "type": ["integer", "null"],
-                    "description": "the block pool's size now (the prompt cache's blocks included)",
-                },
-                "block_tokens": {"type": ["integer", "null"], "description": "positions a block holds"},
-                "blocks": {"type": ["integer", "null"], "description": "blocks in the pool"},
-                "blocks_used": {
-                    "type": ["integer", "null"],
-                    "description": "blocks the decoding sequences or the prompt cache hold",
-                },
-            },
-        },
-        "prompt_lookup_tokens": {
-            "type": "integer",
-            "description": "PROMPT_LOOKUP_TOKENS as applied: draft tokens a step verifies while one sequence decodes; "
-            "0: off (stats.draft_tokens_accepted counts the accepted ones)",
-        },
-        "adapters": {
-            "type": "object",
-            "required": ["dir", "default", "max_loaded", "loaded", "available"],
-            "properties": {
-                "dir": {"type": ["string", "null"]},
-                "default": {"type": ["string", "null"]},
-                "max_loaded": {"type": "integer"},
-                "loaded": {"type": "array", "items": {"type": "string"}, "description": "least recently used first"},
-                "available": {"type": "array", "items": ADAPTER_FACTS_SCHEMA},
-            },
-        },
-    },
-}
-SUMMARY_PROPERTIES = {
-    "request_id": {"type": "string"},
-    "tokens_used": {"type": "integer", "minimum": 0},
-    "prompt_tokens": {"type": "integer", "minimum": 1},
-    "cached_tokens": {
-        "type": "integer",
-        "minimum": 0,
-        "description": "prompt tokens whose KV came from the prompt cache",
-    },
-    "finish_reason": {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]},
-    "model": {"type": "string"},
-    "adapter": {"type": ["string", "null"], "description": "the LoRA adapter it decoded with (null: the base model)"},
-    "backend": {"enum": ["torch", "mlx"]},
-    "timings": {
-        "type": "object",
-        "required": ["ttft_ms", "total_ms", "tokens_per_second"],
-        "properties": {
-            "ttft_ms": {"type": ["number", "null"]},
-            "total_ms": {"type": "number"},
-            "tokens_per_second": {"type": "number"},
-        },
-    },
-    "error": ERROR_SCHEMA["properties"]["error"],
-}
-TOKEN_LOGPROB = {
-    "type": "object",
-    "required": ["id", "token", "logprob"],
-    "properties": {"id": {"type": "integer"}, "token": {"type": "string"}, "logprob": {"type": "number"}},
-}
-NATIVE_LOGPROBS = {
-    "type": "array",
-    "description": (
-        "with logprobs: one entry a generated token (end-of-text included), and its most likely alternatives"
-    ),
-    "items": {
-        **TOKEN_LOGPROB,
-        "properties": {**TOKEN_LOGPROB["properties"], "top": {"type": "array", "items": TOKEN_LOGPROB}},
-    },
-}
-GENERATE_RESPONSE_SCHEMA = {
-    "type": "object",
-    "required": [
-        "text",
-        "request_id",
-        "tokens_used",
-        "prompt_tokens",
-        "cached_tokens",
-        "finish_reason",
-        "model",
-        "backend",
-        "timings",
-    ],
-    "properties": {"text": {"type": "string"}, **SUMMARY_PROPERTIES, "logprobs": NATIVE_LOGPROBS},
-}
-# -- OpenAPI: the /v1 answers' schemas ---------------------------------------------------------
-
-
-# The /v1 answers, as far as this server fills them (OpenAI's own description has the rest).
-OPENAI_ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-MODEL_SCHEMA = {
-    "type": "object",
-    "required": ["id", "object", "created", "owned_by"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"const": "model"},
-        "created": {"type": "integer"},
-        "owned_by": {"type": "string"},
-        "parent": {"type": "string", "description": "an adapter's base model"},
-        "root": {"type": "string", "description": "an adapter's folder"},
-        "adapter": ADAPTER_FACTS_SCHEMA,
-    },
-}
-USAGE_SCHEMA = {
-    "type": "object",
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {
-        name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
-    },
-}
-FINISH_REASON = {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]}
-COMPLETION_RESPONSE_SCHEMA = {
-    "type": "object",
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"const": "text_completion"},
-        "created": {"type": "integer"},
-        "model": {"type": "string"},
-        "choices": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index", "text", "logprobs", "finish_reason"],
-                "properties": {
-                    "index": {"type": "integer"},
-                    "text": {"type": "string"},
-                    "finish_reason": FINISH_REASON,
-                    "logprobs": {
-                        "type": ["object", "null"],
-                        "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
-                        "properties": {
-                            "tokens": {"type": "array", "items": {"type": "string"}},
-                            "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
-                            "top_logprobs": {
-                                "type": "array",
-                                "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
-                            },
-                            "text_offset": {"type": "array", "items": {"type": "integer"}},
-                        },
-                    },
-                },
-            },
-        },
-        "usage": USAGE_SCHEMA,
-    },
-}
-CHAT_TOKEN_LOGPROB = {
-    "type": "object",
-    "required": ["token", "logprob", "bytes"],
-    "properties": {
-        "token": {"type": "string"},
-        "logprob": {"type": "number"},
-        "bytes": {"type": "array", "items": {"type": "integer"}},
-    },
-}
-CHAT_RESPONSE_SCHEMA = {
-    "type": "object",
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"const": "chat.completion"},
-        "created": {"type": "integer"},
-        "model": {"type": "string"},
-        "choices": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index", "message", "logprobs", "finish_reason"],
-                "properties": {
-                    "index": {"type": "integer"},
-                    "finish_reason": {"enum": [*FINISH_REASON["enum"], "tool_calls"]},
-                    "message": {
-                        "type": "object",
-                        "required": ["role", "content"],
-                        "properties": {
-                            "role": {"const": "assistant"},
-                            "content": {
-                                "type": ["string", "null"],
-                                "description": "null when the reply only called tools",
-                            },
-                            "reasoning_content": {"type": "string", "description": "a reasoning model's <think> text"},
-                            "tool_calls": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "required": ["id", "type", "function"],
-                                    "properties": {
-                                        "id": {"type": "string"},
-                                        "type": {"const": "function"},
-                                        "function": {
-                                            "type": "object",
-                                            "required": ["name", "arguments"],
-                                            "properties": {
-                                                "name": {"type": "string"},
-                                                "arguments": {"type": "string", "description": "JSON object text"},
-                                            },
-                                        },
-                                    },
-                                },
-                            },
-                        },
-                    },
-                    "logprobs": {
-                        "type": ["object", "null"],
-                        "required": ["content"],
-                        "properties": {
-                            "content": {
-                                "type": "array",
-                                "items": {
-                                    **CHAT_TOKEN_LOGPROB,
-                                    "properties": {
-                                        **CHAT_TOKEN_LOGPROB["properties"],
-                                        "top_logprobs": {"type": "array", "items": CHAT_TOKEN_LOGPROB},
-                                    },
-                                },
-                            }
-                        },
-                    },
-                },
-            },
-        },
-        "usage": USAGE_SCHEMA,
-    },
-}
-
-
-OUTPUT_ITEM = {
-    "type": "object",
-    "required": ["type", "id"],
-    "properties": {
-        "type": {"enum": ["message", "function_call", "reasoning"]},
-        "id": {"type": "string"},
-        "status": {"type": "string"},
-        "role": {"const": "assistant"},
-        "content": {"type": "array", "items": {"type": "object", "required": ["type", "text"]}},
-        "call_id": {"type": "string"},
-        "name": {"type": "string"},
-        "arguments": {"type": "string", "description": "JSON object text"},
-        "summary": {"type": "array"},
-    },
-}
-RESPONSE_SCHEMA = {
-    "type": "object",
-    "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"const": "response"},
-        "created_at": {"type": "integer"},
-        "status": {"enum": ["completed", "incomplete", "failed"]},
-        "incomplete_details": {"type": ["object", "null"]},
-        "model": {"type": "string"},
-        "output": {"type": "array", "items": OUTPUT_ITEM},
-        "usage": {
-            "type": "object",
-            "required": ["input_tokens", "output_tokens", "total_tokens"],
-            "properties": {
-                "input_tokens": {"type": "integer"},
-                "output_tokens": {"type": "integer"},
-                "total_tokens": {"type": "integer"},
-                "input_tokens_details": {"type": "object"},
-                "output_tokens_details": {"type": "object"},
-            },
-        },
-    },
-}
-
-
-# -- OpenAPI: the Anthropic answers' schemas ---------------------------------------------------
-
-
-ANTHROPIC_ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["type", "error"],
-    "properties": {
-        "type": {"const": "error"},
-        "error": {
-            "type": "object",
-            "required": ["type", "message"],
-            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
-        },
-        "request_id": {"type": ["string", "null"]},
-    },
-}
-ANTHROPIC_MESSAGE_SCHEMA = {
-    "type": "object",
-    "required": ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"const": "message"},
-        "role": {"const": "assistant"},
-        "model": {"type": "string"},
-        "content": {
-            "type": "array",
-            "items": {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "required": ["type", "text"],
-                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-                    },
-                    {
-                        "type": "object",
-                        "required": ["type", "id", "name", "input"],
-                        "properties": {
-                            "type": {"const": "tool_use"},
-                            "id": {"type": "string"},
-                            "name": {"type": "string"},
-                            "input": {"type": "object"},
-                        },
-                    },
-                ]
-            },
-        },
-        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
-        "stop_sequence": {"type": ["string", "null"]},
-        "usage": {
-            "type": "object",
-            "required": ["input_tokens", "output_tokens"],
-            "properties": {
-                "input_tokens": {"type": "integer"},
-                "output_tokens": {"type": "integer"},
-                "cache_creation_input_tokens": {"type": "integer"},
-                "cache_read_input_tokens": {"type": "integer"},
-            },
-        },
-    },
-}
-
-
 # -- OpenAPI: the document, /openapi.json ------------------------------------------------------
+# The requests' schemas are the validation's own; the answers' are data, in
+# docs/openapi-answers.json (the tests validate answers against the served document).
+
+ANSWERS_FILE = Path(__file__).parent / "docs" / "openapi-answers.json"
+
+
+def answer_schemas(path: Path = ANSWERS_FILE) -> dict[str, Any]:
+    """The answers' schemas by name, each {"$ref": "#/..."} replaced by a copy of what it points to:
+    the file shares its parts, the served document holds them whole."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+
+    def whole(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                target = data
+                for key in node["$ref"].removeprefix("#/").split("/"):
+                    target = target[key]
+                return whole(target)
+            return {key: whole(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [whole(value) for value in node]
+        return node
+
+    return {name: whole(schema) for name, schema in data.items() if not name.startswith("$")}
 
 
 def openapi_document() -> dict:
-    def answers(ok: dict, *errors: int, media: str = "application/json", error: dict = ERROR_SCHEMA) -> dict:
+    schemas = answer_schemas()
+
+    def answers(ok: dict, *errors: int, media: str = "application/json", error: str = "Error") -> dict:
         out = {"200": {"description": "OK", "content": {media: {"schema": ok}}}}
         for status in errors:
             out[str(status)] = {
                 "description": HTTPStatus(status).phrase,
-                "content": {"application/json": {"schema": error}},
+                "content": {"application/json": {"schema": schemas[error]}},
             }
         return out
 
     def openai_post(summary: str, request: dict, response: dict) -> dict:
-        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error=OPENAI_ERROR_SCHEMA)
-        ok["200"]["content"]["text/event-stream"] = {
-            "schema": {"type": "string", "description": "with stream: Server-Sent Events of chunks, then data: [DONE]"}
-        }
+        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error="OpenAIError")
+        ok["200"]["content"]["text/event-stream"] = {"schema": schemas["OpenAIEvents"]}
         return {
             "post": {
                 "summary": summary,
@@ -3991,13 +3560,8 @@ def openapi_document() -> dict:
         }
 
     def anthropic_post(summary: str, request: dict, response: dict) -> dict:
-        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error=ANTHROPIC_ERROR_SCHEMA)
-        ok["200"]["content"]["text/event-stream"] = {
-            "schema": {
-                "type": "string",
-                "description": "with stream: Anthropic's events (message_start ... message_stop)",
-            }
-        }
+        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error="AnthropicError")
+        ok["200"]["content"]["text/event-stream"] = {"schema": schemas["AnthropicEvents"]}
         return {
             "post": {
                 "summary": summary,
@@ -4013,13 +3577,12 @@ def openapi_document() -> dict:
                 "summary": summary,
                 **guarded,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": answers(response, 400, 401, 404, 413, 429, 503, error=OPENAI_ERROR_SCHEMA),
+                "responses": answers(response, 400, 401, 404, 413, 429, 503, error="OpenAIError"),
             }
         }
 
     guarded = {"security": [{}, {"bearer": []}]}  # a key is needed when PHI2_API_KEY is set
     generation_errors = (400, 401, 413, 422, 429, 500, 503, 504)
-    stream_line = 'One JSON object per line: {"token": text} as text is decoded, then {"done": true, ...the summary}.'
     return {
         "openapi": "3.1.0",
         "info": {
@@ -4032,25 +3595,28 @@ def openapi_document() -> dict:
         },
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {
-            "/health": {"get": {"summary": "Liveness", "responses": answers(HEALTH_SCHEMA)}},
+            "/health": {"get": {"summary": "Liveness", "responses": answers(schemas["Health"])}},
             "/ready": {
                 "get": {
                     "summary": "Readiness",
                     "responses": {
-                        **answers(READY_SCHEMA),
-                        "503": {"description": "Not ready", "content": {"application/json": {"schema": READY_SCHEMA}}},
+                        **answers(schemas["Ready"]),
+                        "503": {
+                            "description": "Not ready",
+                            "content": {"application/json": {"schema": schemas["Ready"]}},
+                        },
                     },
                 }
             },
             "/model/info": {
-                "get": {"summary": "The loaded model", **guarded, "responses": answers(INFO_SCHEMA, 401, 429, 503)}
+                "get": {"summary": "The loaded model", **guarded, "responses": answers(schemas["Info"], 401, 429, 503)}
             },
             "/generate": {
                 "post": {
                     "summary": "Generate text",
                     **guarded,
                     "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
-                    "responses": answers(GENERATE_RESPONSE_SCHEMA, *generation_errors),
+                    "responses": answers(schemas["GenerateResponse"], *generation_errors),
                 }
             },
             "/generate/stream": {
@@ -4058,16 +3624,14 @@ def openapi_document() -> dict:
                     "summary": "Generate text, streamed as NDJSON",
                     **guarded,
                     "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
-                    "responses": answers(
-                        {"type": "string", "description": stream_line}, *generation_errors, media="application/x-ndjson"
-                    ),
+                    "responses": answers(schemas["GenerateStream"], *generation_errors, media="application/x-ndjson"),
                 }
             },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",
                     **guarded,
-                    "responses": answers({"type": "string"}, 401, media="text/plain"),
+                    "responses": answers(schemas["Metrics"], 401, media="text/plain"),
                 }
             },
             "/v1/models": {
@@ -4075,18 +3639,11 @@ def openapi_document() -> dict:
                     "summary": "The served model names (OpenAI)",
                     **guarded,
                     "responses": answers(
-                        {
-                            "type": "object",
-                            "required": ["object", "data"],
-                            "properties": {
-                                "object": {"const": "list"},
-                                "data": {"type": "array", "items": MODEL_SCHEMA},
-                            },
-                        },
+                        schemas["ModelList"],
                         401,
                         429,
                         503,
-                        error=OPENAI_ERROR_SCHEMA,
+                        error="OpenAIError",
                     ),
                 }
             },
@@ -4095,46 +3652,33 @@ def openapi_document() -> dict:
                     "summary": "One served model name (OpenAI)",
                     **guarded,
                     "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-                    "responses": answers(MODEL_SCHEMA, 401, 404, 429, 503, error=OPENAI_ERROR_SCHEMA),
+                    "responses": answers(schemas["Model"], 401, 404, 429, 503, error="OpenAIError"),
                 }
             },
             "/v1/completions": openai_post(
-                "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, COMPLETION_RESPONSE_SCHEMA
+                "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, schemas["CompletionResponse"]
             ),
-            "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, CHAT_RESPONSE_SCHEMA),
+            "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, schemas["ChatResponse"]),
             "/v1/responses": openai_post(
-                "A response (OpenAI's Responses API, stateless)", RESPONSES_SCHEMA, RESPONSE_SCHEMA
+                "A response (OpenAI's Responses API, stateless)", RESPONSES_SCHEMA, schemas["Response"]
             ),
             "/v1/messages": anthropic_post(
-                "A message (Anthropic's Messages API)", MESSAGES_SCHEMA, ANTHROPIC_MESSAGE_SCHEMA
+                "A message (Anthropic's Messages API)", MESSAGES_SCHEMA, schemas["AnthropicMessage"]
             ),
             "/v1/messages/count_tokens": anthropic_post(
                 "The input tokens of a message (Anthropic)",
                 COUNT_TOKENS_SCHEMA,
-                {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}},
+                schemas["CountTokensResponse"],
             ),
             "/tokenize": tokenizer_post(
                 "The ids a prompt or a chat is generated from (vLLM)",
                 TOKENIZE_SCHEMA,
-                {
-                    "type": "object",
-                    "required": ["count", "max_model_len", "tokens"],
-                    "properties": {
-                        "count": {"type": "integer"},
-                        "max_model_len": {"type": "integer"},
-                        "tokens": {"type": "array", "items": {"type": "integer"}},
-                        "token_strs": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
+                schemas["TokenizeResponse"],
             ),
             "/detokenize": tokenizer_post(
                 "The text of token ids (vLLM)",
                 DETOKENIZE_SCHEMA,
-                {
-                    "type": "object",
-                    "required": ["prompt"],
-                    "properties": {"prompt": {"type": "string"}},
-                },
+                schemas["DetokenizeResponse"],
             ),
         },
     }

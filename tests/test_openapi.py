@@ -1,5 +1,6 @@
-"""/openapi.json describes the native API from the schemas the validation uses; a property-based
-fuzz run drives a live server from it: never a 5xx, and every answer matches the description."""
+"""/openapi.json describes the native API from the schemas the validation uses and the answers'
+schemas of docs/openapi-answers.json; a property-based fuzz run drives a live server from it: never a
+5xx, and every answer matches the description."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from phi2_server import CHAT_SCHEMA, COMPLETIONS_SCHEMA, GENERATE_SCHEMA, Settings, create_app
+from phi2_server import CHAT_SCHEMA, COMPLETIONS_SCHEMA, GENERATE_SCHEMA, Settings, answer_schemas, create_app
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
@@ -109,6 +110,14 @@ def conforms(document: dict, path: str, method: str, status: int, media: str, da
         ]
         assert events[-1] == "[DONE]"
         assert all("choices" in json.loads(e) or "error" in json.loads(e) for e in events[:-1])
+
+
+def test_the_answer_schemas_are_json_schemas():
+    """docs/openapi-answers.json, its references resolved: every schema valid, none left a $ref."""
+    schemas = answer_schemas()
+    for name, schema in schemas.items():
+        Draft202012Validator.check_schema(schema)
+        assert "$ref" not in json.dumps(schema), name
 
 
 def test_the_document_uses_the_validation_schema(document):
