@@ -6,7 +6,8 @@ The model lives behind `backends` (MLX or PyTorch) and is driven by one generati
 
     python phi2_server.py --help
 
-Routes, their handlers, and the section (`# -- ...`) each is in:
+Routes, their handlers, and the section (`# -- ...`) each is in (`ROUTES`, near the end, registers
+them and describes them in /openapi.json; tests/test_openapi.py holds this index equal to it):
 
     GET  /health                health                probes and model facts
     GET  /ready                 ready                 probes and model facts
@@ -49,7 +50,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
@@ -3509,7 +3510,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # -- OpenAPI: the document, /openapi.json ------------------------------------------------------
-# The requests' schemas are the validation's own; the answers' are data, in
+# Built from ROUTES: the requests' schemas are the validation's own; the answers' are data, in
 # docs/openapi-answers.json (the tests validate answers against the served document).
 
 ANSWERS_FILE = Path(__file__).parent / "docs" / "openapi-answers.json"
@@ -3535,54 +3536,12 @@ def answer_schemas(path: Path = ANSWERS_FILE) -> dict[str, Any]:
     return {name: whole(schema) for name, schema in data.items() if not name.startswith("$")}
 
 
-def openapi_document() -> dict:
+def openapi_document(routes: list[Route]) -> dict:
     schemas = answer_schemas()
-
-    def answers(ok: dict, *errors: int, media: str = "application/json", error: str = "Error") -> dict:
-        out = {"200": {"description": "OK", "content": {media: {"schema": ok}}}}
-        for status in errors:
-            out[str(status)] = {
-                "description": HTTPStatus(status).phrase,
-                "content": {"application/json": {"schema": schemas[error]}},
-            }
-        return out
-
-    def openai_post(summary: str, request: dict, response: dict) -> dict:
-        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error="OpenAIError")
-        ok["200"]["content"]["text/event-stream"] = {"schema": schemas["OpenAIEvents"]}
-        return {
-            "post": {
-                "summary": summary,
-                **guarded,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": ok,
-            }
-        }
-
-    def anthropic_post(summary: str, request: dict, response: dict) -> dict:
-        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error="AnthropicError")
-        ok["200"]["content"]["text/event-stream"] = {"schema": schemas["AnthropicEvents"]}
-        return {
-            "post": {
-                "summary": summary,
-                **guarded,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": ok,
-            }
-        }
-
-    def tokenizer_post(summary: str, request: dict, response: dict) -> dict:
-        return {
-            "post": {
-                "summary": summary,
-                **guarded,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": answers(response, 400, 401, 404, 413, 429, 503, error="OpenAIError"),
-            }
-        }
-
-    guarded = {"security": [{}, {"bearer": []}]}  # a key is needed when PHI2_API_KEY is set
-    generation_errors = (400, 401, 413, 422, 429, 500, 503, 504)
+    paths: dict[str, dict] = {}
+    for route in routes:
+        if route.summary:
+            paths.setdefault(route.openapi_path, {})[route.method.lower()] = operation(route, schemas)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -3594,98 +3553,107 @@ def openapi_document() -> dict:
             ),
         },
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "paths": {
-            "/health": {"get": {"summary": "Liveness", "responses": answers(schemas["Health"])}},
-            "/ready": {
-                "get": {
-                    "summary": "Readiness",
-                    "responses": {
-                        **answers(schemas["Ready"]),
-                        "503": {
-                            "description": "Not ready",
-                            "content": {"application/json": {"schema": schemas["Ready"]}},
-                        },
-                    },
-                }
-            },
-            "/model/info": {
-                "get": {"summary": "The loaded model", **guarded, "responses": answers(schemas["Info"], 401, 429, 503)}
-            },
-            "/generate": {
-                "post": {
-                    "summary": "Generate text",
-                    **guarded,
-                    "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
-                    "responses": answers(schemas["GenerateResponse"], *generation_errors),
-                }
-            },
-            "/generate/stream": {
-                "post": {
-                    "summary": "Generate text, streamed as NDJSON",
-                    **guarded,
-                    "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
-                    "responses": answers(schemas["GenerateStream"], *generation_errors, media="application/x-ndjson"),
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics",
-                    **guarded,
-                    "responses": answers(schemas["Metrics"], 401, media="text/plain"),
-                }
-            },
-            "/v1/models": {
-                "get": {
-                    "summary": "The served model names (OpenAI)",
-                    **guarded,
-                    "responses": answers(
-                        schemas["ModelList"],
-                        401,
-                        429,
-                        503,
-                        error="OpenAIError",
-                    ),
-                }
-            },
-            "/v1/models/{model}": {
-                "get": {
-                    "summary": "One served model name (OpenAI)",
-                    **guarded,
-                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-                    "responses": answers(schemas["Model"], 401, 404, 429, 503, error="OpenAIError"),
-                }
-            },
-            "/v1/completions": openai_post(
-                "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, schemas["CompletionResponse"]
-            ),
-            "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, schemas["ChatResponse"]),
-            "/v1/responses": openai_post(
-                "A response (OpenAI's Responses API, stateless)", RESPONSES_SCHEMA, schemas["Response"]
-            ),
-            "/v1/messages": anthropic_post(
-                "A message (Anthropic's Messages API)", MESSAGES_SCHEMA, schemas["AnthropicMessage"]
-            ),
-            "/v1/messages/count_tokens": anthropic_post(
-                "The input tokens of a message (Anthropic)",
-                COUNT_TOKENS_SCHEMA,
-                schemas["CountTokensResponse"],
-            ),
-            "/tokenize": tokenizer_post(
-                "The ids a prompt or a chat is generated from (vLLM)",
-                TOKENIZE_SCHEMA,
-                schemas["TokenizeResponse"],
-            ),
-            "/detokenize": tokenizer_post(
-                "The text of token ids (vLLM)",
-                DETOKENIZE_SCHEMA,
-                schemas["DetokenizeResponse"],
-            ),
-        },
+        "paths": paths,
     }
+
+
+def operation(route: Route, schemas: dict[str, Any]) -> dict:
+    """A route's entry in the document."""
+
+    def described(description: str, schema: str) -> dict:
+        return {"description": description, "content": {"application/json": {"schema": schemas[schema]}}}
+
+    ok = {"description": "OK", "content": {route.media: {"schema": schemas[route.answer]}}}
+    if route.events:
+        ok["content"]["text/event-stream"] = {"schema": schemas[route.events]}
+    entry: dict[str, Any] = {"summary": route.summary}
+    if route.path not in OPEN_PATHS:
+        entry["security"] = [{}, {"bearer": []}]  # a key is needed when PHI2_API_KEY is set
+    if names := re.findall(r"\{(\w+)\}", route.openapi_path):
+        entry["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
+    if route.request is not None:
+        entry["requestBody"] = {"required": True, "content": {"application/json": {"schema": route.request}}}
+    entry["responses"] = {
+        "200": ok,
+        **{str(status): described(HTTPStatus(status).phrase, route.error) for status in route.errors},
+        **{str(status): described(description, schema) for status, description, schema in route.other},
+    }
+    return entry
 
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[OPENAPI])
+
+
+# -- routes: one table, registered by create_app, described by /openapi.json -------------------
+# The module docstring's index lists the same routes (tests/test_openapi.py holds them equal).
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """A route and what its /openapi.json entry needs; schemas are named by docs/openapi-answers.json."""
+
+    method: str  # GET (aiohttp answers HEAD too) or POST
+    path: str  # aiohttp's; a `{name:regex}` part reads `{name}` in the index and the document
+    handler: Handler
+    section: str  # the `# -- ...` header the handler is under (its start)
+    summary: str = ""  # the document's; empty: not in the document (the document itself)
+    request: dict | None = None  # the body's schema: the validation's own
+    answer: str = ""  # the 200 answer's schema
+    media: str = "application/json"  # the 200 answer's
+    events: str = ""  # the 200 answer's schema as text/event-stream (with stream), if it streams so
+    errors: tuple[int, ...] = ()  # statuses answered with `error`
+    error: str = "Error"
+    other: tuple[tuple[int, str, str], ...] = ()  # more answers: (status, description, schema)
+
+    @property
+    def openapi_path(self) -> str:
+        return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", self.path)
+
+
+# What a kind of route answers besides 200's body: error statuses, their schema, the stream's.
+NATIVE_ANSWERS = {"errors": (400, 401, 413, 422, 429, 500, 503, 504)}
+OPENAI_ANSWERS = {"errors": (400, 401, 404, 413, 429, 500, 503, 504), "error": "OpenAIError", "events": "OpenAIEvents"}
+ANTHROPIC_ANSWERS = {**OPENAI_ANSWERS, "error": "AnthropicError", "events": "AnthropicEvents"}
+TOKENIZER_ANSWERS = {"errors": (400, 401, 404, 413, 429, 503), "error": "OpenAIError"}
+PROBES, NATIVE, MODELS = "probes and model facts", "the native API", "OpenAI-compatible API: models"
+COMPLETIONS, CHAT = "OpenAI-compatible API: /v1/completions", "OpenAI-compatible API: /v1/chat/completions"
+RESPONSES, MESSAGES, TOKENIZER = "OpenAI Responses API", "Anthropic Messages API", "tokenizer"
+
+# fmt: off
+ROUTES = [  # method, path, handler, section; the document's summary, request schema, 200 answer, the rest
+    Route("GET", "/health", health, PROBES, "Liveness", answer="Health"),
+    Route("GET", "/ready", ready, PROBES, "Readiness", answer="Ready", other=((503, "Not ready", "Ready"),)),
+    Route("GET", "/model/info", model_info, PROBES, "The loaded model", answer="Info", errors=(401, 429, 503)),
+    Route("POST", "/generate", generate, NATIVE, "Generate text", GENERATE_SCHEMA, "GenerateResponse",
+          **NATIVE_ANSWERS),
+    Route("POST", "/generate/stream", generate_stream, NATIVE, "Generate text, streamed as NDJSON", GENERATE_SCHEMA,
+          "GenerateStream", media="application/x-ndjson", **NATIVE_ANSWERS),
+    Route("GET", "/v1/models", v1_models, MODELS, "The served model names (OpenAI)", answer="ModelList",
+          errors=(401, 429, 503), error="OpenAIError"),
+    Route("GET", "/v1/models/{model:.+}", v1_model, MODELS, "One served model name (OpenAI)", answer="Model",
+          errors=(401, 404, 429, 503), error="OpenAIError"),  # a model's id may hold slashes (microsoft/phi-2)
+    Route("POST", "/v1/completions", v1_completions, COMPLETIONS, "Complete prompts (OpenAI's legacy completions)",
+          COMPLETIONS_SCHEMA, "CompletionResponse", **OPENAI_ANSWERS),
+    Route("POST", "/v1/chat/completions", v1_chat_completions, CHAT, "Chat (OpenAI)", CHAT_SCHEMA, "ChatResponse",
+          **OPENAI_ANSWERS),
+    Route("POST", "/v1/responses", v1_responses, RESPONSES, "A response (OpenAI's Responses API, stateless)",
+          RESPONSES_SCHEMA, "Response", **OPENAI_ANSWERS),
+    Route("POST", "/v1/messages", v1_messages, MESSAGES, "A message (Anthropic's Messages API)", MESSAGES_SCHEMA,
+          "AnthropicMessage", **ANTHROPIC_ANSWERS),
+    Route("POST", "/v1/messages/count_tokens", v1_count_tokens, MESSAGES, "The input tokens of a message (Anthropic)",
+          COUNT_TOKENS_SCHEMA, "CountTokensResponse", **ANTHROPIC_ANSWERS),
+    Route("POST", "/tokenize", tokenize, TOKENIZER, "The ids a prompt or a chat is generated from (vLLM)",
+          TOKENIZE_SCHEMA, "TokenizeResponse", **TOKENIZER_ANSWERS),
+    Route("POST", "/detokenize", detokenize, TOKENIZER, "The text of token ids (vLLM)", DETOKENIZE_SCHEMA,
+          "DetokenizeResponse", **TOKENIZER_ANSWERS),
+    Route("GET", "/metrics", metrics, "metrics", "Prometheus metrics", answer="Metrics", media="text/plain",
+          errors=(401,)),
+    Route("GET", "/openapi.json", openapi, "OpenAPI: the document"),  # not in the document it serves
+]
+# fmt: on
 
 
 # -- application: the app factory, the worker's start and stop ---------------------------------
@@ -3748,7 +3716,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app[AUTH_FAILURES] = TokenBuckets(AUTH_FAILURES_PER_MINUTE)
     app[CORS_ORIGINS] = frozenset(o.strip() for o in settings.cors_origins.split(",") if o.strip())
     app[METRICS] = Metrics(app)
-    app[OPENAPI] = openapi_document()
+    app[OPENAPI] = openapi_document(ROUTES)
     app.on_response_prepare.append(add_headers)
     app[LOAD_DONE] = asyncio.Event()
     app[DRAINING] = asyncio.Event()
@@ -3756,22 +3724,9 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.on_startup.append(start_worker)
     app.on_shutdown.append(drain_worker)
     app.on_cleanup.append(stop_worker)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/model/info", model_info)
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/generate/stream", generate_stream)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi)
-    app.router.add_get("/v1/models", v1_models)
-    app.router.add_get("/v1/models/{model:.+}", v1_model)  # an id may hold slashes (microsoft/phi-2)
-    app.router.add_post("/v1/completions", v1_completions)
-    app.router.add_post("/v1/chat/completions", v1_chat_completions)
-    app.router.add_post("/v1/responses", v1_responses)
-    app.router.add_post("/v1/messages", v1_messages)
-    app.router.add_post("/v1/messages/count_tokens", v1_count_tokens)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get answers HEAD too
+    for route in ROUTES:
+        add[route.method](route.path, route.handler)
     return app
 
 
