@@ -3618,36 +3618,36 @@ NATIVE_ANSWERS = {"errors": (400, 401, 413, 422, 429, 500, 503, 504)}
 OPENAI_ANSWERS = {"errors": (400, 401, 404, 413, 429, 500, 503, 504), "error": "OpenAIError", "events": "OpenAIEvents"}
 ANTHROPIC_ANSWERS = {**OPENAI_ANSWERS, "error": "AnthropicError", "events": "AnthropicEvents"}
 TOKENIZER_ANSWERS = {"errors": (400, 401, 404, 413, 429, 503), "error": "OpenAIError"}
-PROBES, NATIVE, MODELS = "probes and model facts", "the native API", "OpenAI-compatible API: models"
-COMPLETIONS, CHAT = "OpenAI-compatible API: /v1/completions", "OpenAI-compatible API: /v1/chat/completions"
-RESPONSES, MESSAGES, TOKENIZER = "OpenAI Responses API", "Anthropic Messages API", "tokenizer"
+IN_PROBES, IN_NATIVE, IN_MODELS = "probes and model facts", "the native API", "OpenAI-compatible API: models"
+IN_COMPLETIONS, IN_CHAT = "OpenAI-compatible API: /v1/completions", "OpenAI-compatible API: /v1/chat/completions"
+IN_RESPONSES, IN_MESSAGES, IN_TOKENIZER = "OpenAI Responses API", "Anthropic Messages API", "tokenizer"
 
 # fmt: off
 ROUTES = [  # method, path, handler, section; the document's summary, request schema, 200 answer, the rest
-    Route("GET", "/health", health, PROBES, "Liveness", answer="Health"),
-    Route("GET", "/ready", ready, PROBES, "Readiness", answer="Ready", other=((503, "Not ready", "Ready"),)),
-    Route("GET", "/model/info", model_info, PROBES, "The loaded model", answer="Info", errors=(401, 429, 503)),
-    Route("POST", "/generate", generate, NATIVE, "Generate text", GENERATE_SCHEMA, "GenerateResponse",
+    Route("GET", "/health", health, IN_PROBES, "Liveness", answer="Health"),
+    Route("GET", "/ready", ready, IN_PROBES, "Readiness", answer="Ready", other=((503, "Not ready", "Ready"),)),
+    Route("GET", "/model/info", model_info, IN_PROBES, "The loaded model", answer="Info", errors=(401, 429, 503)),
+    Route("POST", "/generate", generate, IN_NATIVE, "Generate text", GENERATE_SCHEMA, "GenerateResponse",
           **NATIVE_ANSWERS),
-    Route("POST", "/generate/stream", generate_stream, NATIVE, "Generate text, streamed as NDJSON", GENERATE_SCHEMA,
-          "GenerateStream", media="application/x-ndjson", **NATIVE_ANSWERS),
-    Route("GET", "/v1/models", v1_models, MODELS, "The served model names (OpenAI)", answer="ModelList",
+    Route("POST", "/generate/stream", generate_stream, IN_NATIVE, "Generate text, streamed as NDJSON",
+          GENERATE_SCHEMA, "GenerateStream", media="application/x-ndjson", **NATIVE_ANSWERS),
+    Route("GET", "/v1/models", v1_models, IN_MODELS, "The served model names (OpenAI)", answer="ModelList",
           errors=(401, 429, 503), error="OpenAIError"),
-    Route("GET", "/v1/models/{model:.+}", v1_model, MODELS, "One served model name (OpenAI)", answer="Model",
+    Route("GET", "/v1/models/{model:.+}", v1_model, IN_MODELS, "One served model name (OpenAI)", answer="Model",
           errors=(401, 404, 429, 503), error="OpenAIError"),  # a model's id may hold slashes (microsoft/phi-2)
-    Route("POST", "/v1/completions", v1_completions, COMPLETIONS, "Complete prompts (OpenAI's legacy completions)",
-          COMPLETIONS_SCHEMA, "CompletionResponse", **OPENAI_ANSWERS),
-    Route("POST", "/v1/chat/completions", v1_chat_completions, CHAT, "Chat (OpenAI)", CHAT_SCHEMA, "ChatResponse",
-          **OPENAI_ANSWERS),
-    Route("POST", "/v1/responses", v1_responses, RESPONSES, "A response (OpenAI's Responses API, stateless)",
+    Route("POST", "/v1/completions", v1_completions, IN_COMPLETIONS,
+          "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, "CompletionResponse", **OPENAI_ANSWERS),
+    Route("POST", "/v1/chat/completions", v1_chat_completions, IN_CHAT, "Chat (OpenAI)", CHAT_SCHEMA,
+          "ChatResponse", **OPENAI_ANSWERS),
+    Route("POST", "/v1/responses", v1_responses, IN_RESPONSES, "A response (OpenAI's Responses API, stateless)",
           RESPONSES_SCHEMA, "Response", **OPENAI_ANSWERS),
-    Route("POST", "/v1/messages", v1_messages, MESSAGES, "A message (Anthropic's Messages API)", MESSAGES_SCHEMA,
-          "AnthropicMessage", **ANTHROPIC_ANSWERS),
-    Route("POST", "/v1/messages/count_tokens", v1_count_tokens, MESSAGES, "The input tokens of a message (Anthropic)",
-          COUNT_TOKENS_SCHEMA, "CountTokensResponse", **ANTHROPIC_ANSWERS),
-    Route("POST", "/tokenize", tokenize, TOKENIZER, "The ids a prompt or a chat is generated from (vLLM)",
+    Route("POST", "/v1/messages", v1_messages, IN_MESSAGES, "A message (Anthropic's Messages API)",
+          MESSAGES_SCHEMA, "AnthropicMessage", **ANTHROPIC_ANSWERS),
+    Route("POST", "/v1/messages/count_tokens", v1_count_tokens, IN_MESSAGES,
+          "The input tokens of a message (Anthropic)", COUNT_TOKENS_SCHEMA, "CountTokensResponse", **ANTHROPIC_ANSWERS),
+    Route("POST", "/tokenize", tokenize, IN_TOKENIZER, "The ids a prompt or a chat is generated from (vLLM)",
           TOKENIZE_SCHEMA, "TokenizeResponse", **TOKENIZER_ANSWERS),
-    Route("POST", "/detokenize", detokenize, TOKENIZER, "The text of token ids (vLLM)", DETOKENIZE_SCHEMA,
+    Route("POST", "/detokenize", detokenize, IN_TOKENIZER, "The text of token ids (vLLM)", DETOKENIZE_SCHEMA,
           "DetokenizeResponse", **TOKENIZER_ANSWERS),
     Route("GET", "/metrics", metrics, "metrics", "Prometheus metrics", answer="Metrics", media="text/plain",
           errors=(401,)),
