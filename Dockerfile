@@ -29,6 +29,8 @@ RUN --mount=type=bind,source=wheels,target=/wheels \
 
 COPY backends/ backends/
 COPY phi2_server.py ./
+# The answers' schemas /openapi.json serves (phi2_server.py loads them when it makes the app).
+COPY docs/openapi-answers.json docs/
 
 # Listen on all interfaces inside the container; publish the port on the host's loopback only.
 ENV HOST=0.0.0.0 \

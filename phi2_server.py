@@ -6,7 +6,8 @@ The model lives behind `backends` (MLX or PyTorch) and is driven by one generati
 
     python phi2_server.py --help
 
-Routes, their handlers, and the section (`# -- ...`) each is in:
+Routes, their handlers, and the section (`# -- ...`) each is in (`ROUTES`, near the end, registers
+them and describes them in /openapi.json; tests/test_openapi.py holds this index equal to it):
 
     GET  /health                health                probes and model facts
     GET  /ready                 ready                 probes and model facts
@@ -49,7 +50,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
@@ -1689,8 +1690,10 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 # -- OpenAI-compatible API: request schemas ----------------------------------------------------
 # The same worker, limits and log as the native routes; OpenAI's wire format and defaults.
 # Unset optional fields may come as null, and what a local server can ignore is accepted (user,
-# store, metadata, service_tier ...); a field that asks for what this server cannot do (tools,
-# audio, response_format other than text) is a 400 that names it. docs/api.md, "OpenAI-compatible API".
+# store, metadata, service_tier ...); a field that asks for what this server cannot do (audio, content
+# parts or modalities other than text, prediction, web_search_options, a completion's suffix) is a
+# 400 that names it (`x-unsupported`). Tools and response_format (text, json_object, json_schema)
+# are served. docs/api.md, "OpenAI-compatible API".
 
 MAX_CHOICES = 16  # n and best_of: each choice is a sequence of its own in the batch
 MAX_PROMPTS = 64  # prompts in one completions request (lm-eval sends a batch of them)
@@ -3506,518 +3509,39 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-# -- OpenAPI: the native answers' schemas (the requests' are the validation's own) -------------
-
-ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type"],
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "field": {"type": "string"}},
-        }
-    },
-}
-QUEUE_SCHEMA = {
-    "type": "object",
-    "required": ["waiting", "active"],
-    "properties": {"waiting": {"type": "integer"}, "active": {"type": "integer"}},
-}
-HEALTH_SCHEMA = {
-    "type": "object",
-    "required": ["status", "model_loaded", "queue"],
-    "properties": {
-        "status": {"enum": ["loading", "ok", "error"]},
-        "model_loaded": {"type": "boolean"},
-        "queue": QUEUE_SCHEMA,
-    },
-}
-READY_SCHEMA = {
-    "type": "object",
-    "required": ["ready", "status", "draining"],
-    "properties": {
-        "ready": {"type": "boolean"},
-        "status": {"enum": ["loading", "ok", "error"]},
-        "draining": {
-            "type": "boolean",
-            "description": (
-                "shutting down: requests are still served for DRAIN_DELAY seconds, but a load balancer "
-                "should send no more"
-            ),
-        },
-    },
-}
-ADAPTER_FACTS_SCHEMA = {
-    "type": "object",
-    "required": ["name", "path", "problem"],
-    "properties": {
-        "name": {"type": "string"},
-        "path": {"type": "string"},
-        "fine_tune_type": {"type": "string"},
-        "rank": {"type": "integer"},
-        "scale": {"type": "number"},
-        "num_layers": {"type": "integer"},
-        "keys": {"type": "array", "items": {"type": "string"}},
-        "problem": {
-            "type": ["string", "null"],
-            "description": "why it cannot be used, where its config already shows that",
-        },
-    },
-}
-INFO_SCHEMA = {
-    "type": "object",
-    "required": [
-        "model",
-        "backend",
-        "device",
-        "dtype",
-        "adapter_path",
-        "adapter_applied",
-        "load_time_s",
-        "context_length",
-    ],
-    "properties": {
-        "model": {"type": "string"},
-        "backend": {"enum": ["torch", "mlx"]},
-        "device": {"type": "string"},
-        "dtype": {"type": "string"},
-        "adapter_path": {"type": ["string", "null"]},
-        "adapter_applied": {"type": "boolean"},
-        "load_time_s": {"type": "number"},
-        "context_length": {"type": "integer"},
-        "max_batch": {
-            "type": "integer",
-            "description": "MAX_BATCH as applied: the most sequences decoded together (0 chose the runtime's default)",
-        },
-        "stats": {"type": "object"},
-        "quantization": {
-            "type": ["object", "null"],
-            "description": "null for full-precision weights",
-            "properties": {
-                "method": {"type": "string"},
-                "bits": {"type": "integer"},
-                "group_size": {"type": ["integer", "null"]},
-            },
-        },
-        "prompt_cache": {
-            "type": "object",
-            "properties": {
-                "budget_bytes": {"type": "integer"},
-                "bytes": {"type": "integer"},
-                "entries": {"type": "integer"},
-            },
-        },
-        "kv_cache": {
-            "type": "object",
-            "description": "the KV of the sequences decoding (null counts: the runtime does not count them, MLX)",
-            "properties": {
-                "budget_bytes": {"type": "integer", "description": "KV_CACHE_BYTES as applied; 0: none"},
-                "used_bytes": {"type": ["integer", "null"], "description": "bytes of the blocks sequences hold"},
-                "reserved_bytes": {"type": ["integer", "null"]},
-                "peak_bytes": {"type": ["integer", "null"], "description": "the most the pool has allocated"},
-                "bytes_per_token": {"type": ["integer", "null"]},
-                "allocated_bytes": {
-                    "type": ["integer", "null"],
-                    "description": "the block pool's size now (the prompt cache's blocks included)",
-                },
-                "block_tokens": {"type": ["integer", "null"], "description": "positions a block holds"},
-                "blocks": {"type": ["integer", "null"], "description": "blocks in the pool"},
-                "blocks_used": {
-                    "type": ["integer", "null"],
-                    "description": "blocks the decoding sequences or the prompt cache hold",
-                },
-            },
-        },
-        "prompt_lookup_tokens": {
-            "type": "integer",
-            "description": "PROMPT_LOOKUP_TOKENS as applied: draft tokens a step verifies while one sequence decodes; "
-            "0: off (stats.draft_tokens_accepted counts the accepted ones)",
-        },
-        "adapters": {
-            "type": "object",
-            "required": ["dir", "default", "max_loaded", "loaded", "available"],
-            "properties": {
-                "dir": {"type": ["string", "null"]},
-                "default": {"type": ["string", "null"]},
-                "max_loaded": {"type": "integer"},
-                "loaded": {"type": "array", "items": {"type": "string"}, "description": "least recently used first"},
-                "available": {"type": "array", "items": ADAPTER_FACTS_SCHEMA},
-            },
-        },
-    },
-}
-SUMMARY_PROPERTIES = {
-    "request_id": {"type": "string"},
-    "tokens_used": {"type": "integer", "minimum": 0},
-    "prompt_tokens": {"type": "integer", "minimum": 1},
-    "cached_tokens": {
-        "type": "integer",
-        "minimum": 0,
-        "description": "prompt tokens whose KV came from the prompt cache",
-    },
-    "finish_reason": {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]},
-    "model": {"type": "string"},
-    "adapter": {"type": ["string", "null"], "description": "the LoRA adapter it decoded with (null: the base model)"},
-    "backend": {"enum": ["torch", "mlx"]},
-    "timings": {
-        "type": "object",
-        "required": ["ttft_ms", "total_ms", "tokens_per_second"],
-        "properties": {
-            "ttft_ms": {"type": ["number", "null"]},
-            "total_ms": {"type": "number"},
-            "tokens_per_second": {"type": "number"},
-        },
-    },
-    "error": ERROR_SCHEMA["properties"]["error"],
-}
-TOKEN_LOGPROB = {
-    "type": "object",
-    "required": ["id", "token", "logprob"],
-    "properties": {"id": {"type": "integer"}, "token": {"type": "string"}, "logprob": {"type": "number"}},
-}
-NATIVE_LOGPROBS = {
-    "type": "array",
-    "description": (
-        "with logprobs: one entry a generated token (end-of-text included), and its most likely alternatives"
-    ),
-    "items": {
-        **TOKEN_LOGPROB,
-        "properties": {**TOKEN_LOGPROB["properties"], "top": {"type": "array", "items": TOKEN_LOGPROB}},
-    },
-}
-GENERATE_RESPONSE_SCHEMA = {
-    "type": "object",
-    "required": [
-        "text",
-        "request_id",
-        "tokens_used",
-        "prompt_tokens",
-        "cached_tokens",
-        "finish_reason",
-        "model",
-        "backend",
-        "timings",
-    ],
-    "properties": {"text": {"type": "string"}, **SUMMARY_PROPERTIES, "logprobs": NATIVE_LOGPROBS},
-}
-# -- OpenAPI: the /v1 answers' schemas ---------------------------------------------------------
-
-
-# The /v1 answers, as far as this server fills them (OpenAI's own description has the rest).
-OPENAI_ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-MODEL_SCHEMA = {
-    "type": "object",
-    "required": ["id", "object", "created", "owned_by"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"const": "model"},
-        "created": {"type": "integer"},
-        "owned_by": {"type": "string"},
-        "parent": {"type": "string", "description": "an adapter's base model"},
-        "root": {"type": "string", "description": "an adapter's folder"},
-        "adapter": ADAPTER_FACTS_SCHEMA,
-    },
-}
-USAGE_SCHEMA = {
-    "type": "object",
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {
-        name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
-    },
-}
-FINISH_REASON = {"enum": ["length", "stop", "timeout", "shutdown", "cancelled", "error"]}
-COMPLETION_RESPONSE_SCHEMA = {
-    "type": "object",
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"const": "text_completion"},
-        "created": {"type": "integer"},
-        "model": {"type": "string"},
-        "choices": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index", "text", "logprobs", "finish_reason"],
-                "properties": {
-                    "index": {"type": "integer"},
-                    "text": {"type": "string"},
-                    "finish_reason": FINISH_REASON,
-                    "logprobs": {
-                        "type": ["object", "null"],
-                        "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
-                        "properties": {
-                            "tokens": {"type": "array", "items": {"type": "string"}},
-                            "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
-                            "top_logprobs": {
-                                "type": "array",
-                                "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
-                            },
-                            "text_offset": {"type": "array", "items": {"type": "integer"}},
-                        },
-                    },
-                },
-            },
-        },
-        "usage": USAGE_SCHEMA,
-    },
-}
-CHAT_TOKEN_LOGPROB = {
-    "type": "object",
-    "required": ["token", "logprob", "bytes"],
-    "properties": {
-        "token": {"type": "string"},
-        "logprob": {"type": "number"},
-        "bytes": {"type": "array", "items": {"type": "integer"}},
-    },
-}
-CHAT_RESPONSE_SCHEMA = {
-    "type": "object",
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"const": "chat.completion"},
-        "created": {"type": "integer"},
-        "model": {"type": "string"},
-        "choices": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index", "message", "logprobs", "finish_reason"],
-                "properties": {
-                    "index": {"type": "integer"},
-                    "finish_reason": {"enum": [*FINISH_REASON["enum"], "tool_calls"]},
-                    "message": {
-                        "type": "object",
-                        "required": ["role", "content"],
-                        "properties": {
-                            "role": {"const": "assistant"},
-                            "content": {
-                                "type": ["string", "null"],
-                                "description": "null when the reply only called tools",
-                            },
-                            "reasoning_content": {"type": "string", "description": "a reasoning model's <think> text"},
-                            "tool_calls": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "required": ["id", "type", "function"],
-                                    "properties": {
-                                        "id": {"type": "string"},
-                                        "type": {"const": "function"},
-                                        "function": {
-                                            "type": "object",
-                                            "required": ["name", "arguments"],
-                                            "properties": {
-                                                "name": {"type": "string"},
-                                                "arguments": {"type": "string", "description": "JSON object text"},
-                                            },
-                                        },
-                                    },
-                                },
-                            },
-                        },
-                    },
-                    "logprobs": {
-                        "type": ["object", "null"],
-                        "required": ["content"],
-                        "properties": {
-                            "content": {
-                                "type": "array",
-                                "items": {
-                                    **CHAT_TOKEN_LOGPROB,
-                                    "properties": {
-                                        **CHAT_TOKEN_LOGPROB["properties"],
-                                        "top_logprobs": {"type": "array", "items": CHAT_TOKEN_LOGPROB},
-                                    },
-                                },
-                            }
-                        },
-                    },
-                },
-            },
-        },
-        "usage": USAGE_SCHEMA,
-    },
-}
-
-
-OUTPUT_ITEM = {
-    "type": "object",
-    "required": ["type", "id"],
-    "properties": {
-        "type": {"enum": ["message", "function_call", "reasoning"]},
-        "id": {"type": "string"},
-        "status": {"type": "string"},
-        "role": {"const": "assistant"},
-        "content": {"type": "array", "items": {"type": "object", "required": ["type", "text"]}},
-        "call_id": {"type": "string"},
-        "name": {"type": "string"},
-        "arguments": {"type": "string", "description": "JSON object text"},
-        "summary": {"type": "array"},
-    },
-}
-RESPONSE_SCHEMA = {
-    "type": "object",
-    "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "object": {"const": "response"},
-        "created_at": {"type": "integer"},
-        "status": {"enum": ["completed", "incomplete", "failed"]},
-        "incomplete_details": {"type": ["object", "null"]},
-        "model": {"type": "string"},
-        "output": {"type": "array", "items": OUTPUT_ITEM},
-        "usage": {
-            "type": "object",
-            "required": ["input_tokens", "output_tokens", "total_tokens"],
-            "properties": {
-                "input_tokens": {"type": "integer"},
-                "output_tokens": {"type": "integer"},
-                "total_tokens": {"type": "integer"},
-                "input_tokens_details": {"type": "object"},
-                "output_tokens_details": {"type": "object"},
-            },
-        },
-    },
-}
-
-
-# -- OpenAPI: the Anthropic answers' schemas ---------------------------------------------------
-
-
-ANTHROPIC_ERROR_SCHEMA = {
-    "type": "object",
-    "required": ["type", "error"],
-    "properties": {
-        "type": {"const": "error"},
-        "error": {
-            "type": "object",
-            "required": ["type", "message"],
-            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
-        },
-        "request_id": {"type": ["string", "null"]},
-    },
-}
-ANTHROPIC_MESSAGE_SCHEMA = {
-    "type": "object",
-    "required": ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"const": "message"},
-        "role": {"const": "assistant"},
-        "model": {"type": "string"},
-        "content": {
-            "type": "array",
-            "items": {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "required": ["type", "text"],
-                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-                    },
-                    {
-                        "type": "object",
-                        "required": ["type", "id", "name", "input"],
-                        "properties": {
-                            "type": {"const": "tool_use"},
-                            "id": {"type": "string"},
-                            "name": {"type": "string"},
-                            "input": {"type": "object"},
-                        },
-                    },
-                ]
-            },
-        },
-        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
-        "stop_sequence": {"type": ["string", "null"]},
-        "usage": {
-            "type": "object",
-            "required": ["input_tokens", "output_tokens"],
-            "properties": {
-                "input_tokens": {"type": "integer"},
-                "output_tokens": {"type": "integer"},
-                "cache_creation_input_tokens": {"type": "integer"},
-                "cache_read_input_tokens": {"type": "integer"},
-            },
-        },
-    },
-}
-
-
 # -- OpenAPI: the document, /openapi.json ------------------------------------------------------
+# Built from ROUTES: the requests' schemas are the validation's own; the answers' are data, in
+# docs/openapi-answers.json (the tests validate answers against the served document).
+
+ANSWERS_FILE = Path(__file__).parent / "docs" / "openapi-answers.json"
 
 
-def openapi_document() -> dict:
-    def answers(ok: dict, *errors: int, media: str = "application/json", error: dict = ERROR_SCHEMA) -> dict:
-        out = {"200": {"description": "OK", "content": {media: {"schema": ok}}}}
-        for status in errors:
-            out[str(status)] = {
-                "description": HTTPStatus(status).phrase,
-                "content": {"application/json": {"schema": error}},
-            }
-        return out
+def answer_schemas(path: Path = ANSWERS_FILE) -> dict[str, Any]:
+    """The answers' schemas by name, each {"$ref": "#/..."} replaced by a copy of what it points to:
+    the file shares its parts, the served document holds them whole."""
+    data = json.loads(path.read_text(encoding="utf-8"))
 
-    def openai_post(summary: str, request: dict, response: dict) -> dict:
-        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error=OPENAI_ERROR_SCHEMA)
-        ok["200"]["content"]["text/event-stream"] = {
-            "schema": {"type": "string", "description": "with stream: Server-Sent Events of chunks, then data: [DONE]"}
-        }
-        return {
-            "post": {
-                "summary": summary,
-                **guarded,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": ok,
-            }
-        }
+    def whole(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                target = data
+                for key in node["$ref"].removeprefix("#/").split("/"):
+                    target = target[key]
+                return whole(target)
+            return {key: whole(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [whole(value) for value in node]
+        return node
 
-    def anthropic_post(summary: str, request: dict, response: dict) -> dict:
-        ok = answers(response, 400, 401, 404, 413, 429, 500, 503, 504, error=ANTHROPIC_ERROR_SCHEMA)
-        ok["200"]["content"]["text/event-stream"] = {
-            "schema": {
-                "type": "string",
-                "description": "with stream: Anthropic's events (message_start ... message_stop)",
-            }
-        }
-        return {
-            "post": {
-                "summary": summary,
-                **guarded,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": ok,
-            }
-        }
+    return {name: whole(schema) for name, schema in data.items() if not name.startswith("$")}
 
-    def tokenizer_post(summary: str, request: dict, response: dict) -> dict:
-        return {
-            "post": {
-                "summary": summary,
-                **guarded,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": answers(response, 400, 401, 404, 413, 429, 503, error=OPENAI_ERROR_SCHEMA),
-            }
-        }
 
-    guarded = {"security": [{}, {"bearer": []}]}  # a key is needed when PHI2_API_KEY is set
-    generation_errors = (400, 401, 413, 422, 429, 500, 503, 504)
-    stream_line = 'One JSON object per line: {"token": text} as text is decoded, then {"done": true, ...the summary}.'
+def openapi_document(routes: list[Route]) -> dict:
+    schemas = answer_schemas()
+    paths: dict[str, dict] = {}
+    for route in routes:
+        if route.summary:
+            paths.setdefault(route.openapi_path, {})[route.method.lower()] = operation(route, schemas)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -4029,117 +3553,107 @@ def openapi_document() -> dict:
             ),
         },
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "paths": {
-            "/health": {"get": {"summary": "Liveness", "responses": answers(HEALTH_SCHEMA)}},
-            "/ready": {
-                "get": {
-                    "summary": "Readiness",
-                    "responses": {
-                        **answers(READY_SCHEMA),
-                        "503": {"description": "Not ready", "content": {"application/json": {"schema": READY_SCHEMA}}},
-                    },
-                }
-            },
-            "/model/info": {
-                "get": {"summary": "The loaded model", **guarded, "responses": answers(INFO_SCHEMA, 401, 429, 503)}
-            },
-            "/generate": {
-                "post": {
-                    "summary": "Generate text",
-                    **guarded,
-                    "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
-                    "responses": answers(GENERATE_RESPONSE_SCHEMA, *generation_errors),
-                }
-            },
-            "/generate/stream": {
-                "post": {
-                    "summary": "Generate text, streamed as NDJSON",
-                    **guarded,
-                    "requestBody": {"required": True, "content": {"application/json": {"schema": GENERATE_SCHEMA}}},
-                    "responses": answers(
-                        {"type": "string", "description": stream_line}, *generation_errors, media="application/x-ndjson"
-                    ),
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics",
-                    **guarded,
-                    "responses": answers({"type": "string"}, 401, media="text/plain"),
-                }
-            },
-            "/v1/models": {
-                "get": {
-                    "summary": "The served model names (OpenAI)",
-                    **guarded,
-                    "responses": answers(
-                        {
-                            "type": "object",
-                            "required": ["object", "data"],
-                            "properties": {
-                                "object": {"const": "list"},
-                                "data": {"type": "array", "items": MODEL_SCHEMA},
-                            },
-                        },
-                        401,
-                        429,
-                        503,
-                        error=OPENAI_ERROR_SCHEMA,
-                    ),
-                }
-            },
-            "/v1/models/{model}": {
-                "get": {
-                    "summary": "One served model name (OpenAI)",
-                    **guarded,
-                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-                    "responses": answers(MODEL_SCHEMA, 401, 404, 429, 503, error=OPENAI_ERROR_SCHEMA),
-                }
-            },
-            "/v1/completions": openai_post(
-                "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, COMPLETION_RESPONSE_SCHEMA
-            ),
-            "/v1/chat/completions": openai_post("Chat (OpenAI)", CHAT_SCHEMA, CHAT_RESPONSE_SCHEMA),
-            "/v1/responses": openai_post(
-                "A response (OpenAI's Responses API, stateless)", RESPONSES_SCHEMA, RESPONSE_SCHEMA
-            ),
-            "/v1/messages": anthropic_post(
-                "A message (Anthropic's Messages API)", MESSAGES_SCHEMA, ANTHROPIC_MESSAGE_SCHEMA
-            ),
-            "/v1/messages/count_tokens": anthropic_post(
-                "The input tokens of a message (Anthropic)",
-                COUNT_TOKENS_SCHEMA,
-                {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}},
-            ),
-            "/tokenize": tokenizer_post(
-                "The ids a prompt or a chat is generated from (vLLM)",
-                TOKENIZE_SCHEMA,
-                {
-                    "type": "object",
-                    "required": ["count", "max_model_len", "tokens"],
-                    "properties": {
-                        "count": {"type": "integer"},
-                        "max_model_len": {"type": "integer"},
-                        "tokens": {"type": "array", "items": {"type": "integer"}},
-                        "token_strs": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-            ),
-            "/detokenize": tokenizer_post(
-                "The text of token ids (vLLM)",
-                DETOKENIZE_SCHEMA,
-                {
-                    "type": "object",
-                    "required": ["prompt"],
-                    "properties": {"prompt": {"type": "string"}},
-                },
-            ),
-        },
+        "paths": paths,
     }
+
+
+def operation(route: Route, schemas: dict[str, Any]) -> dict:
+    """A route's entry in the document."""
+
+    def described(description: str, schema: str) -> dict:
+        return {"description": description, "content": {"application/json": {"schema": schemas[schema]}}}
+
+    ok = {"description": "OK", "content": {route.media: {"schema": schemas[route.answer]}}}
+    if route.events:
+        ok["content"]["text/event-stream"] = {"schema": schemas[route.events]}
+    entry: dict[str, Any] = {"summary": route.summary}
+    if route.path not in OPEN_PATHS:
+        entry["security"] = [{}, {"bearer": []}]  # a key is needed when PHI2_API_KEY is set
+    if names := re.findall(r"\{(\w+)\}", route.openapi_path):
+        entry["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
+    if route.request is not None:
+        entry["requestBody"] = {"required": True, "content": {"application/json": {"schema": route.request}}}
+    entry["responses"] = {
+        "200": ok,
+        **{str(status): described(HTTPStatus(status).phrase, route.error) for status in route.errors},
+        **{str(status): described(description, schema) for status, description, schema in route.other},
+    }
+    return entry
 
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[OPENAPI])
+
+
+# -- routes: one table, registered by create_app, described by /openapi.json -------------------
+# The module docstring's index lists the same routes (tests/test_openapi.py holds them equal).
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """A route and what its /openapi.json entry needs; schemas are named by docs/openapi-answers.json."""
+
+    method: str  # GET (aiohttp answers HEAD too) or POST
+    path: str  # aiohttp's; a `{name:regex}` part reads `{name}` in the index and the document
+    handler: Handler
+    section: str  # the `# -- ...` header the handler is under (its start)
+    summary: str = ""  # the document's; empty: not in the document (the document itself)
+    request: dict | None = None  # the body's schema: the validation's own
+    answer: str = ""  # the 200 answer's schema
+    media: str = "application/json"  # the 200 answer's
+    events: str = ""  # the 200 answer's schema as text/event-stream (with stream), if it streams so
+    errors: tuple[int, ...] = ()  # statuses answered with `error`
+    error: str = "Error"
+    other: tuple[tuple[int, str, str], ...] = ()  # more answers: (status, description, schema)
+
+    @property
+    def openapi_path(self) -> str:
+        return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", self.path)
+
+
+# What a kind of route answers besides 200's body: error statuses, their schema, the stream's.
+NATIVE_ANSWERS = {"errors": (400, 401, 413, 422, 429, 500, 503, 504)}
+OPENAI_ANSWERS = {"errors": (400, 401, 404, 413, 429, 500, 503, 504), "error": "OpenAIError", "events": "OpenAIEvents"}
+ANTHROPIC_ANSWERS = {**OPENAI_ANSWERS, "error": "AnthropicError", "events": "AnthropicEvents"}
+TOKENIZER_ANSWERS = {"errors": (400, 401, 404, 413, 429, 503), "error": "OpenAIError"}
+IN_PROBES, IN_NATIVE, IN_MODELS = "probes and model facts", "the native API", "OpenAI-compatible API: models"
+IN_COMPLETIONS, IN_CHAT = "OpenAI-compatible API: /v1/completions", "OpenAI-compatible API: /v1/chat/completions"
+IN_RESPONSES, IN_MESSAGES, IN_TOKENIZER = "OpenAI Responses API", "Anthropic Messages API", "tokenizer"
+
+# fmt: off
+ROUTES = [  # method, path, handler, section; the document's summary, request schema, 200 answer, the rest
+    Route("GET", "/health", health, IN_PROBES, "Liveness", answer="Health"),
+    Route("GET", "/ready", ready, IN_PROBES, "Readiness", answer="Ready", other=((503, "Not ready", "Ready"),)),
+    Route("GET", "/model/info", model_info, IN_PROBES, "The loaded model", answer="Info", errors=(401, 429, 503)),
+    Route("POST", "/generate", generate, IN_NATIVE, "Generate text", GENERATE_SCHEMA, "GenerateResponse",
+          **NATIVE_ANSWERS),
+    Route("POST", "/generate/stream", generate_stream, IN_NATIVE, "Generate text, streamed as NDJSON",
+          GENERATE_SCHEMA, "GenerateStream", media="application/x-ndjson", **NATIVE_ANSWERS),
+    Route("GET", "/v1/models", v1_models, IN_MODELS, "The served model names (OpenAI)", answer="ModelList",
+          errors=(401, 429, 503), error="OpenAIError"),
+    Route("GET", "/v1/models/{model:.+}", v1_model, IN_MODELS, "One served model name (OpenAI)", answer="Model",
+          errors=(401, 404, 429, 503), error="OpenAIError"),  # a model's id may hold slashes (microsoft/phi-2)
+    Route("POST", "/v1/completions", v1_completions, IN_COMPLETIONS,
+          "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, "CompletionResponse", **OPENAI_ANSWERS),
+    Route("POST", "/v1/chat/completions", v1_chat_completions, IN_CHAT, "Chat (OpenAI)", CHAT_SCHEMA,
+          "ChatResponse", **OPENAI_ANSWERS),
+    Route("POST", "/v1/responses", v1_responses, IN_RESPONSES, "A response (OpenAI's Responses API, stateless)",
+          RESPONSES_SCHEMA, "Response", **OPENAI_ANSWERS),
+    Route("POST", "/v1/messages", v1_messages, IN_MESSAGES, "A message (Anthropic's Messages API)",
+          MESSAGES_SCHEMA, "AnthropicMessage", **ANTHROPIC_ANSWERS),
+    Route("POST", "/v1/messages/count_tokens", v1_count_tokens, IN_MESSAGES,
+          "The input tokens of a message (Anthropic)", COUNT_TOKENS_SCHEMA, "CountTokensResponse", **ANTHROPIC_ANSWERS),
+    Route("POST", "/tokenize", tokenize, IN_TOKENIZER, "The ids a prompt or a chat is generated from (vLLM)",
+          TOKENIZE_SCHEMA, "TokenizeResponse", **TOKENIZER_ANSWERS),
+    Route("POST", "/detokenize", detokenize, IN_TOKENIZER, "The text of token ids (vLLM)", DETOKENIZE_SCHEMA,
+          "DetokenizeResponse", **TOKENIZER_ANSWERS),
+    Route("GET", "/metrics", metrics, "metrics", "Prometheus metrics", answer="Metrics", media="text/plain",
+          errors=(401,)),
+    Route("GET", "/openapi.json", openapi, "OpenAPI: the document"),  # not in the document it serves
+]
+# fmt: on
 
 
 # -- application: the app factory, the worker's start and stop ---------------------------------
@@ -4202,7 +3716,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app[AUTH_FAILURES] = TokenBuckets(AUTH_FAILURES_PER_MINUTE)
     app[CORS_ORIGINS] = frozenset(o.strip() for o in settings.cors_origins.split(",") if o.strip())
     app[METRICS] = Metrics(app)
-    app[OPENAPI] = openapi_document()
+    app[OPENAPI] = openapi_document(ROUTES)
     app.on_response_prepare.append(add_headers)
     app[LOAD_DONE] = asyncio.Event()
     app[DRAINING] = asyncio.Event()
@@ -4210,22 +3724,9 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.on_startup.append(start_worker)
     app.on_shutdown.append(drain_worker)
     app.on_cleanup.append(stop_worker)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/model/info", model_info)
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/generate/stream", generate_stream)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi)
-    app.router.add_get("/v1/models", v1_models)
-    app.router.add_get("/v1/models/{model:.+}", v1_model)  # an id may hold slashes (microsoft/phi-2)
-    app.router.add_post("/v1/completions", v1_completions)
-    app.router.add_post("/v1/chat/completions", v1_chat_completions)
-    app.router.add_post("/v1/responses", v1_responses)
-    app.router.add_post("/v1/messages", v1_messages)
-    app.router.add_post("/v1/messages/count_tokens", v1_count_tokens)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get answers HEAD too
+    for route in ROUTES:
+        add[route.method](route.path, route.handler)
     return app
 
 

@@ -395,7 +395,7 @@ async def test_odd_configs_are_listed_as_the_schema_says(
     """Whatever a config holds, the listing stays valid JSON in the documented shape."""
     from jsonschema import Draft202012Validator
 
-    from phi2_server import MODEL_SCHEMA
+    from phi2_server import answer_schemas
 
     folder = adapters_dir / "odd"
     shutil.copytree(adapter_sources["exp-a"], folder)
@@ -409,7 +409,7 @@ async def test_odd_configs_are_listed_as_the_schema_says(
 
         cards = {m["id"]: m for m in json.loads(await response.text(), parse_constant=refuse)["data"]}
         card = cards["phi-2:odd"]
-        Draft202012Validator(MODEL_SCHEMA).validate(card)
+        Draft202012Validator(answer_schemas()["Model"]).validate(card)
         usable = card["adapter"]["problem"] is None
         answer = await client.post("/generate", json=generate_body("odd", max_tokens=2))
         assert answer.status == (200 if usable else 422)

@@ -1,10 +1,14 @@
-"""/openapi.json describes the native API from the schemas the validation uses; a property-based
-fuzz run drives a live server from it: never a 5xx, and every answer matches the description."""
+"""/openapi.json describes the native API from the schemas the validation uses and the answers'
+schemas of docs/openapi-answers.json; a property-based fuzz run drives a live server from it: never a
+5xx, and every answer matches the description. The route table (`ROUTES`) is what the app registers,
+what the document describes, and what the module docstring's index lists."""
 
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
+import re
 from urllib.parse import urlparse
 
 import pytest
@@ -13,7 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from phi2_server import CHAT_SCHEMA, COMPLETIONS_SCHEMA, GENERATE_SCHEMA, Settings, create_app
+import phi2_server
+from phi2_server import (
+    CHAT_SCHEMA,
+    COMPLETIONS_SCHEMA,
+    GENERATE_SCHEMA,
+    ROUTES,
+    Settings,
+    answer_schemas,
+    create_app,
+    openapi_document,
+)
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
@@ -109,6 +123,39 @@ def conforms(document: dict, path: str, method: str, status: int, media: str, da
         ]
         assert events[-1] == "[DONE]"
         assert all("choices" in json.loads(e) or "error" in json.loads(e) for e in events[:-1])
+
+
+def test_the_docstring_indexes_the_route_table():
+    """The index is written by hand: method, path, handler and section, in the table's order."""
+    index = [line.split(maxsplit=3) for line in phi2_server.__doc__.splitlines() if re.match(r" +(GET|POST) +/", line)]
+    assert index == [[r.method, r.openapi_path, r.handler.__name__, r.section] for r in ROUTES]
+
+
+def test_each_handler_is_in_the_section_its_route_names():
+    lines = inspect.getsource(phi2_server).splitlines()
+    headers = [(number, line.removeprefix("# -- ")) for number, line in enumerate(lines, 1) if line.startswith("# -- ")]
+    for route in ROUTES:
+        start = inspect.getsourcelines(route.handler)[1]
+        header = [line for number, line in headers if number < start][-1]
+        assert header.startswith(route.section), f"{route.handler.__name__} is under {header!r}, not {route.section!r}"
+
+
+def test_the_app_registers_the_table_and_the_document_describes_it(tmp_path):
+    app = create_app(Settings(log_dir=str(tmp_path)), load=lambda: None)
+    registered = {(r.method, r.resource.canonical, r.handler) for r in app.router.routes() if r.method != "HEAD"}
+    assert registered == {(r.method, r.openapi_path, r.handler) for r in ROUTES}
+    described = {
+        (path, method.upper()) for path, entry in openapi_document(ROUTES)["paths"].items() for method in entry
+    }
+    assert described == {(r.openapi_path, r.method) for r in ROUTES if r.path != "/openapi.json"}
+
+
+def test_the_answer_schemas_are_json_schemas():
+    """docs/openapi-answers.json, its references resolved: every schema valid, none left a $ref."""
+    schemas = answer_schemas()
+    for name, schema in schemas.items():
+        Draft202012Validator.check_schema(schema)
+        assert "$ref" not in json.dumps(schema), name
 
 
 def test_the_document_uses_the_validation_schema(document):
