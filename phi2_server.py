@@ -84,6 +84,7 @@ from backends import (
     select_backend,
 )
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
+from backends.chat_plan import ChatPlan, ChatRequest, GrammarSpec, ToolUse
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
 from backends.tools import Piece, ToolCallParser
 
@@ -1970,24 +1971,28 @@ def openai_params(body: Any, schema: dict) -> dict:
     return params
 
 
-async def response_constraint(request: web.Request, params: dict) -> dict:
-    """`response_format` compiled (json_object: any JSON object, or json_schema), as Generation's
-    grammar and grammar_field."""
+def response_grammar(params: dict) -> tuple[GrammarSpec | None, str | None]:
+    """`response_format` as the grammar of the reply (json_object: any JSON object, or
+    json_schema), and the field it came from; (None, None) for text."""
     response_format = params["response_format"]
     if response_format is None or response_format["type"] == "text":
-        return {}
+        return None, None
     if response_format["type"] == "json_object":
-        grammar, field = await compile_constraint(request, "json_object", "", "response_format", params)
-        return {"grammar": grammar, "grammar_field": field}
+        return GrammarSpec("json_object", ""), "response_format"
     if "json_schema" not in response_format:
         raise ApiError(
             400, "response_format.json_schema is required with type json_schema", field="response_format.json_schema"
         )
     schema = response_format["json_schema"].get("schema", {"type": "object"})
-    grammar, field = await compile_constraint(
-        request, "json_schema", json.dumps(schema), "response_format.json_schema.schema", params
-    )
-    return {"grammar": grammar, "grammar_field": field}
+    return GrammarSpec("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
+
+
+async def grammar_options(request: web.Request, grammar: GrammarSpec | None, field: str | None, checks: dict) -> dict:
+    """A grammar compiled, as Generation's grammar and grammar_field (none: {})."""
+    if grammar is None:
+        return {}
+    compiled, field = await compile_constraint(request, grammar.kind, grammar.spec, field, checks)
+    return {"grammar": compiled, "grammar_field": field}
 
 
 def openai_generations(
@@ -2252,7 +2257,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
         stop=stop_tuple(params["stop"]),
         logprobs=k if k is not None else (0 if best_of > n else None),  # best_of ranks by logprob
         prompt_logprobs=k if echo else None,
-        **await response_constraint(request, params),
+        **await grammar_options(request, *response_grammar(params), params),
     )
     gens = [g for p in prompts for g in openai_generations(params, p, best_of, params["max_tokens"], 16, **options)]
     check_sequences(request, gens)
@@ -2262,7 +2267,10 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     return await answer(request, tickets, CompletionsWire(request, tickets, params, name, texts))
 
 
-# -- OpenAI-compatible API: /v1/chat/completions -----------------------------------------------
+# -- chat: each API's request in one shared form, the model's plan for it ----------------------
+# The three chat APIs translate their requests onto one `ChatRequest` (messages as
+# `chat_messages` checks them, tools as `chat_tools` does); the backend answers with one
+# `ChatPlan` (backends.chat_plan): prompt, stops, grammar, kept tags, a parser per choice.
 
 
 def chat_messages(params: dict) -> list[dict]:
@@ -2325,21 +2333,6 @@ def chat_messages(params: dict) -> list[dict]:
     return messages
 
 
-@dataclass(frozen=True)
-class ToolUse:
-    """A chat request's tools as the answer needs them: what the model may call, whether it must."""
-
-    tools: list[dict]  # {name, description, parameters}: rendered into the prompt
-    choice: str  # "auto", "required" or one function's name ("none": no ToolUse at all)
-    parallel: bool
-
-    @property
-    def callable(self) -> list[dict]:
-        return (
-            self.tools if self.choice in ("auto", "required") else [t for t in self.tools if t["name"] == self.choice]
-        )
-
-
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -2380,18 +2373,29 @@ def chat_tools(params: dict, flat: bool = False) -> ToolUse | None:
     )
 
 
-async def tool_constraint(request: web.Request, params: dict, use: ToolUse) -> dict:
-    """The grammar of the calls (Generation's grammar and grammar_field): the whole reply with
-    `required` or a named function, lazy with `auto` (armed when the model opens a call)."""
-    if params["response_format"] is not None and params["response_format"]["type"] != "text":
-        raise ApiError(
-            400, "response_format cannot be combined with tools here; give one or the other", field="response_format"
-        )
-    backend = engine_ready(request).backend
-    spec = backend.tool_grammar(use.callable, use.parallel, lazy=use.choice == "auto")
-    checks = params if use.choice != "auto" else {}  # auto: text may end at a stop sequence as usual
-    grammar, field = await compile_constraint(request, "tool_calls", spec, "tools", checks)
-    return {"grammar": grammar, "grammar_field": field}
+def pick(mapping: dict, *keys: str) -> dict:
+    return {k: mapping[k] for k in keys if k in mapping}
+
+
+def tools_or_format(use: ToolUse | None, format_type: str | None, field: str) -> None:
+    """A reply is its calls' grammar or a response format's, not both."""
+    if use is not None and format_type not in (None, "text"):
+        raise ApiError(400, f"{field} cannot be combined with tools here; give one or the other", field=field)
+
+
+async def chat_options(
+    request: web.Request, plan: ChatPlan, stop: tuple[str, ...], ignore_eos: bool, format_field: str | None = None
+) -> dict:
+    """A plan as Generation's fields: the request's stops and then the format's, the tags the
+    reply keeps, and its grammar compiled (errors name `tools`, or the response format's field)."""
+    field = "tools" if plan.tool_names is not None else format_field
+    # Lazy (tool_choice auto): text beside a call may end at a stop sequence as usual.
+    checks = {} if plan.grammar is None or plan.grammar.lazy else {"stop": stop, "ignore_eos": ignore_eos}
+    grammar = await grammar_options(request, plan.grammar, field, checks)
+    return {"stop": stop + plan.stop, "keep_tokens": plan.keep_tokens, **grammar}
+
+
+# -- OpenAI-compatible API: /v1/chat/completions -----------------------------------------------
 
 
 class ChatWire(Wire):
@@ -2406,19 +2410,13 @@ class ChatWire(Wire):
         params: dict,
         name: str,
         k: int | None,
-        use: ToolUse | None,
-        thinking: bool,
+        plan: ChatPlan,
     ):
         super().__init__(request, tickets, params["stream"])
         self.k = k
         self.envelope = response_head(name, "chat.completion.chunk" if self.streaming else "chat.completion")
         self.include_usage = bool(params["stream_options"].get("include_usage"))
-        self.parser = lambda: ToolCallParser(
-            self.backend.tool_format,
-            None if use is None else {t["name"] for t in use.tools},
-            reasoning=self.backend.reasoning,
-            thinking=thinking,
-        )
+        self.parser = plan.parser
         self.parsers = [self.parser() for _ in tickets]
         self.calls = [0 for _ in tickets]  # tool calls streamed so far, per choice
         self.pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
@@ -2517,24 +2515,21 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
     use = chat_tools(params)
-    prompt = backend.chat_prompt(chat_messages(params), use and use.tools)
+    messages = chat_messages(params)
+    tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
+    output, output_field = response_grammar(params)
+    plan = backend.chat_plan(ChatRequest(messages, use, output))
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
-    constraint = await (tool_constraint(request, params, use) if use else response_constraint(request, params))
-    options = dict(
-        stop=stop_tuple(params["stop"]) + prompt.stop,
-        logprobs=k,
-        prompt_field="messages",
-        keep_tokens=backend.tool_tokens() if use or backend.reasoning else (),
-        **constraint,
-    )
+    options = await chat_options(request, plan, stop_tuple(params["stop"]), params["ignore_eos"], output_field)
+    options.update(logprobs=k, prompt_field="messages")
     max_tokens = params["max_completion_tokens"] or params["max_tokens"]
-    gens = openai_generations(params, prompt.text, params["n"], max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
+    gens = openai_generations(params, plan.prompt, params["n"], max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter, params["cache_salt"])
-    return await answer(request, tickets, ChatWire(request, tickets, params, name, k, use, prompt.thinking))
+    return await answer(request, tickets, ChatWire(request, tickets, params, name, k, plan))
 
 
-# -- OpenAI Responses API: /v1/responses (stateless) --------------------------------------------
+# -- OpenAI Responses API: the request, as a chat ----------------------------------------------
 # OpenAI's newer API over the same answer loop: `input` (a string, or message, function_call and
 # function_call_output items) and `instructions` become chat messages; tools, tool_choice and
 # text.format work as on /v1/chat/completions. Stateless: nothing is stored (`store` is
@@ -2697,23 +2692,32 @@ def responses_tools(params: dict) -> ToolUse | None:
     )
 
 
+def responses_format(params: dict, use: ToolUse | None) -> tuple[GrammarSpec | None, str | None]:
+    """`text.format` as the reply's grammar (json_object, json_schema) and its field; (None, None)
+    for text."""
+    text_format = (params["text"] or {}).get("format") or {"type": "text"}
+    tools_or_format(use, text_format["type"], "text.format")
+    if text_format["type"] == "json_object":
+        return GrammarSpec("json_object", ""), "text.format"
+    if text_format["type"] == "json_schema":
+        schema = json.dumps(text_format.get("schema", {"type": "object"}))
+        return GrammarSpec("json_schema", schema), "text.format.schema"
+    return None, None
+
+
+# -- OpenAI Responses API: /v1/responses (stateless) --------------------------------------------
+
+
 class ResponsesWire(Wire):
     """A `response` object; streamed, its events (`response.created`, each output item's
     `output_item.added`, text deltas or function-call arguments, `output_item.done`, then
     `response.completed`, or `response.incomplete` at max_output_tokens), each with its
     `sequence_number`. The items are built once, as the pieces come, for both."""
 
-    def __init__(
-        self, request: web.Request, tickets: list[Ticket], params: dict, name: str, use: ToolUse | None, thinking: bool
-    ):
+    def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, plan: ChatPlan):
         super().__init__(request, tickets, params["stream"])
         self.params = params
-        self.parser = ToolCallParser(
-            self.backend.tool_format,
-            None if use is None else {t["name"] for t in use.tools},
-            reasoning=self.backend.reasoning,
-            thinking=thinking,
-        )
+        self.parser = plan.parser()
         self.response = {
             "id": f"resp_{uuid.uuid4().hex}",
             "object": "response",
@@ -2890,35 +2894,19 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
     name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
     use = responses_tools(params)
-    prompt = backend.chat_prompt(responses_chat(params), use and use.tools)
-    text_format = (params["text"] or {}).get("format") or {"type": "text"}
-    as_chat = {**params, "stop": None, "ignore_eos": False, "response_format": None}
-    constraint: dict = {}
-    if use and text_format["type"] != "text":
-        raise ApiError(
-            400, "text.format cannot be combined with tools here; give one or the other", field="text.format"
-        )
-    if use:
-        constraint = await tool_constraint(request, as_chat, use)
-    elif text_format["type"] == "json_object":
-        grammar, field = await compile_constraint(request, "json_object", "", "text.format", as_chat)
-        constraint = {"grammar": grammar, "grammar_field": field}
-    elif text_format["type"] == "json_schema":
-        schema = json.dumps(text_format.get("schema", {"type": "object"}))
-        grammar, field = await compile_constraint(request, "json_schema", schema, "text.format.schema", as_chat)
-        constraint = {"grammar": grammar, "grammar_field": field}
-    options = dict(
-        stop=prompt.stop,
-        prompt_field="input",
-        keep_tokens=backend.tool_tokens() if use or backend.reasoning else (),
-        **constraint,
+    messages = responses_chat(params)
+    output, output_field = responses_format(params, use)
+    plan = backend.chat_plan(ChatRequest(messages, use, output))
+    as_chat = {**params, "ignore_eos": False}  # the chat route's sampling fields
+    options = await chat_options(request, plan, (), False, output_field)
+    gens = openai_generations(
+        as_chat, plan.prompt, 1, params["max_output_tokens"], CHAT_DEFAULT_MAX_TOKENS, prompt_field="input", **options
     )
-    gens = openai_generations(as_chat, prompt.text, 1, params["max_output_tokens"], CHAT_DEFAULT_MAX_TOKENS, **options)
     tickets = await submit(request, gens, adapter, params["cache_salt"])
-    return await answer(request, tickets, ResponsesWire(request, tickets, params, name, use, prompt.thinking))
+    return await answer(request, tickets, ResponsesWire(request, tickets, params, name, plan))
 
 
-# -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
+# -- Anthropic Messages API: the request, as a chat; errors in its shape -----------------------
 # Anthropic's request and answer shapes over the same worker, limits and log; its SSE event
 # sequence when streamed; its error shape (`anthropic_error`). A key comes as `x-api-key` or as
 # `Authorization: Bearer`. Tools as on the chat route (`anthropic_tools`, `tool_use` blocks out);
@@ -3109,8 +3097,14 @@ def anthropic_tools(params: dict) -> ToolUse | None:
     )
 
 
-def pick(mapping: dict, *keys: str) -> dict:
-    return {k: mapping[k] for k in keys if k in mapping}
+def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
+    """The request's chat plan: what /v1/messages generates from and count_tokens counts."""
+    backend = engine_ready(request).backend
+    use = anthropic_tools(params)
+    return backend.chat_plan(ChatRequest(anthropic_chat(params), use))
+
+
+# -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
 
 
 def anthropic_stop_reason(summary: Summary, stop_sequences: tuple[str, ...]) -> str:
@@ -3139,7 +3133,8 @@ class AnthropicWire(Wire):
     """A `message` body; streamed, message_start, then each block's start, deltas and stop (a
     text block at once without tools; with tools, blocks as the reply's text and calls come:
     `tool_use` with its input as one `input_json_delta`), then message_delta (stop reason,
-    usage) and message_stop; a failure is an `error` event."""
+    usage) and message_stop; a failure is an `error` event. A reasoning model's thought is
+    left out (no thinking blocks yet)."""
 
     def __init__(
         self,
@@ -3148,15 +3143,13 @@ class AnthropicWire(Wire):
         params: dict,
         name: str,
         stop: tuple[str, ...],
-        use: ToolUse | None,
+        plan: ChatPlan,
     ):
         super().__init__(request, tickets, params["stream"])
         self.stop_sequences = stop
         self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name}
-        self.tools = use is not None
-        self.parser = lambda: ToolCallParser(
-            self.backend.tool_format, None if use is None else {t["name"] for t in use.tools}
-        )
+        self.tools = plan.tool_names is not None
+        self.parser = plan.parser
         self.stream_parser = self.parser()
         self.blocks = 0  # blocks started
         self.open: str | None = None  # the type of the block open now
@@ -3192,7 +3185,7 @@ class AnthropicWire(Wire):
                 delta = {"type": "input_json_delta", "partial_json": piece.call.arguments}
                 out += sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
                 out += self.stop_block()
-            elif piece.text:
+            elif piece.kind == "content" and piece.text:  # reasoning: no thinking blocks yet
                 if self.open != "text":
                     out += self.start_block("text")
                 delta = {"type": "text_delta", "text": piece.text}
@@ -3234,6 +3227,8 @@ class AnthropicWire(Wire):
             if piece.kind == "call":
                 arguments = json.loads(piece.call.arguments)
                 content.append({"type": "tool_use", "id": tool_use_id(), "name": piece.call.name, "input": arguments})
+            elif piece.kind == "reasoning":
+                continue
             elif content and content[-1]["type"] == "text":
                 content[-1]["text"] += piece.text
             else:
@@ -3253,24 +3248,19 @@ def tool_use_id() -> str:
 async def v1_messages(request: web.Request) -> web.StreamResponse:
     params = await read_body(request, lambda body: parse(without_nulls(body), MESSAGES_SCHEMA))
     name, adapter = model_named(request, params["model"])
-    backend = engine_ready(request).backend
-    use = anthropic_tools(params)
-    prompt = backend.chat_prompt(anthropic_chat(params), use and use.tools)
+    plan = anthropic_plan(request, params)
     stop = tuple(params["stop_sequences"] or ())
     defaults = {key: schema["default"] for key, schema in SAMPLING_PROPERTIES.items()}
-    checks = {"stop": params["stop_sequences"], "response_format": None, **params}
     generation = Generation(
-        prompt=prompt.text,
+        prompt=plan.prompt,
         max_tokens=params["max_tokens"],
         max_tokens_given=True,
         sampling=sampling_of({**defaults, "top_k": params["top_k"]}, params["temperature"], params["top_p"], None),
-        stop=stop + prompt.stop,
         prompt_field="messages",
-        keep_tokens=backend.tool_tokens() if use else (),
-        **(await tool_constraint(request, checks, use) if use else {}),
+        **await chat_options(request, plan, stop, False),
     )
     tickets = await submit(request, [generation], adapter, params["cache_salt"])
-    return await answer(request, tickets, AnthropicWire(request, tickets, params, name, stop, use))
+    return await answer(request, tickets, AnthropicWire(request, tickets, params, name, stop, plan))
 
 
 async def v1_count_tokens(request: web.Request) -> web.Response:
@@ -3278,8 +3268,7 @@ async def v1_count_tokens(request: web.Request) -> web.Response:
     params = await read_body(request, lambda body: parse(without_nulls(body), COUNT_TOKENS_SCHEMA))
     model_named(request, params["model"])
     backend = engine_ready(request).backend
-    use = anthropic_tools(params)
-    text = backend.chat_prompt(anthropic_chat(params), use and use.tools).text
+    text = anthropic_plan(request, params).prompt
     tokens = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], backend.encode, text)
     return web.json_response({"input_tokens": len(tokens)})
 
@@ -3347,7 +3336,8 @@ async def tokenize(request: web.Request) -> web.Response:
     backend = engine_ready(request).backend
     if params["messages"] is not None:
         tools = [t["function"] for t in params["tools"] or []]  # as chat renders them with tool_choice auto
-        text = backend.chat_prompt(chat_messages(params), tools or None).text
+        use = ToolUse(tools, "auto", True) if tools else None
+        text = backend.chat_plan(ChatRequest(chat_messages(params), use)).prompt
     else:
         text = params["prompt"] if params["prompt"] is not None else params["content"]
     loop = asyncio.get_running_loop()

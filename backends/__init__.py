@@ -23,8 +23,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from backends.adapters import Adapter, AdapterFacts
-    from backends.text import ChatPrompt
-    from backends.tools import ToolFormat
+    from backends.chat_plan import ChatPlan, ChatRequest
 
 BACKEND_NAMES = ("auto", "mlx", "torch")
 
@@ -313,30 +312,20 @@ class Backend(Protocol):
         vocabulary may be larger; its extra ids are never generated)."""
         ...
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> ChatPrompt:
-        """Chat messages ({role, content: str}; an assistant's `tool_calls`, `tool` results) as a
-        prompt, with the stops its format needs; `tools` (OpenAI function tools) rendered by the
-        chat template, or by the default tools block where it knows none (backends.tools)."""
+    def chat_plan(self, chat: ChatRequest) -> ChatPlan:
+        """One chat as this model serves it (backends.chat_plan), for every chat API alike: the
+        prompt its chat template renders (tools in it, or the default tools block where it knows
+        none), the stops its format needs, the grammar of its calls or of the response format,
+        the tags the reply keeps, and a parser per choice (content, reasoning, calls)."""
         ...
 
     # PROMPT_LOOKUP_TOKENS as applied: the most prompt-lookup draft tokens a step verifies while
     # one sequence decodes (backends.prompt_lookup; 0: off).
     draft_tokens: int
-    tool_format: ToolFormat  # how this model writes tool calls (read from its chat template)
-    reasoning: bool  # its tokenizer has <think> and </think>: replies may reason first
-
-    def tool_tokens(self) -> tuple[tuple[int, str], ...]:
-        """(id, text) of the tool-call and reasoning tags that are single tokens (Request.keep_tokens)."""
-        ...
-
-    def tool_grammar(self, tools: list[dict], parallel: bool, lazy: bool) -> str:
-        """The spec of a `tool_calls` grammar (`constraint("tool_calls", spec)`) for calls to
-        `tools` ({name, parameters} each): the whole reply, or lazy, armed when a call opens."""
-        ...
 
     def constraint(self, kind: str, spec: str) -> Grammar:
         """A grammar for this model's tokenizer: kind `json_schema` (spec: the schema as JSON),
-        `json_object` (any JSON object), `regex` or `tool_calls` (spec: `tool_grammar`'s).
+        `json_object` (any JSON object), `regex` or `tool_calls` (spec: a ChatPlan's grammar).
         Compiled once (cached); GrammarError if not.
         Slow for a large grammar (seconds): call it on a pool, never on the event loop."""
         ...

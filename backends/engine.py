@@ -102,7 +102,7 @@ class Request:
     prompt_logprobs: int | None = None  # the same for the prompt, with the first token's event
     adapter: Adapter | None = None  # the LoRA adapter to decode with, loaded (None: the base model)
     cache_namespace: str = ""  # whose prompt cache entries it shares (Sequence.cache_namespace)
-    # Special tokens whose text the reply keeps (tool-call tags: Backend.tool_tokens), (id, text).
+    # Special tokens whose text the reply keeps (tool-call tags: ChatPlan.keep_tokens), (id, text).
     keep_tokens: tuple[tuple[int, str], ...] = ()
 
     def sequence(self, seq_id: int) -> Sequence:

@@ -1,17 +1,17 @@
-"""Tokenizing and incremental detokenizing through a Hugging Face tokenizer (no torch here)."""
+"""Tokenizing and incremental detokenizing through a Hugging Face tokenizer (no torch here); the
+model's chat, read from the same tokenizer, is backends.chat_plan's."""
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backends import tools
+from backends.chat_plan import ChatFormat
 
 if TYPE_CHECKING:
     from backends import Detokenizer
+    from backends.chat_plan import ChatPlan, ChatRequest
     from backends.grammar import Grammars
 
 
@@ -42,14 +42,7 @@ class TokenizerText:
         # A cache of this instance's own: functools.lru_cache on the method would be one cache
         # for every instance, keyed by self, keeping each tokenizer alive after its backend is gone.
         self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
-        template = getattr(tokenizer, "chat_template", None)
-        self.tool_format, self.template_knows_tools = tools.detect_format(
-            template if isinstance(template, str) else None
-        )
-        if not self.template_knows_tools:
-            self.tool_format = tools.DEFAULT_FORMAT  # the default block asks for Hermes-style calls
-        vocab = tokenizer.get_vocab()
-        self.reasoning = tools.THINK_OPEN in vocab and tools.THINK_CLOSE in vocab
+        self.chat = ChatFormat(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -69,57 +62,6 @@ class TokenizerText:
         if token_id in self.tokenizer.all_special_ids:
             return token.encode()
         return self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode()  # other tokenizer kinds
-
-    def chat_prompt(self, messages: list[dict], tool_list: list[dict] | None = None) -> ChatPrompt:
-        """The tokenizer's chat template when it has one, else Phi-2's model-card chat format.
-        With tools (OpenAI's function tools), through the template's own `tools=` where it
-        renders them, else with the default tools block (backends.tools)."""
-        has_template = bool(getattr(self.tokenizer, "chat_template", None))
-        native = has_template and self.template_knows_tools
-        if tool_list or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-            messages = tools.template_messages(messages, tool_list, native, self.tool_format)
-        if has_template:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                # transformers' (and the templates') form of a tool: {"type": "function", "function": {...}}
-                tools=[{"type": "function", "function": t} for t in tool_list] if native and tool_list else None,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            return ChatPrompt(text, (), thinking=self.reasoning and text.rstrip().endswith(tools.THINK_OPEN))
-        return phi2_chat_prompt(messages)
-
-    def single_token(self, text: str) -> int | None:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
-
-    def tool_tokens(self) -> tuple[tuple[int, str], ...]:
-        """The format's tags (and <think>'s) that are single tokens: the text of a reply keeps
-        them, where decoding would skip them as special tokens, so that its calls can be parsed."""
-        tags = [self.tool_format.open, self.tool_format.close]
-        if self.reasoning:
-            tags += [tools.THINK_OPEN, tools.THINK_CLOSE]
-        found = ((self.single_token(tag), tag) for tag in tags if tag)
-        return tuple((token, tag) for token, tag in found if token is not None)
-
-    def tool_grammar(self, tool_list: list[dict], parallel: bool, lazy: bool) -> str:
-        """The `tool_calls` grammar spec (backends.grammar) for calls to `tool_list` ({name,
-        parameters} each): the whole reply, or lazy (armed when the model opens a call)."""
-        format = self.tool_format
-
-        def written(tag: str) -> str:
-            # A tag that is one token (llguidance counts every added token as special) may also
-            # come spelled out in pieces: the grammar takes either.
-            token = self.single_token(tag)
-            return json.dumps(tag) if token is None else f"(<[{token}]> | {json.dumps(tag)})"
-
-        tags = {tag: written(tag) for tag in (format.open, format.close) if tag}
-        trigger = None
-        if lazy:
-            token = self.single_token(format.open)
-            ids = (token,) if token is not None else ()
-            trigger = tools.Trigger(ids, (format.open,), ("{",) if format.bare else ()).to_json()
-        return json.dumps({"lark": tools.tool_grammar(format, tool_list, parallel, tags), "trigger": trigger})
 
 
 class TokenizerMethods:
@@ -147,33 +89,12 @@ class TokenizerMethods:
     def vocab_size(self) -> int:
         return self.text.vocab_size
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> ChatPrompt:
-        return self.text.chat_prompt(messages, tools)
-
-    @property
-    def tool_format(self) -> tools.ToolFormat:
-        return self.text.tool_format
-
-    @property
-    def reasoning(self) -> bool:
-        return self.text.reasoning
-
-    def tool_tokens(self) -> tuple[tuple[int, str], ...]:
-        return self.text.tool_tokens()
-
-    def tool_grammar(self, tool_list: list[dict], parallel: bool, lazy: bool) -> str:
-        return self.text.tool_grammar(tool_list, parallel, lazy)
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    text: str
-    stop: tuple[str, ...]  # added to the request's own stop sequences
-    thinking: bool = False  # the prompt opened <think>: the reply starts inside its reasoning
+    def chat_plan(self, chat: ChatRequest) -> ChatPlan:
+        return self.text.chat.plan(chat)
 
 
 class KeepTokens:
-    """A detokenizer that keeps some special tokens' text (tool-call tags: `tool_tokens`), which
+    """A detokenizer that keeps some special tokens' text (tags: `ChatPlan.keep_tokens`), which
     plain decoding skips. Each kept token ends a segment: the text before it is flushed, and the
     ids after it decode afresh."""
 
@@ -191,24 +112,6 @@ class KeepTokens:
 
     def flush(self) -> str:
         return self._inner.flush()
-
-
-# Base Phi-2 has no chat template; its model card's chat format is a dialogue of Alice (the
-# user) and Bob (the model). Generation starts after "Bob:" and stops before the model writes
-# Alice's next turn itself.
-USER_NAME, ASSISTANT_NAME = "Alice", "Bob"
-
-
-def phi2_chat_prompt(messages: list[dict]) -> ChatPrompt:
-    lines = []
-    for message in messages:
-        role, content = message["role"], message["content"]
-        if role in ("system", "developer"):
-            lines.append(content)
-        else:
-            lines.append(f"{USER_NAME if role == 'user' else ASSISTANT_NAME}: {content}")
-    lines.append(f"{ASSISTANT_NAME}:")
-    return ChatPrompt("\n".join(lines), (f"\n{USER_NAME}:",))
 
 
 class StreamDetokenizer:

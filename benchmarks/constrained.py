@@ -141,21 +141,23 @@ def tool_call_decoding(args) -> list[dict]:
     text under a dormant lazy grammar (tool_choice auto, no call opened), same decoder,
     alternating runs, per batch size (--concurrency); greedy and sampled."""
     from backends import Sampling, Sequence
+    from backends.chat_plan import ChatRequest, ToolUse
     from backends.drive import drive
 
     os.environ.setdefault("PHI2_MODEL", "random:phi-2")
     backend = load_in_process()
     time_call(lambda: backend.grammars.tokenizer)  # built once a model, outside the timings
-    forced_spec = backend.tool_grammar([NOTE_TOOL], False, lazy=False)
-    lazy_spec = backend.tool_grammar([NOTE_TOOL], False, lazy=True)
+    messages = [{"role": "user", "content": "Save a note about the sea."}]
+    forced = backend.chat_plan(ChatRequest(messages, ToolUse([NOTE_TOOL], "required", False)))
+    forced_spec = forced.grammar.spec
+    lazy_spec = backend.chat_plan(ChatRequest(messages, ToolUse([NOTE_TOOL], "auto", False))).grammar.spec
     compile_s = time_call(lambda: backend.constraint("tool_calls", forced_spec))
     grammars = {
         "required": backend.constraint("tool_calls", forced_spec),
         "auto": backend.constraint("tool_calls", lazy_spec),
     }
-    print(f"tool grammar compiled in {compile_s * 1000:.2f} ms; format {backend.tool_format.name}", flush=True)
-    prompt = backend.chat_prompt([{"role": "user", "content": "Save a note about the sea."}], [NOTE_TOOL])
-    prompt_ids = backend.encode(prompt.text)
+    print(f"tool grammar compiled in {compile_s * 1000:.2f} ms; format {forced.tool_format.name}", flush=True)
+    prompt_ids = backend.encode(forced.prompt)  # the tools are rendered alike with either choice
     rows = []
     for batch in [int(b) for b in args.concurrency.split(",")]:
         decoder = backend.decoder(batch)

@@ -46,22 +46,8 @@ class WrappedBackend:
     def vocab_size(self):
         return self.inner.vocab_size
 
-    def chat_prompt(self, messages, tools=None):
-        return self.inner.chat_prompt(messages, tools)
-
-    @property
-    def tool_format(self):
-        return self.inner.tool_format
-
-    @property
-    def reasoning(self):
-        return self.inner.reasoning
-
-    def tool_tokens(self):
-        return self.inner.tool_tokens()
-
-    def tool_grammar(self, tools, parallel, lazy):
-        return self.inner.tool_grammar(tools, parallel, lazy)
+    def chat_plan(self, chat):
+        return self.inner.chat_plan(chat)
 
     def detokenizer(self):
         return self.inner.detokenizer()

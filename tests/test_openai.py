@@ -9,6 +9,8 @@ import pytest
 from conftest import engine_of, wait_idle
 from fakes import Gate, GatedBackend
 
+from backends.chat_plan import ChatRequest
+
 
 @pytest.fixture
 def server(live_server, backend):
@@ -104,9 +106,9 @@ def test_chat_completion_uses_phi2_chat_format(sdk, server, backend):
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == "I am fine, thank you. And you?"
     assert chat.choices[0].finish_reason == "stop"
-    prompt = backend.chat_prompt(messages)
-    assert prompt.text == "Alice: How are you today?\nBob:"
-    reference = native(server, prompt=prompt.text, stop=list(prompt.stop))
+    plan = backend.chat_plan(ChatRequest(messages))
+    assert plan.prompt == "Alice: How are you today?\nBob:"
+    reference = native(server, prompt=plan.prompt, stop=list(plan.stop))
     assert chat.usage.prompt_tokens == reference["prompt_tokens"]
     assert chat.usage.completion_tokens == reference["tokens_used"]
 

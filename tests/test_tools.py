@@ -16,6 +16,7 @@ import pytest
 from conftest import post
 
 from backends import LoadOptions, load_backend
+from backends.chat_plan import ChatRequest, ToolUse
 from backends.tiny import TOOL, write_tiny_tools
 
 TOOLS = [{"type": "function", "function": TOOL}]
@@ -247,8 +248,9 @@ PICK = {
 def test_a_template_without_tools_gets_the_default_block(server, backend):
     """The demo model (Phi-2's dialogue format, no template): the default tools block in its
     prompt, and a forced call under the grammar; the deprecated functions/function_call alike."""
-    prompt = backend.chat_prompt([{"role": "user", "content": "Pick."}], [{"name": "pick", "parameters": PICK}])
-    assert "# Tools" in prompt.text and '"name": "pick"' in prompt.text
+    pick = ToolUse([{"name": "pick", "parameters": PICK}], "auto", True)
+    plan = backend.chat_plan(ChatRequest([{"role": "user", "content": "Pick."}], pick))
+    assert "# Tools" in plan.prompt and '"name": "pick"' in plan.prompt
     messages = [{"role": "user", "content": "Pick."}]
     for fields in (
         {"tools": [{"type": "function", "function": {"name": "pick", "parameters": PICK}}], "tool_choice": "required"},
@@ -436,6 +438,25 @@ def test_anthropic_tool_choice_any_and_tool(server):
             tool_choice={"type": "tool", "name": "nowhere"},
         )
     assert "nowhere" in str(raised.value)
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+def test_anthropic_text_holds_no_reasoning(live_server, tool_backends, runtime):
+    """A reasoning model's <think> text stays out of Anthropic's text blocks, whole and streamed,
+    as it stays out of chat's content (thinking blocks are not given out yet)."""
+    import anthropic
+
+    backend = tool_backends(runtime, "hermes")
+    server = live_server(lambda: backend, model="tiny")
+    sdk = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    think = [{"role": "user", "content": "Think, then greet me."}]
+    body = dict(model="tiny", max_tokens=40, messages=think, tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0})
+    message = sdk.messages.create(**body)
+    assert [(b.type, b.text) for b in message.content] == [("text", "Hello there!")]
+    assert message.stop_reason == "end_turn"
+    with sdk.messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", "Hello there!")]
 
 
 # -- OpenAI's Responses API ---------------------------------------------------------------------

@@ -23,6 +23,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 sys.path.insert(0, str(ROOT))
 
 from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends.chat_plan import ChatRequest, ToolUse  # noqa: E402
 from backends.drive import drive  # noqa: E402
 from backends.tiny import TOOL, TOOL_DIALOGUES, tool_reply, write_tiny_tools  # noqa: E402
 from backends.tools import ToolCallParser  # noqa: E402
@@ -45,17 +46,21 @@ def main() -> int:
     for fmt in ("hermes", "llama3"):
         path = write_tiny_tools(Path(tempfile.mkdtemp()) / fmt, fmt)
         backend = load_backend("torch", LoadOptions(model=str(path), dtype="float32", max_batch=8))
-        print(f"{fmt}: {backend.info.device}, format {backend.tool_format.name}", flush=True)
-        lazy = backend.constraint("tool_calls", backend.tool_grammar([TOOL], True, lazy=True))
-        forced = backend.constraint(
-            "tool_calls", backend.tool_grammar([{"name": "pick", "parameters": PICK}], False, lazy=False)
+        auto = ToolUse([TOOL], "auto", True)
+        pick = ChatRequest(
+            [{"role": "user", "content": "Pick."}], ToolUse([{"name": "pick", "parameters": PICK}], "required", False)
         )
+        forced_plan = backend.chat_plan(pick)
+        print(f"{fmt}: {backend.info.device}, format {forced_plan.tool_format.name}", flush=True)
+        lazy = backend.constraint("tool_calls", backend.chat_plan(ChatRequest(TOOL_DIALOGUES[0][0], auto)).grammar.spec)
+        forced = backend.constraint("tool_calls", forced_plan.grammar.spec)
         sequences, wanted = [], {}
         for i, (messages, reply) in enumerate(TOOL_DIALOGUES[:4]):
-            prompt = backend.encode(backend.chat_prompt(messages, [TOOL]).text)
+            prompt = backend.encode(backend.chat_plan(ChatRequest(messages, auto)).prompt)
             sequences.append(Sequence(i, prompt, Sampling(constraint=lazy.matcher()), 130))
             wanted[i] = tool_reply(fmt, reply)
-        pick_prompt = backend.encode(backend.chat_prompt([{"role": "user", "content": "Pick."}], [TOOL]).text)
+        # The prompt renders the weather tool; the grammar forces a call to `pick`.
+        pick_prompt = backend.encode(backend.chat_plan(ChatRequest(pick.messages, auto)).prompt)
         for j in range(4):
             sampling = Sampling(temperature=0.0 if j % 2 == 0 else 1.0, seed=j, constraint=forced.matcher())
             sequences.append(Sequence(4 + j, pick_prompt, sampling, 130))
@@ -68,7 +73,7 @@ def main() -> int:
                 failures.append(f"{fmt} auto {i}: {got!r} != {text!r}")
         for j in range(4):
             got = text_of(backend, out.ids[4 + j])
-            parser = ToolCallParser(backend.tool_format, {"pick"})
+            parser = ToolCallParser(forced_plan.tool_format, {"pick"})
             calls = [p.call for p in parser.feed(got) + parser.finish() if p.kind == "call"]
             arguments = json.loads(calls[0].arguments) if calls else None
             ok = len(calls) == 1 and calls[0].name == "pick" and set(arguments) == {"n"} and 1 <= arguments["n"] <= 9

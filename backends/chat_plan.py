@@ -1,0 +1,178 @@
+"""One chat request as the model serves it: `Backend.chat_plan(ChatRequest) -> ChatPlan`.
+
+Every chat API (/v1/chat/completions, /v1/responses, /v1/messages) translates its request onto
+one shared form, a `ChatRequest`: messages, the tools that may be called and how, a response
+format. The model answers with one `ChatPlan`: the prompt its chat template renders (tools in
+it), the stops its format needs, the grammar of its calls (or of the response format), the tags
+the reply's text keeps, and a parser per choice that splits the reply into content, reasoning
+and calls. What a model knows about chat is read once, here (`ChatFormat`): its template, its
+tool format (backends.tools) and whether it reasons in <think> tags. So the three APIs cannot
+drift apart, and what changes a chat for every API (issue 53's reasoning controls: thinking
+budgets, effort, chat_template_kwargs) is a field of ChatRequest read in `ChatFormat.plan`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from backends import tools
+from backends.tools import ToolCallParser, ToolFormat
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools: what the model may call, whether it must."""
+
+    tools: list[dict]  # {name, description, parameters}: rendered into the prompt
+    choice: str  # "auto", "required" or one function's name ("none": no ToolUse at all)
+    parallel: bool
+
+    @property
+    def callable(self) -> list[dict]:
+        return (
+            self.tools if self.choice in ("auto", "required") else [t for t in self.tools if t["name"] == self.choice]
+        )
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A grammar to compile for the model's tokenizer (`Backend.constraint(kind, spec)`)."""
+
+    kind: str  # "tool_calls", "json_object" or "json_schema"
+    spec: str
+    lazy: bool = False  # armed only when a call opens (tool_choice auto): the text beside it ends as any text
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """What a chat asks of the model, whichever API it came by."""
+
+    # {role, content: str}; an assistant's `tool_calls` (arguments as JSON text), `tool` results
+    # answering them: the HTTP layer has checked them.
+    messages: list[dict]
+    tools: ToolUse | None = None  # None: nothing may be called, and no tools are rendered
+    response_format: GrammarSpec | None = None  # the reply's JSON grammar; never with tools
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How the model serves one ChatRequest: what to generate from, where to stop, what to
+    keep, and how to read the reply."""
+
+    prompt: str  # the rendered chat, generation prompt opened (tokenized where the request is submitted)
+    stop: tuple[str, ...]  # the chat format's own, added to the request's stop sequences
+    grammar: GrammarSpec | None  # the calls' (tools) or the response format's; None: free text
+    keep_tokens: tuple[tuple[int, str], ...]  # tags the reply's text keeps (Request.keep_tokens)
+    tool_format: ToolFormat
+    tool_names: frozenset[str] | None  # what the parser reads calls to; None: no calls are looked for
+    reasoning: bool  # <think>...</think> is split off the reply as reasoning
+    thinking: bool  # the prompt opened <think>: the reply starts inside its reasoning
+
+    def parser(self) -> ToolCallParser:
+        """A fresh parser for one choice's text (each choice, and each fold of a whole reply)."""
+        return ToolCallParser(self.tool_format, self.tool_names, reasoning=self.reasoning, thinking=self.thinking)
+
+
+class ChatFormat:
+    """A model's chat, read from its Hugging Face tokenizer: the chat template (Phi-2's model-card
+    dialogue where there is none), the tool format it writes, and its reasoning tags."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.has_template = bool(template)
+        self.tool_format, self.template_knows_tools = tools.detect_format(
+            template if isinstance(template, str) else None
+        )
+        if not self.template_knows_tools:
+            self.tool_format = tools.DEFAULT_FORMAT  # the default block asks for Hermes-style calls
+        vocab = tokenizer.get_vocab()
+        self.reasoning = tools.THINK_OPEN in vocab and tools.THINK_CLOSE in vocab
+        self.tool_tokens = self._tool_tokens()
+
+    def plan(self, chat: ChatRequest) -> ChatPlan:
+        use = chat.tools
+        prompt, stop = self.render(chat.messages, use.tools if use else None)
+        grammar = chat.response_format
+        if use is not None:
+            lazy = use.choice == "auto"
+            grammar = GrammarSpec("tool_calls", self.tool_grammar(use.callable, use.parallel, lazy), lazy)
+        return ChatPlan(
+            prompt=prompt,
+            stop=stop,
+            grammar=grammar,
+            keep_tokens=self.tool_tokens if use or self.reasoning else (),
+            tool_format=self.tool_format,
+            tool_names=None if use is None else frozenset(t["name"] for t in use.tools),
+            reasoning=self.reasoning,
+            thinking=self.reasoning and prompt.rstrip().endswith(tools.THINK_OPEN),
+        )
+
+    def render(self, messages: list[dict], tool_list: list[dict] | None) -> tuple[str, tuple[str, ...]]:
+        """The prompt and its stops: the chat template when there is one, else Phi-2's model-card
+        format. Tools (OpenAI's function tools) through the template's own `tools=` where it
+        renders them, else with the default tools block (backends.tools)."""
+        native = self.has_template and self.template_knows_tools
+        if tool_list or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = tools.template_messages(messages, tool_list, native, self.tool_format)
+        if not self.has_template:
+            return phi2_chat_prompt(messages)
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            # transformers' (and the templates') form of a tool: {"type": "function", "function": {...}}
+            tools=[{"type": "function", "function": t} for t in tool_list] if native and tool_list else None,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return text, ()
+
+    def single_token(self, text: str) -> int | None:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    def _tool_tokens(self) -> tuple[tuple[int, str], ...]:
+        """The format's tags (and <think>'s) that are single tokens: the text of a reply keeps
+        them, where decoding would skip them as special tokens, so that its calls can be parsed."""
+        tags = [self.tool_format.open, self.tool_format.close]
+        if self.reasoning:
+            tags += [tools.THINK_OPEN, tools.THINK_CLOSE]
+        found = ((self.single_token(tag), tag) for tag in tags if tag)
+        return tuple((token, tag) for token, tag in found if token is not None)
+
+    def tool_grammar(self, tool_list: list[dict], parallel: bool, lazy: bool) -> str:
+        """The `tool_calls` grammar spec (backends.grammar) for calls to `tool_list` ({name,
+        parameters} each): the whole reply, or lazy (armed when the model opens a call)."""
+        format = self.tool_format
+
+        def written(tag: str) -> str:
+            # A tag that is one token (llguidance counts every added token as special) may also
+            # come spelled out in pieces: the grammar takes either.
+            token = self.single_token(tag)
+            return json.dumps(tag) if token is None else f"(<[{token}]> | {json.dumps(tag)})"
+
+        tags = {tag: written(tag) for tag in (format.open, format.close) if tag}
+        trigger = None
+        if lazy:
+            token = self.single_token(format.open)
+            ids = (token,) if token is not None else ()
+            trigger = tools.Trigger(ids, (format.open,), ("{",) if format.bare else ()).to_json()
+        return json.dumps({"lark": tools.tool_grammar(format, tool_list, parallel, tags), "trigger": trigger})
+
+
+# Base Phi-2 has no chat template; its model card's chat format is a dialogue of Alice (the
+# user) and Bob (the model). Generation starts after "Bob:" and stops before the model writes
+# Alice's next turn itself.
+USER_NAME, ASSISTANT_NAME = "Alice", "Bob"
+
+
+def phi2_chat_prompt(messages: list[dict]) -> tuple[str, tuple[str, ...]]:
+    lines = []
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role in ("system", "developer"):
+            lines.append(content)
+        else:
+            lines.append(f"{USER_NAME if role == 'user' else ASSISTANT_NAME}: {content}")
+    lines.append(f"{ASSISTANT_NAME}:")
+    return "\n".join(lines), (f"\n{USER_NAME}:",)
