@@ -2274,7 +2274,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
 
 
 def chat_messages(params: dict) -> list[dict]:
-    """The request's messages as `Backend.chat_prompt` takes them: content as text; an
+    """The request's messages as a `ChatRequest` holds them: content as text; an
     assistant's `tool_calls` (or deprecated `function_call`) with arguments that parse to an
     object; a `tool` result answering a call made before it. What does not hold is a 400 naming
     the field."""
@@ -2400,7 +2400,7 @@ async def chat_options(
 
 class ChatWire(Wire):
     """/v1/chat/completions: a `chat.completion` body, or `chat.completion.chunk`s (each choice's
-    role first) then `[DONE]`. Each choice's text goes through a `ToolCallParser`: content,
+    role first) then `[DONE]`. Each choice's text goes through its plan's parser: content,
     `reasoning_content` and `tool_calls` (a call streamed as its id and name, then its arguments)."""
 
     def __init__(
@@ -3039,8 +3039,8 @@ def anthropic_text(content: str | list[dict]) -> str:
 
 
 def anthropic_chat(params: dict) -> list[dict]:
-    """The request as OpenAI-shaped chat messages (what `chat_messages` checks and
-    `Backend.chat_prompt` renders): an assistant's `tool_use` blocks as its tool_calls, a user's
+    """The request as OpenAI-shaped chat messages (what `chat_messages` checks and a
+    `ChatRequest` holds): an assistant's `tool_use` blocks as its tool_calls, a user's
     `tool_result` blocks as tool messages before the rest of its text."""
     messages = [{"role": "system", "content": anthropic_text(params["system"])}] if params["system"] else []
     for i, m in enumerate(params["messages"]):
