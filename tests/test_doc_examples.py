@@ -57,7 +57,8 @@ from backends.model_files import tiny_dir
 from phi2_server import LOAD_DONE, Settings, create_app, runner_options
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]  # not docs/grammar-libraries/
+# Not docs/grammar-libraries/ (nor docs/clients/, whose setups need the agent CLIs).
+FILES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_LIMIT = 20_000  # bytes: the README is the front page, the reference is docs/api.md
 SHOWN_HOME = "/root"  # how the answers write the (temporary) home directory
 WRITE = os.environ.get("DOC_EXAMPLES_WRITE") == "1"
