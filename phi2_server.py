@@ -333,6 +333,13 @@ def closed(schema: dict) -> dict:
     return schema
 
 
+def tolerant(schema: dict) -> dict:
+    """`schema` for a route whose clients add fields every month (OpenAI's and Anthropic's): a
+    field beyond an object's properties is ignored (and logged, `parse`), not refused, as vLLM,
+    llama.cpp and Ollama do. Nothing is marked: JSON Schema takes extra fields by default."""
+    return schema
+
+
 MAX_STOP = 4
 # Sampling beyond temperature and top_p, on both APIs (vLLM's names; the order they apply in:
 # backends.Sampling). Off by default.
@@ -465,16 +472,23 @@ def _same(a: Any, b: Any) -> bool:
     return a == b and isinstance(a, bool) == isinstance(b, bool)  # True is not 1 here
 
 
-def check(value: Any, schema: dict, field: str) -> Any:
+def check(value: Any, schema: dict, field: str, ignored: list[str] | None = None) -> Any:
     """Validate against the small JSON Schema subset the request schemas use; returns the value
-    with integral floats made integers where an integer is asked for."""
+    with integral floats made integers where an integer is asked for. A field beyond an object's
+    properties is refused where the object says `additionalProperties: false` (`closed`), else
+    left out of the value and its path added to `ignored`."""
     if "anyOf" in schema:
         errors = []
         for option in schema["anyOf"]:
+            mine: list[str] = []  # an option that fails ignores nothing
             try:
-                return check(value, option, field)
+                value = check(value, option, field, mine)
             except Invalid as exc:
                 errors.append(exc)
+            else:
+                if ignored is not None:
+                    ignored += mine
+                return value
         fitting = [
             e
             for e, option in zip(errors, schema["anyOf"], strict=False)
@@ -523,7 +537,7 @@ def check(value: Any, schema: dict, field: str) -> Any:
             return value
         if _plain_ints(value, schema["items"]):  # token ids: 500,000 of them are checked at once
             return value
-        return [check(item, schema["items"], f"{field}[{i}]") for i, item in enumerate(value)]
+        return [check(item, schema["items"], f"{field}[{i}]", ignored) for i, item in enumerate(value)]
     if isinstance(value, dict) and "properties" in schema:
 
         def path(name: str) -> str:
@@ -531,15 +545,18 @@ def check(value: Any, schema: dict, field: str) -> Any:
 
         first = schema.get("x-check-first")  # the field that says what the object is (a content part's type)
         if first in value:
-            check(value[first], schema["properties"][first], path(first))
+            check(value[first], schema["properties"][first], path(first), ignored)
         for name in schema.get("required", []):
             if name not in value:
                 raise Invalid(path(name), f"{path(name)} is required")
         properties = schema["properties"]
-        for name in value:
-            if name not in properties:
-                raise Invalid(path(name), f"unknown field {path(name)!r}")
-        return {name: check(item, properties[name], path(name)) for name, item in value.items()}
+        unknown = [name for name in value if name not in properties]
+        if unknown and schema.get("additionalProperties") is False:
+            raise Invalid(path(unknown[0]), f"unknown field {path(unknown[0])!r}")
+        if unknown and ignored is not None:
+            ignored += (path(name) for name in unknown)
+        known = (name for name in value if name in properties)
+        return {name: check(value[name], properties[name], path(name), ignored) for name in known}
     if isinstance(value, dict) and "additionalProperties" in schema:  # a map, such as logit_bias
         pattern = re.compile(schema["propertyNames"]["pattern"])
         if len(value) > schema.get("maxProperties", math.inf):
@@ -547,7 +564,8 @@ def check(value: Any, schema: dict, field: str) -> Any:
         for name in value:
             if not pattern.fullmatch(name):
                 raise Invalid(field, f"{field} keys must be token ids, not {name!r}")
-        return {name: check(item, schema["additionalProperties"], f"{field}.{name}") for name, item in value.items()}
+        item = schema["additionalProperties"]
+        return {name: check(value[name], item, f"{field}.{name}", ignored) for name in value}
     return value
 
 
@@ -641,13 +659,39 @@ def without_nulls(value: Any) -> Any:
     return value
 
 
-def parse(body: Any, schema: dict) -> dict:
-    """The validated parameters with defaults filled in, or a 422 naming the field."""
+def parse(body: Any, schema: dict, ignored: list[str] | None = None) -> dict:
+    """The validated parameters with defaults filled in, or a 422 naming the field. The paths of
+    the fields a `tolerant` schema ignored are added to `ignored`."""
     try:
-        body = check(body, schema, "body")
+        body = check(body, schema, "body", ignored)
     except Invalid as exc:
         raise ApiError(422, str(exc), field=exc.field) from None
     return with_defaults(body, schema)
+
+
+MAX_IGNORED = 32  # field paths in a request's log line; a path's client-given names are cut short too
+
+
+def ignored_paths(paths: list[str]) -> list[str]:
+    """The fields a request's body carried that were ignored, once each (`messages[3].x` and
+    `messages[4].x` are `messages[].x`), as the request log line records them."""
+    names = dict.fromkeys(re.sub(r"\[\d+\]", "[]", path)[:128] for path in paths)
+    return list(names)[:MAX_IGNORED]
+
+
+async def read_params(request: web.Request, schema: dict, after: Callable[[dict], dict] | None = None) -> dict:
+    """A /v1 body's parameters (nulls count as absent, OpenAI's clients send them for unset
+    fields), then `after`'s checks; what the schema ignored goes to the request log."""
+    ignored: list[str] = []
+
+    def validate(body: Any) -> dict:
+        params = parse(without_nulls(body), schema, ignored)
+        return after(params) if after else params
+
+    params = await read_body(request, validate)
+    if ignored:
+        request[LOG_FACTS]["ignored"] = ignored_paths(ignored)
+    return params
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -1755,7 +1799,7 @@ RESPONSE_FORMAT = {
         },
     },
 }
-COMPLETIONS_SCHEMA: dict[str, Any] = closed(
+COMPLETIONS_SCHEMA: dict[str, Any] = tolerant(
     {
         "type": "object",
         "required": ["prompt"],
@@ -1853,7 +1897,7 @@ NAMED_TOOL = {
 }
 MAX_TOOLS = 128  # OpenAI's limit
 CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI has no default cap; a local server wants one
-CHAT_SCHEMA: dict[str, Any] = closed(
+CHAT_SCHEMA: dict[str, Any] = tolerant(
     {
         "type": "object",
         "required": ["messages"],
@@ -1963,9 +2007,8 @@ def adapter_card(engine: Engine, base: str, facts: AdapterFacts) -> dict:
 # -- OpenAI-compatible API: parameters, usage, logprobs, SSE -----------------------------------
 
 
-def openai_params(body: Any, schema: dict) -> dict:
-    """Validated /v1 parameters: nulls count as absent; the defaults OpenAI documents."""
-    params = parse(without_nulls(body), schema)
+def openai_params(params: dict) -> dict:
+    """/v1 parameters' checks beyond the schema's."""
     if params.get("top_logprobs") is not None and not params.get("logprobs"):
         raise ApiError(400, "top_logprobs needs logprobs: true", field="top_logprobs")
     return params
@@ -2240,7 +2283,7 @@ class CompletionsWire(Wire):
 
 
 async def v1_completions(request: web.Request) -> web.StreamResponse:
-    params = await read_body(request, lambda body: openai_params(body, COMPLETIONS_SCHEMA))
+    params = await read_params(request, COMPLETIONS_SCHEMA, openai_params)
     name, adapter = model_named(request, params["model"])
     prompt = params["prompt"]
     # One prompt or several; a prompt is text or token ids.
@@ -2511,7 +2554,7 @@ def chat_finish(summary: Summary, parser: ToolCallParser) -> str:
 
 
 async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
-    params = await read_body(request, lambda body: openai_params(body, CHAT_SCHEMA))
+    params = await read_params(request, CHAT_SCHEMA, openai_params)
     name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
     use = chat_tools(params)
@@ -2580,7 +2623,7 @@ TEXT_FORMAT = {  # response_format, flat: {"type": "json_schema", "schema": ...}
         **RESPONSE_FORMAT["properties"]["json_schema"]["properties"],
     },
 }
-RESPONSES_SCHEMA: dict[str, Any] = closed(
+RESPONSES_SCHEMA: dict[str, Any] = tolerant(
     {
         "type": "object",
         "required": ["input"],
@@ -2890,7 +2933,7 @@ class ResponsesWire(Wire):
 
 
 async def v1_responses(request: web.Request) -> web.StreamResponse:
-    params = await read_body(request, lambda body: parse(without_nulls(body), RESPONSES_SCHEMA))
+    params = await read_params(request, RESPONSES_SCHEMA)
     name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
     use = responses_tools(params)
@@ -2987,7 +3030,7 @@ ANTHROPIC_INPUT = {
     "tool_choice": ANTHROPIC_TOOL_CHOICE,
     "thinking": _unsupported(),
 }
-MESSAGES_SCHEMA: dict[str, Any] = closed(
+MESSAGES_SCHEMA: dict[str, Any] = tolerant(
     {
         "type": "object",
         "required": ["model", "max_tokens", "messages"],
@@ -3010,7 +3053,7 @@ MESSAGES_SCHEMA: dict[str, Any] = closed(
         },
     }
 )
-COUNT_TOKENS_SCHEMA: dict[str, Any] = closed(
+COUNT_TOKENS_SCHEMA: dict[str, Any] = tolerant(
     {"type": "object", "required": ["model", "messages"], "properties": ANTHROPIC_INPUT}
 )
 ANTHROPIC_ERROR_TYPES = {
@@ -3246,7 +3289,7 @@ def tool_use_id() -> str:
 
 
 async def v1_messages(request: web.Request) -> web.StreamResponse:
-    params = await read_body(request, lambda body: parse(without_nulls(body), MESSAGES_SCHEMA))
+    params = await read_params(request, MESSAGES_SCHEMA)
     name, adapter = model_named(request, params["model"])
     plan = anthropic_plan(request, params)
     stop = tuple(params["stop_sequences"] or ())
@@ -3265,7 +3308,7 @@ async def v1_messages(request: web.Request) -> web.StreamResponse:
 
 async def v1_count_tokens(request: web.Request) -> web.Response:
     """{input_tokens}: the prompt's tokens as /v1/messages would compute them."""
-    params = await read_body(request, lambda body: parse(without_nulls(body), COUNT_TOKENS_SCHEMA))
+    params = await read_params(request, COUNT_TOKENS_SCHEMA)
     model_named(request, params["model"])
     backend = engine_ready(request).backend
     text = anthropic_plan(request, params).prompt
@@ -3281,7 +3324,7 @@ async def v1_count_tokens(request: web.Request) -> web.Response:
 
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 MAX_TOKENIZE_CHARS = 4_000_000  # a prompt's text: beyond any context window this server serves
-TOKENIZE_SCHEMA: dict[str, Any] = closed(
+TOKENIZE_SCHEMA: dict[str, Any] = tolerant(
     {
         "type": "object",
         "properties": {
@@ -3310,7 +3353,7 @@ TOKENIZE_SCHEMA: dict[str, Any] = closed(
         },
     }
 )
-DETOKENIZE_SCHEMA: dict[str, Any] = closed(
+DETOKENIZE_SCHEMA: dict[str, Any] = tolerant(
     {
         "type": "object",
         "required": ["tokens"],
@@ -3319,8 +3362,7 @@ DETOKENIZE_SCHEMA: dict[str, Any] = closed(
 )
 
 
-def tokenize_params(body: Any) -> dict:
-    params = parse(without_nulls(body), TOKENIZE_SCHEMA)
+def tokenize_params(params: dict) -> dict:
     given = [name for name in ("prompt", "content", "messages") if params[name] is not None]
     if len(given) != 1:
         raise ApiError(400, "give exactly one of prompt (or content) and messages", field="prompt")
@@ -3331,7 +3373,7 @@ def tokenize_params(body: Any) -> dict:
 
 async def tokenize(request: web.Request) -> web.Response:
     """{tokens, count, max_model_len} (and token_strs with return_token_strs), as vLLM answers."""
-    params = await read_body(request, tokenize_params)
+    params = await read_params(request, TOKENIZE_SCHEMA, tokenize_params)
     model_named(request, params["model"])
     backend = engine_ready(request).backend
     if params["messages"] is not None:
@@ -3350,7 +3392,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     """{prompt}: the text of `tokens`, special tokens skipped, as generation decodes it."""
-    params = await read_body(request, lambda body: parse(without_nulls(body), DETOKENIZE_SCHEMA))
+    params = await read_params(request, DETOKENIZE_SCHEMA)
     model_named(request, params["model"])
     backend = engine_ready(request).backend
     tokens = params["tokens"]

@@ -46,7 +46,6 @@ async def test_llama_cpp_content_token_strings_and_the_round_trip(client, backen
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "add_special_tokens"),
         ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, "add_generation_prompt"),
-        ("/tokenize", {"prompt": "a", "surprise": 1}, "surprise"),
         ("/tokenize", {"messages": [{"role": "user"}]}, "messages[0].content"),
         ("/tokenize", {"prompt": "a", "model": "not-served"}, "model"),
         ("/detokenize", {}, "tokens"),
