@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import codecs
 import dataclasses
+import fnmatch
 import hashlib
 import hmac
 import json
@@ -212,8 +213,9 @@ class Settings:
     rate_limit: int = setting(0, "requests a minute per key, or per client address without keys (0: no limit)")
     served_model_name: str = setting(
         "",
-        "the model's names on the OpenAI API, comma-separated aliases (empty: PHI2_MODEL); the first is the one "
-        "/v1/models lists first",
+        "the model's names on the OpenAI and Anthropic APIs, comma-separated aliases (empty: PHI2_MODEL); the "
+        "first is the one /v1/models lists first; an alias with wildcards (claude-*, *) answers to the names "
+        "it matches, unlisted",
     )
     cors_origins: str = setting("", "browser origins allowed to call the API, comma-separated, or * (empty: no CORS)")
 
@@ -1937,10 +1939,21 @@ CHAT_SCHEMA: dict[str, Any] = tolerant(
 # -- OpenAI-compatible API: models, /v1/models -------------------------------------------------
 
 
+WILDCARDS = re.compile(r"[*?\[]")
+
+
 def served_names(request: web.Request) -> list[str]:
-    """The names the model answers to on /v1: SERVED_MODEL_NAME's aliases, else PHI2_MODEL."""
+    """The names the model answers to on /v1 and lists: SERVED_MODEL_NAME's aliases, else PHI2_MODEL."""
     settings = request.app[SETTINGS]
-    return [name.strip() for name in settings.served_model_name.split(",") if name.strip()] or [settings.model]
+    names = [name.strip() for name in settings.served_model_name.split(",") if name.strip()]
+    return [name for name in names if not WILDCARDS.search(name)] or [settings.model]
+
+
+def name_patterns(request: web.Request) -> list[str]:
+    """SERVED_MODEL_NAME's wildcard aliases (`claude-*`, `*`): names a client may use that are not
+    listed, such as the small model Claude Code asks for in the background."""
+    names = (name.strip() for name in request.app[SETTINGS].served_model_name.split(","))
+    return [name for name in names if WILDCARDS.search(name)]
 
 
 def model_named(request: web.Request, name: str | None) -> tuple[str, str | None]:
@@ -1954,6 +1967,8 @@ def model_named(request: web.Request, name: str | None) -> tuple[str, str | None
         return name, None
     base, colon, adapter = name.rpartition(":")
     if not colon or base not in names:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in name_patterns(request)):
+            return name, None
         raise ApiError(
             404,
             f"The model {name!r} does not exist; this server serves {', '.join(map(repr, names))} and their adapters "

@@ -81,3 +81,24 @@ async def test_unknown_path_and_wrong_method_are_json(client):
     assert (await response.json())["error"]["type"] == "method_not_allowed"
     response = await client.post("/health")
     assert response.status == 405
+
+
+async def test_wildcard_aliases_answer_unlisted_names(make_client, backend):
+    """SERVED_MODEL_NAME=smollm2,claude-*: the names Claude Code asks for (its main and background
+    models) reach the one model, answered under the name asked for; /v1/models lists smollm2
+    alone, and a name no alias matches is still a 404."""
+    client = await make_client(lambda: backend, served_model_name="smollm2,claude-*")
+    listed = await (await client.get("/v1/models")).json()
+    assert [card["id"] for card in listed["data"]] == ["smollm2"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    plain = await (await client.post("/v1/chat/completions", json={**chat, "model": "smollm2"})).json()
+    haiku = await client.post("/v1/chat/completions", json={**chat, "model": "claude-haiku-4-5"})
+    assert haiku.status == 200
+    answer = await haiku.json()
+    assert answer["model"] == "claude-haiku-4-5"
+    assert answer["choices"][0]["message"] == plain["choices"][0]["message"]
+    message = {"model": "claude-sonnet-4-5", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+    assert (await client.post("/v1/messages", json=message)).status == 200
+    assert (await client.get("/v1/models/claude-opus-4")).status == 200
+    missing = await client.post("/v1/chat/completions", json={**chat, "model": "gpt-4"})
+    assert missing.status == 404 and (await missing.json())["error"]["code"] == "model_not_found"
