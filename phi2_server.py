@@ -1020,10 +1020,13 @@ async def add_headers(request: web.Request, response: web.StreamResponse) -> Non
     """on_response_prepare: every response (streams and errors too) carries its request id."""
     if REQUEST_ID in request:
         response.headers["X-Request-Id"] = request[REQUEST_ID]
+    granted = request.get(LOG_FACTS, {}).get("max_tokens_granted")
+    if granted is not None:  # an asked max_tokens clipped to the context left (`submit`)
+        response.headers["X-Max-Tokens-Granted"] = str(granted)
     origin = cors_origin(request)
     if origin:
         response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, Retry-After"
+        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, Retry-After, X-Max-Tokens-Granted"
         response.headers["Vary"] = "Origin"
 
 
@@ -1182,8 +1185,11 @@ async def prompt_ids_of(request: web.Request, backend: Backend, gen: Generation,
 def too_long(
     request: web.Request, gen: Generation, prompt_tokens: int, max_tokens: int | None, context: int
 ) -> ApiError:
-    """A prompt (and completion) beyond the context window: OpenAI's wording and code on /v1,
-    which clients such as litellm recognise (ContextWindowExceededError)."""
+    """A prompt (and completion) beyond the context window: Anthropic's wording on its route (Claude
+    Code compacts its conversation when it reads it), OpenAI's wording and code on the others under
+    /v1, which clients such as litellm recognise (ContextWindowExceededError)."""
+    if is_anthropic(request):
+        return ApiError(400, f"prompt is too long: {prompt_tokens} tokens > {context - 1} maximum", field="messages")
     if not is_openai(request):
         if max_tokens is None:
             return ApiError(
@@ -1271,15 +1277,21 @@ async def submit(
         if room < 1 and not (gen.max_tokens == 0 and room == 0):
             raise too_long(request, gen, len(prompt_ids), None, context)
         max_tokens = gen.max_tokens
-        limit = settings.max_tokens_limit
-        if limit and max_tokens > limit:
+        limit = settings.max_tokens_limit or math.inf
+        # The /v1 routes clip an asked max_tokens to what fits, as agents expect (Claude Code asks
+        # for 32,000 whatever the model); the native route refuses it, naming the numbers.
+        clip = not gen.max_tokens_given or request.path.startswith("/v1/")
+        if clip and max_tokens > min(room, limit):
+            max_tokens = min(room, limit)
+            if gen.max_tokens_given:
+                facts = request[LOG_FACTS]
+                facts["max_tokens_granted"] = min(max_tokens, facts.get("max_tokens_granted", max_tokens))
+        elif max_tokens > limit:
             raise ApiError(
                 422,
                 f"max_tokens is {max_tokens}; this server allows at most {limit} (MAX_TOKENS_LIMIT)",
                 field="max_tokens",
             )
-        if not gen.max_tokens_given:
-            max_tokens = min(max_tokens, room)
         elif max_tokens > room:
             raise too_long(request, gen, len(prompt_ids), max_tokens, context)
         jobs.append(

@@ -4,6 +4,8 @@ stop sequences, count_tokens, keys as x-api-key, and errors in Anthropic's shape
 
 from __future__ import annotations
 
+import re
+
 import anthropic
 import pytest
 
@@ -148,3 +150,20 @@ def test_answers_match_the_published_description(server):
         schema = paths[path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
         Draft202012Validator(schema).validate(answer)
         Draft202012Validator(paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]).validate(body)
+
+
+async def test_a_prompt_too_long_is_anthropic_s_error_and_max_tokens_is_clipped(client):
+    model = client.app[SETTINGS].model
+    """Claude Code compacts its conversation when it reads Anthropic's own wording, and asks for
+    max_tokens 32,000 whatever the model: that is clipped to the room the prompt leaves."""
+    too_long = {"model": model, "max_tokens": 10, "messages": [{"role": "user", "content": "x " * 600}]}
+    response = await client.post("/v1/messages", json=too_long)
+    assert response.status == 400
+    answer = await response.json()
+    assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 511 maximum", answer["error"]["message"])
+    body = {"model": model, "max_tokens": 32_000, "messages": [{"role": "user", "content": "Hi"}]}
+    response = await client.post("/v1/messages", json=body)
+    assert response.status == 200
+    granted = int(response.headers["X-Max-Tokens-Granted"])
+    assert granted == 512 - (await response.json())["usage"]["input_tokens"]

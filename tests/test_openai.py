@@ -78,8 +78,9 @@ def test_default_max_tokens_is_clipped_to_the_room_left(sdk, backend):
     assert 0 < backend.info.context_length - len(backend.encode(prompt)) < 16
     completion = sdk.completions.create(model=openai.NOT_GIVEN, prompt=prompt, temperature=0)
     assert completion.usage.prompt_tokens + completion.usage.completion_tokens <= backend.info.context_length
-    with pytest.raises(openai.BadRequestError):  # asked for explicitly, it does not fit: refused
-        sdk.completions.create(model=openai.NOT_GIVEN, prompt=prompt, max_tokens=16)
+    # Asked for explicitly, it is clipped too on /v1 (test_max_tokens_past_the_context_is_clipped_on_v1).
+    asked = sdk.completions.with_raw_response.create(model=openai.NOT_GIVEN, prompt=prompt, max_tokens=16)
+    assert int(asked.headers["X-Max-Tokens-Granted"]) == backend.info.context_length - len(backend.encode(prompt))
 
 
 def test_streamed_completion_equals_the_whole_one(sdk):
@@ -229,14 +230,33 @@ async def test_raw_errors_have_openai_shape(client):
     response = await client.get("/v1/nope")
     assert response.status == 404
     assert (await response.json())["error"]["type"] == "invalid_request_error"
-    response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000})
-    assert response.status == 400  # over the context window: a 422 on the native route
+    response = await client.post("/v1/completions", json={"prompt": "x " * 600, "max_tokens": 10})
+    assert response.status == 400  # a prompt over the context window: a 422 on the native route
     error = (await response.json())["error"]
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
-    assert error["message"].startswith(
-        "This model's maximum context length is 512 tokens. "
-        "However, you requested 10001 tokens (1 in the prompt, 10000 in the completion)"
-    )
+    assert error["message"].startswith("This model's maximum context length is 512 tokens. However, you requested")
+
+
+async def test_max_tokens_past_the_context_is_clipped_on_v1(make_client, backend):
+    """An asked max_tokens beyond the room the prompt leaves is clipped to it on /v1 (agents ask
+    for 32,000 whatever the model), and the answer's X-Max-Tokens-Granted says how many; the
+    native route refuses it, naming the numbers. MAX_TOKENS_LIMIT clips the same way on /v1."""
+    client = await make_client(lambda: backend)
+    body = {"prompt": "x", "max_tokens": 10_000, "ignore_eos": True, "temperature": 0}
+    for stream in (False, True):
+        response = await client.post("/v1/completions", json={**body, "stream": stream})
+        assert response.status == 200 and response.headers["X-Max-Tokens-Granted"] == "511"
+        await response.read()
+    answer = await (await client.post("/v1/completions", json=body)).json()
+    assert answer["usage"]["completion_tokens"] == 511 and answer["choices"][0]["finish_reason"] == "length"
+    fits = await client.post("/v1/completions", json={**body, "max_tokens": 5})
+    assert fits.status == 200 and "X-Max-Tokens-Granted" not in fits.headers
+    native = await client.post("/generate", json={"prompt": "x", "max_tokens": 10_000})
+    assert native.status == 422 and "at most 511 tokens can be generated" in (await native.json())["error"]["message"]
+    limited = await make_client(lambda: backend, max_tokens_limit=8)
+    response = await limited.post("/v1/completions", json={**body, "max_tokens": 100})
+    assert response.status == 200 and response.headers["X-Max-Tokens-Granted"] == "8"
+    assert (await response.json())["usage"]["completion_tokens"] == 8
 
 
 async def test_sse_disconnect_stops_generation(make_client, backend):
