@@ -2634,12 +2634,24 @@ INPUT_ITEM = {
         "encrypted_content": _ignored("string"),
     },
 }
-RESPONSE_TOOL = {
+# The chat route's function, flat: {"type": "function", "name": ...}. A `namespace` (Codex's)
+# holds such functions, offered as they are; a hosted tool OpenAI runs itself (web_search,
+# file_search, ...) is skipped and logged, as llama.cpp does: nothing here can run it.
+FLAT_FUNCTION = {
     "type": "object",
     "required": ["type", "name"],
     "x-check-first": "type",
-    # The chat route's function, flat: {"type": "function", "name": ...}.
     "properties": {"type": {"enum": ["function"], "x-unsupported": True}, **FUNCTION["properties"]},
+}
+RESPONSE_TOOL = {
+    "type": "object",
+    "required": ["type"],
+    "x-check-first": "type",
+    "properties": {
+        "type": {"type": "string"},
+        **FUNCTION["properties"],
+        "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": FLAT_FUNCTION, "description": "a namespace's"},
+    },
 }
 TEXT_FORMAT = {  # response_format, flat: {"type": "json_schema", "schema": ...}
     "type": "object",
@@ -2747,12 +2759,29 @@ def responses_chat(params: dict) -> list[dict]:
         ) from None
 
 
-def responses_tools(params: dict) -> ToolUse | None:
+def responses_functions(request: web.Request, params: dict) -> list[dict]:
+    """The request's function tools, a namespace's functions among them; the tools of other kinds
+    (hosted ones) skipped, their types in the request log."""
+    functions, skipped = [], []
+    for i, tool in enumerate(params["tools"] or []):
+        if tool["type"] == "function":
+            if "name" not in tool:
+                raise ApiError(400, f"tools[{i}].name is required", field=f"tools[{i}].name")
+            functions.append(tool)
+        elif tool["type"] == "namespace":
+            functions += tool.get("tools") or []
+        else:
+            skipped.append(tool["type"])
+    if skipped:
+        request[LOG_FACTS]["tools_skipped"] = sorted(set(skipped))[:MAX_IGNORED]
+    return [pick(t, "name", "description", "parameters") for t in functions]
+
+
+def responses_tools(request: web.Request, params: dict) -> ToolUse | None:
     choice = params["tool_choice"]
     return chat_tools(
         {
-            "tools": [{"function": pick(t, "name", "description", "parameters")} for t in params["tools"] or []]
-            or None,
+            "tools": [{"function": t} for t in responses_functions(request, params)] or None,
             "functions": None,
             "tool_choice": {"function": {"name": choice["name"]}} if isinstance(choice, dict) else choice,
             "function_call": None,
@@ -2963,7 +2992,7 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
     params = await read_params(request, RESPONSES_SCHEMA)
     name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
-    use = responses_tools(params)
+    use = responses_tools(request, params)
     messages = responses_chat(params)
     output, output_field = responses_format(params, use)
     plan = backend.chat_plan(ChatRequest(messages, use, output))
@@ -2980,8 +3009,8 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
 # Anthropic's request and answer shapes over the same worker, limits and log; its SSE event
 # sequence when streamed; its error shape (`anthropic_error`). A key comes as `x-api-key` or as
 # `Authorization: Bearer`. Tools as on the chat route (`anthropic_tools`, `tool_use` blocks out);
-# images, documents, thinking, or an assistant message last (a prefill) are a 400 naming the
-# field. docs/api.md, "Anthropic".
+# what agents send (system turns anywhere, thinking, output_config) is taken; images, documents
+# or an assistant message last (a prefill) are a 400 naming the field. docs/api.md, "Anthropic".
 
 ANTHROPIC_PATHS = ("/v1/messages",)  # and what is under it
 TEXT_BLOCK = {
@@ -3020,13 +3049,14 @@ CONTENT_BLOCK = {
 ANTHROPIC_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_BLOCK}]}
 ANTHROPIC_TOOL = {
     "type": "object",
-    "required": ["name", "input_schema"],
-    "x-check-first": "type",  # a server tool (bash, web search ...) is named as such
+    "required": ["name"],
     "properties": {
         "name": {"type": "string", "minLength": 1, "maxLength": 64},
         "description": {"type": "string"},
         "input_schema": {"type": "object", "description": "a JSON Schema of the input"},
-        "type": {"enum": ["custom"], "x-unsupported": True},
+        # Absent or "custom": the client's tool. Anthropic's server tools (web_search_20250305, ...)
+        # are skipped and logged: nothing here runs them (`anthropic_tools`).
+        "type": {"type": "string"},
         "cache_control": _ignored("object"),
         "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
     },
@@ -3049,13 +3079,23 @@ ANTHROPIC_INPUT = {
         "items": {
             "type": "object",
             "required": ["role", "content"],
-            "properties": {"role": {"enum": ["user", "assistant"]}, "content": ANTHROPIC_CONTENT},
+            # A system turn mid-conversation (Claude Code's): rendered where the template allows.
+            "properties": {"role": {"enum": ["user", "assistant", "system"]}, "content": ANTHROPIC_CONTENT},
         },
     },
     "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]},
     "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": ANTHROPIC_TOOL},
     "tool_choice": ANTHROPIC_TOOL_CHOICE,
-    "thinking": _unsupported(),
+    # Extended thinking: accepted; a model that does not reason answers as without it.
+    "thinking": {
+        "type": "object",
+        "required": ["type"],
+        "x-check-first": "type",
+        "properties": {
+            "type": {"enum": ["enabled", "disabled", "adaptive"]},
+            "budget_tokens": {"type": "integer", "minimum": 0},
+        },
+    },
 }
 MESSAGES_SCHEMA: dict[str, Any] = tolerant(
     {
@@ -3075,7 +3115,19 @@ MESSAGES_SCHEMA: dict[str, Any] = tolerant(
             "inference_geo": _ignored("string"),
             "user_profile_id": _ignored("string"),
             "workspace_id": _ignored("string"),
-            "output_config": _unsupported(),
+            "output_config": {
+                "type": "object",
+                "properties": {
+                    "effort": {"type": "string", "description": "accepted; a model that does not reason ignores it"},
+                    # Structured output, as response_format's json_schema (Claude Code's title request).
+                    "format": {
+                        "type": "object",
+                        "required": ["type"],
+                        "x-check-first": "type",
+                        "properties": {"type": {"enum": ["json_schema"]}, "schema": {"type": "object"}},
+                    },
+                },
+            },
             "cache_salt": CACHE_SALT,
         },
     }
@@ -3144,14 +3196,20 @@ def anthropic_chat(params: dict) -> list[dict]:
     return chat_messages({"messages": messages})
 
 
-def anthropic_tools(params: dict) -> ToolUse | None:
+def anthropic_tools(request: web.Request, params: dict) -> ToolUse | None:
     """Anthropic's tools and tool_choice as the chat route's (auto, any: required, tool: named,
-    none: no tools at all)."""
+    none: no tools at all); its server tools skipped, their types in the request log."""
     choice = params["tool_choice"] or {"type": "auto"}
-    tools = [
-        {"function": {"name": t["name"], **pick(t, "description"), "parameters": t["input_schema"]}}
-        for t in params["tools"] or []
-    ]
+    tools, skipped = [], []
+    for i, t in enumerate(params["tools"] or []):
+        if t.get("type", "custom") != "custom":
+            skipped.append(t["type"])
+        elif "input_schema" not in t:
+            raise ApiError(400, f"tools[{i}].input_schema is required", field=f"tools[{i}].input_schema")
+        else:
+            tools.append({"function": {"name": t["name"], **pick(t, "description"), "parameters": t["input_schema"]}})
+    if skipped:
+        request[LOG_FACTS]["tools_skipped"] = sorted(set(skipped))[:MAX_IGNORED]
     mapped = {"auto": "auto", "any": "required", "none": "none", "tool": {"function": {"name": choice.get("name")}}}
     if choice["type"] == "tool" and choice.get("name") is None:
         raise ApiError(400, "tool_choice.name is required with type tool", field="tool_choice.name")
@@ -3170,8 +3228,11 @@ def anthropic_tools(params: dict) -> ToolUse | None:
 def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
     """The request's chat plan: what /v1/messages generates from and count_tokens counts."""
     backend = engine_ready(request).backend
-    use = anthropic_tools(params)
-    return backend.chat_plan(ChatRequest(anthropic_chat(params), use))
+    use = anthropic_tools(request, params)
+    format = (params.get("output_config") or {}).get("format")
+    tools_or_format(use, format and "json_schema", "output_config.format")
+    schema = format and GrammarSpec("json_schema", json.dumps(format.get("schema", {"type": "object"})))
+    return backend.chat_plan(ChatRequest(anthropic_chat(params), use, response_format=schema or None))
 
 
 # -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
@@ -3327,7 +3388,7 @@ async def v1_messages(request: web.Request) -> web.StreamResponse:
         max_tokens_given=True,
         sampling=sampling_of({**defaults, "top_k": params["top_k"]}, params["temperature"], params["top_p"], None),
         prompt_field="messages",
-        **await chat_options(request, plan, stop, False),
+        **await chat_options(request, plan, stop, False, "output_config.format.schema"),
     )
     tickets = await submit(request, [generation], adapter, params["cache_salt"])
     return await answer(request, tickets, AnthropicWire(request, tickets, params, name, stop, plan))

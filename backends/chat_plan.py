@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from backends import tools
 from backends.tools import ToolCallParser, ToolFormat
 
@@ -87,6 +89,9 @@ class ChatFormat:
         )
         if not self.template_knows_tools:
             self.tool_format = tools.DEFAULT_FORMAT  # the default block asks for Hermes-style calls
+        # Few templates know a `developer` role (OpenAI's newer name for system, which Codex
+        # sends); the others would write it as a literal turn of that name.
+        self.knows_developer = isinstance(template, str) and "developer" in template
         vocab = tokenizer.get_vocab()
         self.reasoning = tools.THINK_OPEN in vocab and tools.THINK_CLOSE in vocab
         self.tool_tokens = self._tool_tokens()
@@ -114,18 +119,31 @@ class ChatFormat:
         format. Tools (OpenAI's function tools) through the template's own `tools=` where it
         renders them, else with the default tools block (backends.tools)."""
         native = self.has_template and self.template_knows_tools
+        if not self.knows_developer:
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         if tool_list or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages = tools.template_messages(messages, tool_list, native, self.tool_format)
         if not self.has_template:
             return phi2_chat_prompt(messages)
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            # transformers' (and the templates') form of a tool: {"type": "function", "function": {...}}
-            tools=[{"type": "function", "function": t} for t in tool_list] if native and tool_list else None,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        return text, ()
+
+        def rendered(messages: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                # transformers' (and the templates') form of a tool: {"type": "function", "function": {...}}
+                tools=[{"type": "function", "function": t} for t in tool_list] if native and tool_list else None,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+
+        try:
+            return rendered(messages), ()
+        except TemplateError:
+            # A system turn where the template takes none (Mistral's, Gemma's raise): all system
+            # text folded into the one system turn first, as the template allows.
+            folded = folded_system(messages)
+            if folded == messages:
+                raise
+            return rendered(folded), ()
 
     def single_token(self, text: str) -> int | None:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -158,6 +176,16 @@ class ChatFormat:
             ids = (token,) if token is not None else ()
             trigger = tools.Trigger(ids, (format.open,), ("{",) if format.bare else ()).to_json()
         return json.dumps({"lark": tools.tool_grammar(format, tool_list, parallel, tags), "trigger": trigger})
+
+
+def folded_system(messages: list[dict]) -> list[dict]:
+    """The messages with every system turn's text in one system turn first (Claude Code sends
+    system turns mid-conversation), in their order."""
+    system = [m for m in messages if m["role"] == "system"]
+    if not system or (len(system) == 1 and messages[0]["role"] == "system"):
+        return messages
+    first = {**system[0], "content": "\n\n".join(m["content"] for m in system if m["content"])}
+    return [first, *(m for m in messages if m["role"] != "system")]
 
 
 # Base Phi-2 has no chat template; its model card's chat format is a dialogue of Alice (the

@@ -331,7 +331,7 @@ TOOL_FAMILIES = {
         [],
     ),
 }
-TOOLS_CONTEXT = 1024
+TOOLS_CONTEXT = 4096  # room for an agent CLI's request, shrunk (tests/test_agents.py)
 TOOLS_TRAIN_STEPS = 150
 
 

@@ -362,15 +362,19 @@ def call_schema(tools: list[dict], arguments_key: str) -> dict:
 # Compact JSON (", " and ": ", no other whitespace), as for response_format: a model cannot pad
 # a call with whitespace until max_tokens. llguidance reads its options from `x-guidance`.
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A tool's schema is the client's, written for other models' servers (Claude Code's carry
+# `$schema`, `propertyNames`, `format`): what llguidance cannot express is left out of the
+# grammar (lenient) rather than refusing the tools; the rest still holds every call.
+CALL_JSON = {**COMPACT_JSON, "lenient": True}
 
 
 def tool_grammar(format: ToolFormat, tools: list[dict], parallel: bool, tag: dict[str, str]) -> str:
     """llguidance Lark for a reply of tool calls, from the opening tag on. `tools`: {name,
     parameters} each (the ones allowed); `tag[t]`: how the grammar writes tag t (a special
     token by id, `<[id]>`, else its text quoted)."""
-    schema = {**call_schema(tools, format.arguments_key), "x-guidance": COMPACT_JSON}
+    schema = {**call_schema(tools, format.arguments_key), "x-guidance": CALL_JSON}
     if format.listed:
-        array = {"type": "array", "items": schema, "minItems": 1, "x-guidance": COMPACT_JSON}
+        array = {"type": "array", "items": schema, "minItems": 1, "x-guidance": CALL_JSON}
         if not parallel:
             array["maxItems"] = 1
         close = f" {tag[format.close]}" if format.close else ""

@@ -12,12 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestServer
 
 from backends import Backend, LoadOptions, load_backend
-from backends.tiny import write_tiny_checkpoint
+from backends.tiny import write_tiny_checkpoint, write_tiny_tools
 from phi2_server import ENGINE, LOAD_DONE, Settings, create_app, listen, runner_options
 
 
@@ -118,8 +119,8 @@ async def wait_idle(engine, timeout: float = 60.0) -> None:
     await wait_until(lambda: engine.idle, timeout)
 
 
-def post(server, path: str, body: dict) -> tuple[int, dict]:
-    """POST JSON to a LiveServer: (status, the JSON answer), errors included."""
+def post(server, path: str, body: dict, raw: bool = False) -> tuple[int, Any]:
+    """POST JSON to a LiveServer: (status, the JSON answer, or with `raw` its bytes), errors included."""
     import json
     import urllib.error
     import urllib.request
@@ -129,9 +130,11 @@ def post(server, path: str, body: dict) -> tuple[int, dict]:
     )
     try:
         with urllib.request.urlopen(request) as response:
-            return response.status, json.loads(response.read())
+            data = response.read()
+            return response.status, data if raw else json.loads(data)
     except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+        data = error.read()
+        return error.code, data if raw else json.loads(data)
 
 
 def engine_of(client):
@@ -269,3 +272,23 @@ def reach_groups(monkeypatch) -> list:
 
     monkeypatch.setattr(BatchedDecoder, "_reach_groups", recorded)
     return found
+
+
+@pytest.fixture(scope="session")
+def tool_paths(tmp_path_factory) -> dict:
+    """The tiny instruction models that memorized tool dialogues, in two families' formats
+    (backends.tiny.write_tiny_tools): Hermes tags on Qwen2, Llama-3 JSON on Llama."""
+    return {fmt: write_tiny_tools(tmp_path_factory.mktemp(f"tiny-{fmt}"), fmt) for fmt in ("hermes", "llama3")}
+
+
+@pytest.fixture(scope="session")
+def tool_backends(tool_paths) -> Callable[[str, str], Backend]:
+    """tool_backends(runtime, format): that tool model loaded once a session."""
+    loaded = {}
+
+    def get(runtime: str, fmt: str):
+        if (runtime, fmt) not in loaded:
+            loaded[runtime, fmt] = load_backend(runtime, LoadOptions(model=str(tool_paths[fmt]), dtype="float32"))
+        return loaded[runtime, fmt]
+
+    return get

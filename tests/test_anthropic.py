@@ -113,7 +113,7 @@ def test_keys_come_as_x_api_key_or_bearer(live_server, backend, tiny_path):
             },
             "tool_choice",
         ),
-        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
+        ({"tools": [{"name": "bash"}]}, "tools[0].input_schema"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "type"),
         ({"messages": [*HELLO, {"role": "assistant", "content": "Sure"}]}, "messages[1]"),
         ({"extra_body": {"temperature": 1.5}}, "temperature"),

@@ -1,0 +1,213 @@
+"""What the agent CLIs send (issue 53), replayed: Claude Code's and Codex CLI's own requests,
+captured from the real CLIs (tests/data/agents/README.md says how), against the real app on the
+tiny Hermes tool model, both runtimes.
+
+The captured prompts are written for models of 200k tokens; the tiny model has 1,024, so each
+body is shrunk (`shrunk`): long texts cut and a few tools kept, every field and shape as sent.
+The real CLIs themselves, against a real model, are in tests/test_agent_clis.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+from conftest import post
+from test_request_log import read_log
+
+from backends.chat_plan import ChatFormat, ChatRequest, folded_system
+
+AGENTS = Path(__file__).parent / "data" / "agents"
+CUT = 24  # characters kept of a long text
+# The tools kept of the default sets: the shapes that matter (propertyNames, format, const, ...).
+KEPT = {"Bash", "TaskCreate", "WebFetch", "exec_command", "multi_agent_v1", "spawn_agent", "web_search"}
+SERVED = [("torch", 4), ("mlx", 1)]
+
+
+def captured(name: str) -> dict:
+    return json.loads((AGENTS / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def shrunk(body: dict, model: str) -> dict:
+    """`body` with its model named as served, texts cut to CUT characters, and only KEPT tools
+    (a kept namespace keeps one function)."""
+
+    def cut(value, key=None):
+        if isinstance(value, str) and key in ("text", "content", "description", "system", "output"):
+            return value[:CUT]
+        if isinstance(value, list):
+            return [cut(item, key) for item in value]
+        if isinstance(value, dict):
+            return {k: cut(v, k) for k, v in value.items()}
+        return value
+
+    body = cut(copy.deepcopy(body))
+    tools = [t for t in body.get("tools", []) if (t.get("name") or t.get("type")) in KEPT]
+    for tool in tools:
+        if tool.get("type") == "namespace":
+            tool["tools"] = [t for t in tool["tools"] if t["name"] in KEPT]
+    if "tools" in body:
+        body["tools"] = tools
+    return {**body, "model": model}
+
+
+def sse(data: bytes) -> list[tuple[str | None, dict]]:
+    """(event, data) of each server-sent event, comment lines (keep-alives) left out."""
+    events = []
+    for block in data.decode().strip().split("\n\n"):
+        lines = [line for line in block.splitlines() if not line.startswith(":")]
+        kind = next((line[7:] for line in lines if line.startswith("event: ")), None)
+        payload = "".join(line[6:] for line in lines if line.startswith("data: "))
+        if payload and payload != "[DONE]":
+            events.append((kind, json.loads(payload)))
+    return events
+
+
+def logged(server, path: str, body: dict, raw: bool = False) -> tuple[int, object, dict]:
+    """POST, then the request's log line: written once the answer has gone, so waited for (the
+    deadline only turns a hang into a failure)."""
+    before = len(read_log(server.log_dir))
+    status, answer = post(server, path, body, raw=raw)
+    deadline = time.monotonic() + 60
+    while len(lines := read_log(server.log_dir)) == before:
+        assert time.monotonic() < deadline, "no log line"
+        time.sleep(0.005)
+    return status, answer, lines[-1]
+
+
+@pytest.fixture(scope="module", params=SERVED, ids=[f"{r}-batch{b}" for r, b in SERVED])
+def agent_server(request, tool_backends, tmp_path_factory):
+    from conftest import LiveServer
+
+    from phi2_server import Settings, create_app
+
+    runtime, batch = request.param
+    backend = tool_backends(runtime, "hermes")
+    log_dir = tmp_path_factory.mktemp("logs")
+    settings = Settings(log_dir=str(log_dir), shutdown_grace=1.0, max_batch=batch, model="smollm2")
+    server = LiveServer(create_app(settings, load=lambda: backend))
+    server.log_dir = log_dir
+    yield server
+    server.close()
+
+
+CAPTURES = [
+    "claude_code_first",
+    "claude_code_tool_result",
+    "claude_code_short_first",
+    "claude_code_short_tool_result",
+    "claude_code_title",
+    "codex_first",
+    "codex_tool_result",
+    "codex_short_first",
+]
+
+
+@pytest.mark.parametrize("name", CAPTURES)
+def test_each_captured_request_is_answered(agent_server, name):
+    """Each request as its CLI sent it (shrunk): a 200 and a whole event stream in its API's
+    shape, what the server ignored named in the request log line."""
+    request = captured(name)
+    body = shrunk(request["body"], "smollm2")
+    status, raw, line = logged(agent_server, request["path"], body, raw=True)
+    assert status == 200, raw[:500]
+    events = sse(raw)
+    if request["path"].startswith("/v1/messages"):
+        assert events[0][0] == "message_start" and events[-1][0] == "message_stop", events[-2:]
+        if "context_management" in body:
+            assert "context_management" in line["ignored"]
+        assert int(line["max_tokens_granted"]) < body["max_tokens"]  # 32,000 asked: clipped to the room left
+    else:
+        assert events[-1][1]["type"] == "response.completed", events[-1]
+        assert "client_metadata" in line["ignored"]
+
+
+def test_fields_that_mean_nothing_here_change_nothing(agent_server):
+    """Claude Code's short request, greedy, with and without what this server ignores or does
+    not use on a model that does not reason: the same answer."""
+    body = {**shrunk(captured("claude_code_short_first")["body"], "smollm2"), "stream": False, "temperature": 0}
+    plain = {k: v for k, v in body.items() if k not in ("context_management", "metadata", "thinking", "output_config")}
+    plain["system"] = [{k: v for k, v in block.items() if k != "cache_control"} for block in body["system"]]
+    status, with_fields = post(agent_server, "/v1/messages", body)
+    assert status == 200, with_fields
+    status, without = post(agent_server, "/v1/messages", plain)
+    assert status == 200, without
+    assert with_fields["content"] == without["content"]
+
+
+def test_a_schema_keyword_the_grammar_lacks_does_not_refuse_the_tools(agent_server):
+    """Claude Code's TaskCreate takes `metadata` as a zod record (`propertyNames`), which
+    llguidance cannot express: the grammar leaves it out, and a forced call still follows the
+    rest of the schema."""
+    tools = [t for t in captured("claude_code_first")["body"]["tools"] if t["name"] == "TaskCreate"]
+    assert "propertyNames" in json.dumps(tools[0]["input_schema"])
+    body = {
+        "model": "smollm2",
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": "Make a task."}],
+        "tools": [{**tools[0], "description": tools[0]["description"][:CUT]}],
+        "tool_choice": {"type": "tool", "name": "TaskCreate"},
+    }
+    status, answer = post(agent_server, "/v1/messages", body)
+    assert status == 200, answer
+    (call,) = [block for block in answer["content"] if block["type"] == "tool_use"]
+    schema = {k: v for k, v in tools[0]["input_schema"].items() if k != "$schema"}
+    jsonschema.validate(call["input"], schema)
+
+
+def test_hosted_tools_are_skipped_and_namespaces_offered(agent_server):
+    """Codex's tools: a namespace's functions are offered as functions (a forced call names one),
+    web_search (which OpenAI runs itself) is skipped and logged; so are Anthropic's server tools."""
+    body = shrunk(captured("codex_tool_result")["body"], "smollm2")
+    body = {**body, "stream": False, "tool_choice": {"type": "function", "name": "spawn_agent"}}
+    status, answer, line = logged(agent_server, "/v1/responses", body)
+    assert status == 200, answer
+    assert [item["name"] for item in answer["output"] if item["type"] == "function_call"][:1] == ["spawn_agent"]
+    assert line["tools_skipped"] == ["web_search"]
+    server_tool = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+    message = {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    status, answer, line = logged(agent_server, "/v1/messages", {**message, "tools": [server_tool]})
+    assert status == 200, answer
+    assert line["tools_skipped"] == ["web_search_20250305"]
+
+
+def test_output_config_format_is_structured_output(agent_server):
+    """Claude Code's title request asks for JSON through output_config.format: it gets JSON of
+    that schema."""
+    body = {**shrunk(captured("claude_code_title")["body"], "smollm2"), "stream": False, "max_tokens": 64}
+    status, answer = post(agent_server, "/v1/messages", body)
+    assert status == 200, answer
+    title = json.loads(answer["content"][0]["text"])
+    jsonschema.validate(title, body["output_config"]["format"]["schema"])
+
+
+def test_system_turns_anywhere(tool_backends):
+    """A developer turn is a system turn where the template knows no `developer` role; a system
+    turn mid-conversation stays where a template writes it (ChatML) and is folded into the first
+    system turn where the template refuses it."""
+    backend = tool_backends("torch", "hermes")
+    chat = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "Agents: none."},
+        {"role": "user", "content": "Go"},
+    ]
+    prompt = backend.chat_plan(ChatRequest(chat)).prompt
+    assert "developer" not in prompt
+    assert prompt.index("Be brief.") < prompt.index("Hi") < prompt.index("Agents: none.") < prompt.index("Go")
+    assert folded_system(chat[1:]) == [
+        {"role": "system", "content": "Agents: none."},
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "Go"},
+    ]
+    tokenizer = copy.deepcopy(backend.text.tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('system only first') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    )
+    folded = ChatFormat(tokenizer).plan(ChatRequest(chat)).prompt
+    assert folded == "<system>Be brief.\n\nAgents: none.<user>Hi<user>Go<assistant>"
