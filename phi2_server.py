@@ -197,6 +197,11 @@ class Settings:
     stream_buffer: int = setting(
         1024, "tokens a stream may have waiting for a client that does not read; then its generation ends"
     )
+    stream_keepalive: float = setting(
+        5.0,
+        "seconds a stream with no token yet (queued, or prefilling a long prompt) waits before it sends its "
+        "headers and a keep-alive (an SSE comment; Anthropic's ping), and again each such while (0: never)",
+    )
     shutdown_grace: float = setting(10.0, "seconds in-flight generations get to finish on SIGTERM/SIGINT")
     drain_delay: float = setting(
         0.0,
@@ -1485,6 +1490,11 @@ class Wire:
         """What a stream starts with, sent with its headers."""
         return ""
 
+    def keepalive(self) -> str:
+        """What a stream sends while it waits for its first token, so that clients and proxies
+        do not time out: an SSE comment line (NDJSON has none: the headers alone)."""
+        return ": keep-alive\n\n" if self.content_type == "text/event-stream" else ""
+
     def chunk(self, index: int, event: Event) -> str:
         raise NotImplementedError
 
@@ -1506,9 +1516,20 @@ async def answer(request: web.Request, tickets: list[Ticket], wire: Wire) -> web
         response = web.StreamResponse(headers={"Content-Type": wire.content_type, "Cache-Control": "no-cache"})
         response.enable_chunked_encoding()
     started = time.perf_counter()
+    # Until the first events, a stream is kept alive (STREAM_KEEPALIVE); after, its tokens do it.
+    keepalive = request.app[SETTINGS].stream_keepalive if response is not None else 0
     try:
         while not wire.finished:
-            chunks = [wire.add(index, event) for index, event in await next_events(tickets)]
+            try:
+                if keepalive:
+                    events = await asyncio.wait_for(next_events(tickets), keepalive)
+                    keepalive = 0
+                else:
+                    events = await next_events(tickets)
+            except TimeoutError:  # `take` keeps what it had: nothing is lost
+                await send(request, response, tickets, wire, [wire.keepalive()], started)
+                continue
+            chunks = [wire.add(index, event) for index, event in events]
             if response is not None:
                 if wire.finished:
                     chunks.append(wire.tail())
@@ -3292,6 +3313,9 @@ class AnthropicWire(Wire):
 
     def opening(self) -> str:
         return self.head
+
+    def keepalive(self) -> str:
+        return sse_event("ping", {})  # Anthropic's own keep-alive, after message_start
 
     def start_block(self, kind: str, **fields) -> str:
         out = self.stop_block()
