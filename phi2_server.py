@@ -1162,10 +1162,8 @@ def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None
 
 
 # A request's first INLINE_ENCODE_CHARS characters of prompt text are tokenized on the loop, the
-# rest on the app's pool. A short prompt's encoding (25 tokens: 0.08 ms on a 2-core EPYC; 256
-# characters of any text well under 0.5 ms) costs less than the hop to the pool and back, which
-# every request paid before its first token (0.43-0.55 ms on the same machine, of which 0.05 ms
-# encoding). The budget is per request, so a list of many short prompts still goes to the pool.
+# rest on the app's pool: a short prompt's encoding costs less than the hop to the pool and back
+# (BENCHMARKS.md, D-inline-encode). Per request, so many short prompts still go to the pool.
 INLINE_ENCODE_CHARS = 256
 
 
@@ -3985,12 +3983,9 @@ def runner_options(app: web.Application) -> dict[str, Any]:
     }
 
 
-# Connections the kernel completes before the server accepts them. aiohttp's default of 128 is
-# less than the clients that reach a GPU server at once: while the event loop was busy handing a
-# step's 256 stream ends over, the next 256 clients' connections overflowed it, the kernel
-# dropped their SYNs, and clients resend a SYN only after a second (3 of 256 clients waited
-# 1.06 s for a first token the server produced in 39 ms; BENCHMARKS.md, "The listen backlog").
-# uvicorn and gunicorn listen with 2048 too; the kernel caps it at net.core.somaxconn.
+# Connections the kernel completes before the server accepts them: aiohttp's 128 overflowed while
+# the loop handed a step's stream ends over, and a dropped SYN is resent only after a second
+# (BENCHMARKS.md, D-backlog). uvicorn and gunicorn use 2048 too; the kernel caps it at somaxconn.
 LISTEN_BACKLOG = 2048
 
 
@@ -4092,7 +4087,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(app: web.Application) -> int:
     """Serve `app` until SIGTERM or SIGINT; the exit status."""
     # The worker thread and the event loop share the GIL; a shorter switch interval than the
-    # default 5 ms hands it over sooner when the model step ends and its tokens are waiting.
+    # default 5 ms hands it over sooner (measured within the spread: BENCHMARKS.md, D-switch-interval).
     sys.setswitchinterval(0.001)
     return asyncio.run(serve(app))
 

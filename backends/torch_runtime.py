@@ -62,11 +62,8 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-# On a CPU, bfloat16 pays only where decoding is memory-bound. Measured on a 2-core CPU with
-# native bfloat16 (`bench.py --dtype-sweep`, BENCHMARKS.md), bfloat16 against float32 decode:
-# 0.2M-2.8M parameters 0.6x (the weights sit in the CPU's caches; bfloat16 only adds
-# conversions), 4.9M 1.0x, 7.3M 1.7x, 29M-306M 2.0-2.5x, 1.4B 1.6x. The crossover lies near
-# 4M parameters (16 MB of float32 weights).
+# On a CPU, bfloat16 pays only where decoding is memory-bound: below ~4M parameters the weights
+# sit in the caches and bfloat16 only adds conversions (BENCHMARKS.md, D-bf16-auto).
 CPU_BF16_MIN_PARAMETERS = 4_000_000
 
 
@@ -238,7 +235,7 @@ class TorchBackend(TokenizerMethods):
                 "threads": torch.get_num_threads() if device == "cpu" else None,
             },
         )
-        # torch.compile pays on CUDA (step 3.0 -> 2.4 ms) and costs ~30 s of startup.
+        # torch.compile pays on CUDA, at a startup cost (BENCHMARKS.md, D-compile-off).
         backend.max_batch = max_batch
         backend.compile = on_cuda if options.compile is None else options.compile
         # Drafts pay on the CPU; on CUDA a graphed step is cheaper than an eager verify pass.
@@ -338,9 +335,8 @@ class TorchBackend(TokenizerMethods):
         prompt = self.encode("Hello, how are you today? I am fine, thank you.") or [0]
         if self.device.type == "cpu":
             # Nothing is compiled or captured on the CPU: one short generation pages in every
-            # weight (a mapped quantized file's too) and makes the kernels' first calls. The
-            # CUDA warm-up below took 1.5 s of a 7 s mapped int8 start of Phi-2 here, and the
-            # first request after it was no faster than after this one (BENCHMARKS.md).
+            # weight (a mapped quantized file's too) and makes the kernels' first calls; the CUDA
+            # warm-up below made no first request faster here (BENCHMARKS.md, D-cpu-warmup).
             drive(decoder, [Sequence(0, prompt[:2], Sampling(), 2)])
             return
         # The same prompt twice: the second takes its prefix from the prompt cache and prefills
@@ -411,7 +407,7 @@ def budget_window(model, window: int, budget: int) -> int:
 # MAX_BATCH's default on CUDA: a row for every CUDA_ROW_TOKENS positions the KV pool holds, of
 # these (at most the largest, at least the first). The pool is paged (backends/kv_pages): rows
 # are only an upper bound, and admission waits for pages, so rows beyond what the pool holds
-# at full context cost nothing but their CUDA graphs. Phi-2 on an H200 gets 512.
+# at full context cost nothing but their CUDA graphs (BENCHMARKS.md, D-cuda-rows).
 CUDA_BATCHES = (64, 96, 128, 192, 256, 384, 512)
 CUDA_ROW_TOKENS = 512
 

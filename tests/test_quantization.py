@@ -1,7 +1,7 @@
 """Quantized weights: MLX 4/8-bit (checkpoints and quantize-at-load), Torch int8/int4.
 
 The tiny model memorized its corpus: at 8 bits greedy text on the memorized lines must be the
-full-precision text, on both runtimes; at 4 bits the agreement is measured (BENCHMARKS.md), and
+full-precision text, on both runtimes; at 4 bits the agreement is measured (docs/benchmark-log.md, "Quantized weights"), and
 the model must still load, batch and stream.
 """
 
@@ -138,7 +138,7 @@ def test_4_bit_serves_and_mostly_agrees(runtime, quantized, request):
         a, b = greedy(full, prompt, len(rest)), greedy(four, prompt, len(rest), max_batch=4)
         same += sum(x == y for x, y in zip(a, b, strict=False))
         total += len(rest)
-    assert same / total > 0.5  # measured: see BENCHMARKS.md (4-bit on the tiny model)
+    assert same / total > 0.5  # measured: docs/benchmark-log.md, "Quantized weights" (4-bit, tiny model)
 
 
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])
