@@ -1,8 +1,8 @@
 """Quantized weights: MLX 4/8-bit (checkpoints and quantize-at-load), Torch int8/int4.
 
 The tiny model memorized its corpus: at 8 bits greedy text on the memorized lines must be the
-full-precision text, on both runtimes; at 4 bits the agreement is measured (docs/benchmark-log.md, "Quantized weights"), and
-the model must still load, batch and stream.
+full-precision text, on both runtimes; at 4 bits the agreement is measured (docs/benchmark-log.md,
+"Quantized weights"), and the model must still load, batch and stream.
 """
 
 from __future__ import annotations
