@@ -19,6 +19,8 @@ them and describes them in /openapi.json; tests/test_openapi.py holds this index
     POST /v1/completions        v1_completions        OpenAI-compatible API: /v1/completions
     POST /v1/chat/completions   v1_chat_completions   OpenAI-compatible API: /v1/chat/completions
     POST /v1/responses          v1_responses          OpenAI Responses API
+    GET  /v1/responses/{response_id}     v1_response          OpenAI Responses API: stored answers
+    DELETE /v1/responses/{response_id}   v1_delete_response   OpenAI Responses API: stored answers
     POST /v1/messages           v1_messages           Anthropic Messages API
     POST /v1/messages/count_tokens  v1_count_tokens   Anthropic Messages API
     POST /tokenize              tokenize              tokenizer
@@ -51,6 +53,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -197,6 +200,12 @@ class Settings:
     stream_buffer: int = setting(
         1024, "tokens a stream may have waiting for a client that does not read; then its generation ends"
     )
+    responses_store: int = setting(
+        1000, "Responses API answers kept for previous_response_id and GET /v1/responses/{id} (0: none stored)"
+    )
+    responses_store_bytes: int = setting(
+        64 << 20, "bytes of JSON the stored Responses answers may hold together; the least recently used go first"
+    )
     stream_keepalive: float = setting(
         5.0,
         "seconds a stream with no token yet (queued, or prefilling a long prompt) waits before it sends its "
@@ -314,6 +323,7 @@ AUTH_FAILURES: web.AppKey[TokenBuckets] = web.AppKey("auth_failures")  # wrong k
 CORS_ORIGINS: web.AppKey[frozenset[str]] = web.AppKey("cors_origins")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 OPENAPI: web.AppKey[dict] = web.AppKey("openapi")
+RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")
 LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
@@ -2621,9 +2631,8 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
 # -- OpenAI Responses API: the request, as a chat ----------------------------------------------
 # OpenAI's newer API over the same answer loop: `input` (a string, or message, function_call and
 # function_call_output items) and `instructions` become chat messages; tools, tool_choice and
-# text.format work as on /v1/chat/completions. Stateless: nothing is stored (`store` is
-# accepted and means nothing here), so `previous_response_id` is a 400 naming it: send the
-# conversation's items again instead. docs/api.md, "Responses API".
+# text.format work as on /v1/chat/completions. An answer is stored (`store`, the default) for a
+# later request's `previous_response_id` ("stored answers" below). docs/api.md, "Responses API".
 
 INPUT_PART = {
     "type": "object",
@@ -2715,11 +2724,8 @@ RESPONSES_SCHEMA: dict[str, Any] = tolerant(
                 "default": {},
             },
             "stream": {"type": "boolean", "default": False},
-            "store": {"type": "boolean", "description": "accepted: nothing is stored (stateless)"},
-            "previous_response_id": {
-                **_unsupported(),
-                "description": "stateless: send the conversation's items in input instead",
-            },
+            "store": {"type": "boolean", "default": True, "description": "keep the answer (RESPONSES_STORE)"},
+            "previous_response_id": {"type": "string", "description": "a stored answer this one continues"},
             "truncation": {"enum": ["disabled"], "x-unsupported": True},
             "reasoning": _ignored("object"),
             "include": {"type": "array", "items": {}, "description": "accepted and ignored"},
@@ -2823,7 +2829,7 @@ def responses_format(params: dict, use: ToolUse | None) -> tuple[GrammarSpec | N
     return None, None
 
 
-# -- OpenAI Responses API: /v1/responses (stateless) --------------------------------------------
+# -- OpenAI Responses API: /v1/responses --------------------------------------------------------
 
 
 class ResponsesWire(Wire):
@@ -2844,8 +2850,8 @@ class ResponsesWire(Wire):
             "instructions": params["instructions"],
             "max_output_tokens": params["max_output_tokens"],
             "parallel_tool_calls": params["parallel_tool_calls"],
-            "previous_response_id": None,
-            "store": False,
+            "previous_response_id": params["previous_response_id"],
+            "store": params["store"],
             "temperature": params["temperature"],
             "top_p": params["top_p"],
             "text": {"format": (params["text"] or {}).get("format") or {"type": "text"}},
@@ -2984,7 +2990,18 @@ class ResponsesWire(Wire):
             return self.close_message() + self.event("response.failed", response=self.snapshot("failed", error=error))
         out = self.pieces(self.parser.finish(), final=True) + self.close_message()
         final = self.final(event)
+        self.keep(final)  # before the event goes: the client's next request may continue it
         return out + self.event(f"response.{final['status']}", response=final)
+
+    def keep(self, final: dict) -> None:
+        """A finished answer into the store (`store`), with the conversation it ends."""
+        if self.params["store"]:
+            items = (
+                self.params["input"]
+                if isinstance(self.params["input"], list)
+                else [{"role": "user", "content": self.params["input"]}]
+            )
+            self.request.app[RESPONSES].put(self.request.get(CACHE_NAMESPACE, ""), final, [*items, *final["output"]])
 
     def final(self, summary: Summary) -> dict:
         incomplete = summary.finish_reason == "length"
@@ -3004,12 +3021,18 @@ class ResponsesWire(Wire):
         (choice,) = self.choices
         self.pieces(self.parser.feed("".join(choice.text)) + self.parser.finish(), final=True)
         self.close_message()
-        return self.final(choice.summary)
+        final = self.final(choice.summary)
+        self.keep(final)
+        return final
 
 
 async def v1_responses(request: web.Request) -> web.StreamResponse:
     params = await read_params(request, RESPONSES_SCHEMA)
     name, adapter = model_named(request, params["model"])
+    if params["previous_response_id"] is not None:  # its conversation first (not its instructions)
+        before = stored(request, params["previous_response_id"], "previous_response_id")
+        given = params["input"] if isinstance(params["input"], list) else [{"role": "user", "content": params["input"]}]
+        params = {**params, "input": [*before.items, *given]}
     backend = engine_ready(request).backend
     use = responses_tools(request, params)
     messages = responses_chat(params)
@@ -3022,6 +3045,68 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
     )
     tickets = await submit(request, gens, adapter, params["cache_salt"])
     return await answer(request, tickets, ResponsesWire(request, tickets, params, name, plan))
+
+
+# -- OpenAI Responses API: stored answers, GET and DELETE /v1/responses/{id} ---------------------
+# With `store` (OpenAI's default) an answer is kept with the conversation it ends, so that a
+# request may continue it (`previous_response_id`) and a client may read or delete it. Bounded
+# (RESPONSES_STORE entries, RESPONSES_STORE_BYTES of JSON, least recently used out first) and in
+# memory only: a restart forgets them. Each API key sees only its own (its cache namespace).
+
+
+@dataclass
+class Stored:
+    response: dict  # the answer as it was given
+    items: list[dict]  # the conversation it ends: its input items (a continued one's too), then its output
+    size: int  # bytes of JSON, what the store counts
+
+
+class ResponseStore:
+    def __init__(self, entries: int, size: int):
+        self.entries, self.size = entries, size
+        self._kept: OrderedDict[tuple[str, str], Stored] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, namespace: str, response: dict, items: list[dict]) -> None:
+        size = len(json.dumps([response, items]))
+        if self.entries <= 0 or size > self.size:
+            return
+        self._kept[namespace, response["id"]] = Stored(response, items, size)
+        self._bytes += size
+        while len(self._kept) > self.entries or self._bytes > self.size:
+            self._bytes -= self._kept.popitem(last=False)[1].size
+
+    def get(self, namespace: str, response_id: str) -> Stored | None:
+        found = self._kept.get((namespace, response_id))
+        if found is not None:
+            self._kept.move_to_end((namespace, response_id))
+        return found
+
+    def delete(self, namespace: str, response_id: str) -> bool:
+        found = self._kept.pop((namespace, response_id), None)
+        self._bytes -= found.size if found else 0
+        return found is not None
+
+
+def stored(request: web.Request, response_id: str, field: str | None = None) -> Stored:
+    """A stored answer of this request's key, or OpenAI's 404 for an id it does not know."""
+    found = request.app[RESPONSES].get(request.get(CACHE_NAMESPACE, ""), response_id)
+    if found is None:
+        kind = "Previous response" if field else "Response"
+        code = "previous_response_not_found" if field else None
+        raise ApiError(404, f"{kind} with id {response_id!r} not found.", field=field, code=code)
+    return found
+
+
+async def v1_response(request: web.Request) -> web.Response:
+    return web.json_response(stored(request, request.match_info["response_id"]).response)
+
+
+async def v1_delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    stored(request, response_id)
+    request.app[RESPONSES].delete(request.get(CACHE_NAMESPACE, ""), response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 # -- Anthropic Messages API: the request, as a chat; errors in its shape -----------------------
@@ -3737,7 +3822,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Route:
     """A route and what its /openapi.json entry needs; schemas are named by docs/openapi-answers.json."""
 
-    method: str  # GET (aiohttp answers HEAD too) or POST
+    method: str  # GET (aiohttp answers HEAD too), POST or DELETE
     path: str  # aiohttp's; a `{name:regex}` part reads `{name}` in the index and the document
     handler: Handler
     section: str  # the `# -- ...` header the handler is under (its start)
@@ -3763,6 +3848,7 @@ TOKENIZER_ANSWERS = {"errors": (400, 401, 404, 413, 429, 503), "error": "OpenAIE
 IN_PROBES, IN_NATIVE, IN_MODELS = "probes and model facts", "the native API", "OpenAI-compatible API: models"
 IN_COMPLETIONS, IN_CHAT = "OpenAI-compatible API: /v1/completions", "OpenAI-compatible API: /v1/chat/completions"
 IN_RESPONSES, IN_MESSAGES, IN_TOKENIZER = "OpenAI Responses API", "Anthropic Messages API", "tokenizer"
+IN_STORED = "OpenAI Responses API: stored answers"
 
 # fmt: off
 ROUTES = [  # method, path, handler, section; the document's summary, request schema, 200 answer, the rest
@@ -3781,8 +3867,12 @@ ROUTES = [  # method, path, handler, section; the document's summary, request sc
           "Complete prompts (OpenAI's legacy completions)", COMPLETIONS_SCHEMA, "CompletionResponse", **OPENAI_ANSWERS),
     Route("POST", "/v1/chat/completions", v1_chat_completions, IN_CHAT, "Chat (OpenAI)", CHAT_SCHEMA,
           "ChatResponse", **OPENAI_ANSWERS),
-    Route("POST", "/v1/responses", v1_responses, IN_RESPONSES, "A response (OpenAI's Responses API, stateless)",
+    Route("POST", "/v1/responses", v1_responses, IN_RESPONSES, "A response (OpenAI's Responses API)",
           RESPONSES_SCHEMA, "Response", **OPENAI_ANSWERS),
+    Route("GET", "/v1/responses/{response_id}", v1_response, IN_STORED, "A stored response (OpenAI)",
+          answer="Response", errors=(401, 404, 429), error="OpenAIError"),
+    Route("DELETE", "/v1/responses/{response_id}", v1_delete_response, IN_STORED, "Delete a stored response",
+          answer="DeletedResponse", errors=(401, 404, 429), error="OpenAIError"),
     Route("POST", "/v1/messages", v1_messages, IN_MESSAGES, "A message (Anthropic's Messages API)",
           MESSAGES_SCHEMA, "AnthropicMessage", **ANTHROPIC_ANSWERS),
     Route("POST", "/v1/messages/count_tokens", v1_count_tokens, IN_MESSAGES,
@@ -3866,7 +3956,8 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app.on_startup.append(start_worker)
     app.on_shutdown.append(drain_worker)
     app.on_cleanup.append(stop_worker)
-    add = {"GET": app.router.add_get, "POST": app.router.add_post}  # add_get answers HEAD too
+    app[RESPONSES] = ResponseStore(settings.responses_store, settings.responses_store_bytes)
+    add = {"GET": app.router.add_get, "POST": app.router.add_post, "DELETE": app.router.add_delete}
     for route in ROUTES:
         add[route.method](route.path, route.handler)
     return app

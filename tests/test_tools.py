@@ -513,7 +513,6 @@ def test_responses_on_the_demo_model(server):
     )
     jsonschema.validate(json.loads(shaped.output_text), schema)
     for change, param in [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": [{"type": "function_call_output", "call_id": "nowhere", "output": "x"}]}, "input[0].tool_call_id"),
         ({"text": {"format": {"type": "json_schema", "schema": {"$ref": "#/$defs/x"}}}}, "text.format.schema"),
         ({"tools": [{"type": "function"}]}, "tools[0].name"),
