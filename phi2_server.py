@@ -115,8 +115,8 @@ class Settings:
 
     model: str = setting(
         "microsoft/phi-2",
-        "the model: a Hugging Face hub id, a local checkpoint directory, `tiny` (the offline demo model) or "
-        "`random:phi-2` (Phi-2's architecture, random weights)",
+        "the model: a Hugging Face hub id, a local checkpoint directory, a .gguf file (converted once), `tiny` "
+        "(the offline test model) or `random:phi-2` (Phi-2's architecture, random weights)",
     )
     backend: str = setting("auto", "runtime: auto (MLX on macOS arm64, else Torch), mlx or torch")
     adapter_path: str = setting(

