@@ -34,6 +34,8 @@ import os
 
 import torch
 
+from backends import KvCacheUsage
+
 PAGE = 16  # positions a page: the Triton decode kernel's column block (triton_decode.ATTENTION)
 
 
@@ -306,3 +308,122 @@ class PagedKV:
         positions = torch.arange(start, end, device=self.device)
         page, offset = self._longs(pages)[positions // PAGE], positions % PAGE
         return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])
+
+
+# The CPU's pool keeps at least this many pages when it shrinks (torch_model.MIN_LENGTH_BUCKET's).
+MIN_PAGES = 128 // PAGE
+
+
+class RowPages:
+    """The decoder's page accounting: one pool laid out for the KV budget and the prompt cache's,
+    which rows take pages from when they join (`take`) and the engine admits by (`fits`).
+
+    The pool is laid out once for `kv_cache_bytes` (or a full-context row for each row) and the
+    prompt cache's budget: on a GPU allocated whole (graphs hold its address), on the CPU as
+    address space that memory backs where rows write, its extent grown and shrunk with use."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+        rows: int,
+        context: int,
+        kv_cache_bytes: int | None,
+        prompt_cache_bytes: int,
+        whole: bool,
+    ):
+        self.per_position = 2 * layers * kv_heads * head_dim * dtype.itemsize
+        self.budget = kv_cache_bytes
+        self.context = context
+        page_bytes = PAGE * self.per_position
+        # The prompt cache keeps its pages in the same pool (it shares them with the rows that
+        # reuse them): room for its budget besides the rows'.
+        self.cache_pages = cache_pages(prompt_cache_bytes, page_bytes)
+        full_rows = rows * pages_for(context + 1)
+        rows_pages = int(kv_cache_bytes // page_bytes) - 1 if kv_cache_bytes else full_rows
+        most_pages = 1 + rows_pages + self.cache_pages
+        self.kv = PagedKV(
+            layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            device,
+            rows,
+            context,
+            min(1 + MIN_PAGES, most_pages),  # on the CPU: its extent grows with what rows take
+            most_pages,
+            whole=whole,
+        )
+
+    def usage(self) -> KvCacheUsage:
+        kv = self.kv
+        # On a GPU the whole pool but the prompt cache's share is the budget: allocated at once,
+        # in what KV_CACHE_BYTES allowed. Blocks count the cache's too (one pool).
+        budget = self.budget or 0 if kv.grows else (kv.pages - self.cache_pages) * kv.page_bytes
+        return KvCacheUsage(
+            budget_bytes=budget,
+            used_bytes=kv.row_pages * kv.page_bytes,
+            reserved_bytes=kv.row_pages * kv.page_bytes,  # they take their pages when they join
+            peak_bytes=kv.peak_pages * kv.page_bytes,
+            bytes_per_token=self.per_position,
+            allocated_bytes=kv.nbytes,
+            block_tokens=PAGE,
+            blocks=kv.pages - 1,
+            blocks_used=kv.held_pages,
+        )
+
+    def columns(self, need: int) -> int:
+        """The cache columns a sequence of `need` positions (its prompt and max_new_tokens) may
+        use: its positions and one more that a last decode step may write."""
+        return min(need + 1, self.context)
+
+    def row_page_limit(self) -> int:
+        """The most pages the rows may hold, the scratch page included: the pool's but the
+        prompt cache's share."""
+        return self.kv.most_pages - self.cache_pages
+
+    def has_room_for(self, prompt_cache_bytes: int) -> bool:
+        """Whether the pool has room for a prompt cache of that budget."""
+        return cache_pages(prompt_cache_bytes, self.kv.page_bytes) <= self.cache_pages
+
+    def cache_budget(self, prompt_cache_bytes: int) -> int:
+        """Take a new prompt cache budget, cut to the room the pool was laid out with; the bytes
+        taken."""
+        if not self.has_room_for(prompt_cache_bytes):
+            prompt_cache_bytes = self.cache_pages * self.kv.page_bytes
+        self.cache_pages = cache_pages(prompt_cache_bytes, self.kv.page_bytes)
+        return prompt_cache_bytes
+
+    def fits(self, needs: list[int]) -> bool:
+        """Whether new sequences of `needs` positions each have pages beside the held ones
+        (counted whole: what they may share of stored prompts is not known yet)."""
+        wanted = sum(pages_for(self.columns(n)) for n in needs)
+        return 1 + self.kv.row_pages + wanted <= self.row_page_limit()
+
+    def take(self, row: int, columns: int, shared: list[int] = ()) -> None:
+        """Give a row the pages of `columns` columns, `shared` (a stored prefix's) first, the
+        CPU's pool's extent grown for the rest (no copy)."""
+        kv = self.kv
+        short = pages_for(columns) - len(shared) - len(kv.free)
+        if short > 0:
+            if not kv.grows or kv.pages + short > kv.most_pages:
+                raise RuntimeError("the KV pool is full")  # `fits` admits no sequence past it
+            kv.resize(kv.pages + short)
+        kv.assign(row, columns, shared)
+
+    def shrink(self) -> None:
+        """On the CPU, give memory back once the pool holds over twice what its sequences use."""
+        if not self.kv.grows:
+            return
+        kv = self.kv
+        enough = max(kv.held_pages, MIN_PAGES) + 1
+        if kv.pages > 2 * enough:
+            kv.resize(enough)
+
+
+def cache_pages(prompt_cache_bytes: int, page_bytes: int) -> int:
+    """The most pages the prompt cache keeps: its budget's."""
+    return prompt_cache_bytes // page_bytes

@@ -243,7 +243,7 @@ def speed() -> dict:
         for i in range(batch):
             decoder.add(Sequence(i, ids[0].tolist(), Sampling(), n))
         decoder.step()  # prefill (all 16-token prompts fit one chunk budget at these sizes)
-        while any(s.next_token is None for s in decoder.slots):
+        while any(s.next_token is None for s in decoder.rows):
             decoder.step()
         steps = 100
         seconds = timed_cuda(lambda: [decoder.step() for _ in range(steps)])

@@ -72,7 +72,7 @@ def parity(shape: str, dtype: str) -> dict:
     for n in (3, 17, 24, 100, 250):
         a, b = graphed.logits_after(prompt_of(n)), eager.logits_after(prompt_of(n))
         result["logits"][n] = {"max_abs_diff": float((a - b).abs().max()), "scale": float(b.abs().max())}
-    result["prefill_graphs_captured"] = len(graphed._padded_graphs)
+    result["prefill_graphs_captured"] = len(graphed.graphs.padded_graphs)
     sequences = [Sequence(i, prompt_of(5 + 29 * i, i), Sampling(), 32) for i in range(8)]
     together_graphed = drive(graphed, sequences).ids
     together_eager = drive(eager, sequences).ids
@@ -92,7 +92,7 @@ def parity(shape: str, dtype: str) -> dict:
     eager_ids = drive(
         BatchedDecoder(weights, 8, context=CONTEXT, prefill_chunk=64, prefill_graphs=False), sequences, arrive_at=arrive
     ).ids
-    result["continued_graphs_used"] = sorted(key for key in chunked._padded_graphs if key[2])
+    result["continued_graphs_used"] = sorted(key for key in chunked.graphs.padded_graphs if key[2])
     result["chunked_graphed_equals_eager"] = sum(chunked_ids[s.id] == eager_ids[s.id] for s in sequences)
     result["chunked_graphed_equals_alone"] = sum(
         chunked_ids[s.id] == drive(BatchedDecoder(weights, 1, context=CONTEXT), [s]).ids[s.id] for s in sequences
