@@ -78,8 +78,7 @@ class PagedKV:
         # Keys and values of every layer: [2, layers, kv_heads, most_pages, PAGE, head_dim]. Each
         # layer's k and v are its whole (contiguous) part, `most_pages` pages of which the tables
         # name only the first `pages`: on the CPU a view of fewer pages is not contiguous, and
-        # index_select and index_put on it copied the layer first (Phi-2, a 2,032-token prompt's
-        # chunks beside 4 short rows on a 2-vCPU EPYC: 185 ms of copies in two steps of 1.3 s).
+        # index_select and index_put on it copied the layer first (BENCHMARKS.md, decisions).
         self._region: mmap.mmap | None = None
         if self.grows:
             self._whole = self._reserve((2, layers, *self._shape(self.most_pages)))
@@ -151,8 +150,8 @@ class PagedKV:
     def copy_page(self, source: int, target: int) -> None:
         """Page `target` holds what `source` does, in every layer (a shared prefix that ends
         part-way into a page: the row writes the rest of its copy)."""
-        # One copy for every layer (one kernel on a GPU: a copy a layer was 64 launches for
-        # Phi-2, 0.65 ms of a prompt cache hit's first token on an H200).
+        # One copy for every layer (one kernel on a GPU, not a launch a layer, in a prompt cache
+        # hit's first token: BENCHMARKS.md, decisions).
         self._whole[:, :, :, target] = self._whole[:, :, :, source]
 
     def move(self, targets: list[int], sources: list[int]) -> None:
@@ -192,10 +191,10 @@ class PagedKV:
         """A zeroed CPU tensor of `shape` whose memory is taken only where it is written: an
         anonymous private mapping (the system backs a page with zeros when it is first touched),
         without transparent huge pages (one 2 MB page a (layer, head) where a few KB are used).
-        Growing a pool of copies instead held the worker 14-17 s for 2.7 GB of random Phi-2 on a
-        2-vCPU VM (the copy, and zeroing memory backed on first touch) while a short prompt's
-        admission waited. Where there is no such mapping (not POSIX), the tensor is allocated
-        zeroed, whole."""
+        Growing a pool by copies instead held the worker for seconds (the copy, and zeroing memory
+        backed on first touch) while a short prompt's admission waited (BENCHMARKS.md,
+        decisions). Where there is no such mapping (not POSIX), the tensor is allocated zeroed,
+        whole."""
         size = math.prod(shape) * self.dtype.itemsize
         if os.name != "posix":
             return torch.zeros(shape, dtype=self.dtype)
@@ -279,12 +278,11 @@ class PagedKV:
     def gathered(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of `pages` (ids [n]) in that order, [kv_heads, n, PAGE, head_dim]
         each: on the CPU a view of the pool where the pages are consecutive, else a copy, by
-        index_select of whole pages (on a 2-vCPU EPYC 3-4x faster than indexing the pool with
-        the table). On the CPU the copies go to two kept buffers, which the next
-        call overwrites: there a fresh tensor of tens of MB cost more than the copy itself (page
-        faults; 5 rows of Phi-2 at 1,040 columns, 53 MB: 43 ms fresh, 11 ms kept). The buffers
-        keep the largest gather's size until the pool shrinks: at most one layer's keys and
-        values for every row at full context."""
+        index_select of whole pages (faster on the CPU than indexing the pool with the table).
+        On the CPU the copies go to two kept buffers, which the next call overwrites: there a
+        fresh tensor of tens of MB cost more than the copy itself, in page faults (BENCHMARKS.md,
+        decisions). The buffers keep the largest gather's size until the pool shrinks: at most
+        one layer's keys and values for every row at full context."""
         k, v = self.k[layer], self.v[layer]
         if self.device.type != "cpu":
             return k.index_select(1, pages), v.index_select(1, pages)
@@ -292,7 +290,6 @@ class PagedKV:
         first = int(pages[0]) if count else 0
         if count > 1 and int(pages[-1]) == first + count - 1 and bool((pages.diff() == 1).all()):
             # Consecutive pages (a row alone in its pool takes them in order): a view, no copy.
-            # The copy was 2 x 1.6 ms a layer for a row of 1,040 columns of Phi-2 on this CPU.
             return k[:, first : first + count], v[:, first : first + count]
         shape = (self.kv_heads, count, PAGE, self.head_dim)
         size = math.prod(shape)

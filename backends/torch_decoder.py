@@ -42,18 +42,7 @@ from backends.prompt_cache import PagedPrefixCache
 from backends.prompt_lookup import PromptLookup, speculates
 from backends.torch_graphs import BATCH_BUCKETS, MIN_LENGTH_BUCKET, Graphs, bucket, length_buckets
 from backends.torch_logprobs import token_logprobs
-
-# Names other modules import from here (backends/torch_runtime.py, benchmarks/, tests/).
-from backends.torch_model import (  # noqa: E402, F401, I001
-    QUANTIZED_HEAD_METHODS,
-    Block,
-    DecoderWeights,
-    Network,
-    Shape,
-    decode_attention,
-    norm,
-    supports,
-)
+from backends.torch_model import Network, decode_attention, norm  # noqa: F401 (re-exported: benchmarks/, tests/)
 from backends.torch_prefill import InFlight, Prefill
 from backends.torch_sampling import (
     TokenChooser,
@@ -63,6 +52,9 @@ from backends.torch_sampling import (
     unpack_on_device,
     verify_draft,
 )
+
+# What torch_runtime.py, benchmarks/ and tests/ import from here, from the rooms it moved to.
+from backends.torch_weights import QUANTIZED_HEAD_METHODS, Block, DecoderWeights, Shape, supports  # noqa: F401
 
 log = logging.getLogger("phi2_server.torch_decoder")
 
@@ -228,6 +220,8 @@ class BatchedDecoder:
         self._sampling_host: list | None = None
         self._sampling_flip = 0
 
+    # -- the other rooms, as the engine and the tests see them -------------------------------------
+
     @property
     def kv(self) -> PagedKV:
         return self.pages.kv
@@ -277,7 +271,7 @@ class BatchedDecoder:
     def _need(self, sequence: Sequence) -> int:
         return len(sequence.prompt_ids) + sequence.max_new_tokens
 
-    # -- the contract ----------------------------------------------------------------------------
+    # -- the contract ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def clear(self, prompt_cache_bytes: int = 0) -> None:
@@ -332,6 +326,8 @@ class BatchedDecoder:
             self.state.early = {**(self.state.early or {}), **produced}
         if prefill:
             self.prefill.after(self.state.pieces)
+
+    # -- rows: add and remove ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def add(self, sequence: Sequence) -> int:
@@ -443,6 +439,8 @@ class BatchedDecoder:
             self.row_of[self.rows[hole].sequence.id] = hole
         del self.rows[kept:]
         self.pages.shrink()
+
+    # -- the step ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> dict[int, list[int]]:
@@ -567,6 +565,8 @@ class BatchedDecoder:
             and not (self.draft_tokens and len(self.rows) == 1 and self.rows[0].lookup is not None)
         )
 
+    # -- tokens: a step's, prompts' first ones, logprobs -------------------------------------------
+
     def _collect(self, launched: Launch) -> dict[int, int]:
         """Wait for a launched step (on an event: the GIL is free meanwhile) and take its tokens."""
         if launched.done is not None:
@@ -679,7 +679,7 @@ class BatchedDecoder:
         if predicted:
             row.prompt_scores += token_logprobs(logits[: len(predicted)], predicted, row.sequence.prompt_logprobs)
 
-    # -- decode ----------------------------------------------------------------------------------
+    # -- launch ------------------------------------------------------------------------------------
 
     def _launch(
         self, rows: list[int], chained: bool = False, finish: bool = True, pieces: list | None = None
