@@ -130,6 +130,84 @@ class StepState:
         self.pieces: InFlight | None = None
 
 
+class Draws:
+    """Tokens chosen on the device, for the decoder's `rows`: constrained rows' grammar masks and
+    sampled rows' settings copied there through pinned buffers used in turns, and the draws from
+    a step's logits (torch_sampling.sample_on_device, from each row's seed and position)."""
+
+    def __init__(self, rows: list[Row], inputs: torch.Tensor, decodable: int, width: int, device):
+        self.rows, self.inputs, self.decodable, self.width, self.device = rows, inputs, decodable, width, device
+        self._mask_host: list[torch.Tensor] | None = None  # pinned: constrained rows' index and packed masks
+        self._mask_flip = 0
+        self._sampling_host: list | None = None  # pinned: sampled rows' index and settings
+        self._sampling_flip = 0
+
+    def masks_to_device(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows and their grammars' packed masks, copied to the device through pinned memory:
+        a copy from pageable memory would first wait for the forward pass the masks are late for.
+        Two buffers in turn: the one filled now was last copied two steps ago, long done."""
+        words = [self.rows[i].chooser.matcher.allowed_words() for i in rows]
+        if self._mask_host is None:
+            pinned = self.device.type == "cuda"
+            self._mask_host = [
+                torch.zeros(self.width, 1 + len(words[0]), dtype=torch.int32, pin_memory=pinned) for _ in range(2)
+            ]
+        host = self._mask_host[self._mask_flip][: len(rows)]
+        self._mask_flip ^= 1
+        view = host.numpy()
+        view[:, 0] = rows
+        for r, row_words in enumerate(words):
+            view[r, 1:] = row_words
+        on_device = host.to(self.device, non_blocking=True)
+        return on_device[:, 0].long(), on_device[:, 1:]
+
+    def draw(self, rows: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None):
+        """(the rows' index, their tokens), drawn on the device from the step's logits, under
+        `allowed` (the rows' grammar masks, in `rows`' order) if given."""
+        index, *settings, flags = self.sampling_to_device(rows)
+        scores = logits[index, : self.decodable]
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return index, sample_on_device(scores, *settings, self.inputs[1].index_select(0, index), *flags)
+
+    def sampling_to_device(self, rows: list[int]):
+        """The sampled rows' index and settings (scale, top_k, top_p, min_p, seed) on the device,
+        through pinned buffers, and which filters any row uses. Four buffers in turn: a step
+        draws up to three times before it waits for the device (the decoder's `_finish`: the
+        rows of grammars not armed yet, then the constrained ones, then the plain sampled rows),
+        and a buffer may be filled again only once its copy has run; with two, the third draw
+        wrote its rows' index and settings over the first's before the first was copied."""
+        if self._sampling_host is None:
+            pinned = self.device.type == "cuda"
+            self._sampling_host = [
+                (
+                    torch.zeros(3, self.width, dtype=torch.long, pin_memory=pinned),
+                    torch.zeros(3, self.width, dtype=torch.float32, pin_memory=pinned),
+                )
+                for _ in range(4)
+            ]
+        whole, real = self._sampling_host[self._sampling_flip]
+        self._sampling_flip = (self._sampling_flip + 1) % len(self._sampling_host)
+        n, decodable = len(rows), self.decodable
+        ints, floats = whole.numpy()[:, :n], real.numpy()[:, :n]
+        # Whole rows of settings at once: a row at a time into numpy cost a step three times as
+        # much host time at hundreds of rows (BENCHMARKS.md, decisions).
+        chosen = [self.rows[i] for i in rows]
+        settings = [row.chooser.sampling for row in chosen]
+        ints[0] = rows
+        ints[1] = [s.top_k if 0 < s.top_k < decodable else 0 for s in settings]
+        ints[2] = [row.seed for row in chosen]
+        floats[0] = [s.scale for s in settings]
+        floats[1] = [s.top_p if s.top_p < 1.0 else 2.0 for s in settings]
+        floats[2] = [s.min_p for s in settings]
+        flags = (int(ints[1].max()), bool((floats[1] <= 1.0).any()), bool((floats[2] > 0).any()))
+        ints, floats = (
+            whole.to(self.device, non_blocking=True)[:, :n],
+            real.to(self.device, non_blocking=True)[:, :n],
+        )  # whole: contiguous copies
+        return ints[0], floats[0], ints[1], floats[1], floats[2], ints[2], flags
+
+
 class BatchedDecoder:
     """The contract's Decoder for up to `max_batch` sequences at once (see the module docstring)."""
 
@@ -210,15 +288,10 @@ class BatchedDecoder:
         self.prefill = Prefill(self.rows, network, self.graphs, chunk, overlap, self.context)
         self.state = StepState()
         self.logprobs: dict[int, StepLogprobs] = {}
-        # Pinned host buffers, in turns (one may still be copied): the tokens a step hands back,
-        # constrained rows' masks (`_masks_to_device`), sampled rows' settings (`_sampling_to_device`).
-        pinned = on_cuda
-        self._greedy_host = [torch.zeros(self.width, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.draws = Draws(self.rows, network.inputs, weights.decodable, self.width, self.device)
+        # Pinned, two in turns (one may still be read): the tokens a chained step hands back.
+        self._greedy_host = [torch.zeros(self.width, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
         self._flip = 0
-        self._mask_host: list[torch.Tensor] | None = None
-        self._mask_flip = 0
-        self._sampling_host: list | None = None
-        self._sampling_flip = 0
 
     # -- the other rooms, as the engine and the tests see them -------------------------------------
 
@@ -638,7 +711,7 @@ class BatchedDecoder:
         drawn = [r for r in done if group[r][0].sampled and group[r][0].chooser.matcher is None]
         if drawn:
             index = [rows[r] for r in drawn]
-            _, *settings, flags = self._sampling_to_device(index)
+            _, *settings, flags = self.draws.sampling_to_device(index)
             at = torch.tensor([len(self.rows[i].sequence.prompt_ids) - 1 for i in index], device=self.device)
             picked = torch.tensor(drawn, device=self.device)
             scores = logits[picked, : self.weights.decodable]
@@ -763,17 +836,17 @@ class BatchedDecoder:
             if dormant:
                 rows = [i for i in rows if i not in dormant]
                 if draw:
-                    launched.greedy.index_copy_(0, *self._draw(dormant, launched.logits))
+                    launched.greedy.index_copy_(0, *self.draws.draw(dormant, launched.logits))
             if rows:
-                index, packed = self._masks_to_device(rows)
+                index, packed = self.draws.masks_to_device(rows)
                 allowed = unpack_on_device(packed, self.weights.decodable)
                 if draw:
-                    launched.greedy.index_copy_(0, *self._draw(rows, launched.logits, allowed))
+                    launched.greedy.index_copy_(0, *self.draws.draw(rows, launched.logits, allowed))
                 else:
                     scores = launched.logits[index, : self.weights.decodable].masked_fill(~allowed, float("-inf"))
                     launched.greedy.index_copy_(0, index, scores.argmax(dim=-1))
         if launched.sampled:
-            launched.greedy.index_copy_(0, *self._draw(launched.sampled, launched.logits))
+            launched.greedy.index_copy_(0, *self.draws.draw(launched.sampled, launched.logits))
         if not self.use_graphs:
             return
         batch, greedy = launched.batch, launched.greedy
@@ -787,68 +860,3 @@ class BatchedDecoder:
             launched.done = torch.cuda.Event()
             launched.done.record()
         launched.greedy = buffer
-
-    def _masks_to_device(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows and their grammars' packed masks, copied to the device through pinned memory:
-        a copy from pageable memory would first wait for the forward pass the masks are late for.
-        Two buffers in turn: the one filled now was last copied two steps ago, long done."""
-        words = [self.rows[i].chooser.matcher.allowed_words() for i in rows]
-        if self._mask_host is None:
-            pinned = self.device.type == "cuda"
-            self._mask_host = [
-                torch.zeros(self.width, 1 + len(words[0]), dtype=torch.int32, pin_memory=pinned) for _ in range(2)
-            ]
-        host = self._mask_host[self._mask_flip][: len(rows)]
-        self._mask_flip ^= 1
-        view = host.numpy()
-        view[:, 0] = rows
-        for r, row_words in enumerate(words):
-            view[r, 1:] = row_words
-        on_device = host.to(self.device, non_blocking=True)
-        return on_device[:, 0].long(), on_device[:, 1:]
-
-    def _draw(self, rows: list[int], logits: torch.Tensor, allowed: torch.Tensor | None = None):
-        """(the rows' index, their tokens), drawn on the device from the step's logits, under
-        `allowed` (the rows' grammar masks, in `rows`' order) if given."""
-        index, *settings, flags = self._sampling_to_device(rows)
-        scores = logits[index, : self.weights.decodable]
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        return index, sample_on_device(scores, *settings, self.network.inputs[1].index_select(0, index), *flags)
-
-    def _sampling_to_device(self, rows: list[int]):
-        """The sampled rows' index and settings (scale, top_k, top_p, min_p, seed) on the device,
-        through pinned buffers, and which filters any row uses. Four buffers in turn: a step
-        draws up to three times before it waits for the device (`_finish`: the rows of grammars
-        not armed yet, then the constrained ones, then the plain sampled rows), and a buffer may
-        be filled again only once its copy has run; with two, the third draw wrote its rows'
-        index and settings over the first's before the first was copied."""
-        if self._sampling_host is None:
-            pinned = self.device.type == "cuda"
-            self._sampling_host = [
-                (
-                    torch.zeros(3, self.width, dtype=torch.long, pin_memory=pinned),
-                    torch.zeros(3, self.width, dtype=torch.float32, pin_memory=pinned),
-                )
-                for _ in range(4)
-            ]
-        whole, real = self._sampling_host[self._sampling_flip]
-        self._sampling_flip = (self._sampling_flip + 1) % len(self._sampling_host)
-        n, decodable = len(rows), self.weights.decodable
-        ints, floats = whole.numpy()[:, :n], real.numpy()[:, :n]
-        # Whole rows of settings at once: a row at a time into numpy cost a step three times as
-        # much host time at hundreds of rows (BENCHMARKS.md, decisions).
-        chosen = [self.rows[i] for i in rows]
-        settings = [row.chooser.sampling for row in chosen]
-        ints[0] = rows
-        ints[1] = [s.top_k if 0 < s.top_k < decodable else 0 for s in settings]
-        ints[2] = [row.seed for row in chosen]
-        floats[0] = [s.scale for s in settings]
-        floats[1] = [s.top_p if s.top_p < 1.0 else 2.0 for s in settings]
-        floats[2] = [s.min_p for s in settings]
-        flags = (int(ints[1].max()), bool((floats[1] <= 1.0).any()), bool((floats[2] > 0).any()))
-        ints, floats = (
-            whole.to(self.device, non_blocking=True)[:, :n],
-            real.to(self.device, non_blocking=True)[:, :n],
-        )  # whole: contiguous copies
-        return ints[0], floats[0], ints[1], floats[1], floats[2], ints[2], flags

@@ -50,7 +50,7 @@ def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
 
 
 def test_new_prompts_padded_to_a_graphs_shape_decode_as_alone(torch_backend):
-    # CUDA's graphed prefill of new prompts (`_prefill_padded`), run eagerly on the CPU.
+    # CUDA's graphed prefill of new prompts (`Graphs.prefill_padded`), run eagerly on the CPU.
     requests = [(p, n, Sampling()) for p, n in zip(PROMPTS, [40, 7, 90, 1, 33, 60, 25], strict=False)]
     decoder = BatchedDecoder(torch_backend.decoder_weights, 4, prefill_graphs=True)
     out = run_batch(decoder, requests, torch_backend)

@@ -171,8 +171,8 @@ def check_model(name: str, model: str, root: Path) -> None:
             after.pages.take(row, len(ids) + 8)
         after.prefill.run([(0, ids[:40], 0), (1, ids[:20], 0)], lora_rows=[-1, -1])
         spans = []
-        after._padded_pass = lambda rows, length, span: spans.append(span) or type(after)._padded_pass(
-            after, rows, length, span
+        after.graphs.padded = lambda rows, length, span: spans.append(span) or after.network.padded_pass(
+            rows, length, span
         )
         got, _ = after.prefill.run([(0, ids[40:60], 40), (1, ids[20:50], 20), (2, ids[:9], 0)], lora_rows=[-1] * 3)
         check(

@@ -3,7 +3,7 @@
     python3 tests/gpu/prefill.py --out $OUT [--shapes random:phi-2,random:llama-3.2-1b] [--no-serve]
 
 1. parity, per shape, float32 then bfloat16: new prompts prefilled padded from CUDA graphs
-   (`BatchedDecoder._prefill_padded`) against the same prompts prefilled eagerly
+   (`Graphs.prefill_padded`) against the same prompts prefilled eagerly
    (`prefill_graphs=False`): the last-token logits of prompts of 3 to 250 tokens, and the greedy
    ids of 8 prompts decoded together by each (and, graphed, each alone); then pieces after
    cached columns: 6 prompts of 40-790 tokens chunked 64 tokens a step while others decode
