@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import weakref
 
 import torch
 
@@ -269,10 +270,10 @@ class BatchedDecoder:
         # Prompt pieces beside the decode steps: on CUDA with graphs, on a stream of their own
         # (`_step`), their graphs in a memory pool of their own, as the two run at once.
         overlap = use_graphs and on_cuda if overlap_prefill is None else overlap_prefill
-        network = self.network
+        network, decoder = self.network, weakref.ref(self)  # weak: no cycle keeps the pool alive
         self.graphs = Graphs(
             network.decode_step,
-            network.padded_pass,
+            lambda rows, length, span: decoder()._padded_pass(rows, length, span),
             network.load_padded,
             network.idle_padded,
             network.uncompile,
@@ -315,6 +316,12 @@ class BatchedDecoder:
         return self.rows
 
     @property
+    def long_prompts_from(self) -> int | None:
+        """longrope's original length, past which a prompt takes the long factors (None: other
+        rotaries); tests/test_families.py reads it here."""
+        return self.network.long_prompts_from
+
+    @property
     def cache_pages(self) -> int:
         return self.pages.cache_pages
 
@@ -340,6 +347,10 @@ class BatchedDecoder:
     def _prefill(self, *args, **kwargs) -> tuple[torch.Tensor, dict]:
         """`Prefill.run`, by the name benchmarks/prompt_lookup.py calls."""
         return self.prefill.run(*args, **kwargs)
+
+    def _padded_pass(self, rows: int, length: int, span: int) -> torch.Tensor:
+        """`Network.padded_pass`, by the name tests/test_families.py records the padded passes under."""
+        return self.network.padded_pass(rows, length, span)
 
     def _need(self, sequence: Sequence) -> int:
         return len(sequence.prompt_ids) + sequence.max_new_tokens
