@@ -2,9 +2,10 @@
 Llama and Mistral, Qwen2/3, Phi-3): the contract's Decoder (backends/__init__.py), in rooms.
 
 - here, `BatchedDecoder`: the rows (a `Row` per active sequence), add, remove and step, the
-  step's state (`StepState`), launching a decode step and collecting its tokens;
-- backends/torch_model.py: what the network computes (the weights, a block's math, the prefill,
-  decode, fused and mixed passes, the logits);
+  step's state (`StepState`), launching a decode step and collecting its tokens (`Draws`: the
+  tokens chosen on the device);
+- backends/torch_model.py: what the network computes (a block's math, the prefill, decode,
+  fused and mixed passes, the logits) over the weights of backends/torch_weights.py;
 - backends/torch_graphs.py: when a pass is replayed from a CUDA graph (the bucket tables);
 - backends/torch_prefill.py: prompts in (pieces, the per-step budget, their logits);
 - backends/kv_pages.py: the paged KV cache and its accounting (`RowPages`).
