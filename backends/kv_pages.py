@@ -34,6 +34,8 @@ import os
 
 import torch
 
+from backends import KvCacheUsage
+
 PAGE = 16  # positions a page: the Triton decode kernel's column block (triton_decode.ATTENTION)
 
 
@@ -76,8 +78,7 @@ class PagedKV:
         # Keys and values of every layer: [2, layers, kv_heads, most_pages, PAGE, head_dim]. Each
         # layer's k and v are its whole (contiguous) part, `most_pages` pages of which the tables
         # name only the first `pages`: on the CPU a view of fewer pages is not contiguous, and
-        # index_select and index_put on it copied the layer first (Phi-2, a 2,032-token prompt's
-        # chunks beside 4 short rows on a 2-vCPU EPYC: 185 ms of copies in two steps of 1.3 s).
+        # index_select and index_put on it copied the layer first (BENCHMARKS.md, decisions).
         self._region: mmap.mmap | None = None
         if self.grows:
             self._whole = self._reserve((2, layers, *self._shape(self.most_pages)))
@@ -149,8 +150,8 @@ class PagedKV:
     def copy_page(self, source: int, target: int) -> None:
         """Page `target` holds what `source` does, in every layer (a shared prefix that ends
         part-way into a page: the row writes the rest of its copy)."""
-        # One copy for every layer (one kernel on a GPU: a copy a layer was 64 launches for
-        # Phi-2, 0.65 ms of a prompt cache hit's first token on an H200).
+        # One copy for every layer (one kernel on a GPU, not a launch a layer, in a prompt cache
+        # hit's first token: BENCHMARKS.md, decisions).
         self._whole[:, :, :, target] = self._whole[:, :, :, source]
 
     def move(self, targets: list[int], sources: list[int]) -> None:
@@ -190,10 +191,10 @@ class PagedKV:
         """A zeroed CPU tensor of `shape` whose memory is taken only where it is written: an
         anonymous private mapping (the system backs a page with zeros when it is first touched),
         without transparent huge pages (one 2 MB page a (layer, head) where a few KB are used).
-        Growing a pool of copies instead held the worker 14-17 s for 2.7 GB of random Phi-2 on a
-        2-vCPU VM (the copy, and zeroing memory backed on first touch) while a short prompt's
-        admission waited. Where there is no such mapping (not POSIX), the tensor is allocated
-        zeroed, whole."""
+        Growing a pool by copies instead held the worker for seconds (the copy, and zeroing memory
+        backed on first touch) while a short prompt's admission waited (BENCHMARKS.md,
+        decisions). Where there is no such mapping (not POSIX), the tensor is allocated zeroed,
+        whole."""
         size = math.prod(shape) * self.dtype.itemsize
         if os.name != "posix":
             return torch.zeros(shape, dtype=self.dtype)
@@ -277,12 +278,11 @@ class PagedKV:
     def gathered(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of `pages` (ids [n]) in that order, [kv_heads, n, PAGE, head_dim]
         each: on the CPU a view of the pool where the pages are consecutive, else a copy, by
-        index_select of whole pages (on a 2-vCPU EPYC 3-4x faster than indexing the pool with
-        the table). On the CPU the copies go to two kept buffers, which the next
-        call overwrites: there a fresh tensor of tens of MB cost more than the copy itself (page
-        faults; 5 rows of Phi-2 at 1,040 columns, 53 MB: 43 ms fresh, 11 ms kept). The buffers
-        keep the largest gather's size until the pool shrinks: at most one layer's keys and
-        values for every row at full context."""
+        index_select of whole pages (faster on the CPU than indexing the pool with the table).
+        On the CPU the copies go to two kept buffers, which the next call overwrites: there a
+        fresh tensor of tens of MB cost more than the copy itself, in page faults (BENCHMARKS.md,
+        decisions). The buffers keep the largest gather's size until the pool shrinks: at most
+        one layer's keys and values for every row at full context."""
         k, v = self.k[layer], self.v[layer]
         if self.device.type != "cpu":
             return k.index_select(1, pages), v.index_select(1, pages)
@@ -290,7 +290,6 @@ class PagedKV:
         first = int(pages[0]) if count else 0
         if count > 1 and int(pages[-1]) == first + count - 1 and bool((pages.diff() == 1).all()):
             # Consecutive pages (a row alone in its pool takes them in order): a view, no copy.
-            # The copy was 2 x 1.6 ms a layer for a row of 1,040 columns of Phi-2 on this CPU.
             return k[:, first : first + count], v[:, first : first + count]
         shape = (self.kv_heads, count, PAGE, self.head_dim)
         size = math.prod(shape)
@@ -306,3 +305,122 @@ class PagedKV:
         positions = torch.arange(start, end, device=self.device)
         page, offset = self._longs(pages)[positions // PAGE], positions % PAGE
         return torch.stack([k[:, page, offset] for k in self.k]), torch.stack([v[:, page, offset] for v in self.v])
+
+
+# The CPU's pool keeps at least this many pages when it shrinks (torch_model.MIN_LENGTH_BUCKET's).
+MIN_PAGES = 128 // PAGE
+
+
+class RowPages:
+    """The decoder's page accounting: one pool laid out for the KV budget and the prompt cache's,
+    which rows take pages from when they join (`take`) and the engine admits by (`fits`).
+
+    The pool is laid out once for `kv_cache_bytes` (or a full-context row for each row) and the
+    prompt cache's budget: on a GPU allocated whole (graphs hold its address), on the CPU as
+    address space that memory backs where rows write, its extent grown and shrunk with use."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+        rows: int,
+        context: int,
+        kv_cache_bytes: int | None,
+        prompt_cache_bytes: int,
+        whole: bool,
+    ):
+        self.per_position = 2 * layers * kv_heads * head_dim * dtype.itemsize
+        self.budget = kv_cache_bytes
+        self.context = context
+        page_bytes = PAGE * self.per_position
+        # The prompt cache keeps its pages in the same pool (it shares them with the rows that
+        # reuse them): room for its budget besides the rows'.
+        self.cache_pages = cache_pages(prompt_cache_bytes, page_bytes)
+        full_rows = rows * pages_for(context + 1)
+        rows_pages = int(kv_cache_bytes // page_bytes) - 1 if kv_cache_bytes else full_rows
+        most_pages = 1 + rows_pages + self.cache_pages
+        self.kv = PagedKV(
+            layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            device,
+            rows,
+            context,
+            min(1 + MIN_PAGES, most_pages),  # on the CPU: its extent grows with what rows take
+            most_pages,
+            whole=whole,
+        )
+
+    def usage(self) -> KvCacheUsage:
+        kv = self.kv
+        # On a GPU the whole pool but the prompt cache's share is the budget: allocated at once,
+        # in what KV_CACHE_BYTES allowed. Blocks count the cache's too (one pool).
+        budget = self.budget or 0 if kv.grows else (kv.pages - self.cache_pages) * kv.page_bytes
+        return KvCacheUsage(
+            budget_bytes=budget,
+            used_bytes=kv.row_pages * kv.page_bytes,
+            reserved_bytes=kv.row_pages * kv.page_bytes,  # they take their pages when they join
+            peak_bytes=kv.peak_pages * kv.page_bytes,
+            bytes_per_token=self.per_position,
+            allocated_bytes=kv.nbytes,
+            block_tokens=PAGE,
+            blocks=kv.pages - 1,
+            blocks_used=kv.held_pages,
+        )
+
+    def columns(self, need: int) -> int:
+        """The cache columns a sequence of `need` positions (its prompt and max_new_tokens) may
+        use: its positions and one more that a last decode step may write."""
+        return min(need + 1, self.context)
+
+    def row_page_limit(self) -> int:
+        """The most pages the rows may hold, the scratch page included: the pool's but the
+        prompt cache's share."""
+        return self.kv.most_pages - self.cache_pages
+
+    def has_room_for(self, prompt_cache_bytes: int) -> bool:
+        """Whether the pool has room for a prompt cache of that budget."""
+        return cache_pages(prompt_cache_bytes, self.kv.page_bytes) <= self.cache_pages
+
+    def cache_budget(self, prompt_cache_bytes: int) -> int:
+        """Take a new prompt cache budget, cut to the room the pool was laid out with; the bytes
+        taken."""
+        if not self.has_room_for(prompt_cache_bytes):
+            prompt_cache_bytes = self.cache_pages * self.kv.page_bytes
+        self.cache_pages = cache_pages(prompt_cache_bytes, self.kv.page_bytes)
+        return prompt_cache_bytes
+
+    def fits(self, needs: list[int]) -> bool:
+        """Whether new sequences of `needs` positions each have pages beside the held ones
+        (counted whole: what they may share of stored prompts is not known yet)."""
+        wanted = sum(pages_for(self.columns(n)) for n in needs)
+        return 1 + self.kv.row_pages + wanted <= self.row_page_limit()
+
+    def take(self, row: int, columns: int, shared: list[int] = ()) -> None:
+        """Give a row the pages of `columns` columns, `shared` (a stored prefix's) first, the
+        CPU's pool's extent grown for the rest (no copy)."""
+        kv = self.kv
+        short = pages_for(columns) - len(shared) - len(kv.free)
+        if short > 0:
+            if not kv.grows or kv.pages + short > kv.most_pages:
+                raise RuntimeError("the KV pool is full")  # `fits` admits no sequence past it
+            kv.resize(kv.pages + short)
+        kv.assign(row, columns, shared)
+
+    def shrink(self) -> None:
+        """On the CPU, give memory back once the pool holds over twice what its sequences use."""
+        if not self.kv.grows:
+            return
+        kv = self.kv
+        enough = max(kv.held_pages, MIN_PAGES) + 1
+        if kv.pages > 2 * enough:
+            kv.resize(enough)
+
+
+def cache_pages(prompt_cache_bytes: int, page_bytes: int) -> int:
+    """The most pages the prompt cache keeps: its budget's."""
+    return prompt_cache_bytes // page_bytes

@@ -9,7 +9,10 @@ import pytest
 
 from backends import Sampling, Sequence
 from backends.drive import drive
-from backends.torch_decoder import MIN_LENGTH_BUCKET, BatchedDecoder, supports
+from backends.torch_decoder import BatchedDecoder, supports
+from backends.torch_graphs import MIN_LENGTH_BUCKET, Graphs
+from backends.torch_model import Network
+from backends.torch_prefill import InFlight, Prefill
 
 PROMPTS = [
     "The quick brown",
@@ -47,11 +50,11 @@ def test_every_sequence_in_a_batch_decodes_as_alone(torch_backend, chunk):
 
 
 def test_new_prompts_padded_to_a_graphs_shape_decode_as_alone(torch_backend):
-    # CUDA's graphed prefill of new prompts (`_prefill_padded`), run eagerly on the CPU.
+    # CUDA's graphed prefill of new prompts (`Graphs.prefill_padded`), run eagerly on the CPU.
     requests = [(p, n, Sampling()) for p, n in zip(PROMPTS, [40, 7, 90, 1, 33, 60, 25], strict=False)]
     decoder = BatchedDecoder(torch_backend.decoder_weights, 4, prefill_graphs=True)
     out = run_batch(decoder, requests, torch_backend)
-    assert decoder._padded_inputs is not None
+    assert decoder.network._padded_inputs is not None
     for i, (prompt, n, _) in enumerate(requests):
         assert out[i] == alone(torch_backend, prompt, n), prompt
 
@@ -61,22 +64,22 @@ def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_grap
     token budget (its second piece would be prefilled eagerly), new prompts are not grouped with
     pieces that continue cached columns, and a group larger than a graph takes is split; every
     sequence still decodes as alone."""
-    from backends import torch_decoder
+    from backends import torch_graphs
 
-    monkeypatch.setattr(torch_decoder, "PREFILL_GRAPH_TOKENS", 64)  # a graph takes 4 rows of 16
+    monkeypatch.setattr(torch_graphs, "PREFILL_GRAPH_TOKENS", 64)  # a graph takes 4 rows of 16
     pieces, fresh, after = [], [], []
-    original_prefill, original_padded = BatchedDecoder._prefill, BatchedDecoder._prefill_padded
+    original_prefill, original_padded = Prefill.run, Graphs.prefill_padded
 
     def prefill(self, parts, *args, **kwargs):
-        pieces.extend((self.slots[i].sequence.id, start) for i, _, start in parts)
+        pieces.extend((self.rows[i].sequence.id, start) for i, _, start in parts)
         return original_prefill(self, parts, *args, **kwargs)
 
     def prefill_padded(self, parts, rows, length, span):
         (fresh if not span else after).append(len(parts))
         return original_padded(self, parts, rows, length, span)
 
-    monkeypatch.setattr(BatchedDecoder, "_prefill", prefill)
-    monkeypatch.setattr(BatchedDecoder, "_prefill_padded", prefill_padded)
+    monkeypatch.setattr(Prefill, "run", prefill)
+    monkeypatch.setattr(Graphs, "prefill_padded", prefill_padded)
     weights = torch_backend.decoder_weights
     long = torch_backend.encode("A long prompt that the budget cuts into pieces. " * 3)
     short = [torch_backend.encode(f"Short prompt number {i} here") for i in range(9)]
@@ -100,16 +103,16 @@ def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_grap
 
 def test_a_prompt_piece_rides_along_in_the_decode_steps_pass(torch_backend, monkeypatch):
     """On the CPU a step's one prompt piece is prefilled in its decode step's own pass
-    (`_mixed_step`: the weights read once for both), and every sequence still decodes as alone:
+    (`Network.mixed_step`: the weights read once for both), and every sequence still decodes as alone:
     greedy, seeded, with logprobs, its prompt finishing in such a step or not."""
     pieces = []
-    original = BatchedDecoder._mixed_step
+    original = Network.mixed_step
 
-    def counted(self, batch, span, fused):
+    def counted(self, batch, span, fused, *rest):
         pieces.extend(len(ids) for _, ids, _ in fused)
-        return original(self, batch, span, fused)
+        return original(self, batch, span, fused, *rest)
 
-    monkeypatch.setattr(BatchedDecoder, "_mixed_step", counted)
+    monkeypatch.setattr(Network, "mixed_step", counted)
     weights = torch_backend.decoder_weights
     long = torch_backend.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 4))
     sequences = [
@@ -129,18 +132,18 @@ def test_a_prompt_piece_rides_along_in_the_decode_steps_pass(torch_backend, monk
 
 def test_short_prompts_arriving_behind_a_long_one_share_the_step_budget(torch_backend, monkeypatch):
     """A step's prompt budget goes first to half for the oldest waiting prompt, then to the
-    prompts with the fewest tokens left (`_prefill_takes`): short prompts arriving behind a long
+    prompts with the fewest tokens left (`Prefill.takes`): short prompts arriving behind a long
     one get their first tokens within a few steps, not after all of its pieces; the long one
     still gets half of every step's budget; a step's several pieces go through one pass, with
-    decode rows or none (`_mixed_step`); every sequence decodes as alone."""
+    decode rows or none (`Network.mixed_step`); every sequence decodes as alone."""
     passes = []  # each fused pass: (decode rows, its pieces' lengths)
-    original = BatchedDecoder._mixed_step
+    original = Network.mixed_step
 
-    def counted(self, batch, span, fused):
+    def counted(self, batch, span, fused, *rest):
         passes.append((batch, [len(ids) for _, ids, _ in fused]))
-        return original(self, batch, span, fused)
+        return original(self, batch, span, fused, *rest)
 
-    monkeypatch.setattr(BatchedDecoder, "_mixed_step", counted)
+    monkeypatch.setattr(Network, "mixed_step", counted)
     weights = torch_backend.decoder_weights
     long = torch_backend.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 14))
     short = ["Once upon", "Hello world", "zq", "def f(x):\n"]
@@ -200,16 +203,14 @@ def flat(steps) -> list:
 def slow_prefill(monkeypatch):
     """Prompt pieces launched beside the decode steps stay in flight for 4 checks (a slow
     device's: on the CPU they are done once launched), however many steps that takes."""
-    from backends import torch_decoder
-
     hold = 4
-    ready = torch_decoder._Prefill.ready
+    ready = InFlight.ready
 
     def slow(self):
         self.checks = getattr(self, "checks", 0) + 1
         return self.checks > hold and ready(self)
 
-    monkeypatch.setattr(torch_decoder._Prefill, "ready", slow)
+    monkeypatch.setattr(InFlight, "ready", slow)
 
 
 @pytest.mark.parametrize("padded", [False, True])  # eager pieces; padded to a graph's shape, as on CUDA
@@ -235,21 +236,21 @@ def test_prompt_pieces_beside_decode_steps_leave_every_sequence_as_alone(torch_b
     launched = []  # the passes of each launch seen in flight
 
     def watch(step, tokens):
-        if decoder._prefilling is not None and tokens:
+        if decoder.state.pieces is not None and tokens:
             beside.append(step)
-            launched.append(len(decoder._prefilling.passes))
+            launched.append(len(decoder.state.pieces.passes))
 
     out = drive(decoder, sequences, arrive_at={2: 2, 3: 5, 4: 9}, stop_after={0: 6}, on_tokens=watch)
     assert len(beside) >= 6
     assert max(launched) >= len(long) // 8  # a prompt's pieces launched together, one after another
-    assert (decoder._padded_inputs is not None) == padded
+    assert (decoder.network._padded_inputs is not None) == padded
     assert len(out.ids[0]) == 6
     for sequence in sequences[1:]:
         single = drive(BatchedDecoder(weights, 1), [sequence])
         assert out.ids[sequence.id] == single.ids[sequence.id], sequence.id
         if sequence.logprobs is not None:  # the same tokens scored, to float32's rounding
             assert flat(out.logprobs[sequence.id]) == pytest.approx(flat(single.logprobs[sequence.id]), abs=1e-4)
-    assert not decoder.slots and decoder._prefilling is None
+    assert not decoder.rows and decoder.state.pieces is None
 
 
 def test_a_sequence_that_leaves_while_its_prompt_pieces_run_disturbs_no_other(torch_backend, slow_prefill):
@@ -263,7 +264,7 @@ def test_a_sequence_that_leaves_while_its_prompt_pieces_run_disturbs_no_other(to
     def step():
         for seq_id, tokens in decoder.step().items():
             ids[seq_id] += tokens
-        decoder.remove(*[s.sequence.id for s in decoder.slots if len(s.generated) >= s.sequence.max_new_tokens])
+        decoder.remove(*[s.sequence.id for s in decoder.rows if len(s.generated) >= s.sequence.max_new_tokens])
 
     decoder.add(stream)
     while not ids[1]:
@@ -271,11 +272,11 @@ def test_a_sequence_that_leaves_while_its_prompt_pieces_run_disturbs_no_other(to
     decoder.add(leaving)
     for _ in range(2):
         step()  # the stream decodes while the other's first piece runs
-    assert decoder._prefilling is not None and len(ids[1]) == 3
+    assert decoder.state.pieces is not None and len(ids[1]) == 3
     decoder.remove(2)
-    assert decoder._prefilling is None  # its pieces are not read: nobody waits for them
+    assert decoder.state.pieces is None  # its pieces are not read: nobody waits for them
     decoder.add(after)  # takes the pages the leaver gave back
-    while decoder.slots:
+    while decoder.rows:
         step()
     assert ids[1] == drive(BatchedDecoder(weights, 1), [stream]).ids[1]
     assert ids[3] == drive(BatchedDecoder(weights, 1), [after]).ids[3]
@@ -290,7 +291,7 @@ def test_a_sequence_leaving_the_middle_of_the_batch_disturbs_no_other(torch_back
     for i in (2, 3, 4):
         assert out[i] == alone(torch_backend, requests[i][0], 200)
     assert len(out[1]) == cut[0] and len(out[0]) == cut[1]
-    assert not decoder.slots  # every slot was freed
+    assert not decoder.rows  # every row was freed
 
 
 def test_sequences_leaving_together_disturb_no_other(torch_backend):
@@ -304,7 +305,7 @@ def test_sequences_leaving_together_disturb_no_other(torch_backend):
     assert [len(out[i]) for i in (0, 2, 3)] == [9, 9, 9]
     decoder.add(Sequence(9, torch_backend.encode("Once upon"), Sampling(), 5))
     decoder.remove(9, 12345)  # an id it does not hold is ignored
-    assert not decoder.slots
+    assert not decoder.rows
 
 
 def test_long_generations_grow_the_cache_and_give_it_back(torch_backend):
@@ -372,13 +373,13 @@ def test_a_prompt_sent_again_takes_its_last_token_through_a_decode_step(torch_ba
     for sampling in (Sampling(), Sampling(temperature=1.3, top_p=0.9, seed=5)):
         first = drive(decoder, [Sequence(1, prompt, sampling, 12)]).ids[1]
         prefilled = []
-        original = BatchedDecoder._prefill
+        original = Prefill.run
 
         def counted(self, parts, *args, **kwargs):
             prefilled.extend(len(ids) for _, ids, _ in parts)
             return original(self, parts, *args, **kwargs)
 
-        monkeypatch.setattr(BatchedDecoder, "_prefill", counted)
+        monkeypatch.setattr(Prefill, "run", counted)
         again = drive(decoder, [Sequence(2, prompt, sampling, 12)])
         monkeypatch.undo()
         assert again.ids[2] == first
@@ -400,11 +401,11 @@ def test_a_stored_prompt_is_shared_by_page_not_copied(torch_backend):
     decoder.add(first)
     while 0 not in decoder.step():  # its prefill completes: the prompt is stored
         pass
-    stored_pages = list(decoder.kv.held[decoder.index[0]])
+    stored_pages = list(decoder.kv.held[decoder.row_of[0]])
     second = Sequence(1, system + torch_backend.encode(" Another one?"), Sampling(), 8)
     reused = decoder.add(second)
     assert reused >= len(system) and reused > PAGE
-    row = decoder.index[1]
+    row = decoder.row_of[1]
     whole = reused // PAGE
     assert decoder.kv.held[row][:whole] == stored_pages[:whole]  # the same pages, no copy
     assert decoder.kv.held[row][whole] not in stored_pages  # a page it writes is its own
@@ -496,7 +497,7 @@ def test_a_hit_gives_a_row_the_keys_and_values_of_its_own_prefix(torch_backend):
         sequence = Sequence(i, prompt, Sampling(), 3)
         reused = decoder.add(sequence)
         if reused:
-            held = decoder.kv.held[decoder.index[i]]
+            held = decoder.kv.held[decoder.row_of[i]]
             reference.add(Sequence(100 + i, prompt, Sampling(), 1))
             while 100 + i not in reference.step():
                 pass
@@ -505,7 +506,7 @@ def test_a_hit_gives_a_row_the_keys_and_values_of_its_own_prefix(torch_backend):
             assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, expected, strict=True)), (i, reused)
             reference.remove(100 + i)
             checked += reused % PAGE != 0
-        while len(decoder.slots[decoder.index[i]].generated) < 3:
+        while len(decoder.rows[decoder.row_of[i]].generated) < 3:
             decoder.step()
         decoder.remove(i)
     assert checked >= 3

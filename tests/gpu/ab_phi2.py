@@ -35,7 +35,7 @@ def timed(make, batch):
     decoder.clear()
     for i in range(batch):
         decoder.add(Sequence(i, prompt, Sampling(), 300))
-    while any(s.next_token is None for s in decoder.slots):
+    while any(s.next_token is None for s in decoder.rows):
         decoder.step()
     torch.cuda.synchronize()
     t = time.perf_counter()

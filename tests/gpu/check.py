@@ -18,20 +18,25 @@ adapters: per-request LoRA adapters, float32: a batch mixing the base model and 
    transformers' forward with it merged; then bench.py --adapters (bfloat16).
 constrained: structured output, float32: greedy rows under a JSON Schema beside plain ones, with
    CUDA graphs (their steps chain, the masks applied after each forward pass) against the same
-   without graphs; then bench.py --constrained at 1 and 64 (bfloat16).
+   without graphs; then bench.py --constrained's measurement at 1 and 64 (bfloat16), each
+   decoder's KV pool sized (CONSTRAINED_KV_BYTES).
 scale: issue 18's workloads over HTTP (MAX_BATCH=128, or $SCALE_MAX_BATCH): 1, 64 and 256 clients,
    a 1,044-token prompt's TTFT, 63 streams' inter-token latency while such prompts arrive.
-`--only quant,prompt_cache` runs just those sections. Not part of `make test` (CI has no GPU).
+`--only quant,prompt_cache` runs just those sections. A section that raises, or whose bench.py
+or server fails, is reported at the end, and check.py exits 1. Not part of `make test` (CI has no
+GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,10 +51,35 @@ from backends.torch_decoder import BatchedDecoder  # noqa: E402
 PROMPT = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is two plus two?"
 RESULTS: dict = {}
 SKIP: set[str] = set()
+FAILED: list[str] = []  # what failed, by section: check.py's exit status is 1 if any
+SECTION = ["setup"]  # the section running (`section`), for failures found inside it
+# The constrained speed step's KV budget for each decoder: benchmarks/constrained.py holds a
+# decoder of each batch size in turn and the runtime lays each pool out whole, so at the default
+# budget (most of the free memory) the second pool, beside the warm-up's, ran out of memory.
+CONSTRAINED_KV_BYTES = 8 * 2**30
 
 
 def say(*parts) -> None:
     print(*parts, flush=True)
+
+
+def failed(what: str) -> None:
+    """Record a failure of the running section (check.py exits 1 at the end)."""
+    FAILED.append(f"{SECTION[0]}: {what}")
+    say("FAILED", FAILED[-1])
+
+
+def section(name: str, run) -> None:
+    """Run a section; if it raises, record the failure (with its traceback) and go on."""
+    SECTION[0] = name
+    try:
+        run()
+    except Exception as exc:  # reported at the end: the other sections still run
+        traceback.print_exc()
+        RESULTS[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        failed(f"{type(exc).__name__}: {exc}"[:300])
+    finally:
+        torch.cuda.empty_cache()
 
 
 def timed_cuda(fn) -> float:
@@ -243,7 +273,7 @@ def speed() -> dict:
         for i in range(batch):
             decoder.add(Sequence(i, ids[0].tolist(), Sampling(), n))
         decoder.step()  # prefill (all 16-token prompts fit one chunk budget at these sizes)
-        while any(s.next_token is None for s in decoder.slots):
+        while any(s.next_token is None for s in decoder.rows):
             decoder.step()
         steps = 100
         seconds = timed_cuda(lambda: [decoder.step() for _ in range(steps)])
@@ -308,12 +338,33 @@ def quant_parity(method: str) -> dict:
     return result
 
 
-def run_bench(*arguments: str, env: dict | None = None, timeout: int = 500) -> str:
-    command = [sys.executable, str(ROOT / "bench.py"), *arguments]
+def run_bench(*arguments: str, env: dict | None = None, timeout: int = 500, script: Path = ROOT / "bench.py") -> str:
+    """bench.py's output (or `script`'s); a non-zero exit is a failure of the section."""
+    command = [sys.executable, str(script), *arguments]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     say(done.stdout)
     say(done.stderr[-2000:])
+    if done.returncode != 0:
+        failed(f"{script.name} {' '.join(arguments)} exited {done.returncode}")
     return done.stdout
+
+
+def constrained_speed() -> int:
+    """bench.py --constrained's measurement (benchmarks/constrained.py) at 1 and 64 rows, in this
+    process (check.py --constrained-speed), with the backend bench.py would load but for its KV
+    budget: CONSTRAINED_KV_BYTES, so that a decoder made beside another fits."""
+    import benchmarks.constrained as constrained
+    from backends import select_backend
+    from benchmarks.in_process import server_load_options
+
+    name, options = server_load_options({"PHI2_MODEL": "random:phi-2", **os.environ})  # as the benchmark sets it
+    options = dataclasses.replace(options, kv_cache_bytes=CONSTRAINED_KV_BYTES)
+    backend = load_backend(select_backend(name), options)
+    constrained.load_in_process = lambda: backend  # the benchmark's own loader, sized
+    say("| batch | temperature | unconstrained tok/s | with the schema tok/s | with / without |")
+    say("| --- | --- | --- | --- | --- |")
+    constrained.constrained_decoding(argparse.Namespace(concurrency="1,64", max_tokens=128, runs=4))
+    return 0
 
 
 def serve_and_bench(
@@ -360,6 +411,8 @@ def serve_and_bench(
         time.sleep(0.5)
     result = {"startup_to_ready_s": ready}
     say("server ready after", ready)
+    if ready is None:
+        failed(f"the server ({out.name}) was not ready (see {out / 'server.log'})")
     if ready is not None:
         label = f"H200 compile={int(compile)}" + (f" {quantize}" if quantize else "")
 
@@ -391,6 +444,8 @@ def serve_and_bench(
             bench = subprocess.run(command, capture_output=True, text=True, timeout=600)
             say(bench.stdout)
             say(bench.stderr[-3000:])
+            if bench.returncode != 0:
+                failed(f"bench.py at concurrency {level} ({out.name}) exited {bench.returncode}")
             result["bench_table"] += bench.stdout
             after = worker_stats()
             steps = max(after["decode_steps"] - before["decode_steps"], 1)
@@ -424,6 +479,8 @@ def serve_and_bench(
             bench = subprocess.run(command, capture_output=True, text=True, timeout=300)
             say(bench.stdout)
             say(bench.stderr[-3000:])
+            if bench.returncode != 0:
+                failed(f"bench.py --latency ({out.name}) exited {bench.returncode}")
             result["latency_table"] = bench.stdout
     server.terminate()
     server.wait(60)
@@ -444,7 +501,10 @@ def main() -> int:
         help="comma list of sections to run instead: "
         "parity,speed,serve0,serve1,scale,quant,serve_quant,prompt_cache,adapters,constrained",
     )
+    parser.add_argument("--constrained-speed", action="store_true", help=argparse.SUPPRESS)  # `constrained`'s step
     args = parser.parse_args()
+    if args.constrained_speed:
+        return constrained_speed()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -467,23 +527,21 @@ def main() -> int:
     RESULTS["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
     say(RESULTS)
     torch.backends.cuda.matmul.allow_tf32 = False
-    if "parity" not in skip:
+
+    def parities() -> None:
         RESULTS["parity_float32"] = parity("float32")
         say("parity float32", RESULTS["parity_float32"])
         RESULTS["parity_bfloat16"] = parity("bfloat16")
         say("parity bfloat16", RESULTS["parity_bfloat16"])
-    if "speed" not in skip:
-        RESULTS["speed"] = speed()
-    for compile in (False, True):
-        if f"serve{int(compile)}" not in skip:
-            RESULTS[f"serve_compile{int(compile)}"] = serve_and_bench(out, compile)
-    if "scale" not in skip:
+
+    def scale() -> None:
         # Issue 18's workloads through HTTP: 1, 64 and 256 clients against MAX_BATCH=128, then the
         # long-prompt TTFT and the inter-token latency of 63 streams while long prompts arrive.
         RESULTS["serve_scale"] = serve_and_bench(
             out, True, concurrency="1,64,256", max_batch=int(os.environ.get("SCALE_MAX_BATCH", "128")), latency=True
         )
-    if "quant" not in skip:
+
+    def quant() -> None:
         # Weight-only int8/int4 (PHI2_QUANTIZE): kernels, logits against bfloat16, greedy ids;
         # then (serve_quant) a served model at 1 and 64 clients beside bfloat16 in the same run.
         RESULTS["quant_kernels"] = run_bench("--quant-kernels")
@@ -491,10 +549,12 @@ def main() -> int:
         for method in ("int8", "int4"):
             RESULTS[f"quant_parity_{method}"] = quant_parity(method)
             say(method, RESULTS[f"quant_parity_{method}"])
-    if "serve_quant" not in skip:
+
+    def serve_quant() -> None:
         for method in ("", "int8", "int4"):
             RESULTS[f"serve_quant_{method or 'bf16'}"] = serve_and_bench(out, True, method, concurrency="1,64")
-    if "prompt_cache" not in skip:
+
+    def prompt_cache() -> None:
         # A 1,000-token shared prefix plus a short question: TTFT with the prompt cache against
         # without, one client, then 8 at once.
         for clients in ("1", "8"):
@@ -510,30 +570,48 @@ def main() -> int:
                 env={"PHI2_MODEL": "random:phi-2", "MAX_BATCH": "16"},
                 timeout=560,  # two servers on one GPU: 16 slots each
             )
-    if "adapters" not in skip:
+
+    def adapters() -> None:
         RESULTS["adapter_parity"] = adapter_parity()
         torch.cuda.empty_cache()
         say("adapter parity", RESULTS["adapter_parity"])
         RESULTS["adapter_speed"] = run_bench(
             "--adapters", "--max-tokens", "128", "--runs", "4", env={"PHI2_MODEL": "random:phi-2"}
         )
-    if "constrained" not in skip:
+
+    def constrained() -> None:
         RESULTS["constrained_parity"] = constrained_parity()
         torch.cuda.empty_cache()
         say("constrained parity", RESULTS["constrained_parity"])
-        RESULTS["constrained_speed"] = run_bench(
-            "--constrained",
-            "--concurrency",
-            "1,64",
-            "--max-tokens",
-            "128",
-            "--runs",
-            "4",
-            env={"PHI2_MODEL": "random:phi-2"},
-            timeout=560,
+        # In a process of its own, as bench.py's would be, with each decoder's KV pool sized.
+        RESULTS["constrained_speed"] = run_bench("--constrained-speed", script=Path(__file__), timeout=560)
+
+    sections = [("parity", parities), ("speed", lambda: RESULTS.update(speed=speed()))]
+    for compile in (False, True):
+        sections.append(
+            (
+                f"serve{int(compile)}",
+                lambda c=compile: RESULTS.update({f"serve_compile{int(c)}": serve_and_bench(out, c)}),
+            )
         )
+    sections += [
+        ("scale", scale),
+        ("quant", quant),
+        ("serve_quant", serve_quant),
+        ("prompt_cache", prompt_cache),
+        ("adapters", adapters),
+        ("constrained", constrained),
+    ]
+    for name, run in sections:
+        if name not in skip:
+            section(name, run)
+    RESULTS["failed"] = FAILED
     (out / "results.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     say(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("serve")}, indent=1, default=str))
+    if FAILED:
+        say(f"{len(FAILED)} failed:\n  " + "\n  ".join(FAILED))
+        return 1
+    say("every section ran without a failure")
     return 0
 
 

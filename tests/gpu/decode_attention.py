@@ -138,7 +138,7 @@ def case(name, heads, rows, lengths, width, dtype, window=None, qk_norm=False, p
 
 def norm_case(n: int, rms: bool, dtype, with_bias: bool = True) -> int:
     """`td.norm` of rows with an offset (LayerNorm must center them) against the torch step's."""
-    from backends.torch_decoder import norm
+    from backends.torch_model import norm
 
     torch.manual_seed(n)
     x = (torch.randn(5, n, device=dev) * 3 + torch.randn(5, 1, device=dev) * 4).to(dtype)

@@ -193,12 +193,12 @@ def speed(shape: str, static: bool) -> dict:
             result["generate_static_tok_s"] = f"{type(exc).__name__}: {exc}"[:300]
     for batch in (1, 64):
         decoder = BatchedDecoder(weights, batch)
-        result["fused"] = decoder.fused
+        result["fused"] = decoder.network.fused
         decoder.capture(spans=(128, 256))
         decoder.clear()
         for i in range(batch):
             decoder.add(Sequence(i, PROMPTS[i % 8][:16], Sampling(), n))
-        while any(s.next_token is None for s in decoder.slots):
+        while any(s.next_token is None for s in decoder.rows):
             decoder.step()
         steps = 100
         seconds = timed_cuda(lambda: [decoder.step() for _ in range(steps)])

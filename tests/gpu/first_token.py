@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend, torch_decoder  # noqa: E402
+from backends import LoadOptions, Sampling, Sequence, load_backend, torch_model  # noqa: E402
 from backends.torch_decoder import BatchedDecoder  # noqa: E402
 
 GRAPHS = [(1, 32, 0), (1, 64, 0), (1, 64, 512), (1, 64, 2048), (1, 256, 2048), (8, 64, 2048), (32, 32, 512)]
@@ -56,25 +56,25 @@ def gpu_ms(fn, n: int = 20) -> float:
 
 def graphs(decoder: BatchedDecoder) -> None:
     for shape in GRAPHS:
-        if shape in decoder._padded_graphs:
-            graph, _ = decoder._padded_graphs[shape]
+        if shape in decoder.graphs.padded_graphs:
+            graph, _ = decoder.graphs.padded_graphs[shape]
             print(f"prefill graph {shape}: replay {gpu_ms(graph.replay):.3f} ms", flush=True)
 
 
 @torch.inference_mode()
 def pieces(decoder: BatchedDecoder) -> None:
-    decoder._take_pages(0, 2048)
-    paged = torch_decoder._Placement.paged
+    decoder.pages.take(0, 2048)
+    paged = torch_model.Placement.paged
     for start, length in PIECES:
         parts = [(0, prompt_of(length, 7), start)]
-        kernel = gpu_ms(lambda: decoder._prefill(parts, lora_rows=[-1]))  # noqa: B023
-        a, _ = decoder._prefill(parts, lora_rows=[-1])
-        torch_decoder._Placement.paged = property(lambda self: False)
+        kernel = gpu_ms(lambda: decoder.prefill.run(parts, lora_rows=[-1]))  # noqa: B023
+        a, _ = decoder.prefill.run(parts, lora_rows=[-1])
+        torch_model.Placement.paged = property(lambda self: False)
         try:
-            gathered = gpu_ms(lambda: decoder._prefill(parts, lora_rows=[-1]))  # noqa: B023
-            b, _ = decoder._prefill(parts, lora_rows=[-1])
+            gathered = gpu_ms(lambda: decoder.prefill.run(parts, lora_rows=[-1]))  # noqa: B023
+            b, _ = decoder.prefill.run(parts, lora_rows=[-1])
         finally:
-            torch_decoder._Placement.paged = paged
+            torch_model.Placement.paged = paged
         print(
             f"{length} tokens after {start}: paged kernel {kernel:.2f} ms, gather + masked SDPA {gathered:.2f} ms, "
             f"logits differ by {float((a - b).abs().max()):.3f} of {float(b.abs().max()):.2f}",
@@ -151,8 +151,8 @@ def main() -> int:
     started = time.perf_counter()
     decoder.capture()
     print(
-        f"captured in {time.perf_counter() - started:.1f} s: {len(decoder._padded_graphs)} prefill graphs, "
-        f"{len(decoder.graphs)} decode",
+        f"captured in {time.perf_counter() - started:.1f} s: {len(decoder.graphs.padded_graphs)} prefill graphs, "
+        f"{len(decoder.graphs.decode_graphs)} decode",
         flush=True,
     )
     graphs(decoder)

@@ -30,6 +30,7 @@ from backends import (  # noqa: E402
     Sequence,
     load_backend,
     torch_decoder,  # noqa: E402
+    torch_model,  # noqa: E402
 )
 from backends.drive import drive  # noqa: E402
 from backends.kv_pages import pages_for  # noqa: E402
@@ -48,9 +49,9 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 def cuda_like(decoder: BatchedDecoder) -> BatchedDecoder:
     """The decoder as CUDA runs it (fused step, chained steps, device draws), graphs replaced by
     plain calls: the CPU has none."""
-    decoder.kv.resize(1 + decoder.rows * pages_for(decoder.context + 1))  # whole, as on CUDA (the CPU's grows by use)
+    decoder.kv.resize(1 + decoder.width * pages_for(decoder.context + 1))  # whole, as on CUDA (the CPU's grows by use)
     decoder.use_graphs = True
-    decoder._replay = lambda batch, span, lora=0: decoder._decode_step(batch, span, lora)
+    decoder.graphs.replay = lambda batch, span, lora=0: decoder.network.decode_step(batch, span, lora)
     return decoder
 
 
@@ -104,7 +105,7 @@ def check_model(name: str, model: str, root: Path) -> None:
         triton_decode.works(
             w.device,
             w.embed.dtype,
-            torch_decoder.heads_of(arch),
+            torch_model.heads_of(arch),
             w.hidden,
             w.inner,
             arch.parallel,
@@ -118,31 +119,31 @@ def check_model(name: str, model: str, root: Path) -> None:
     with torch.inference_mode():
         plain = BatchedDecoder(w, 4, cuda_graphs=False)
         for row in range(4):  # every slot the checks write holds its pages
-            plain._take_pages(row, len(ids) + 8)
-        reference, _ = plain._prefill([(0, ids, 0), (1, ids[:50], 0)], lora_rows=[-1, -1])
+            plain.pages.take(row, len(ids) + 8)
+        reference, _ = plain.prefill.run([(0, ids, 0), (1, ids[:50], 0)], lora_rows=[-1, -1])
         fused = BatchedDecoder(w, 4, cuda_graphs=False, fused=True)
         for row in range(4):
-            fused._take_pages(row, len(ids) + 8)
+            fused.pages.take(row, len(ids) + 8)
         fused.use_graphs = True
-        one, _ = fused._prefill([(0, ids, 0)], lora_rows=[-1])
+        one, _ = fused.prefill.run([(0, ids, 0)], lora_rows=[-1])
         check(
             f"{name}: prefill, one piece",
             torch.allclose(one[0], reference[0], atol=1e-5),
             f"{(one[0] - reference[0]).abs().max():.1e}",
         )
         for threshold in (0, 10**9):
-            torch_decoder.LOWER_RIGHT_FROM = threshold
-            fused._prefill([(1, ids[:10], 0)], lora_rows=[-1])
-            rest, _ = fused._prefill([(1, ids[10:], 10)], lora_rows=[-1])
+            torch_model.LOWER_RIGHT_FROM = threshold
+            fused.prefill.run([(1, ids[:10], 0)], lora_rows=[-1])
+            rest, _ = fused.prefill.run([(1, ids[10:], 10)], lora_rows=[-1])
             check(
                 f"{name}: prefill after cached columns "
                 f"({'bottom-right causal' if threshold == 0 else 'explicit mask'})",
                 torch.allclose(rest[0], reference[0], atol=1e-5),
                 f"{(rest[0] - reference[0]).abs().max():.1e}",
             )
-        torch_decoder.LOWER_RIGHT_FROM = 768
+        torch_model.LOWER_RIGHT_FROM = 768
         fused.use_graphs = False
-        padded, _ = fused._prefill([(2, ids, 0), (3, ids[:50], 0)], lora_rows=[-1, -1])
+        padded, _ = fused.prefill.run([(2, ids, 0), (3, ids[:50], 0)], lora_rows=[-1, -1])
         check(
             f"{name}: prefill, padded pieces",
             torch.allclose(padded, reference, atol=1e-5),
@@ -152,28 +153,28 @@ def check_model(name: str, model: str, root: Path) -> None:
         # kernel), short enough for the tiny families' windows of 16: three prompts in four
         # rows, the last a padding row (no tokens, no columns read).
         prompts = [(0, ids[:12], 0), (1, ids[:7], 0), (2, ids[3:14], 0)]
-        short, _ = plain._prefill(prompts, lora_rows=[-1] * 3)
+        short, _ = plain.prefill.run(prompts, lora_rows=[-1] * 3)
         fresh = BatchedDecoder(w, 4, cuda_graphs=False, fused=True, prefill_graphs=True)
         for row in range(3):
-            fresh._take_pages(row, 16)
-        got, _ = fresh._prefill(prompts, lora_rows=[-1] * 3)
+            fresh.pages.take(row, 16)
+        got, _ = fresh.prefill.run(prompts, lora_rows=[-1] * 3)
         check(
             f"{name}: prefill of new prompts padded to a graph's shape",
-            fresh._padded_inputs is not None and torch.allclose(got, short, atol=1e-5),
+            fresh.network._padded_inputs is not None and torch.allclose(got, short, atol=1e-5),
             f"{(got - short).abs().max():.1e}",
         )
         # Pieces after cached columns padded to a graph's shape (a span): the paged attention
         # kernel, past the tiny families' windows, beside a new prompt and a padding row.
-        expected, _ = plain._prefill([(0, ids[:60], 0), (1, ids[:50], 0), (2, ids[:9], 0)], lora_rows=[-1] * 3)
+        expected, _ = plain.prefill.run([(0, ids[:60], 0), (1, ids[:50], 0), (2, ids[:9], 0)], lora_rows=[-1] * 3)
         after = BatchedDecoder(w, 4, cuda_graphs=False, fused=True, prefill_graphs=True)
         for row in range(4):
-            after._take_pages(row, len(ids) + 8)
-        after._prefill([(0, ids[:40], 0), (1, ids[:20], 0)], lora_rows=[-1, -1])
+            after.pages.take(row, len(ids) + 8)
+        after.prefill.run([(0, ids[:40], 0), (1, ids[:20], 0)], lora_rows=[-1, -1])
         spans = []
-        after._padded_pass = lambda rows, length, span: spans.append(span) or type(after)._padded_pass(
-            after, rows, length, span
+        after.graphs.padded = lambda rows, length, span: spans.append(span) or after.network.padded_pass(
+            rows, length, span
         )
-        got, _ = after._prefill([(0, ids[40:60], 40), (1, ids[20:50], 20), (2, ids[:9], 0)], lora_rows=[-1] * 3)
+        got, _ = after.prefill.run([(0, ids[40:60], 40), (1, ids[20:50], 20), (2, ids[:9], 0)], lora_rows=[-1] * 3)
         check(
             f"{name}: prefill of pieces after cached columns padded to a graph's shape, paged attention",
             spans == [512] and torch.allclose(got, expected, atol=1e-5),

@@ -77,7 +77,8 @@ def attention_case(rows: int, context: int, layers: int, device: str = "cuda", d
     bmm over the power-of-two span) on contiguous caches; kernel is td.attention (split,
     combine) on a paged copy of the same caches, one table row of consecutive pages a row."""
     from backends.kv_pages import PAGE
-    from backends.torch_decoder import MIN_LENGTH_BUCKET, rope_
+    from backends.torch_graphs import MIN_LENGTH_BUCKET
+    from backends.torch_model import rope_
 
     hidden, heads, head_dim, rot, inner = 2560, 32, 80, 32, 10240
     span = max(MIN_LENGTH_BUCKET, triton_pow2(context + 1))
@@ -216,7 +217,7 @@ def step_speed(backend, batches=(1, 8, 64, 128), prompt_tokens: int = 16) -> lis
             decoder = BatchedDecoder(backend.decoder_weights, batch, compile=compiled, fused=fused, prefill_chunk=4096)
             for i in range(batch):
                 decoder.add(Sequence(i, list(ids), Sampling(), 400))
-            while any(s.next_token is None for s in decoder.slots):
+            while any(s.next_token is None for s in decoder.rows):
                 decoder.step()
             for _ in range(5):
                 decoder.step()
@@ -272,7 +273,7 @@ def hold_row(decoder, columns: int, row: int = 0) -> None:
     """Give `row` its own pages for `columns` columns, as admission does, so that prefill passes
     called directly write and read them (a row that holds none points at the scratch page)."""
     decoder.kv.release([row])
-    decoder._take_pages(row, columns)
+    decoder.pages.take(row, columns)
 
 
 def prefill_profile(backend, tokens: int = 1044) -> dict:
@@ -299,7 +300,7 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
             for at in range(0, tokens, 512):
                 torch.cuda.synchronize()
                 started = time.perf_counter()
-                decoder._prefill([(0, ids[at : at + 512], at)], lora_rows=[-1])
+                decoder.prefill.run([(0, ids[at : at + 512], at)], lora_rows=[-1])
                 torch.cuda.synchronize()
                 row.append(round((time.perf_counter() - started) * 1000, 2))
             pieces.append(row)
@@ -327,28 +328,28 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
 def continued(backend) -> list[dict]:
     """One piece prefilled after cached columns, by attention: bottom-right causal (flash) against
     an explicit mask (memory-efficient kernel), in-process, median of 5."""
-    import backends.torch_decoder as torch_decoder
+    import backends.torch_model as torch_model
 
     ids = (backend.encode(PROMPT) * 100)[:1100]
     decoder = BatchedDecoder(backend.decoder_weights, 1)
-    default = torch_decoder.LOWER_RIGHT_FROM
+    default = torch_model.LOWER_RIGHT_FROM
     rows = []
     for cached, new in ((2, 1050), (1000, 15), (1000, 64), (512, 512), (1000, 100)):
         for name, threshold in (("bottom-right causal", 0), ("explicit mask", 10**9)):
-            torch_decoder.LOWER_RIGHT_FROM = threshold
+            torch_model.LOWER_RIGHT_FROM = threshold
             times = []
             with torch.inference_mode():
                 hold_row(decoder, cached + new)
                 for _ in range(6):
-                    decoder._prefill([(0, ids[:cached], 0)], lora_rows=[-1])
+                    decoder.prefill.run([(0, ids[:cached], 0)], lora_rows=[-1])
                     torch.cuda.synchronize()
                     started = time.perf_counter()
-                    decoder._prefill([(0, ids[cached : cached + new], cached)], lora_rows=[-1])
+                    decoder.prefill.run([(0, ids[cached : cached + new], cached)], lora_rows=[-1])
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - started)
             rows.append({"cached": cached, "new": new, "attention": name, "ms": sorted(times[1:])[2] * 1000})
             say(rows[-1])
-    torch_decoder.LOWER_RIGHT_FROM = default
+    torch_model.LOWER_RIGHT_FROM = default
     return rows
 
 

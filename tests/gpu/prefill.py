@@ -3,7 +3,7 @@
     python3 tests/gpu/prefill.py --out $OUT [--shapes random:phi-2,random:llama-3.2-1b] [--no-serve]
 
 1. parity, per shape, float32 then bfloat16: new prompts prefilled padded from CUDA graphs
-   (`BatchedDecoder._prefill_padded`) against the same prompts prefilled eagerly
+   (`Graphs.prefill_padded`) against the same prompts prefilled eagerly
    (`prefill_graphs=False`): the last-token logits of prompts of 3 to 250 tokens, and the greedy
    ids of 8 prompts decoded together by each (and, graphed, each alone); then pieces after
    cached columns: 6 prompts of 40-790 tokens chunked 64 tokens a step while others decode
@@ -72,7 +72,7 @@ def parity(shape: str, dtype: str) -> dict:
     for n in (3, 17, 24, 100, 250):
         a, b = graphed.logits_after(prompt_of(n)), eager.logits_after(prompt_of(n))
         result["logits"][n] = {"max_abs_diff": float((a - b).abs().max()), "scale": float(b.abs().max())}
-    result["prefill_graphs_captured"] = len(graphed._padded_graphs)
+    result["prefill_graphs_captured"] = len(graphed.graphs.padded_graphs)
     sequences = [Sequence(i, prompt_of(5 + 29 * i, i), Sampling(), 32) for i in range(8)]
     together_graphed = drive(graphed, sequences).ids
     together_eager = drive(eager, sequences).ids
@@ -92,7 +92,7 @@ def parity(shape: str, dtype: str) -> dict:
     eager_ids = drive(
         BatchedDecoder(weights, 8, context=CONTEXT, prefill_chunk=64, prefill_graphs=False), sequences, arrive_at=arrive
     ).ids
-    result["continued_graphs_used"] = sorted(key for key in chunked._padded_graphs if key[2])
+    result["continued_graphs_used"] = sorted(key for key in chunked.graphs.padded_graphs if key[2])
     result["chunked_graphed_equals_eager"] = sum(chunked_ids[s.id] == eager_ids[s.id] for s in sequences)
     result["chunked_graphed_equals_alone"] = sum(
         chunked_ids[s.id] == drive(BatchedDecoder(weights, 1, context=CONTEXT), [s]).ids[s.id] for s in sequences

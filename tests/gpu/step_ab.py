@@ -52,7 +52,7 @@ def step_ms(weights, rows: int, columns: int) -> float:
     decoder.clear()
     for i in range(rows):
         decoder.add(Sequence(i, [5 + (i * 7 + j) % 5000 for j in range(columns)], Sampling(), 128))
-    while any(s.next_token is None for s in decoder.slots[:rows]):
+    while any(s.next_token is None for s in decoder.rows[:rows]):
         decoder.step()
     for _ in range(5):
         decoder.step()
