@@ -77,7 +77,7 @@ def reference_ids(model, prompt: list[int], n: int, decodable: int) -> list[int]
 def parity(name: str, model: str, dtype: str) -> dict:
     backend = load_backend("torch", LoadOptions(model=model, device="cuda", dtype=dtype, warmup=False))
     weights = backend.decoder_weights
-    result = {"fused": BatchedDecoder(weights, 1).fused}
+    result = {"fused": BatchedDecoder(weights, 1).network.fused}
     prompt = PROMPTS[3]
     with torch.inference_mode():
         expected = backend.model(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
@@ -146,7 +146,7 @@ def extras(family: str, path: Path, folder: Path) -> dict:
         batched = drive(BatchedDecoder(weights, 8), [Sequence(i, p, Sampling(), 20) for i, p in enumerate(PROMPTS)]).ids
         alone = [drive(BatchedDecoder(weights, 1), [Sequence(0, p, Sampling(), 20)]).ids[0] for p in PROMPTS]
         result[method] = {
-            "fused": BatchedDecoder(weights, 1).fused,
+            "fused": BatchedDecoder(weights, 1).network.fused,
             "relative_logit_error": float((got - full).norm() / full.norm()),
             "batched_equals_alone": sum(batched[i] == alone[i] for i in range(8)),
         }
@@ -337,7 +337,10 @@ def main() -> int:
             say(shape, RESULTS[f"error {shape}"])
         save(out)
     say(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("serve")}, default=str)[:6000])
-    return 0
+    failed = [key for key, value in RESULTS.items() if isinstance(value, str)]  # an exception's text
+    if failed:
+        say("FAILED:", ", ".join(failed))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def check(shape: str, dtype: str, prompts: int = 24) -> dict:
         "kv_max_abs_diff": worst,
         "greedy_ids_equal_to_no_cache": equal_ids,
         "graphs": cached.use_graphs,
-        "fused": cached.fused,
+        "fused": cached.network.fused,
     }
     print(shape, dtype, result, flush=True)
     return result
