@@ -4,6 +4,7 @@
 # repository root:
 #   OUT=/tmp/same PART=check bash tests/gpu/same_as.sh            # correctness only (~6 min, H100)
 #   OUT=/tmp/same PART=speed bash tests/gpu/same_as.sh .abtree    # speed: .abtree, this tree, again
+#   (SERVE=0: without the HTTP rows)
 # check: the Triton kernels against torch (decode_attention.py), Phi-2's fast path against
 # transformers and batched against alone (check.py parity), each tiny family likewise
 # (families.py parity), tool calls through the server (tool_calls.py), and check.py's constrained
@@ -38,8 +39,10 @@ else
       --out "$OUT/profile-$name") > "$OUT/profile-$name.log" 2>&1 || failed+=("profile-$name")
     echo "== host_profile $name"; grep -E "ms a step" "$OUT/profile-$name.log"
   done
-  OUT=$OUT/serve LEVELS=64 RUNS=3 LATENCY=0 bash tests/gpu/serve_ab.sh old="$OLD" new=. old="$OLD" \
-    || failed+=("serve_ab")
+  if [ "${SERVE:-1}" = 1 ]; then  # SERVE=0: the in-process rows only
+    OUT=$OUT/serve LEVELS=64 RUNS=3 LATENCY=0 bash tests/gpu/serve_ab.sh old="$OLD" new=. old="$OLD" \
+      || failed+=("serve_ab")
+  fi
 fi
 if [ ${#failed[@]} -gt 0 ]; then echo "FAILED: ${failed[*]}"; exit 1; fi
 echo "all ok"
