@@ -206,6 +206,11 @@ class Settings:
     responses_store_bytes: int = setting(
         64 << 20, "bytes of JSON the stored Responses answers may hold together; the least recently used go first"
     )
+    chat_template_kwargs: str = setting(
+        "",
+        'a JSON object every chat template gets besides the messages (e.g. {"enable_thinking": false}); a '
+        "request's own chat_template_kwargs are laid over it",
+    )
     temperature: str = setting(
         "",
         "the temperature of a request that sends none, 0 to 2 (empty: each API's own default, 1 on the OpenAI "
@@ -299,6 +304,16 @@ class Settings:
             prompt_cache_bytes=self.prompt_cache_budget(),
             prompt_lookup_tokens=self.prompt_lookup_tokens,
         )
+
+    def template_kwargs(self) -> dict:
+        """CHAT_TEMPLATE_KWARGS as an object; a ValueError names a bad one."""
+        try:
+            value = json.loads(self.chat_template_kwargs or "{}")
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"CHAT_TEMPLATE_KWARGS={self.chat_template_kwargs!r} must be a JSON object")
+        return value
 
     def default_temperature(self) -> float | None:
         """TEMPERATURE as a number, or None where unset; a ValueError names a bad one."""
@@ -1967,6 +1982,12 @@ NAMED_TOOL = {
     },
 }
 MAX_TOOLS = 128  # OpenAI's limit
+# A reasoning model's switches (backends.chat_plan.ChatRequest): vLLM's chat_template_kwargs, and
+# OpenAI's reasoning_effort ("none": no thinking; any other: think, the effort not used yet).
+REASONING_CONTROLS = {
+    "chat_template_kwargs": {"type": "object", "description": "what the chat template reads besides the messages"},
+    "reasoning_effort": {"type": "string", "description": '"none" asks a reasoning model not to think'},
+}
 CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI has no default cap; a local server wants one
 CHAT_SCHEMA: dict[str, Any] = tolerant(
     {
@@ -1997,6 +2018,7 @@ CHAT_SCHEMA: dict[str, Any] = tolerant(
             },
             "response_format": RESPONSE_FORMAT,
             "modalities": _unsupported(["text"]),
+            **REASONING_CONTROLS,
             "audio": _unsupported(),
             "prediction": _unsupported(),
             "web_search_options": _unsupported(),
@@ -2504,6 +2526,15 @@ def pick(mapping: dict, *keys: str) -> dict:
     return {k: mapping[k] for k in keys if k in mapping}
 
 
+def template_options(request: web.Request, kwargs: dict | None, thinking: bool | None) -> dict:
+    """ChatRequest's template_kwargs (CHAT_TEMPLATE_KWARGS, the request's over them) and thinking."""
+    return {"template_kwargs": {**request.app[SETTINGS].template_kwargs(), **(kwargs or {})}, "thinking": thinking}
+
+
+def effort_thinks(effort: str | None) -> bool | None:
+    return None if effort is None else effort != "none"
+
+
 def tools_or_format(use: ToolUse | None, format_type: str | None, field: str) -> None:
     """A reply is its calls' grammar or a response format's, not both."""
     if use is not None and format_type not in (None, "text"):
@@ -2645,7 +2676,10 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     messages = chat_messages(params)
     tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
     output, output_field = response_grammar(params)
-    plan = backend.chat_plan(ChatRequest(messages, use, output))
+    thinks = effort_thinks(params["reasoning_effort"])
+    plan = backend.chat_plan(
+        ChatRequest(messages, use, output, **template_options(request, params["chat_template_kwargs"], thinks))
+    )
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
     options = await chat_options(request, plan, stop_tuple(params["stop"]), params["ignore_eos"], output_field)
     options.update(logprobs=k, prompt_field="messages")
@@ -2755,7 +2789,11 @@ RESPONSES_SCHEMA: dict[str, Any] = tolerant(
             "store": {"type": "boolean", "default": True, "description": "keep the answer (RESPONSES_STORE)"},
             "previous_response_id": {"type": "string", "description": "a stored answer this one continues"},
             "truncation": {"enum": ["disabled"], "x-unsupported": True},
-            "reasoning": _ignored("object"),
+            "reasoning": {
+                "type": "object",
+                "properties": {"effort": REASONING_CONTROLS["reasoning_effort"], "summary": _ignored("string")},
+            },
+            "chat_template_kwargs": REASONING_CONTROLS["chat_template_kwargs"],
             "include": {"type": "array", "items": {}, "description": "accepted and ignored"},
             "metadata": _ignored("object"),
             "user": _ignored("string"),
@@ -3065,7 +3103,9 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
     use = responses_tools(request, params)
     messages = responses_chat(params)
     output, output_field = responses_format(params, use)
-    plan = backend.chat_plan(ChatRequest(messages, use, output))
+    thinks = effort_thinks((params["reasoning"] or {}).get("effort"))
+    options = template_options(request, params["chat_template_kwargs"], thinks)
+    plan = backend.chat_plan(ChatRequest(messages, use, output, **options))
     as_chat = {**params, "ignore_eos": False}  # the chat route's sampling fields
     options = await chat_options(request, plan, (), False, output_field)
     gens = openai_generations(
@@ -3364,7 +3404,9 @@ def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
     format = (params.get("output_config") or {}).get("format")
     tools_or_format(use, format and "json_schema", "output_config.format")
     schema = format and GrammarSpec("json_schema", json.dumps(format.get("schema", {"type": "object"})))
-    return backend.chat_plan(ChatRequest(anthropic_chat(params), use, response_format=schema or None))
+    thinking = (params.get("thinking") or {}).get("type")
+    options = template_options(request, None, None if thinking is None else thinking != "disabled")
+    return backend.chat_plan(ChatRequest(anthropic_chat(params), use, response_format=schema or None, **options))
 
 
 # -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
@@ -3560,6 +3602,7 @@ TOKENIZE_SCHEMA: dict[str, Any] = tolerant(
             },
             "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
             "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": TOOL, "description": "rendered with messages"},
+            **REASONING_CONTROLS,
             "add_generation_prompt": {
                 "enum": [True],
                 "x-unsupported": True,
@@ -3602,7 +3645,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if params["messages"] is not None:
         tools = [t["function"] for t in params["tools"] or []]  # as chat renders them with tool_choice auto
         use = ToolUse(tools, "auto", True) if tools else None
-        text = backend.chat_plan(ChatRequest(chat_messages(params), use)).prompt
+        options = template_options(request, params["chat_template_kwargs"], effort_thinks(params["reasoning_effort"]))
+        text = backend.chat_plan(ChatRequest(chat_messages(params), use, **options)).prompt
     else:
         text = params["prompt"] if params["prompt"] is not None else params["content"]
     loop = asyncio.get_running_loop()
@@ -3971,7 +4015,8 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     middlewares = [request_log, cors_preflight, json_errors, access]  # outermost first
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
-    settings.default_temperature()  # a bad TEMPERATURE stops the start, naming it
+    settings.default_temperature()  # a bad TEMPERATURE or CHAT_TEMPLATE_KWARGS stops the start, naming it
+    settings.template_kwargs()
     app[API_KEYS] = load_api_keys(settings)
     app[RATE_LIMITER] = TokenBuckets(settings.rate_limit) if settings.rate_limit > 0 else None
     app[AUTH_FAILURES] = TokenBuckets(AUTH_FAILURES_PER_MINUTE)

@@ -14,7 +14,7 @@ budgets, effort, chat_template_kwargs) is a field of ChatRequest read in `ChatFo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
@@ -55,6 +55,11 @@ class ChatRequest:
     messages: list[dict]
     tools: ToolUse | None = None  # None: nothing may be called, and no tools are rendered
     response_format: GrammarSpec | None = None  # the reply's JSON grammar; never with tools
+    # What the chat template reads besides the messages (vLLM's chat_template_kwargs), and
+    # whether the model is asked to think: `enable_thinking`, as Qwen3's template reads it,
+    # unless the kwargs say; None leaves it to the template.
+    template_kwargs: dict = field(default_factory=dict)
+    thinking: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,10 @@ class ChatFormat:
 
     def plan(self, chat: ChatRequest) -> ChatPlan:
         use = chat.tools
-        prompt, stop = self.render(chat.messages, use.tools if use else None)
+        kwargs = dict(chat.template_kwargs)
+        if chat.thinking is not None:
+            kwargs.setdefault("enable_thinking", chat.thinking)
+        prompt, stop = self.render(chat.messages, use.tools if use else None, kwargs)
         grammar = chat.response_format
         if use is not None:
             lazy = use.choice == "auto"
@@ -114,7 +122,9 @@ class ChatFormat:
             thinking=self.reasoning and prompt.rstrip().endswith(tools.THINK_OPEN),
         )
 
-    def render(self, messages: list[dict], tool_list: list[dict] | None) -> tuple[str, tuple[str, ...]]:
+    def render(
+        self, messages: list[dict], tool_list: list[dict] | None, kwargs: dict | None = None
+    ) -> tuple[str, tuple[str, ...]]:
         """The prompt and its stops: the chat template when there is one, else Phi-2's model-card
         format. Tools (OpenAI's function tools) through the template's own `tools=` where it
         renders them, else with the default tools block (backends.tools)."""
@@ -133,6 +143,7 @@ class ChatFormat:
                 tools=[{"type": "function", "function": t} for t in tool_list] if native and tool_list else None,
                 tokenize=False,
                 add_generation_prompt=True,
+                **(kwargs or {}),
             )
 
         try:

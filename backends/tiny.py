@@ -298,7 +298,10 @@ HERMES_TEMPLATE = (
     '{%- for c in m.tool_calls %}<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
     "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>"
     "{%- else %}\n<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}\n<|im_start|>assistant\n"
+    # Qwen3's switch: thinking off opens and closes an empty thought (none by default).
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+    "{%- endif %}"
 )
 # Llama 3.1's JSON tool calls (its template, shortened): tools in the user turn, a call as bare
 # JSON with "parameters"; <|python_tag|> is its tag for code (and, here, for calls too).

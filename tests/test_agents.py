@@ -21,7 +21,8 @@ from fakes import Gate, GatedBackend
 from test_request_log import read_log
 
 from backends.chat_plan import ChatFormat, ChatRequest, folded_system
-from phi2_server import SETTINGS
+from backends.tiny import TOOL
+from phi2_server import SETTINGS, Settings, create_app
 
 AGENTS = Path(__file__).parent / "data" / "agents"
 CUT = 24  # characters kept of a long text
@@ -253,3 +254,50 @@ async def test_a_stream_is_never_silent_before_its_first_token(make_client, back
         last = (await response.read()).strip().split(b"\n\n")[-1]
         assert last.split(b"\n")[0] in ends, last
     assert json.loads((await native.read()).splitlines()[-1])["done"] is True
+
+
+def test_reasoning_switches_reach_the_template(agent_server):
+    """Anthropic's thinking, OpenAI's reasoning_effort and vLLM's chat_template_kwargs all reach
+    the chat template as Qwen3's reads them (enable_thinking: off opens and closes an empty
+    thought); a model that reasons then gives no reasoning."""
+    hello = [{"role": "user", "content": "Think, then greet me."}]
+
+    def tokens(body: dict) -> int:
+        status, answer = post(agent_server, "/tokenize", {"messages": hello, **body})
+        assert status == 200, answer
+        return answer["count"]
+
+    plain = tokens({})
+    off = tokens({"chat_template_kwargs": {"enable_thinking": False}})
+    assert off > plain
+    assert tokens({"reasoning_effort": "none"}) == off and tokens({"reasoning_effort": "high"}) == plain
+
+    def counted(thinking: dict | None) -> int:
+        body = {"model": "smollm2", "messages": hello, **({"thinking": thinking} if thinking else {})}
+        status, answer = post(agent_server, "/v1/messages/count_tokens", body)
+        assert status == 200, answer
+        return answer["input_tokens"]
+
+    assert counted({"type": "disabled"}) > counted(None) == counted({"type": "adaptive"})
+    # As the model memorized it: with its tool offered.
+    chat = {"messages": hello, "max_tokens": 40, "temperature": 0, "tools": [{"type": "function", "function": TOOL}]}
+    status, thought = post(agent_server, "/v1/chat/completions", chat)
+    assert thought["choices"][0]["message"]["reasoning_content"].strip() == "A greeting is asked for."
+    status, unthought = post(agent_server, "/v1/chat/completions", {**chat, "reasoning_effort": "none"})
+    assert status == 200 and not unthought["choices"][0]["message"].get("reasoning_content")
+
+
+async def test_chat_template_kwargs_default_and_override(make_client, tool_backends):
+    """CHAT_TEMPLATE_KWARGS is every request's; a request's own lay over it; a bad one stops the start."""
+    client = await make_client(
+        lambda: tool_backends("torch", "hermes"), chat_template_kwargs='{"enable_thinking": false}'
+    )
+    hello = {"messages": [{"role": "user", "content": "Hi"}]}
+
+    async def count(body: dict) -> int:
+        return (await (await client.post("/tokenize", json={**hello, **body})).json())["count"]
+
+    off, on = await count({}), await count({"chat_template_kwargs": {"enable_thinking": True}})
+    assert off > on
+    with pytest.raises(ValueError, match="CHAT_TEMPLATE_KWARGS"):
+        create_app(Settings(chat_template_kwargs="[1]"))
