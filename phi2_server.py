@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import codecs
 import dataclasses
 import fnmatch
@@ -3203,8 +3204,12 @@ CONTENT_BLOCK = {
     "required": ["type"],
     "x-check-first": "type",
     "properties": {
-        "type": {"enum": ["text", "tool_use", "tool_result"], "x-unsupported": True},
+        "type": {"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"], "x-unsupported": True},
         "text": {"type": "string"},
+        # An earlier turn's thought, sent back: taken, not rendered (Anthropic's models drop it too).
+        "thinking": {"type": "string"},
+        "signature": {"type": "string", "description": "thinking: not checked (this server's, or another's)"},
+        "data": {"type": "string", "description": "redacted_thinking"},
         "id": {"type": "string", "description": "tool_use: the call's id"},
         "name": {"type": "string", "description": "tool_use: the tool called"},
         "input": {"type": "object", "description": "tool_use: the call's arguments"},
@@ -3342,10 +3347,11 @@ def anthropic_chat(params: dict) -> list[dict]:
         for j, block in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
             needs = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
-            for key in needs[block["type"]]:
+            for key in needs.get(block["type"], ()):
                 if key not in block:
                     raise ApiError(400, f"{where}.{key} is required", field=f"{where}.{key}")
-            if block["type"] != "text" and (block["type"] == "tool_use") != (m["role"] == "assistant"):
+            calling = block["type"] in ("tool_use", "tool_result")
+            if calling and (block["type"] == "tool_use") != (m["role"] == "assistant"):
                 raise ApiError(400, f"{where}: a {block['type']} block is not for the {m['role']}", field=where)
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
         results = [b for b in blocks if b["type"] == "tool_result"]
@@ -3438,8 +3444,9 @@ class AnthropicWire(Wire):
     """A `message` body; streamed, message_start, then each block's start, deltas and stop (a
     text block at once without tools; with tools, blocks as the reply's text and calls come:
     `tool_use` with its input as one `input_json_delta`), then message_delta (stop reason,
-    usage) and message_stop; a failure is an `error` event. A reasoning model's thought is
-    left out (no thinking blocks yet)."""
+    usage) and message_stop; a failure is an `error` event. A reasoning model's thought is a
+    `thinking` block (its text, then its signature) where the request asked for thinking, else
+    left out."""
 
     def __init__(
         self,
@@ -3454,6 +3461,8 @@ class AnthropicWire(Wire):
         self.stop_sequences = stop
         self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name}
         self.tools = plan.tool_names is not None
+        self.thinks = (params.get("thinking") or {}).get("type") in ("enabled", "adaptive")
+        self.thought = ""  # the open thinking block's text, for its signature
         self.parser = plan.parser
         self.stream_parser = self.parser()
         self.blocks = 0  # blocks started
@@ -3462,7 +3471,8 @@ class AnthropicWire(Wire):
         prompt_tokens = len(self.tickets[0].request.prompt_ids)
         usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
         start = {**self.message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
-        self.head = sse_event("message_start", {"message": start}) + ("" if self.tools else self.start_block("text"))
+        later = self.tools or (self.thinks and plan.reasoning)  # the first block is the reply's own
+        self.head = sse_event("message_start", {"message": start}) + ("" if later else self.start_block("text"))
 
     def opening(self) -> str:
         return self.head
@@ -3472,7 +3482,7 @@ class AnthropicWire(Wire):
 
     def start_block(self, kind: str, **fields) -> str:
         out = self.stop_block()
-        block = {"type": "text", "text": ""} if kind == "text" else {"type": kind, **fields, "input": {}}
+        block = {"type": kind, **fields, "input": {}} if kind == "tool_use" else {"type": kind, kind: ""}
         out += sse_event("content_block_start", {"index": self.blocks, "content_block": block})
         if self.blocks == 0:
             out += sse_event("ping", {})
@@ -3482,8 +3492,12 @@ class AnthropicWire(Wire):
     def stop_block(self) -> str:
         if self.open is None:
             return ""
+        out = ""
+        if self.open == "thinking":  # its signature last, as Anthropic sends it
+            delta = {"type": "signature_delta", "signature": thought_signature(self.thought)}
+            out, self.thought = sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta}), ""
         self.open = None
-        return sse_event("content_block_stop", {"index": self.blocks - 1})
+        return out + sse_event("content_block_stop", {"index": self.blocks - 1})
 
     def pieces(self, pieces: list[Piece]) -> str:
         out = ""
@@ -3493,7 +3507,13 @@ class AnthropicWire(Wire):
                 delta = {"type": "input_json_delta", "partial_json": piece.call.arguments}
                 out += sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
                 out += self.stop_block()
-            elif piece.kind == "content" and piece.text:  # reasoning: no thinking blocks yet
+            elif piece.kind == "reasoning" and piece.text and self.thinks:
+                if self.open != "thinking":
+                    out += self.start_block("thinking")
+                self.thought += piece.text
+                delta = {"type": "thinking_delta", "thinking": piece.text}
+                out += sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
+            elif piece.kind == "content" and piece.text:
                 if self.open != "text":
                     out += self.start_block("text")
                 delta = {"type": "text_delta", "text": piece.text}
@@ -3536,7 +3556,12 @@ class AnthropicWire(Wire):
                 arguments = json.loads(piece.call.arguments)
                 content.append({"type": "tool_use", "id": tool_use_id(), "name": piece.call.name, "input": arguments})
             elif piece.kind == "reasoning":
-                continue
+                if not self.thinks or not piece.text:
+                    continue
+                if not content or content[-1]["type"] != "thinking":
+                    content.append({"type": "thinking", "thinking": "", "signature": ""})
+                content[-1]["thinking"] += piece.text
+                content[-1]["signature"] = thought_signature(content[-1]["thinking"])
             elif content and content[-1]["type"] == "text":
                 content[-1]["text"] += piece.text
             else:
@@ -3551,6 +3576,15 @@ class AnthropicWire(Wire):
 
 def tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+SIGNATURE_KEY = os.urandom(32)  # this process's: a thought's signature is not checked when it comes back
+
+
+def thought_signature(text: str) -> str:
+    """A thinking block's signature: this server's HMAC of its text (clients send it back as
+    they got it; nothing here depends on it)."""
+    return base64.b64encode(hmac.new(SIGNATURE_KEY, text.encode(), hashlib.sha256).digest()).decode()
 
 
 async def v1_messages(request: web.Request) -> web.StreamResponse:

@@ -631,3 +631,36 @@ def test_the_format_is_read_from_the_template():
     assert fmt.name == "phi4" and knows
     rendered = template_messages([{"role": "user", "content": "Hi"}], [TOOL], True, fmt)
     assert rendered[0]["role"] == "system" and json.loads(rendered[0]["tools"])[0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+def test_anthropic_thinking_blocks(live_server, tool_backends, runtime):
+    """With thinking asked for, a reasoning model's thought is a `thinking` block before its text,
+    whole and streamed (the SDK folds the events), with a signature; sent back in the history,
+    tampered or not, it is taken and not rendered."""
+    import anthropic
+
+    backend = tool_backends(runtime, "hermes")
+    server = live_server(lambda: backend, model="tiny")
+    sdk = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    think = [{"role": "user", "content": "Think, then greet me."}]
+    body = dict(
+        model="tiny",
+        max_tokens=40,
+        messages=think,
+        tools=ANTHROPIC_TOOLS,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"temperature": 0},
+    )
+    message = sdk.messages.create(**body)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking.strip() == "A greeting is asked for." and message.content[0].signature
+    assert message.content[1].text == "Hello there!"
+    with sdk.messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in message.content]
+    thought = {**message.content[0].model_dump(), "signature": "tampered"}
+    history = [*think, {"role": "assistant", "content": [thought, {"type": "text", "text": "Hello there!"}]}]
+    again = sdk.messages.count_tokens(model="tiny", messages=[*history, {"role": "user", "content": "Hi"}])
+    plain = [*think, {"role": "assistant", "content": "Hello there!"}, {"role": "user", "content": "Hi"}]
+    assert again.input_tokens == sdk.messages.count_tokens(model="tiny", messages=plain).input_tokens
