@@ -339,6 +339,8 @@ def _parse_bool(value: str | bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
+# -- app state: typed keys ------------------------------------------------------------------------
+
 # App state, typed (the annotations are lazy, so they may name classes defined further down).
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 ENGINE: web.AppKey[Engine] = web.AppKey("engine")
@@ -717,6 +719,11 @@ def parse(body: Any, schema: dict, ignored: list[str] | None = None) -> dict:
     except Invalid as exc:
         raise ApiError(422, str(exc), field=exc.field) from None
     return with_defaults(body, schema)
+
+
+# -- validation: a /v1 body's parameters, what was ignored, the server's defaults -----------------
+# What the OpenAI and Anthropic routes take (`tolerant` schemas): the fields they ignore go to
+# the request log line, and TEMPERATURE fills in for a request that sends none.
 
 
 MAX_IGNORED = 32  # field paths in a request's log line; a path's client-given names are cut short too
