@@ -55,7 +55,7 @@ def check(shape: str, dtype: str, prompts: int = 24) -> dict:
             while 10_000 + i not in reference.step():
                 pass
             expected = reference.kv.columns_of(reference.kv.held[0], 0, reused)
-            got = cached.kv.columns_of(cached.kv.held[cached.index[i]], 0, reused)
+            got = cached.kv.columns_of(cached.kv.held[cached.row_of[i]], 0, reused)
             for a, b in zip(got, expected, strict=True):
                 worst = max(worst, float((a.float() - b.float()).abs().max()))
             reference.remove(10_000 + i)
@@ -96,7 +96,10 @@ def main() -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             (out / "shared_pages.json").write_text(json.dumps(results, indent=1))
-    return 0
+    failed = [key for key, value in results.items() if isinstance(value, str)]  # an exception's text
+    if failed:
+        print("FAILED:", ", ".join(failed), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
