@@ -78,6 +78,7 @@ from prometheus_client.registry import Collector
 from backends import (
     MAX_LOGPROBS,
     Backend,
+    ChatError,
     Grammar,
     GrammarError,
     LoadOptions,
@@ -2543,6 +2544,14 @@ def effort_thinks(effort: str | None) -> bool | None:
     return None if effort is None else effort != "none"
 
 
+def chat_plan(backend: Backend, chat: ChatRequest) -> ChatPlan:
+    """The model's plan for a chat; a chat its template cannot render is a 400 saying why."""
+    try:
+        return backend.chat_plan(chat)
+    except ChatError as exc:
+        raise ApiError(400, str(exc), field="messages") from None
+
+
 def tools_or_format(use: ToolUse | None, format_type: str | None, field: str) -> None:
     """A reply is its calls' grammar or a response format's, not both."""
     if use is not None and format_type not in (None, "text"):
@@ -2685,8 +2694,8 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
     output, output_field = response_grammar(params)
     thinks = effort_thinks(params["reasoning_effort"])
-    plan = backend.chat_plan(
-        ChatRequest(messages, use, output, **template_options(request, params["chat_template_kwargs"], thinks))
+    plan = chat_plan(
+        backend, ChatRequest(messages, use, output, **template_options(request, params["chat_template_kwargs"], thinks))
     )
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
     options = await chat_options(request, plan, stop_tuple(params["stop"]), params["ignore_eos"], output_field)
@@ -3113,7 +3122,7 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
     output, output_field = responses_format(params, use)
     thinks = effort_thinks((params["reasoning"] or {}).get("effort"))
     options = template_options(request, params["chat_template_kwargs"], thinks)
-    plan = backend.chat_plan(ChatRequest(messages, use, output, **options))
+    plan = chat_plan(backend, ChatRequest(messages, use, output, **options))
     as_chat = {**params, "ignore_eos": False}  # the chat route's sampling fields
     options = await chat_options(request, plan, (), False, output_field)
     gens = openai_generations(
@@ -3419,7 +3428,7 @@ def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
     schema = format and GrammarSpec("json_schema", json.dumps(format.get("schema", {"type": "object"})))
     thinking = (params.get("thinking") or {}).get("type")
     options = template_options(request, None, None if thinking is None else thinking != "disabled")
-    return backend.chat_plan(ChatRequest(anthropic_chat(params), use, response_format=schema or None, **options))
+    return chat_plan(backend, ChatRequest(anthropic_chat(params), use, response_format=schema or None, **options))
 
 
 # -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
@@ -3687,7 +3696,7 @@ async def tokenize(request: web.Request) -> web.Response:
         tools = [t["function"] for t in params["tools"] or []]  # as chat renders them with tool_choice auto
         use = ToolUse(tools, "auto", True) if tools else None
         options = template_options(request, params["chat_template_kwargs"], effort_thinks(params["reasoning_effort"]))
-        text = backend.chat_plan(ChatRequest(chat_messages(params), use, **options)).prompt
+        text = chat_plan(backend, ChatRequest(chat_messages(params), use, **options)).prompt
     else:
         text = params["prompt"] if params["prompt"] is not None else params["content"]
     loop = asyncio.get_running_loop()

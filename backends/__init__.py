@@ -32,6 +32,11 @@ class ModelLoadError(RuntimeError):
     """The configured model (or adapter) cannot be loaded; the message says what to do."""
 
 
+class ChatError(ValueError):
+    """A chat the model's template cannot render (its own raise_exception, or a template variable
+    a request may not set); the message says which."""
+
+
 class GrammarError(ValueError):
     """A JSON Schema or regex that cannot constrain generation; the message is the grammar
     library's reason."""

@@ -13,12 +13,13 @@ budgets, effort, chat_template_kwargs) is a field of ChatRequest read in `ChatFo
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
-from backends import tools
+from backends import ChatError, tools
 from backends.tools import ToolCallParser, ToolFormat
 
 
@@ -97,6 +98,10 @@ class ChatFormat:
         # Few templates know a `developer` role (OpenAI's newer name for system, which Codex
         # sends); the others would write it as a literal turn of that name.
         self.knows_developer = isinstance(template, str) and "developer" in template
+        # apply_chat_template's own parameters (tokenize, chat_template, add_generation_prompt, ...):
+        # names a request's chat_template_kwargs may not set, only the template's variables.
+        parameters = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+        self.reserved = frozenset(parameters | {"messages"})  # what transformers names the conversation inside
         vocab = tokenizer.get_vocab()
         self.reasoning = tools.THINK_OPEN in vocab and tools.THINK_CLOSE in vocab
         self.tool_tokens = self._tool_tokens()
@@ -104,6 +109,8 @@ class ChatFormat:
     def plan(self, chat: ChatRequest) -> ChatPlan:
         use = chat.tools
         kwargs = dict(chat.template_kwargs)
+        if taken := sorted(self.reserved & set(kwargs)):
+            raise ChatError(f"chat_template_kwargs may not set {', '.join(taken)}: the server renders the chat")
         if chat.thinking is not None:
             kwargs.setdefault("enable_thinking", chat.thinking)
         prompt, stop = self.render(chat.messages, use.tools if use else None, kwargs)
@@ -147,14 +154,17 @@ class ChatFormat:
             )
 
         try:
-            return rendered(messages), ()
-        except TemplateError:
-            # A system turn where the template takes none (Mistral's, Gemma's raise): all system
-            # text folded into the one system turn first, as the template allows.
-            folded = folded_system(messages)
-            if folded == messages:
-                raise
-            return rendered(folded), ()
+            try:
+                return rendered(messages), ()
+            except TemplateError:
+                # A system turn where the template takes none (Mistral's, Gemma's raise): all
+                # system text folded into the one system turn first, as the template allows.
+                folded = folded_system(messages)
+                if folded == messages:
+                    raise
+                return rendered(folded), ()
+        except TemplateError as exc:  # the template's own refusal (or what a variable made of it)
+            raise ChatError(f"the model's chat template refused this chat: {str(exc)[:300]}") from None
 
     def single_token(self, text: str) -> int | None:
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -23,6 +23,7 @@ from conftest import post
 from fakes import Gate, GatedBackend
 from test_request_log import read_log
 
+from backends import ChatError
 from backends.chat_plan import ChatFormat, ChatRequest, folded_system
 from backends.tiny import TOOL
 from phi2_server import SETTINGS, Settings, create_app
@@ -231,6 +232,9 @@ def test_system_turns_anywhere(tool_backends):
     )
     folded = ChatFormat(tokenizer).plan(ChatRequest(chat)).prompt
     assert folded == "<system>Be brief.\n\nAgents: none.<user>Hi<user>Go<assistant>"
+    tokenizer.chat_template = "{{ raise_exception('no chat today') }}"  # a refusal is the request's 400
+    with pytest.raises(ChatError, match="no chat today"):
+        ChatFormat(tokenizer).plan(ChatRequest(chat))
 
 
 async def test_a_stream_is_never_silent_before_its_first_token(make_client, backend):
@@ -317,3 +321,33 @@ async def test_chat_template_kwargs_default_and_override(make_client, tool_backe
     assert off > on
     with pytest.raises(ValueError, match="CHAT_TEMPLATE_KWARGS"):
         create_app(Settings(chat_template_kwargs="[1]"))
+
+
+def test_hostile_template_kwargs_are_a_400_and_hurt_nobody(agent_server):
+    """chat_template_kwargs naming the renderer's own parameters (tokenize, chat_template,
+    add_generation_prompt, messages ...) or making the template raise are a 400 naming the
+    reason, on every chat route; a greedy request sent beside them gets its usual answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hello = [{"role": "user", "content": "Say hello."}]
+    chat = {"messages": hello, "max_tokens": 12, "temperature": 0}
+    status, before = post(agent_server, "/v1/chat/completions", chat)
+    assert status == 200
+    hostile = [
+        {"tokenize": True},
+        {"chat_template": "{{ raise_exception('x') }}"},
+        {"add_generation_prompt": False},
+        {"messages": 1},
+        {"tools": "x"},
+        {"continue_final_message": True},
+    ]
+    bodies = [("/v1/chat/completions", {**chat, "chat_template_kwargs": kw}) for kw in hostile]
+    bodies += [("/v1/responses", {"input": "Hi", "chat_template_kwargs": kw}) for kw in hostile]
+    bodies += [("/tokenize", {"messages": hello, "chat_template_kwargs": kw}) for kw in hostile]
+    with ThreadPoolExecutor(4) as pool:
+        beside = pool.submit(lambda: [post(agent_server, "/v1/chat/completions", chat) for _ in range(3)])
+        answers = list(pool.map(lambda pair: post(agent_server, *pair), bodies))
+    for (path, body), (status, answer) in zip(bodies, answers, strict=True):
+        assert status == 400, (path, body, answer)
+        assert "chat_template_kwargs may not set" in answer["error"]["message"], answer
+    assert all(status == 200 and answer["choices"] == before["choices"] for status, answer in beside.result())
