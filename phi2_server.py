@@ -2804,7 +2804,11 @@ RESPONSES_SCHEMA: dict[str, Any] = tolerant(
             },
             "stream": {"type": "boolean", "default": False},
             "store": {"type": "boolean", "default": True, "description": "keep the answer (RESPONSES_STORE)"},
-            "previous_response_id": {"type": "string", "description": "a stored answer this one continues"},
+            "previous_response_id": {
+                "type": "string",
+                "maxLength": 128,
+                "description": "a stored answer this one continues",
+            },
             "truncation": {"enum": ["disabled"], "x-unsupported": True},
             "reasoning": {
                 "type": "object",
@@ -2879,7 +2883,7 @@ def responses_functions(request: web.Request, params: dict) -> list[dict]:
         elif tool["type"] == "namespace":
             functions += tool.get("tools") or []
         else:
-            skipped.append(tool["type"])
+            skipped.append(tool["type"][:64])  # a log line holds a client's name cut short
     if skipped:
         request[LOG_FACTS]["tools_skipped"] = sorted(set(skipped))[:MAX_IGNORED]
     return [pick(t, "name", "description", "parameters") for t in functions]
@@ -3397,7 +3401,7 @@ def anthropic_tools(request: web.Request, params: dict) -> ToolUse | None:
     tools, skipped = [], []
     for i, t in enumerate(params["tools"] or []):
         if t.get("type", "custom") != "custom":
-            skipped.append(t["type"])
+            skipped.append(t["type"][:64])
         elif "input_schema" not in t:
             raise ApiError(400, f"tools[{i}].input_schema is required", field=f"tools[{i}].input_schema")
         else:
