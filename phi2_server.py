@@ -59,6 +59,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
+from functools import cached_property
 from http import HTTPStatus
 from json.encoder import encode_basestring as encode_json_string
 from logging.handlers import RotatingFileHandler
@@ -307,6 +308,7 @@ class Settings:
             prompt_lookup_tokens=self.prompt_lookup_tokens,
         )
 
+    @cached_property  # read once (create_app reads it first), not at every request
     def template_kwargs(self) -> dict:
         """CHAT_TEMPLATE_KWARGS as an object; a ValueError names a bad one."""
         try:
@@ -317,6 +319,7 @@ class Settings:
             raise ValueError(f"CHAT_TEMPLATE_KWARGS={self.chat_template_kwargs!r} must be a JSON object")
         return value
 
+    @cached_property
     def default_temperature(self) -> float | None:
         """TEMPERATURE as a number, or None where unset; a ValueError names a bad one."""
         if not self.temperature.strip():
@@ -737,9 +740,15 @@ def ignored_paths(paths: list[str]) -> list[str]:
     return list(names)[:MAX_IGNORED]
 
 
+def note_skipped(request: web.Request, types: list[str]) -> None:
+    """The types of the tools a request offered that nothing here can run, in its log line."""
+    if types:
+        request[LOG_FACTS]["tools_skipped"] = sorted({kind[:64] for kind in types})[:MAX_IGNORED]
+
+
 def with_temperature(request: web.Request, body: Any, params: dict, schema: dict) -> dict:
     """TEMPERATURE for a request that sends none (within its API's range), where one is set."""
-    default = request.app[SETTINGS].default_temperature()
+    default = request.app[SETTINGS].default_temperature
     given = isinstance(body, dict) and body.get("temperature") is not None
     if default is None or given or "temperature" not in schema["properties"]:
         return params
@@ -2537,7 +2546,7 @@ def pick(mapping: dict, *keys: str) -> dict:
 
 def template_options(request: web.Request, kwargs: dict | None, thinking: bool | None) -> dict:
     """ChatRequest's template_kwargs (CHAT_TEMPLATE_KWARGS, the request's over them) and thinking."""
-    return {"template_kwargs": {**request.app[SETTINGS].template_kwargs(), **(kwargs or {})}, "thinking": thinking}
+    return {"template_kwargs": {**request.app[SETTINGS].template_kwargs, **(kwargs or {})}, "thinking": thinking}
 
 
 def effort_thinks(effort: str | None) -> bool | None:
@@ -2883,9 +2892,8 @@ def responses_functions(request: web.Request, params: dict) -> list[dict]:
         elif tool["type"] == "namespace":
             functions += tool.get("tools") or []
         else:
-            skipped.append(tool["type"][:64])  # a log line holds a client's name cut short
-    if skipped:
-        request[LOG_FACTS]["tools_skipped"] = sorted(set(skipped))[:MAX_IGNORED]
+            skipped.append(tool["type"])
+    note_skipped(request, skipped)
     return [pick(t, "name", "description", "parameters") for t in functions]
 
 
@@ -3401,13 +3409,12 @@ def anthropic_tools(request: web.Request, params: dict) -> ToolUse | None:
     tools, skipped = [], []
     for i, t in enumerate(params["tools"] or []):
         if t.get("type", "custom") != "custom":
-            skipped.append(t["type"][:64])
+            skipped.append(t["type"])
         elif "input_schema" not in t:
             raise ApiError(400, f"tools[{i}].input_schema is required", field=f"tools[{i}].input_schema")
         else:
             tools.append({"function": {"name": t["name"], **pick(t, "description"), "parameters": t["input_schema"]}})
-    if skipped:
-        request[LOG_FACTS]["tools_skipped"] = sorted(set(skipped))[:MAX_IGNORED]
+    note_skipped(request, skipped)
     mapped = {"auto": "auto", "any": "required", "none": "none", "tool": {"function": {"name": choice.get("name")}}}
     if choice["type"] == "tool" and choice.get("name") is None:
         raise ApiError(400, "tool_choice.name is required with type tool", field="tool_choice.name")
@@ -3581,11 +3588,13 @@ class AnthropicWire(Wire):
                 if not content or content[-1]["type"] != "thinking":
                     content.append({"type": "thinking", "thinking": "", "signature": ""})
                 content[-1]["thinking"] += piece.text
-                content[-1]["signature"] = thought_signature(content[-1]["thinking"])
             elif content and content[-1]["type"] == "text":
                 content[-1]["text"] += piece.text
             else:
                 content.append({"type": "text", "text": piece.text})
+        for block in content:
+            if block["type"] == "thinking":
+                block["signature"] = thought_signature(block["thinking"])
         return {
             **self.message,
             "content": content or [{"type": "text", "text": ""}],
@@ -4069,8 +4078,7 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     middlewares = [request_log, cors_preflight, json_errors, access]  # outermost first
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
-    settings.default_temperature()  # a bad TEMPERATURE or CHAT_TEMPLATE_KWARGS stops the start, naming it
-    settings.template_kwargs()
+    _ = settings.default_temperature, settings.template_kwargs  # read once: a bad one stops the start, naming it
     app[API_KEYS] = load_api_keys(settings)
     app[RATE_LIMITER] = TokenBuckets(settings.rate_limit) if settings.rate_limit > 0 else None
     app[AUTH_FAILURES] = TokenBuckets(AUTH_FAILURES_PER_MINUTE)

@@ -119,14 +119,16 @@ async def wait_idle(engine, timeout: float = 60.0) -> None:
     await wait_until(lambda: engine.idle, timeout)
 
 
-def post(server, path: str, body: dict, raw: bool = False) -> tuple[int, Any]:
+def post(server, path: str, body: dict, raw: bool = False, headers: dict | None = None) -> tuple[int, Any]:
     """POST JSON to a LiveServer: (status, the JSON answer, or with `raw` its bytes), errors included."""
     import json
     import urllib.error
     import urllib.request
 
     request = urllib.request.Request(
-        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        server.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(request) as response:

@@ -12,8 +12,6 @@ import asyncio
 import copy
 import json
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -78,21 +76,12 @@ def logged(server, path: str, body: dict, raw: bool = False) -> tuple[int, objec
     """POST, then the request's own log line (found by the request id it sent): written once the
     answer has gone, so waited for (the deadline only turns a hang into a failure)."""
     request_id = uuid.uuid4().hex
-    request = urllib.request.Request(
-        server.url + path,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
-    )
-    try:
-        with urllib.request.urlopen(request) as response:
-            status, data = response.status, response.read()
-    except urllib.error.HTTPError as error:
-        status, data = error.code, error.read()
+    status, answer = post(server, path, body, raw=raw, headers={"X-Request-Id": request_id})
     deadline = time.monotonic() + 60
     while not (mine := [line for line in read_log(server.log_dir) if line["request_id"] == request_id]):
         assert time.monotonic() < deadline, "no log line"
         time.sleep(0.005)
-    return status, data if raw else json.loads(data), mine[0]
+    return status, answer, mine[0]
 
 
 @pytest.fixture(scope="module", params=SERVED, ids=[f"{r}-batch{b}" for r, b in SERVED])
