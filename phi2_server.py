@@ -214,6 +214,11 @@ class Settings:
         'a JSON object every chat template gets besides the messages (e.g. {"enable_thinking": false}); a '
         "request's own chat_template_kwargs are laid over it",
     )
+    thinking_budget: int = setting(
+        -1,
+        "tokens a reasoning model may think (in <think> tags) when a request sets no budget or effort; then "
+        "</think> is forced and the answer follows (-1: no limit)",
+    )
     temperature: str = setting(
         "",
         "the temperature of a request that sends none, 0 to 2 (empty: each API's own default, 1 on the OpenAI "
@@ -2000,12 +2005,18 @@ NAMED_TOOL = {
     },
 }
 MAX_TOOLS = 128  # OpenAI's limit
-# A reasoning model's switches (backends.chat_plan.ChatRequest): vLLM's chat_template_kwargs, and
-# OpenAI's reasoning_effort ("none": no thinking; any other: think, the effort not used yet).
+# A reasoning model's switches (backends.chat_plan.ChatRequest): vLLM's chat_template_kwargs and
+# thinking_token_budget, and OpenAI's reasoning_effort ("none": no thinking; a degree: a budget).
 REASONING_CONTROLS = {
     "chat_template_kwargs": {"type": "object", "description": "what the chat template reads besides the messages"},
     "reasoning_effort": {"type": "string", "description": '"none" asks a reasoning model not to think'},
+    "thinking_token_budget": {"type": "integer", "minimum": -1, "description": "tokens of reasoning (-1: no limit)"},
 }
+# An effort's thinking budget in tokens (None: no limit; "none": no thinking at all), for OpenAI's
+# reasoning_effort and reasoning.effort and Anthropic's output_config.effort. An effort not named
+# here sets no budget. Chosen for the small local models this server runs (an 8k context):
+# docs/api.md, "Reasoning".
+EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": None, "xhigh": None, "max": None}
 CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI has no default cap; a local server wants one
 CHAT_SCHEMA: dict[str, Any] = tolerant(
     {
@@ -2544,13 +2555,28 @@ def pick(mapping: dict, *keys: str) -> dict:
     return {k: mapping[k] for k in keys if k in mapping}
 
 
-def template_options(request: web.Request, kwargs: dict | None, thinking: bool | None) -> dict:
-    """ChatRequest's template_kwargs (CHAT_TEMPLATE_KWARGS, the request's over them) and thinking."""
-    return {"template_kwargs": {**request.app[SETTINGS].template_kwargs, **(kwargs or {})}, "thinking": thinking}
-
-
-def effort_thinks(effort: str | None) -> bool | None:
-    return None if effort is None else effort != "none"
+def template_options(
+    request: web.Request,
+    kwargs: dict | None,
+    thinking: bool | None = None,
+    effort: str | None = None,
+    budget: int | None = None,
+) -> dict:
+    """ChatRequest's reasoning fields: template_kwargs (CHAT_TEMPLATE_KWARGS, the request's over
+    them); thinking (off for effort "none"); and the thinking budget, the request's own (-1: no
+    limit), else its effort's (EFFORT_BUDGETS), else THINKING_BUDGET."""
+    settings = request.app[SETTINGS]
+    if effort is not None and thinking is None:
+        thinking = effort != "none"
+    if budget is None and effort in EFFORT_BUDGETS:
+        budget = -1 if EFFORT_BUDGETS[effort] is None else EFFORT_BUDGETS[effort]
+    if budget is None:
+        budget = settings.thinking_budget
+    return {
+        "template_kwargs": {**settings.template_kwargs, **(kwargs or {})},
+        "thinking": thinking,
+        "thinking_budget": None if budget < 0 else budget,
+    }
 
 
 def chat_plan(backend: Backend, chat: ChatRequest) -> ChatPlan:
@@ -2702,10 +2728,13 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     messages = chat_messages(params)
     tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
     output, output_field = response_grammar(params)
-    thinks = effort_thinks(params["reasoning_effort"])
-    plan = chat_plan(
-        backend, ChatRequest(messages, use, output, **template_options(request, params["chat_template_kwargs"], thinks))
+    options = template_options(
+        request,
+        params["chat_template_kwargs"],
+        effort=params["reasoning_effort"],
+        budget=params["thinking_token_budget"],
     )
+    plan = chat_plan(backend, ChatRequest(messages, use, output, **options))
     k = (params["top_logprobs"] or 0) if params["logprobs"] else None
     options = await chat_options(request, plan, stop_tuple(params["stop"]), params["ignore_eos"], output_field)
     options.update(logprobs=k, prompt_field="messages")
@@ -2824,6 +2853,7 @@ RESPONSES_SCHEMA: dict[str, Any] = tolerant(
                 "properties": {"effort": REASONING_CONTROLS["reasoning_effort"], "summary": _ignored("string")},
             },
             "chat_template_kwargs": REASONING_CONTROLS["chat_template_kwargs"],
+            "thinking_token_budget": REASONING_CONTROLS["thinking_token_budget"],
             "include": {"type": "array", "items": {}, "description": "accepted and ignored"},
             "metadata": _ignored("object"),
             "user": _ignored("string"),
@@ -3132,8 +3162,10 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
     use = responses_tools(request, params)
     messages = responses_chat(params)
     output, output_field = responses_format(params, use)
-    thinks = effort_thinks((params["reasoning"] or {}).get("effort"))
-    options = template_options(request, params["chat_template_kwargs"], thinks)
+    effort = (params["reasoning"] or {}).get("effort")
+    options = template_options(
+        request, params["chat_template_kwargs"], effort=effort, budget=params["thinking_token_budget"]
+    )
     plan = chat_plan(backend, ChatRequest(messages, use, output, **options))
     as_chat = {**params, "ignore_eos": False}  # the chat route's sampling fields
     options = await chat_options(request, plan, (), False, output_field)
@@ -3291,7 +3323,8 @@ ANTHROPIC_INPUT = {
     "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]},
     "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": ANTHROPIC_TOOL},
     "tool_choice": ANTHROPIC_TOOL_CHOICE,
-    # Extended thinking: accepted; a model that does not reason answers as without it.
+    # Extended thinking: a reasoning model thinks within budget_tokens (enabled), or as output_config's
+    # effort says (adaptive); a model that does not reason answers as without it.
     "thinking": {
         "type": "object",
         "required": ["type"],
@@ -3323,7 +3356,7 @@ MESSAGES_SCHEMA: dict[str, Any] = tolerant(
             "output_config": {
                 "type": "object",
                 "properties": {
-                    "effort": {"type": "string", "description": "accepted; a model that does not reason ignores it"},
+                    "effort": {"type": "string", "description": "a reasoning model's thinking budget (EFFORT_BUDGETS)"},
                     # Structured output, as response_format's json_schema (Claude Code's title request).
                     "format": {
                         "type": "object",
@@ -3437,8 +3470,14 @@ def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
     format = (params.get("output_config") or {}).get("format")
     tools_or_format(use, format and "json_schema", "output_config.format")
     schema = format and GrammarSpec("json_schema", json.dumps(format.get("schema", {"type": "object"})))
-    thinking = (params.get("thinking") or {}).get("type")
-    options = template_options(request, None, None if thinking is None else thinking != "disabled")
+    thinking = params.get("thinking") or {}
+    options = template_options(
+        request,
+        None,
+        None if not thinking else thinking["type"] != "disabled",
+        effort=(params.get("output_config") or {}).get("effort"),
+        budget=thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None,
+    )
     return chat_plan(backend, ChatRequest(anthropic_chat(params), use, response_format=schema or None, **options))
 
 
@@ -3708,7 +3747,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if params["messages"] is not None:
         tools = [t["function"] for t in params["tools"] or []]  # as chat renders them with tool_choice auto
         use = ToolUse(tools, "auto", True) if tools else None
-        options = template_options(request, params["chat_template_kwargs"], effort_thinks(params["reasoning_effort"]))
+        options = template_options(request, params["chat_template_kwargs"], effort=params["reasoning_effort"])
         text = chat_plan(backend, ChatRequest(chat_messages(params), use, **options)).prompt
     else:
         text = params["prompt"] if params["prompt"] is not None else params["content"]

@@ -42,7 +42,7 @@ class ToolUse:
 class GrammarSpec:
     """A grammar to compile for the model's tokenizer (`Backend.constraint(kind, spec)`)."""
 
-    kind: str  # "tool_calls", "json_object" or "json_schema"
+    kind: str  # "tool_calls", "json_object", "json_schema", or "thinking" (one of them, or none, after a thought)
     spec: str
     lazy: bool = False  # armed only when a call opens (tool_choice auto): the text beside it ends as any text
 
@@ -61,6 +61,9 @@ class ChatRequest:
     # unless the kwargs say; None leaves it to the template.
     template_kwargs: dict = field(default_factory=dict)
     thinking: bool | None = None
+    # The most tokens the reply may reason for (None: no limit): then only </think> is allowed,
+    # where the model's tokenizer has <think> and </think> as tokens (backends.grammar.ThinkingGrammar).
+    thinking_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -113,21 +116,51 @@ class ChatFormat:
             raise ChatError(f"chat_template_kwargs may not set {', '.join(taken)}: the server renders the chat")
         if chat.thinking is not None:
             kwargs.setdefault("enable_thinking", chat.thinking)
+        thinking = kwargs.get("enable_thinking")  # asked for, or not, or None: the template's default
         prompt, stop = self.render(chat.messages, use.tools if use else None, kwargs)
         grammar = chat.response_format
         if use is not None:
             lazy = use.choice == "auto"
             grammar = GrammarSpec("tool_calls", self.tool_grammar(use.callable, use.parallel, lazy), lazy)
+        inside = self.reasoning and prompt.rstrip().endswith(tools.THINK_OPEN)
         return ChatPlan(
             prompt=prompt,
             stop=stop,
-            grammar=grammar,
+            grammar=self.after_thought(grammar, chat.thinking_budget, thinking, inside),
             keep_tokens=self.tool_tokens if use or self.reasoning else (),
             tool_format=self.tool_format,
             tool_names=None if use is None else frozenset(t["name"] for t in use.tools),
             reasoning=self.reasoning,
-            thinking=self.reasoning and prompt.rstrip().endswith(tools.THINK_OPEN),
+            thinking=inside,
         )
+
+    def after_thought(
+        self, grammar: GrammarSpec | None, budget: int | None, thinking: bool | None, inside: bool
+    ) -> GrammarSpec | None:
+        """`grammar` (or free text) after the reply's thought, where the reply may think: the
+        budget ends the thought, and the grammar holds from the end of the thought on
+        (backends.grammar.ThinkingGrammar). The reply thinks where the prompt opened <think>.
+        It may open <think> itself first thing (Qwen3's template leaves that to the model) where
+        thinking was not turned off, and before a grammar that holds from the reply's start (a
+        response format, a forced call) only where thinking was asked for: else that grammar
+        holds from the first token, as without a thought. Where <think> or </think> is no single
+        token, the grammar stays as it is and no budget is kept."""
+        tags = [self.single_token(tag) for tag in (tools.THINK_OPEN, tools.THINK_CLOSE)] if self.reasoning else []
+        if not tags or None in tags:
+            return grammar
+        free = grammar is None or grammar.lazy
+        may_open = not inside and (thinking is True or (thinking is None and free))
+        if not (inside or may_open) or (grammar is None and budget is None):
+            return grammar
+        plan = {
+            "inner": grammar and [grammar.kind, grammar.spec],
+            "budget": budget,
+            "open": tags[0],
+            "close": tags[1],
+            "inside": inside,
+            "may_open": may_open,
+        }
+        return GrammarSpec("thinking", json.dumps(plan), lazy=free)
 
     def render(
         self, messages: list[dict], tool_list: list[dict] | None, kwargs: dict | None = None

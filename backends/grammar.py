@@ -141,6 +141,17 @@ class Matcher:
         if self.error is None and self._matcher.is_error():
             self._fail(self._matcher.get_error())
 
+    def _source(self):
+        """What advance_together fills this row's mask from: llguidance's matcher, or (a failed
+        grammar, a lazy one not armed yet) every token."""
+        if self.error is None and self.active:
+            return self._matcher
+        return np.full(self.words, -1, dtype=np.int32)
+
+    def _finish(self, words: np.ndarray) -> None:
+        """After advance_together filled this row's mask: a grammar that failed there says so."""
+        self._check()
+
     def _fail(self, text: str) -> None:
         self.error = reason(text)
 
@@ -234,7 +245,7 @@ def _ready(value) -> Future:
     return done
 
 
-def advance_together(matchers: list[Matcher], tokens: list[int]) -> None:
+def advance_together(matchers: list, tokens: list[int]) -> None:
     """Consume a token in each matcher, and compute all their next masks, in one task on a
     worker thread (the rows of a batch: one hand-over a step, not one per row). A matcher whose
     grammar fails records it (`Matcher.error`); the others go on."""
@@ -243,19 +254,140 @@ def advance_together(matchers: list[Matcher], tokens: list[int]) -> None:
         for matcher, token in zip(matchers, tokens, strict=False):
             matcher._consume(token)
         words = np.zeros((len(matchers), matchers[0].words), dtype=np.int32)
-        live = [(m._matcher, i) for i, m in enumerate(matchers) if m.error is None and m.active]
+        live = []
+        for i, matcher in enumerate(matchers):
+            source = matcher._source()
+            if isinstance(source, np.ndarray):  # every token, or a mask of its own (ThinkingMatcher)
+                words[i] = source
+            else:
+                live.append((source, i))
         if live:
             _rows.unsafe_compute_mask_ptr(live, words.ctypes.data, words.shape[1] * 4, len(matchers))
-        for i, m in enumerate(matchers):
-            if not m.active:  # a lazy grammar not armed yet: every token
-                words[i] = -1
-        for matcher in matchers:
-            matcher._check()
+        for i, matcher in enumerate(matchers):
+            matcher._finish(words[i])
         return words
 
     future = _masks.submit(work)
     for row, matcher in enumerate(matchers):
         matcher._next = (future, row)
+
+
+class ThinkingGrammar:
+    """A reply that may reason first, in `<think>` ... `</think>` (both single tokens), with
+    the request's grammar (or none) over the reply after it. Issue 53's thinking budget: after
+    `budget` tokens of reasoning only `</think>` is allowed, so the reasoning ends there and the
+    reply goes on. And a grammar (a response format, tool calls) holds from the reply's start,
+    after the reasoning (vLLM's reasoning parsers do the same): it never forces the thought
+    into JSON, and a call's tag inside the thought does not arm the tool grammar."""
+
+    def __init__(self, inner: Grammar | None, vocab: int, plan: dict, size: int):
+        self.inner = inner
+        self.vocab = vocab
+        self.budget: int | None = plan["budget"]  # tokens of reasoning (not counting the tags); None: no limit
+        self.open: int = plan["open"]
+        self.close: int = plan["close"]
+        self.inside: bool = plan["inside"]  # the prompt opened <think>: the reply starts inside it
+        self.may_open: bool = plan["may_open"]  # the reply's first token may open <think>
+        self.size = size
+        self.trigger = None
+
+    def matcher(self) -> ThinkingMatcher:
+        return ThinkingMatcher(self, self.inner.matcher() if self.inner is not None else None)
+
+
+class ThinkingMatcher:
+    """One reply's walk through a ThinkingGrammar: the `Constraint` the decoders take, with
+    Matcher's interface (advance_together included). States: "start" (the first token may open
+    the thought), "think" (counting its tokens), "after" (the inner grammar's, or free text).
+    Its masks are its own (every token while thinking, the closing tag alone once the budget
+    is spent); the inner matcher sees only the tokens after the thought."""
+
+    def __init__(self, grammar: ThinkingGrammar, inner: Matcher | None):
+        self._grammar = grammar
+        self._inner = inner
+        self.words = (grammar.vocab + 31) // 32
+        self._state = "think" if grammar.inside else ("start" if grammar.may_open else "after")
+        self.spent = 0  # tokens of reasoning so far
+        self._next = (_ready(self._fill()[None]), 0)
+
+    @property
+    def error(self) -> str | None:
+        return self._inner.error if self._inner is not None else None
+
+    def _forcing(self) -> bool:
+        budget = self._grammar.budget
+        return self._state == "think" and budget is not None and self.spent >= budget
+
+    def _every(self) -> np.ndarray:
+        return np.full(self.words, -1, dtype=np.int32)
+
+    def _only(self, token: int) -> np.ndarray:
+        words = np.zeros(self.words, dtype=np.int32)
+        words.view(np.uint32)[token // 32] = np.uint32(1 << (token % 32))
+        return words
+
+    def _consume(self, token: int) -> None:
+        if self._state == "start":
+            if token == self._grammar.open:
+                self._state = "think"
+                return
+            self._state = "after"
+        elif self._state == "think":
+            if token == self._grammar.close:
+                self._state = "after"
+            else:
+                self.spent += 1
+            return
+        if self._inner is not None:
+            self._inner._consume(token)
+
+    def _source(self):
+        """What advance_together fills this row's mask from: an llguidance matcher, or the words."""
+        if self._state == "think":
+            return self._only(self._grammar.close) if self._forcing() else self._every()
+        if self._inner is None:
+            return self._every()
+        return self._inner._source()
+
+    def _finish(self, words: np.ndarray) -> None:
+        if self._state == "start" and self._grammar.may_open:  # the thought may open, whatever the grammar
+            words.view(np.uint32)[self._grammar.open // 32] |= np.uint32(1 << (self._grammar.open % 32))
+        if self._state != "think" and self._inner is not None:
+            self._inner._finish(words)
+
+    def _fill(self) -> np.ndarray:
+        if self._state == "think" or self._inner is None:
+            words = self._source()
+        elif self._state == "start":  # nothing consumed yet: the inner grammar's first mask
+            words = self._inner.allowed_words().copy()
+        else:
+            words = self._inner._fill()
+        self._finish(words)
+        return words
+
+    def allowed_words(self) -> np.ndarray:
+        future, row = self._next
+        words = future.result()[row]
+        return words if self.error is None else self._every()
+
+    def allowed(self) -> np.ndarray:
+        return np.unpackbits(self.allowed_words().view(np.uint8), bitorder="little").view(bool)
+
+    def consume(self, token: int) -> None:
+        self._consume(token)
+        self._next = (_masks.submit(lambda: self._fill()[None]), 0)
+
+    @property
+    def active(self) -> bool:
+        if self._state == "think":
+            return self._forcing()
+        return self._inner is not None and self._inner.active
+
+    def constrains(self) -> bool:
+        self._next[0].result()  # the step that consumed the last token
+        if self._state == "think":
+            return self._forcing()
+        return self._inner is not None and self._inner.constrains()
 
 
 class Grammars:
@@ -301,7 +433,11 @@ class Grammars:
                 self._cached_size -= evicted.size
         return grammar
 
-    def _compile(self, kind: str, spec: str) -> Grammar:
+    def _compile(self, kind: str, spec: str) -> Grammar | ThinkingGrammar:
+        if kind == "thinking":  # backends.chat_plan: a reasoning reply's plan, over its inner grammar
+            plan = json.loads(spec)
+            inner = self.compile(*plan["inner"]) if plan["inner"] else None
+            return ThinkingGrammar(inner, self.vocab, plan, len(spec))
         trigger = None
         try:
             if kind == "json_schema":
