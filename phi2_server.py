@@ -1206,6 +1206,7 @@ class Generation:
     grammar: Grammar | None = None  # compiled; `submit` gives the sequence a matcher of its own
     grammar_field: str | None = None  # the field that gave it (what a failing grammar's error names)
     keep_tokens: tuple[tuple[int, str], ...] = ()  # tags the reply's text keeps (Request.keep_tokens)
+    thought: tuple[int, int, bool] | None = None  # a reasoning reply's tags (Request.thought)
 
     def request(self, prompt_ids: list[int], max_tokens: int, **context: Any) -> Request:
         """The engine's request for this generation: every field the two records share comes from
@@ -2205,19 +2206,22 @@ def check_sequences(request: web.Request, gens: list[Generation]) -> None:
         )
 
 
-def usage(summaries: list[Summary], prompts: int) -> dict:
+def usage(summaries: list[Summary], prompts: int, reasoning: bool = False) -> dict:
     """Token counts of a request: each prompt counted once (its `copies` choices share it),
-    every choice's tokens."""
+    every choice's tokens (and, for a chat with a model that thinks, its reasoning's)."""
     copies = len(summaries) // prompts
     prompt_summaries = summaries[::copies]
     prompt_tokens = sum(s.prompt_tokens for s in prompt_summaries)
     completion = sum(s.tokens_used for s in summaries)
-    return {
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompt_summaries)},
     }
+    if reasoning:
+        counts["completion_tokens_details"] = {"reasoning_tokens": sum(s.reasoning_tokens for s in summaries)}
+    return counts
 
 
 def sse(payload: dict | str) -> str:
@@ -2602,7 +2606,7 @@ async def chat_options(
     # Lazy (tool_choice auto): text beside a call may end at a stop sequence as usual.
     checks = {} if plan.grammar is None or plan.grammar.lazy else {"stop": stop, "ignore_eos": ignore_eos}
     grammar = await grammar_options(request, plan.grammar, field, checks)
-    return {"stop": stop + plan.stop, "keep_tokens": plan.keep_tokens, **grammar}
+    return {"stop": stop + plan.stop, "keep_tokens": plan.keep_tokens, "thought": plan.thought, **grammar}
 
 
 # -- OpenAI-compatible API: /v1/chat/completions -----------------------------------------------
@@ -2627,6 +2631,7 @@ class ChatWire(Wire):
         self.envelope = response_head(name, "chat.completion.chunk" if self.streaming else "chat.completion")
         self.include_usage = bool(params["stream_options"].get("include_usage"))
         self.parser = plan.parser
+        self.thinks = plan.thought is not None  # usage then counts the reasoning's tokens
         self.parsers = [self.parser() for _ in tickets]
         self.calls = [0 for _ in tickets]  # tool calls streamed so far, per choice
         self.pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
@@ -2679,7 +2684,11 @@ class ChatWire(Wire):
         return rest + self.sse_chunk(index, {}, finish=chat_finish(event, self.parsers[index]))
 
     def tail(self) -> str:
-        end = sse({**self.envelope, "choices": [], "usage": usage(self.summaries(), 1)}) if self.include_usage else ""
+        end = (
+            sse({**self.envelope, "choices": [], "usage": usage(self.summaries(), 1, reasoning=self.thinks)})
+            if self.include_usage
+            else ""
+        )
         return end + sse("[DONE]")
 
     def body(self) -> dict:
@@ -2707,7 +2716,7 @@ class ChatWire(Wire):
                     "finish_reason": chat_finish(choice.summary, parser),
                 }
             )
-        return {**self.envelope, "choices": choices, "usage": usage(self.summaries(), 1)}
+        return {**self.envelope, "choices": choices, "usage": usage(self.summaries(), 1, reasoning=self.thinks)}
 
 
 def call_id() -> str:
@@ -3137,7 +3146,7 @@ class ResponsesWire(Wire):
                 "input_tokens": summary.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": summary.cached_tokens},
                 "output_tokens": summary.tokens_used,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": summary.reasoning_tokens},
                 "total_tokens": summary.prompt_tokens + summary.tokens_used,
             },
         )

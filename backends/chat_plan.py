@@ -79,6 +79,8 @@ class ChatPlan:
     tool_names: frozenset[str] | None  # what the parser reads calls to; None: no calls are looked for
     reasoning: bool  # <think>...</think> is split off the reply as reasoning
     thinking: bool  # the prompt opened <think>: the reply starts inside its reasoning
+    # <think>'s and </think>'s ids where both are single tokens, and `thinking` (Request.thought)
+    thought: tuple[int, int, bool] | None = None
 
     def parser(self) -> ToolCallParser:
         """A fresh parser for one choice's text (each choice, and each fold of a whole reply)."""
@@ -108,6 +110,8 @@ class ChatFormat:
         vocab = tokenizer.get_vocab()
         self.reasoning = tools.THINK_OPEN in vocab and tools.THINK_CLOSE in vocab
         self.tool_tokens = self._tool_tokens()
+        tags = tuple(self.single_token(tag) for tag in (tools.THINK_OPEN, tools.THINK_CLOSE)) if self.reasoning else ()
+        self.think_tags: tuple[int, int] | None = tags if tags and None not in tags else None
 
     def plan(self, chat: ChatRequest) -> ChatPlan:
         use = chat.tools
@@ -132,6 +136,7 @@ class ChatFormat:
             tool_names=None if use is None else frozenset(t["name"] for t in use.tools),
             reasoning=self.reasoning,
             thinking=inside,
+            thought=(*self.think_tags, inside) if self.think_tags else None,
         )
 
     def after_thought(
@@ -145,8 +150,8 @@ class ChatFormat:
         response format, a forced call) only where thinking was asked for: else that grammar
         holds from the first token, as without a thought. Where <think> or </think> is no single
         token, the grammar stays as it is and no budget is kept."""
-        tags = [self.single_token(tag) for tag in (tools.THINK_OPEN, tools.THINK_CLOSE)] if self.reasoning else []
-        if not tags or None in tags:
+        tags = self.think_tags
+        if tags is None:
             return grammar
         free = grammar is None or grammar.lazy
         may_open = not inside and (thinking is True or (thinking is None and free))

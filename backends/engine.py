@@ -62,6 +62,7 @@ class Summary:
     error_kind: ErrorKind | None = None
     # With finish_reason "stop": the stop sequence that ended the text (None: end-of-text).
     stop_sequence: str | None = None
+    reasoning_tokens: int = 0  # of tokens_used, those inside the reply's <think> (Request.thought)
 
     def timings(self) -> dict:
         return {
@@ -104,6 +105,9 @@ class Request:
     cache_namespace: str = ""  # whose prompt cache entries it shares (Sequence.cache_namespace)
     # Special tokens whose text the reply keeps (tool-call tags: ChatPlan.keep_tokens), (id, text).
     keep_tokens: tuple[tuple[int, str], ...] = ()
+    # A reply that may reason first (ChatPlan.thought): <think>'s id, </think>'s, and whether the
+    # prompt opened it; the tokens inside are counted (Summary.reasoning_tokens).
+    thought: tuple[int, int, bool] | None = None
 
     def sequence(self, seq_id: int) -> Sequence:
         """What the decoder sees of this request. Logprobs are computed for the larger of the two
@@ -305,8 +309,23 @@ class _Running:
         self.text = text
         self.cached = cached
         self.count = 0
+        thought = ticket.request.thought
+        self.thinking = thought is not None and thought[2]  # inside <think> now
+        self.reasoning = 0  # tokens inside it so far
         self.first_at: float | None = None
         self.last_at: float | None = None
+
+    def count_thought(self, token: int) -> None:
+        """The reply's reasoning: from <think> as its first token (or the prompt's) to </think>,
+        as the reply's parser splits it (backends.tools.ToolCallParser)."""
+        opening, closing, _ = self.ticket.request.thought
+        if self.thinking:
+            if token == closing:
+                self.thinking = False
+            else:
+                self.reasoning += 1
+        elif token == opening and self.count == 1:
+            self.thinking = True
 
 
 class Engine:
@@ -676,6 +695,8 @@ class Engine:
         if scores is not None:
             running.ticket._emit(scores)
         running.count += 1
+        if request.thought is not None:
+            running.count_thought(token)
         running.first_at = running.first_at or now
         running.last_at = now
         self.stats.tokens_generated += 1
@@ -723,6 +744,7 @@ class Engine:
             running.cached,
             error_kind,
             stop_sequence=running.text.matched if reason == "stop" else None,
+            reasoning=running.reasoning,
         )
         if decoder is not None:
             self._finished.append(seq_id)  # removed from the decoder once the step's ends are out
@@ -754,6 +776,7 @@ class Engine:
         cached: int = 0,
         error_kind: ErrorKind | None = None,
         stop_sequence: str | None = None,
+        reasoning: int = 0,
     ) -> None:
         now = time.perf_counter()
         request = ticket.request
@@ -773,6 +796,7 @@ class Engine:
             cached_tokens=cached,
             error_kind=error_kind,
             stop_sequence=stop_sequence,
+            reasoning_tokens=reasoning,
         )
         key = {"cancelled": "cancelled", "timeout": "timeouts", "error": "errors"}.get(reason, "completed")
         with self._stats_lock:

@@ -39,11 +39,11 @@ def served(request, live_server, tool_backends):
 
 
 def chat(server, **body) -> dict:
-    status, answer = post(
-        server, "/v1/chat/completions", {"messages": THINK, "tools": TOOLS, "max_tokens": 40, "temperature": 0, **body}
-    )
+    """The choice, its usage beside it."""
+    body = {"messages": THINK, "tools": TOOLS, "max_tokens": 40, "temperature": 0, **body}
+    status, answer = post(server, "/v1/chat/completions", body)
     assert status == 200, answer
-    return answer["choices"][0]
+    return {**answer["choices"][0], "usage": answer["usage"]}
 
 
 @pytest.mark.parametrize("budget", [0, 3])
@@ -57,6 +57,7 @@ def test_budget_cuts_the_thought_on_chat(served, budget):
     assert chat(server, thinking_token_budget=-1)["message"] == whole
     choice = chat(server, thinking_token_budget=budget)
     assert (choice["message"].get("reasoning_content") or "").strip() == cut(backend, budget)
+    assert choice["usage"]["completion_tokens_details"]["reasoning_tokens"] == budget
     assert "think>" not in (choice["message"]["content"] or "")
     sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     stream = sdk.chat.completions.create(
@@ -100,6 +101,8 @@ def test_budget_on_responses_and_messages(served):
         answer = sdk.responses.create(**body, extra_body=extra)
         item = next(i for i in answer.output if i.type == "reasoning")
         assert item.content[0].text.strip() == thought
+        if extra:
+            assert answer.usage.output_tokens_details.reasoning_tokens == 3
         with sdk.responses.stream(**body, extra_body=extra) as stream:
             # completed, or incomplete: a cut thought may leave the reply talking to max_output_tokens
             final = [e for e in stream if e.type in ("response.completed", "response.incomplete")][-1].response
