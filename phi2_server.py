@@ -56,7 +56,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from functools import cached_property
@@ -93,7 +93,7 @@ from backends import (
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
 from backends.chat_plan import ChatPlan, ChatRequest, GrammarSpec, ToolUse
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
-from backends.tools import Piece, ToolCall, ToolCallParser
+from backends.tools import Piece, ToolCall, ToolCallParser, argument_error
 
 VERSION = "0.9.0"
 log = logging.getLogger("phi2_server")
@@ -367,6 +367,7 @@ LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
 RECEIVED_AT: web.RequestKey[float] = web.RequestKey("received_at")
+ARGUMENT_CHECKS: web.RequestKey[ArgumentChecks] = web.RequestKey("argument_checks")
 # Whose prompt cache entries a request shares: its API key's where there are several keys.
 CACHE_NAMESPACE: web.RequestKey[str] = web.RequestKey("cache_namespace")
 
@@ -1604,12 +1605,15 @@ async def answer(request: web.Request, tickets: list[Ticket], wire: Wire) -> web
                 await send(request, response, tickets, wire, chunks, started)
         note_summary(request, combined(wire.summaries()))
         if response is not None:
+            await settle_checks(request)
             async with write_deadline(request):
                 await response.write_eof()
             return response
         for summary in wire.summaries():
             raise_unfinished(request, summary)
-        return await json_answer(request, wire.body, wire.heavy)
+        whole = await json_answer(request, wire.body, wire.heavy)
+        await settle_checks(request)
+        return whole
     except ConnectionResetError:
         if response is None:
             raise
@@ -2652,6 +2656,52 @@ def tools_or_format(use: ToolUse | None, format_type: str | None, field: str) ->
         raise ApiError(400, f"{field} cannot be combined with tools here; give one or the other", field=field)
 
 
+class ArgumentChecks:
+    """A request's calls checked against their tools' full JSON Schemas (the grammar held them to
+    a lenient form: backends.tools.CALL_JSON), each on the tokenizer pool as its call is given
+    out. A call that breaks its schema is still the answer (agents check calls themselves and
+    tell the model what was wrong); the request log names its tool (`tool_arguments_invalid`)
+    and /metrics counts it. docs/api.md, "Tool calls"."""
+
+    def __init__(self, request: web.Request, schemas: dict[str, dict]):
+        self.pool = request.app[TOKENIZER_POOL]
+        self.schemas = schemas
+        self.pending: list[tuple[str, Future]] = []
+
+    def __call__(self, call: ToolCall) -> None:  # on the event loop, or the pool building a whole answer
+        schema = None if call.custom else self.schemas.get(call.name)
+        if schema:
+            self.pending.append((call.name, self.pool.submit(argument_error, schema, call.arguments)))
+
+    async def settle(self, request: web.Request) -> None:
+        broken = [name for name, future in self.pending if await asyncio.wrap_future(future)]
+        self.pending = []
+        if broken:
+            request[LOG_FACTS]["tool_arguments_invalid"] = sorted(set(broken))[:MAX_IGNORED]
+            request.app[METRICS].invalid_arguments.inc(len(broken))
+
+
+def check_arguments(request: web.Request, use: ToolUse | None) -> ToolUse | None:
+    """`use`, its function tools' calls to be checked against their schemas (`ArgumentChecks`)."""
+    schemas = {t["name"]: t["parameters"] for t in use.tools if t.get("parameters")} if use else {}
+    if schemas:
+        request[ARGUMENT_CHECKS] = ArgumentChecks(request, schemas)
+    return use
+
+
+def checked_parser(request: web.Request, plan: ChatPlan) -> ToolCallParser:
+    """A parser for one choice's text whose calls are checked (`ArgumentChecks`), if any may come."""
+    parser = plan.parser()
+    parser.on_call = request.get(ARGUMENT_CHECKS)
+    return parser
+
+
+async def settle_checks(request: web.Request) -> None:
+    """The answer's calls checked, before its log line is written."""
+    if (checks := request.get(ARGUMENT_CHECKS)) is not None:
+        await checks.settle(request)
+
+
 async def chat_options(
     request: web.Request, plan: ChatPlan, stop: tuple[str, ...], ignore_eos: bool, format_field: str | None = None
 ) -> dict:
@@ -2685,7 +2735,7 @@ class ChatWire(Wire):
         self.k = k
         self.envelope = response_head(name, "chat.completion.chunk" if self.streaming else "chat.completion")
         self.include_usage = bool(params["stream_options"].get("include_usage"))
-        self.parser = plan.parser
+        self.parser = lambda: checked_parser(request, plan)
         self.parsers = [self.parser() for _ in tickets]
         self.calls = [0 for _ in tickets]  # tool calls streamed so far, per choice
         self.pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
@@ -2785,7 +2835,7 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     params = await read_params(request, CHAT_SCHEMA, openai_params)
     name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
-    use = chat_tools(params)
+    use = check_arguments(request, chat_tools(params))
     messages = chat_messages(params)
     tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
     output, output_field = response_grammar(params)
@@ -3051,7 +3101,7 @@ class ResponsesWire(Wire):
     def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, plan: ChatPlan):
         super().__init__(request, tickets, params["stream"])
         self.params = params
-        self.parser = plan.parser()
+        self.parser = checked_parser(request, plan)
         self.response = {
             "id": f"resp_{uuid.uuid4().hex}",
             "object": "response",
@@ -3261,7 +3311,7 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
         given = params["input"] if isinstance(params["input"], list) else [{"role": "user", "content": params["input"]}]
         params = {**params, "input": [*before.items, *given]}
     backend = engine_ready(request).backend
-    use = responses_tools(request, params)
+    use = check_arguments(request, responses_tools(request, params))
     messages = responses_chat(params)
     output, output_field = responses_format(params, use)
     thinks = effort_thinks((params["reasoning"] or {}).get("effort"))
@@ -3565,7 +3615,7 @@ def anthropic_tools(request: web.Request, params: dict) -> ToolUse | None:
 def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
     """The request's chat plan: what /v1/messages generates from and count_tokens counts."""
     backend = engine_ready(request).backend
-    use = anthropic_tools(request, params)
+    use = check_arguments(request, anthropic_tools(request, params))
     format = (params.get("output_config") or {}).get("format")
     tools_or_format(use, format and "json_schema", "output_config.format")
     schema = format and GrammarSpec("json_schema", json.dumps(format.get("schema", {"type": "object"})))
@@ -3622,7 +3672,7 @@ class AnthropicWire(Wire):
         self.tools = plan.tool_names is not None
         self.thinks = (params.get("thinking") or {}).get("type") in ("enabled", "adaptive")
         self.thought = ""  # the open thinking block's text, for its signature
-        self.parser = plan.parser
+        self.parser = lambda: checked_parser(request, plan)
         self.stream_parser = self.parser()
         self.blocks = 0  # blocks started
         self.open: str | None = None  # the type of the block open now
@@ -3977,6 +4027,11 @@ class Metrics:
             "phi2_generated_tokens", "Tokens generated (rate() of it is the server's tokens/s).", registry=r
         )
         self.prompt = Counter("phi2_prompt_tokens", "Prompt tokens of generation requests.", registry=r)
+        self.invalid_arguments = Counter(
+            "phi2_tool_arguments_invalid",
+            "Tool calls given out whose arguments break their tool's full JSON Schema (the grammar's is lenient).",
+            registry=r,
+        )
         r.register(EngineCollector(app))
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)

@@ -38,8 +38,10 @@ prompt shows such a tool as a function taking one string, its grammar in its des
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jsonschema
 import llguidance
 
 # The system block for a chat template that knows no tools (and for Phi-2's dialogue format):
@@ -238,6 +240,7 @@ class ToolCallParser:
         self.format = format
         self.tools = tools  # the names callable; None: no calls are looked for (no tools, or tool_choice none)
         self.custom = custom  # those of them that are custom tools (raw input)
+        self.on_call: Callable[[ToolCall], None] | None = None  # told of each call as it is given out
         self.reasoning = reasoning  # split <think>...</think> off as reasoning
         self._mode = "think" if thinking else "start"  # start, text, think, call
         self._bare = False  # the call being read opened with its brace, untagged (llama3)
@@ -330,6 +333,9 @@ class ToolCallParser:
             self.cut_call = self.cut_call or bool(payload.strip())
             return []
         self.calls += len(calls)
+        if self.on_call is not None:
+            for call in calls:
+                self.on_call(call)
         return [Piece("call", call=call) for call in calls]
 
 
@@ -510,6 +516,20 @@ def custom_lark(syntax: str, definition: str) -> str:
     if syntax == "lark":
         return definition
     return f"start: /{llguidance.regex_to_lark(definition, '')}/\n"
+
+
+def argument_error(schema: dict, arguments: str) -> str | None:
+    """Why a call's arguments break its tool's full JSON Schema (the grammar held them to a lenient
+    form of it: `CALL_JSON`), or None. Formats are checked where jsonschema knows them; a schema
+    jsonschema cannot read (or a `$ref` it cannot resolve: nothing is fetched) is no error of the
+    call's. Seconds for a huge schema: callers run it on a pool."""
+    try:
+        validator = jsonschema.validators.validator_for(schema)
+        errors = validator(schema, format_checker=validator.FORMAT_CHECKER).iter_errors(json.loads(arguments))
+        error = jsonschema.exceptions.best_match(errors)
+    except Exception:  # the schema's own fault (SchemaError, Unresolvable, ...): nothing to say of the call
+        return None
+    return None if error is None else f"{error.json_path}: {error.message}"[:300]
 
 
 @dataclass(frozen=True)
