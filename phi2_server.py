@@ -56,7 +56,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from functools import cached_property
@@ -93,7 +93,7 @@ from backends import (
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
 from backends.chat_plan import ChatPlan, ChatRequest, GrammarSpec, ToolUse
 from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
-from backends.tools import Piece, ToolCallParser
+from backends.tools import Piece, ToolCall, ToolCallParser, argument_error
 
 VERSION = "0.9.0"
 log = logging.getLogger("phi2_server")
@@ -372,6 +372,7 @@ LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
 RECEIVED_AT: web.RequestKey[float] = web.RequestKey("received_at")
+ARGUMENT_CHECKS: web.RequestKey[ArgumentChecks] = web.RequestKey("argument_checks")
 # Whose prompt cache entries a request shares: its API key's where there are several keys.
 CACHE_NAMESPACE: web.RequestKey[str] = web.RequestKey("cache_namespace")
 
@@ -1610,12 +1611,15 @@ async def answer(request: web.Request, tickets: list[Ticket], wire: Wire) -> web
                 await send(request, response, tickets, wire, chunks, started)
         note_summary(request, combined(wire.summaries()))
         if response is not None:
+            await settle_checks(request)
             async with write_deadline(request):
                 await response.write_eof()
             return response
         for summary in wire.summaries():
             raise_unfinished(request, summary)
-        return await json_answer(request, wire.body, wire.heavy)
+        whole = await json_answer(request, wire.body, wire.heavy)
+        await settle_checks(request)
+        return whole
     except ConnectionResetError:
         if response is None:
             raise
@@ -1958,10 +1962,19 @@ FUNCTION_CALL = {
         "arguments": {"type": "string", "description": "a JSON object, as text"},
     },
 }
-TOOL_CALL = {
+CUSTOM_CALL = {  # a custom tool's call: its input as text
     "type": "object",
-    "required": ["function"],
-    "properties": {"id": {"type": "string"}, "type": {"enum": ["function"]}, "function": FUNCTION_CALL},
+    "required": ["name", "input"],
+    "properties": {"name": {"type": "string"}, "input": {"type": "string"}},
+}
+TOOL_CALL = {  # a function's call, or a custom tool's (type "custom")
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"enum": ["function", "custom"]},
+        "function": FUNCTION_CALL,
+        "custom": CUSTOM_CALL,
+    },
 }
 MESSAGE = {
     "type": "object",
@@ -1991,19 +2004,43 @@ FUNCTION = {
         "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
     },
 }
+# OpenAI's custom tool: its input is text, free or in a grammar of the client's (Lark or a
+# regex), which constrains it as a schema does a function's arguments (backends.tools). Chat
+# nests the grammar (`format.grammar.syntax`), Responses does not (`format.syntax`).
+GRAMMAR = {
+    "type": "object",
+    "properties": {"syntax": {"enum": ["lark", "regex"]}, "definition": {"type": "string", "minLength": 1}},
+}
+CUSTOM_FORMAT = {
+    "type": "object",
+    "required": ["type"],
+    "x-check-first": "type",
+    "properties": {"type": {"enum": ["text", "grammar"]}, "grammar": GRAMMAR, **GRAMMAR["properties"]},
+}
+CUSTOM_TOOL = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": FUNCTION["properties"]["name"],
+        "description": {"type": "string"},
+        "format": CUSTOM_FORMAT,
+    },
+}
 TOOL = {
     "type": "object",
-    "required": ["type", "function"],
-    "properties": {"type": {"enum": ["function"], "x-unsupported": True}, "function": FUNCTION},
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["function", "custom"], "x-unsupported": True},
+        "function": FUNCTION,
+        "custom": CUSTOM_TOOL,
+    },
     "x-check-first": "type",
 }
+NAME_ONLY = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
 NAMED_TOOL = {
     "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"enum": ["function"]},
-        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
-    },
+    "required": ["type"],
+    "properties": {"type": {"enum": ["function", "custom"]}, "function": NAME_ONLY, "custom": NAME_ONLY},
 }
 MAX_TOOLS = 128  # OpenAI's limit
 # A reasoning model's switches (backends.chat_plan.ChatRequest): vLLM's chat_template_kwargs and
@@ -2033,7 +2070,8 @@ CHAT_SCHEMA: dict[str, Any] = tolerant(
             "tool_choice": {
                 "anyOf": [{"enum": ["none", "auto", "required"]}, NAMED_TOOL],
                 "x-error": (
-                    'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+                    'tool_choice must be "none", "auto", "required", {"type": "function", "function": {"name": ...}} '
+                    'or {"type": "custom", "custom": {"name": ...}}'
                 ),
             },
             "parallel_tool_calls": {"type": "boolean", "default": True},
@@ -2480,6 +2518,7 @@ def chat_messages(params: dict) -> list[dict]:
         if tool_calls:
             message["tool_calls"] = []
             for j, call in enumerate(tool_calls):
+                call = history_call(call, f"messages[{i}].tool_calls[{j}]")
                 where = f"messages[{i}].tool_calls[{j}].function.arguments"
                 try:
                     arguments = json.loads(call["function"].get("arguments") or "{}")
@@ -2515,7 +2554,37 @@ def chat_messages(params: dict) -> list[dict]:
     return messages
 
 
+def history_call(call: dict, where: str) -> dict:
+    """A call in the history as a function's: a custom tool's input as the one string argument
+    the prompt shows it taking (backends.tools.as_function)."""
+    if call.get("type") == "custom" or ("custom" in call and "function" not in call):
+        if "custom" not in call:
+            raise ApiError(400, f"{where}.custom is required", field=f"{where}.custom")
+        arguments = json.dumps({"input": call["custom"]["input"]}, ensure_ascii=False)
+        return {**pick(call, "id"), "function": {"name": call["custom"]["name"], "arguments": arguments}}
+    if "function" not in call:
+        raise ApiError(400, f"{where}.function is required", field=f"{where}.function")
+    return call
+
+
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def custom_tool(tool: dict, where: str, flat: bool) -> dict:
+    """A custom tool as ToolUse holds it: {name, description, custom: {syntax, definition}}
+    (syntax "text": free text). `flat`: the grammar's fields in `format` (Responses), else in
+    `format.grammar` (chat)."""
+    form = tool.get("format") or {"type": "text"}
+    spec = {"syntax": "text"}
+    if form["type"] == "grammar":
+        grammar, at = (form, f"{where}.format") if flat else (form.get("grammar"), f"{where}.format.grammar")
+        if grammar is None:
+            raise ApiError(400, f"{at} is required", field=at)
+        for key in ("syntax", "definition"):
+            if key not in grammar:
+                raise ApiError(400, f"{at}.{key} is required", field=f"{at}.{key}")
+        spec = {"syntax": grammar["syntax"], "definition": grammar["definition"]}
+    return {**pick(tool, "name", "description"), "custom": spec}
 
 
 def chat_tools(params: dict, flat: bool = False) -> ToolUse | None:
@@ -2527,32 +2596,52 @@ def chat_tools(params: dict, flat: bool = False) -> ToolUse | None:
     if params["tool_choice"] is not None and params["function_call"] is not None:
         raise ApiError(400, "give tool_choice or function_call, not both", field="function_call")
     given = "tools" if params["functions"] is None else "functions"
-    tools = [t["function"] for t in params["tools"] or []] or list(params["functions"] or [])
+    tools = [tool_of(t, f"tools[{i}]", flat) for i, t in enumerate(params["tools"] or [])]
+    tools = tools or list(params["functions"] or [])
     choice = params["tool_choice"] if params["function_call"] is None else params["function_call"]
     choice_field = "tool_choice" if params["function_call"] is None else "function_call"
+    kind = None  # a named tool's kind: function or custom
     if isinstance(choice, dict):
-        choice = (choice.get("function") or choice)["name"]
+        kind = "custom" if choice.get("type") == "custom" else "function"
+        named = choice.get(kind) or choice  # chat's {"type", kind: {"name"}}, or flat {"type", "name"}
+        if "name" not in named:
+            raise ApiError(400, f"{choice_field}.{kind}.name is required", field=f"{choice_field}.{kind}.name")
+        choice = named["name"]
     names = [t["name"] for t in tools]
     for i, name in enumerate(names):
         # OpenAI's and Anthropic's rule (and '.', ':' that MCP names use): a name is written into
         # the prompt and the call's JSON, so no tag or quote can hide in it.
         if not TOOL_NAME.fullmatch(name):
-            where = f"{given}[{i}].function.name" if given == "tools" and not flat else f"{given}[{i}].name"
+            inside = "custom" if "custom" in tools[i] else "function"
+            where = f"{given}[{i}].{inside}.name" if given == "tools" and not flat else f"{given}[{i}].name"
             raise ApiError(400, f"{where} must be 1 to 64 of a-z, A-Z, 0-9, _, -, . or :", field=where)
     if len(set(names)) < len(names):
         raise ApiError(400, f"{given} names a function twice", field=given)
-    if choice not in (None, "none", "auto", "required") and choice not in names:
-        raise ApiError(400, f"{choice_field} names {choice!r}, which is not one of the {given}", field=choice_field)
+    kinds = {t["name"]: "custom" if "custom" in t else "function" for t in tools}
+    if choice not in (None, "none", "auto", "required") and kinds.get(choice) != (kind or "function"):
+        which = f"{kind or 'function'} tools" if given == "tools" else given
+        raise ApiError(400, f"{choice_field} names {choice!r}, which is not one of the {which}", field=choice_field)
     if choice == "required" and not tools:
         raise ApiError(400, f'{choice_field} "required" needs {given}', field=choice_field)
     if not tools or choice == "none":
         return None
     return ToolUse(
-        [{k: t[k] for k in ("name", "description", "parameters") if k in t} for t in tools],
+        [t if "custom" in t else pick(t, "name", "description", "parameters") for t in tools],
         choice or "auto",
         # A named function is called once; function_call (deprecated) was always one call.
         params["parallel_tool_calls"] and choice_field == "tool_choice" and choice in (None, "auto", "required"),
     )
+
+
+def tool_of(tool: dict, where: str, flat: bool) -> dict:
+    """One of `tools`: a function ({"function": ...}), or a custom tool ({"custom": ...})."""
+    if tool.get("type") == "custom" or ("custom" in tool and "function" not in tool):
+        if "custom" not in tool:
+            raise ApiError(400, f"{where}.custom is required", field=f"{where}.custom")
+        return custom_tool(tool["custom"], where if flat else f"{where}.custom", flat)
+    if "function" not in tool:
+        raise ApiError(400, f"{where}.function is required", field=f"{where}.function")
+    return tool["function"]
 
 
 def pick(mapping: dict, *keys: str) -> dict:
@@ -2597,6 +2686,52 @@ def tools_or_format(use: ToolUse | None, format_type: str | None, field: str) ->
         raise ApiError(400, f"{field} cannot be combined with tools here; give one or the other", field=field)
 
 
+class ArgumentChecks:
+    """A request's calls checked against their tools' full JSON Schemas (the grammar held them to
+    a lenient form: backends.tools.CALL_JSON), each on the tokenizer pool as its call is given
+    out. A call that breaks its schema is still the answer (agents check calls themselves and
+    tell the model what was wrong); the request log names its tool (`tool_arguments_invalid`)
+    and /metrics counts it. docs/api.md, "Tool calls"."""
+
+    def __init__(self, request: web.Request, schemas: dict[str, dict]):
+        self.pool = request.app[TOKENIZER_POOL]
+        self.schemas = schemas
+        self.pending: list[tuple[str, Future]] = []
+
+    def __call__(self, call: ToolCall) -> None:  # on the event loop, or the pool building a whole answer
+        schema = None if call.custom else self.schemas.get(call.name)
+        if schema:
+            self.pending.append((call.name, self.pool.submit(argument_error, schema, call.arguments)))
+
+    async def settle(self, request: web.Request) -> None:
+        broken = [name for name, future in self.pending if await asyncio.wrap_future(future)]
+        self.pending = []
+        if broken:
+            request[LOG_FACTS]["tool_arguments_invalid"] = sorted(set(broken))[:MAX_IGNORED]
+            request.app[METRICS].invalid_arguments.inc(len(broken))
+
+
+def check_arguments(request: web.Request, use: ToolUse | None) -> ToolUse | None:
+    """`use`, its function tools' calls to be checked against their schemas (`ArgumentChecks`)."""
+    schemas = {t["name"]: t["parameters"] for t in use.tools if t.get("parameters")} if use else {}
+    if schemas:
+        request[ARGUMENT_CHECKS] = ArgumentChecks(request, schemas)
+    return use
+
+
+def checked_parser(request: web.Request, plan: ChatPlan) -> ToolCallParser:
+    """A parser for one choice's text whose calls are checked (`ArgumentChecks`), if any may come."""
+    parser = plan.parser()
+    parser.on_call = request.get(ARGUMENT_CHECKS)
+    return parser
+
+
+async def settle_checks(request: web.Request) -> None:
+    """The answer's calls checked, before its log line is written."""
+    if (checks := request.get(ARGUMENT_CHECKS)) is not None:
+        await checks.settle(request)
+
+
 async def chat_options(
     request: web.Request, plan: ChatPlan, stop: tuple[str, ...], ignore_eos: bool, format_field: str | None = None
 ) -> dict:
@@ -2630,7 +2765,7 @@ class ChatWire(Wire):
         self.k = k
         self.envelope = response_head(name, "chat.completion.chunk" if self.streaming else "chat.completion")
         self.include_usage = bool(params["stream_options"].get("include_usage"))
-        self.parser = plan.parser
+        self.parser = lambda: checked_parser(request, plan)
         self.thinks = plan.thought is not None  # usage then counts the reasoning's tokens
         self.parsers = [self.parser() for _ in tickets]
         self.calls = [0 for _ in tickets]  # tool calls streamed so far, per choice
@@ -2655,17 +2790,12 @@ class ChatWire(Wire):
     def pieces(self, index: int, pieces: list[Piece]) -> str:
         out = []
         for piece in pieces:
-            if piece.kind == "call":
+            if piece.kind == "call":  # its id, type and name first, then its arguments (or input)
                 at, self.calls[index] = self.calls[index], self.calls[index] + 1
-                head = {
-                    "index": at,
-                    "id": call_id(),
-                    "type": "function",
-                    "function": {"name": piece.call.name, "arguments": ""},
-                }
+                kind, field, text = call_parts(piece.call)
+                head = {"index": at, "id": call_id(), "type": kind, kind: {"name": piece.call.name, field: ""}}
                 out.append(self.sse_chunk(index, {"tool_calls": [head]}))
-                arguments = {"index": at, "function": {"arguments": piece.call.arguments}}
-                out.append(self.sse_chunk(index, {"tool_calls": [arguments]}))
+                out.append(self.sse_chunk(index, {"tool_calls": [{"index": at, kind: {field: text}}]}))
             else:
                 out.append(
                     self.sse_chunk(index, {"content" if piece.kind == "content" else "reasoning_content": piece.text})
@@ -2698,11 +2828,7 @@ class ChatWire(Wire):
             pieces = parser.feed("".join(choice.text)) + parser.finish()
             content = "".join(p.text for p in pieces if p.kind == "content")
             reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
-            calls = [
-                {"id": call_id(), "type": "function", "function": {"name": p.call.name, "arguments": p.call.arguments}}
-                for p in pieces
-                if p.kind == "call"
-            ]
+            calls = [chat_call(p.call) for p in pieces if p.kind == "call"]
             message = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
             if reasoning:
                 message["reasoning_content"] = reasoning
@@ -2723,6 +2849,17 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def call_parts(call: ToolCall) -> tuple[str, str, str]:
+    """A call's type on chat, the field of its text, and that text: a function's arguments or
+    a custom tool's input."""
+    return ("custom", "input", call.input) if call.custom else ("function", "arguments", call.arguments)
+
+
+def chat_call(call: ToolCall) -> dict:
+    kind, field, text = call_parts(call)
+    return {"id": call_id(), "type": kind, kind: {"name": call.name, field: text}}
+
+
 def chat_finish(summary: Summary, parser: ToolCallParser) -> str:
     """ "tool_calls" for a reply that called and then ended as it chose to; a call cut short by
     max_tokens is "length" (its part is dropped: never given out as a call)."""
@@ -2733,7 +2870,7 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     params = await read_params(request, CHAT_SCHEMA, openai_params)
     name, adapter = model_named(request, params["model"])
     backend = engine_ready(request).backend
-    use = chat_tools(params)
+    use = check_arguments(request, chat_tools(params))
     messages = chat_messages(params)
     tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
     output, output_field = response_grammar(params)
@@ -2775,7 +2912,17 @@ INPUT_ITEM = {
     "type": "object",
     "x-check-first": "type",
     "properties": {
-        "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"], "x-unsupported": True},
+        "type": {
+            "enum": [
+                "message",
+                "function_call",
+                "function_call_output",
+                "custom_tool_call",
+                "custom_tool_call_output",
+                "reasoning",
+            ],
+            "x-unsupported": True,
+        },
         "role": {"enum": ["user", "system", "developer", "assistant"]},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": INPUT_PART}]},
         "id": {"type": "string"},
@@ -2784,6 +2931,7 @@ INPUT_ITEM = {
         "name": {"type": "string", "description": "function_call: the function called"},
         "arguments": {"type": "string", "description": "function_call: a JSON object, as text"},
         "output": {"type": "string", "description": "function_call_output: what the function returned"},
+        "input": {"type": "string", "description": "custom_tool_call: the custom tool's input"},
         "summary": {"type": "array", "items": {}, "description": "reasoning: accepted and ignored"},
         "encrypted_content": _ignored("string"),
     },
@@ -2804,6 +2952,7 @@ RESPONSE_TOOL = {
     "properties": {
         "type": {"type": "string"},
         **FUNCTION["properties"],
+        "format": {**CUSTOM_FORMAT, "description": "a custom tool's input: text, or a grammar's"},
         "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": FLAT_FUNCTION, "description": "a namespace's"},
     },
 }
@@ -2833,10 +2982,12 @@ RESPONSES_SCHEMA: dict[str, Any] = tolerant(
                     {
                         "type": "object",
                         "required": ["type", "name"],
-                        "properties": {"type": {"enum": ["function"]}, "name": {"type": "string"}},
+                        "properties": {"type": {"enum": ["function", "custom"]}, "name": {"type": "string"}},
                     },
                 ],
-                "x-error": 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                "x-error": (
+                    'tool_choice must be "none", "auto", "required" or {"type": "function" or "custom", "name": ...}'
+                ),
             },
             "parallel_tool_calls": {"type": "boolean", "default": True},
             "max_output_tokens": {"type": "integer", "minimum": 1},
@@ -2892,6 +3043,8 @@ def responses_chat(params: dict) -> list[dict]:
             "message": ("role", "content"),
             "function_call": ("call_id", "name", "arguments"),
             "function_call_output": ("call_id", "output"),
+            "custom_tool_call": ("call_id", "name", "input"),
+            "custom_tool_call_output": ("call_id", "output"),
             "reasoning": (),
         }
         for key in needs[kind]:
@@ -2901,13 +3054,20 @@ def responses_chat(params: dict) -> list[dict]:
             content = item["content"]
             text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
             messages.append({"role": item["role"], "content": text})
-        elif kind == "function_call":
-            call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "custom_tool_call":  # as chat_messages takes a custom tool's call
+                call = {
+                    "id": item["call_id"],
+                    "type": "custom",
+                    "custom": {"name": item["name"], "input": item["input"]},
+                }
+            else:
+                call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     if not any(m["role"] not in ("system", "developer") for m in messages):
         raise ApiError(400, "input holds no message to answer", field="input")
@@ -2920,11 +3080,11 @@ def responses_chat(params: dict) -> list[dict]:
 
 
 def responses_functions(request: web.Request, params: dict) -> list[dict]:
-    """The request's function tools, a namespace's functions among them; the tools of other kinds
-    (hosted ones) skipped, their types in the request log."""
+    """The request's function and custom tools as chat_tools takes them, a namespace's functions
+    among them; the tools of other kinds (hosted ones) skipped, their types in the request log."""
     functions, skipped = [], []
     for i, tool in enumerate(params["tools"] or []):
-        if tool["type"] == "function":
+        if tool["type"] in ("function", "custom"):
             if "name" not in tool:
                 raise ApiError(400, f"tools[{i}].name is required", field=f"tools[{i}].name")
             functions.append(tool)
@@ -2933,16 +3093,21 @@ def responses_functions(request: web.Request, params: dict) -> list[dict]:
         else:
             skipped.append(tool["type"])
     note_skipped(request, skipped)
-    return [pick(t, "name", "description", "parameters") for t in functions]
+    return [
+        {"type": "custom", "custom": pick(t, "name", "description", "format")}
+        if t["type"] == "custom"
+        else {"function": pick(t, "name", "description", "parameters")}
+        for t in functions
+    ]
 
 
 def responses_tools(request: web.Request, params: dict) -> ToolUse | None:
     choice = params["tool_choice"]
     return chat_tools(
         {
-            "tools": [{"function": t} for t in responses_functions(request, params)] or None,
+            "tools": responses_functions(request, params) or None,
             "functions": None,
-            "tool_choice": {"function": {"name": choice["name"]}} if isinstance(choice, dict) else choice,
+            "tool_choice": choice,
             "function_call": None,
             "parallel_tool_calls": params["parallel_tool_calls"],
         },
@@ -2975,7 +3140,7 @@ class ResponsesWire(Wire):
     def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, plan: ChatPlan):
         super().__init__(request, tickets, params["stream"])
         self.params = params
-        self.parser = plan.parser()
+        self.parser = checked_parser(request, plan)
         self.response = {
             "id": f"resp_{uuid.uuid4().hex}",
             "object": "response",
@@ -3075,6 +3240,23 @@ class ResponsesWire(Wire):
             elif piece.kind == "reasoning":  # given out as one item once the thought ends
                 self.thought += piece.text
                 continue
+            elif piece.call.custom:  # a custom tool's call: its input, as OpenAI streams it
+                call = piece.call
+                item = {
+                    "type": "custom_tool_call",
+                    "id": f"ctc_{uuid.uuid4().hex}",
+                    "call_id": call_id(),
+                    "name": call.name,
+                    "input": "",
+                    "status": "in_progress",
+                }
+                out += self.add_item(item)
+                at = len(self.output) - 1
+                item.update(input=call.input, status="completed")
+                ids = {"item_id": item["id"], "output_index": at}
+                out += self.event("response.custom_tool_call_input.delta", **ids, delta=call.input)
+                out += self.event("response.custom_tool_call_input.done", **ids, input=call.input)
+                out += self.event("response.output_item.done", output_index=at, item=item)
             else:
                 call = piece.call
                 item = {
@@ -3168,7 +3350,7 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
         given = params["input"] if isinstance(params["input"], list) else [{"role": "user", "content": params["input"]}]
         params = {**params, "input": [*before.items, *given]}
     backend = engine_ready(request).backend
-    use = responses_tools(request, params)
+    use = check_arguments(request, responses_tools(request, params))
     messages = responses_chat(params)
     output, output_field = responses_format(params, use)
     effort = (params["reasoning"] or {}).get("effort")
@@ -3475,7 +3657,7 @@ def anthropic_tools(request: web.Request, params: dict) -> ToolUse | None:
 def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
     """The request's chat plan: what /v1/messages generates from and count_tokens counts."""
     backend = engine_ready(request).backend
-    use = anthropic_tools(request, params)
+    use = check_arguments(request, anthropic_tools(request, params))
     format = (params.get("output_config") or {}).get("format")
     tools_or_format(use, format and "json_schema", "output_config.format")
     schema = format and GrammarSpec("json_schema", json.dumps(format.get("schema", {"type": "object"})))
@@ -3538,7 +3720,7 @@ class AnthropicWire(Wire):
         self.tools = plan.tool_names is not None
         self.thinks = (params.get("thinking") or {}).get("type") in ("enabled", "adaptive")
         self.thought = ""  # the open thinking block's text, for its signature
-        self.parser = plan.parser
+        self.parser = lambda: checked_parser(request, plan)
         self.stream_parser = self.parser()
         self.blocks = 0  # blocks started
         self.open: str | None = None  # the type of the block open now
@@ -3754,8 +3936,8 @@ async def tokenize(request: web.Request) -> web.Response:
     model_named(request, params["model"])
     backend = engine_ready(request).backend
     if params["messages"] is not None:
-        tools = [t["function"] for t in params["tools"] or []]  # as chat renders them with tool_choice auto
-        use = ToolUse(tools, "auto", True) if tools else None
+        as_chat = {"tools": params["tools"], "functions": None, "tool_choice": None, "function_call": None}
+        use = chat_tools({**as_chat, "parallel_tool_calls": True})  # as chat renders them with tool_choice auto
         options = template_options(request, params["chat_template_kwargs"], effort=params["reasoning_effort"])
         text = chat_plan(backend, ChatRequest(chat_messages(params), use, **options)).prompt
     else:
@@ -3893,6 +4075,11 @@ class Metrics:
             "phi2_generated_tokens", "Tokens generated (rate() of it is the server's tokens/s).", registry=r
         )
         self.prompt = Counter("phi2_prompt_tokens", "Prompt tokens of generation requests.", registry=r)
+        self.invalid_arguments = Counter(
+            "phi2_tool_arguments_invalid",
+            "Tool calls given out whose arguments break their tool's full JSON Schema (the grammar's is lenient).",
+            registry=r,
+        )
         r.register(EngineCollector(app))
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)

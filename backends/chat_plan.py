@@ -27,7 +27,9 @@ from backends.tools import ToolCallParser, ToolFormat
 class ToolUse:
     """A chat request's tools: what the model may call, whether it must."""
 
-    tools: list[dict]  # {name, description, parameters}: rendered into the prompt
+    # {name, description, parameters}, or a custom tool's {name, description, custom: {syntax,
+    # definition}} (backends.tools.as_function): rendered into the prompt
+    tools: list[dict]
     choice: str  # "auto", "required" or one function's name ("none": no ToolUse at all)
     parallel: bool
 
@@ -81,10 +83,17 @@ class ChatPlan:
     thinking: bool  # the prompt opened <think>: the reply starts inside its reasoning
     # <think>'s and </think>'s ids where both are single tokens, and `thinking` (Request.thought)
     thought: tuple[int, int, bool] | None = None
+    custom_names: frozenset[str] = frozenset()  # the tools among tool_names whose input is raw text
 
     def parser(self) -> ToolCallParser:
         """A fresh parser for one choice's text (each choice, and each fold of a whole reply)."""
-        return ToolCallParser(self.tool_format, self.tool_names, reasoning=self.reasoning, thinking=self.thinking)
+        return ToolCallParser(
+            self.tool_format,
+            self.tool_names,
+            reasoning=self.reasoning,
+            thinking=self.thinking,
+            custom=self.custom_names,
+        )
 
 
 class ChatFormat:
@@ -121,7 +130,7 @@ class ChatFormat:
         if chat.thinking is not None:
             kwargs.setdefault("enable_thinking", chat.thinking)
         thinking = kwargs.get("enable_thinking")  # asked for, or not, or None: the template's default
-        prompt, stop = self.render(chat.messages, use.tools if use else None, kwargs)
+        prompt, stop = self.render(chat.messages, [tools.as_function(t) for t in use.tools] if use else None, kwargs)
         grammar = chat.response_format
         if use is not None:
             lazy = use.choice == "auto"
@@ -137,6 +146,7 @@ class ChatFormat:
             reasoning=self.reasoning,
             thinking=inside,
             thought=(*self.think_tags, inside) if self.think_tags else None,
+            custom_names=frozenset(t["name"] for t in use.tools if "custom" in t) if use else frozenset(),
         )
 
     def after_thought(
@@ -219,7 +229,9 @@ class ChatFormat:
 
     def tool_grammar(self, tool_list: list[dict], parallel: bool, lazy: bool) -> str:
         """The `tool_calls` grammar spec (backends.grammar) for calls to `tool_list` ({name,
-        parameters} each): the whole reply, or lazy (armed when the model opens a call)."""
+        parameters} each, or a custom tool's): the whole reply, or lazy (armed when the model opens
+        a call). `custom`: each custom tool's own grammar, which the compile checks alone first
+        (its error then names the tool)."""
         format = self.tool_format
 
         def written(tag: str) -> str:
@@ -234,7 +246,14 @@ class ChatFormat:
             token = self.single_token(format.open)
             ids = (token,) if token is not None else ()
             trigger = tools.Trigger(ids, (format.open,), ("{",) if format.bare else ()).to_json()
-        return json.dumps({"lark": tools.tool_grammar(format, tool_list, parallel, tags), "trigger": trigger})
+        ids = {tag: self.single_token(tag) for tag in tags}
+        custom = [
+            {"tool": t["name"], "lark": tools.custom_lark(t["custom"]["syntax"], t["custom"]["definition"])}
+            for t in tool_list
+            if t.get("custom", {}).get("syntax", "text") != "text"
+        ]
+        lark = tools.tool_grammar(format, tool_list, parallel, tags, ids)
+        return json.dumps({"lark": lark, "trigger": trigger, **({"custom": custom} if custom else {})})
 
 
 def folded_system(messages: list[dict]) -> list[dict]:

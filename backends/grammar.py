@@ -449,6 +449,12 @@ class Grammars:
                 text = llguidance.LLMatcher.grammar_from_regex(spec)
             elif kind == "tool_calls":  # backends.tools: Lark text, and a trigger if lazy
                 tool_spec = json.loads(spec)
+                for custom in tool_spec.get("custom", ()):  # a client's grammar alone: its error names its tool
+                    error = llguidance.LLMatcher.validate_grammar(
+                        llguidance.LLMatcher.grammar_from_lark(custom["lark"]), self.tokenizer, limits=LIMITS
+                    )
+                    if error and not error.startswith("WARNING"):
+                        raise GrammarError(f"custom tool {custom['tool']!r}'s grammar: {reason(error)}")
                 text = tool_spec["lark"]
                 trigger = (
                     Trigger(**{k: tuple(v) for k, v in tool_spec["trigger"].items()}) if tool_spec["trigger"] else None

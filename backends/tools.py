@@ -25,12 +25,24 @@ starts at the family's opening tag: with tool_choice `required` or a named funct
 whole reply; with `auto` it is lazy, armed when the model opens a call (`backends.grammar`,
 `LazyMatcher`), so plain text stays unconstrained and a call, once begun, always parses and
 validates against its tool's schema.
+
+OpenAI's custom tools (a tool whose input is free text, or text in a Lark or regex grammar of
+the client's) are called inside the same tags, their input raw rather than JSON (as OpenAI's own
+models write it): the tool's name as `{"name": …}` on a line of its own, then the input, e.g.
+`<tool_call>\n{"name": "apply_patch"}\n*** Begin Patch …<|/tool_call|>`. The client's grammar
+is a sub-grammar of the call grammar (llguidance's `@name`), so its rules keep their names. The
+prompt shows such a tool as a function taking one string, its grammar in its description
+(`as_function`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import jsonschema
+import llguidance
 
 # The system block for a chat template that knows no tools (and for Phi-2's dialogue format):
 # Hermes-style calls, the most common form, said in few tokens (a small model's context is short).
@@ -97,7 +109,12 @@ def detect_format(template: str | None) -> tuple[ToolFormat, bool]:
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # JSON text of an object, as OpenAI sends it
+    arguments: str  # JSON text of an object, as OpenAI sends it ("" for a custom tool's call)
+    input: str | None = None  # a custom tool's input, as the model wrote it; None: a function call
+
+    @property
+    def custom(self) -> bool:
+        return self.input is not None
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,30 @@ class Piece:
 
 def tool_json(tool: dict) -> str:
     return json.dumps(tool, ensure_ascii=False)
+
+
+def custom_header(name: str) -> str:
+    """The line that opens a custom tool's call, before its raw input."""
+    return json.dumps({"name": name}) + "\n"
+
+
+def as_function(tool: dict) -> dict:
+    """A tool as the prompt shows it: a function as it is; a custom tool (`custom`: its syntax
+    and definition) as a function taking one string, its description saying how a call is
+    written and the grammar its input follows."""
+    if "custom" not in tool:
+        return tool
+    syntax = tool["custom"]["syntax"]
+    how = (
+        f"Call it by writing {custom_header(tool['name']).strip()} on a line of its own, then its input as"
+        " plain text (not JSON)"
+    )
+    if syntax != "text":
+        how += f", which must match this {'Lark grammar' if syntax == 'lark' else 'regular expression'}:\n"
+        how += tool["custom"]["definition"]
+    description = "\n\n".join(part for part in (tool.get("description", "").strip(), how) if part)
+    string = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+    return {"name": tool["name"], "description": description, "parameters": string}
 
 
 def template_messages(
@@ -188,9 +229,18 @@ class ToolCallParser:
     the end. A call whose text is incomplete at the end (cut by max_tokens) is dropped, never
     given out as a call: `cut_call` says there was one."""
 
-    def __init__(self, format: ToolFormat, tools: set[str] | None, reasoning: bool = False, thinking: bool = False):
+    def __init__(
+        self,
+        format: ToolFormat,
+        tools: set[str] | None,
+        reasoning: bool = False,
+        thinking: bool = False,
+        custom: frozenset[str] = frozenset(),
+    ):
         self.format = format
         self.tools = tools  # the names callable; None: no calls are looked for (no tools, or tool_choice none)
+        self.custom = custom  # those of them that are custom tools (raw input)
+        self.on_call: Callable[[ToolCall], None] | None = None  # told of each call as it is given out
         self.reasoning = reasoning  # split <think>...</think> off as reasoning
         self._mode = "think" if thinking else "start"  # start, text, think, call
         self._bare = False  # the call being read opened with its brace, untagged (llama3)
@@ -278,11 +328,14 @@ class ToolCallParser:
         return self._calls(buffer), False
 
     def _calls(self, payload: str) -> list[Piece]:
-        calls = parse_calls(payload, self.format)
+        calls = parse_calls(payload, self.format, self.custom)
         if not calls:
             self.cut_call = self.cut_call or bool(payload.strip())
             return []
         self.calls += len(calls)
+        if self.on_call is not None:
+            for call in calls:
+                self.on_call(call)
         return [Piece("call", call=call) for call in calls]
 
 
@@ -301,8 +354,11 @@ def held_back(text: str, tags: list[str]) -> int:
     return best + len(rest) - len(rest.rstrip())
 
 
-def parse_calls(payload: str, format: ToolFormat) -> list[ToolCall] | None:
-    """The calls in one payload, or None if it is not whole, valid JSON of the family's shape."""
+def parse_calls(payload: str, format: ToolFormat, custom: frozenset[str] = frozenset()) -> list[ToolCall] | None:
+    """The calls in one payload, or None if it is not whole, valid JSON of the family's shape
+    (or one custom tool's call: its header line, then its raw input)."""
+    if custom and (call := custom_call(payload, custom)) is not None:
+        return [call]
     payload = payload.strip()
     try:
         if format.listed:
@@ -341,6 +397,20 @@ def parse_calls(payload: str, format: ToolFormat) -> list[ToolCall] | None:
     return calls
 
 
+def custom_call(payload: str, custom: frozenset[str]) -> ToolCall | None:
+    """A custom tool's call: `{"name": …}` (one of `custom`), a newline, then the input as it is."""
+    text = payload.lstrip()
+    if not text.startswith("{"):
+        return None
+    try:
+        head, at = json.JSONDecoder().raw_decode(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(head, dict) or set(head) != {"name"} or head["name"] not in custom or text[at : at + 1] != "\n":
+        return None
+    return ToolCall(head["name"], "", input=text[at + 1 :])
+
+
 # -- grammars -----------------------------------------------------------------------------------
 
 
@@ -368,24 +438,98 @@ COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 CALL_JSON = {**COMPACT_JSON, "lenient": True}
 
 
-def tool_grammar(format: ToolFormat, tools: list[dict], parallel: bool, tag: dict[str, str]) -> str:
-    """llguidance Lark for a reply of tool calls, from the opening tag on. `tools`: {name,
-    parameters} each (the ones allowed); `tag[t]`: how the grammar writes tag t (a special
-    token by id, `<[id]>`, else its text quoted)."""
-    schema = {**call_schema(tools, format.arguments_key), "x-guidance": CALL_JSON}
+def tool_grammar(
+    format: ToolFormat, tools: list[dict], parallel: bool, tag: dict[str, str], ids: dict[str, int] | None = None
+) -> str:
+    """llguidance's grammar for a reply of tool calls, from the opening tag on: Lark text, or with
+    custom tools llguidance's JSON form (the Lark, then each custom tool's grammar, named
+    `custom_i`, that the Lark references as `@custom_i`). `tools`: {name, parameters} each, or
+    {name, custom: {syntax, definition}} (the ones allowed); `tag[t]`: how the grammar writes tag
+    t (a special token by id, `<[id]>`, else its text quoted); `ids[t]`: tag t's token, if one."""
+    functions = [t for t in tools if "custom" not in t]
+    customs = [t for t in tools if "custom" in t]
+    open_, close = tag[format.open], tag.get(format.close) if format.close else None
+    rules, subgrammars = [], []
+    for i, tool in enumerate(customs):
+        # The header is JSON as a function call's is (a literal would be one lexeme, and llguidance's
+        # lexer, greedy, would then take no function call's "{" beside it).
+        name = {"type": "object", "properties": {"name": {"const": tool["name"]}}, "required": ["name"]}
+        rules.append(f"head{i}: %json {json.dumps({**name, 'additionalProperties': False, 'x-guidance': CALL_JSON})}")
+        header = f'head{i} "\\n"'
+        syntax, definition = tool["custom"]["syntax"], tool["custom"].get("definition", "")
+        if syntax == "text":  # free text, up to the closing tag (whether a token or spelled out) or the end
+            if close is None:
+                body = "ANY"
+            else:
+                token = (ids or {}).get(format.close)
+                spelled = f"free{i}"
+                rules.append(f"{spelled}[suffix={json.dumps(format.close)}]: /(.|\\n)*/")
+                body = f"(ANY <[{token}]> | {spelled})" if token is not None else spelled
+            rules.append(f"custom{i}: {header} {body}")
+        else:
+            subgrammars.append({"name": f"custom_{i}", "lark_grammar": custom_lark(syntax, definition)})
+            rules.append(f"custom{i}: {header} @custom_{i}{f' {close}' if close else ''}")
+    if customs:
+        rules.append("custom: " + " | ".join(f"custom{i}" for i in range(len(customs))))
+        if any(t["custom"]["syntax"] == "text" for t in customs):
+            rules.append("ANY: /(.|\\n)*/")
+    if functions:
+        schema = {**call_schema(functions, format.arguments_key), "x-guidance": CALL_JSON}
     if format.listed:
-        array = {"type": "array", "items": schema, "minItems": 1, "x-guidance": CALL_JSON}
-        if not parallel:
-            array["maxItems"] = 1
-        close = f" {tag[format.close]}" if format.close else ""
-        return f"start: {tag[format.open]} calls{close}\ncalls: %json {json.dumps(array)}\n"
-    if format.close is not None:  # hermes: a tag around each call
-        block = f'{tag[format.open]} "\\n" call "\\n" {tag[format.close]}'
+        options = []
+        if functions:
+            array = {"type": "array", "items": schema, "minItems": 1, "x-guidance": CALL_JSON}
+            if not parallel:
+                array["maxItems"] = 1
+            options.append(f"{open_} calls{f' {close}' if close else ''}")
+            rules.append(f"calls: %json {json.dumps(array)}")
+        if customs:
+            options.append(f"{open_} custom")
+        lark = "start: " + " | ".join(options)
+    elif format.close is not None:  # hermes: a tag around each call
+        options = []
+        if functions:
+            options.append(f'{open_} "\\n" call "\\n" {close}')
+            rules.append(f"call: %json {json.dumps(schema)}")
+        if customs:
+            options.append(f'{open_} "\\n" custom')
         more = ' ("\\n"? block)*' if parallel else ""  # Qwen puts a newline between calls; not all do
-        return f"start: block{more}\nblock: {block}\ncall: %json {json.dumps(schema)}\n"
-    # llama3: bare calls (or after its tag), joined by its separator
-    more = f" ({json.dumps(format.separator)} call)*" if parallel else ""
-    return f"start: {tag[format.open]}? call{more}\ncall: %json {json.dumps(schema)}\n"
+        lark = f"start: block{more}\nblock: " + " | ".join(options)
+    else:  # llama3: bare calls (or after its tag), joined by its separator; a custom call alone
+        options = []
+        if functions:
+            more = f" ({json.dumps(format.separator)} call)*" if parallel else ""
+            options.append(f"{open_}? call{more}")
+            rules.append(f"call: %json {json.dumps(schema)}")
+        if customs:
+            options.append(f"{open_}? custom")
+        lark = "start: " + " | ".join(options)
+    lark = "\n".join([lark, *rules]) + "\n"
+    if not subgrammars:
+        return lark
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *subgrammars]})
+
+
+def custom_lark(syntax: str, definition: str) -> str:
+    """A custom tool's grammar as Lark: its own, or its regex (Rust's syntax, as llguidance reads
+    a regex) as the one rule of one."""
+    if syntax == "lark":
+        return definition
+    return f"start: /{llguidance.regex_to_lark(definition, '')}/\n"
+
+
+def argument_error(schema: dict, arguments: str) -> str | None:
+    """Why a call's arguments break its tool's full JSON Schema (the grammar held them to a lenient
+    form of it: `CALL_JSON`), or None. Formats are checked where jsonschema knows them; a schema
+    jsonschema cannot read (or a `$ref` it cannot resolve: nothing is fetched) is no error of the
+    call's. Seconds for a huge schema: callers run it on a pool."""
+    try:
+        validator = jsonschema.validators.validator_for(schema)
+        errors = validator(schema, format_checker=validator.FORMAT_CHECKER).iter_errors(json.loads(arguments))
+        error = jsonschema.exceptions.best_match(errors)
+    except Exception:  # the schema's own fault (SchemaError, Unresolvable, ...): nothing to say of the call
+        return None
+    return None if error is None else f"{error.json_path}: {error.message}"[:300]
 
 
 @dataclass(frozen=True)

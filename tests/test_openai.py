@@ -157,7 +157,7 @@ def test_sampling_with_a_seed_is_reproducible(sdk):
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
             "response_format.json_schema.schema",
         ),
-        ({"extra_body": {"tools": [{"type": "custom", "custom": {"name": "f"}}]}}, "tools[0].type"),
+        ({"extra_body": {"tools": [{"type": "web_search"}]}}, "tools[0].type"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),

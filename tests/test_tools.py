@@ -664,3 +664,69 @@ def test_anthropic_thinking_blocks(live_server, tool_backends, runtime):
     again = sdk.messages.count_tokens(model="tiny", messages=[*history, {"role": "user", "content": "Hi"}])
     plain = [*think, {"role": "assistant", "content": "Hello there!"}, {"role": "user", "content": "Hi"}]
     assert again.input_tokens == sdk.messages.count_tokens(model="tiny", messages=plain).input_tokens
+
+
+# -- arguments checked against the full schema, after the lenient grammar ------------------------
+
+# `not` is beyond llguidance: the grammar leaves it out (lenient), so the call it makes (n 1 to 3)
+# always breaks the full schema.
+NEVER = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3, "not": {"enum": [1, 2, 3]}}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def test_arguments_are_checked_against_the_full_schema(tool_server, log_dir):
+    """A call that breaks its tool's full schema is still the answer, in each API's shape (agents
+    check calls and tell the model); the request log names the tool and /metrics counts it."""
+    import urllib.request
+
+    from test_agents import logged
+
+    tool_server.log_dir = log_dir
+    chat = {
+        "messages": PARIS,
+        "tools": [{"type": "function", "function": {"name": "pick", "parameters": NEVER}}, *TOOLS],
+        "tool_choice": {"type": "function", "function": {"name": "pick"}},
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    responses = {
+        "input": "Pick.",
+        "tools": [{"type": "function", "name": "pick", "parameters": NEVER}],
+        "tool_choice": {"type": "function", "name": "pick"},
+        "temperature": 0,
+        "max_output_tokens": 40,
+    }
+    anthropic = {
+        "model": "tiny",
+        "messages": PARIS,
+        "tools": [{"name": "pick", "input_schema": NEVER}],
+        "tool_choice": {"type": "tool", "name": "pick"},
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    for path, body in [
+        ("/v1/chat/completions", chat),
+        ("/v1/chat/completions", {**chat, "stream": True}),
+        ("/v1/responses", responses),
+        ("/v1/responses", {**responses, "stream": True}),
+        ("/v1/messages", anthropic),
+    ]:
+        status, answer, line = logged(tool_server, path, body, raw=body.get("stream", False))
+        assert status == 200, answer
+        assert line["tool_arguments_invalid"] == ["pick"], (path, line)
+        if path == "/v1/chat/completions" and not body.get("stream"):
+            [call] = answer["choices"][0]["message"]["tool_calls"]
+            assert json.loads(call["function"]["arguments"])["n"] in (1, 2, 3)
+            assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    status, answer, line = logged(
+        tool_server, "/v1/chat/completions", {**chat, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80}
+    )
+    assert status == 200 and answer["choices"][0]["message"]["tool_calls"]
+    assert "tool_arguments_invalid" not in line, "a call that follows its schema is not named"
+    with urllib.request.urlopen(tool_server.url + "/metrics") as response:
+        metrics = response.read().decode()
+    assert "phi2_tool_arguments_invalid_total 5.0" in metrics
