@@ -21,7 +21,7 @@ from backends.tiny import write_tiny_reranker
 from phi2_server import ENCODER
 from tests.conftest import post, wait_until
 
-RUNTIMES = ["torch"]
+RUNTIMES = ["torch", "mlx"]
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "A local server that embeds text beside the chat model.",
@@ -75,11 +75,12 @@ def runtime(request):
 
 
 @pytest.fixture
-async def client(make_client, torch_backend, embedders, runtime, reranker_path):
-    """The app with the chat model, all-MiniLM-L6-v2 and the tiny reranker on `runtime`."""
+async def client(request, make_client, embedders, runtime, reranker_path):
+    """The app with the tiny chat model, all-MiniLM-L6-v2 and the tiny reranker, all on `runtime`."""
     reranker = load_encoder(runtime, "rerank", str(reranker_path), "cpu")
     encoders = {"embedding": embedders(runtime), "rerank": reranker}
-    client = await make_client(lambda: torch_backend, load_encoders=lambda: encoders)
+    chat = request.getfixturevalue(f"{runtime}_backend")
+    client = await make_client(lambda: chat, load_encoders=lambda: encoders)
     await wait_until(lambda: client.server.app[ENCODER].status == "ok")
     return client
 
@@ -112,6 +113,21 @@ async def test_embeddings_equal_sentence_transformers_batched_and_alone(client, 
     for answer, reference in zip(answers, expected, strict=True):
         got = vectors(answer)
         assert cosines(got[0], reference) >= 0.9999 and cosines(got[1], expected[0]) >= 0.9999
+
+
+async def test_embeddings_beside_generation_change_neither(client, expected):
+    """Embedding requests while the chat model streams: the encode worker's thread runs beside
+    the generation thread (on MLX with a stream of its own), and neither answer changes."""
+    body = {"prompt": "The quick brown", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    alone = await (await client.post("/v1/completions", json=body)).json()
+
+    async def completion():
+        return await (await client.post("/v1/completions", json=body)).json()
+
+    results = await asyncio.gather(completion(), *(embed(client, input=TEXTS) for _ in range(4)), completion())
+    assert results[0]["choices"][0]["text"] == results[-1]["choices"][0]["text"] == alone["choices"][0]["text"]
+    for answer in results[1:-1]:
+        assert (cosines(vectors(answer), expected) >= 0.9999).all()
 
 
 async def test_token_ids_embed_as_their_text(client, expected, embedders, runtime):
