@@ -378,7 +378,7 @@ METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 OPENAPI: web.AppKey[dict] = web.AppKey("openapi")
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")
 ENCODER: web.AppKey[EncodeWorker] = web.AppKey("encoder")  # EMBEDDING_MODEL and RERANK_MODEL's worker
-ENCODER_LOADER: web.AppKey[Callable[[], dict]] = web.AppKey("encoder_loader")
+ENCODER_LOADER: web.AppKey[Callable[[], dict] | None] = web.AppKey("encoder_loader")  # None: no encoder set
 LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
@@ -4328,19 +4328,34 @@ async def start_worker(app: web.Application) -> None:
     app[GRAMMAR_COMPILER] = BoundedPool(GRAMMAR_WORKERS, GRAMMAR_BACKLOG, "grammar")
     loop = asyncio.get_running_loop()
     load_done = app[LOAD_DONE]
+    chat_loaded = threading.Event()
+
+    def on_load_done() -> None:
+        chat_loaded.set()
+        loop.call_soon_threadsafe(load_done.set)
+
+    def load_encoders() -> dict:
+        # After the chat model: two threads importing transformers' lazy module at once failed
+        # ("cannot import name 'AutoModel'"), and one load at a time keeps the peak memory lower.
+        chat_loaded.wait()
+        return app[ENCODER_LOADER]()
+
     engine = Engine(
         app[LOADER],
         max_queue=settings.max_queue,
         max_batch=settings.max_batch,
         prompt_cache_bytes=settings.prompt_cache_budget(),
         stream_buffer=settings.stream_buffer,
-        on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
+        on_load_done=on_load_done,
     )
     app[ENGINE] = engine
     engine.start()
     threads = settings.embedding_threads or max(1, (os.cpu_count() or 1) // 4)
     app[ENCODER] = EncodeWorker(
-        app[ENCODER_LOADER], lambda: engine.max_queue or MIN_QUEUE, settings.embedding_batch_tokens, threads
+        load_encoders if app[ENCODER_LOADER] else None,  # None: nothing to load, ready at once
+        lambda: engine.max_queue or MIN_QUEUE,
+        settings.embedding_batch_tokens,
+        threads,
     )
     app[ENCODER].start()
 
@@ -4386,7 +4401,8 @@ def create_app(
     app[LOAD_DONE] = asyncio.Event()
     app[DRAINING] = asyncio.Event()
     app[LOADER] = load or model_loader(settings)
-    app[ENCODER_LOADER] = load_encoders or encoder_loader(settings)
+    wanted = settings.embedding_model or settings.rerank_model
+    app[ENCODER_LOADER] = load_encoders or (encoder_loader(settings) if wanted else None)
     app.on_startup.append(start_worker)
     app.on_shutdown.append(drain_worker)
     app.on_cleanup.append(stop_worker)

@@ -68,12 +68,12 @@ class Job:
 class EncodeWorker:
     def __init__(
         self,
-        load: Callable[[], dict[Kind, Encoder]],
+        load: Callable[[], dict[Kind, Encoder]] | None,
         max_waiting: Callable[[], int],
         batch_tokens: int,
         threads: int,
     ):
-        self.status = "loading"  # loading, ok or error
+        self.status = "loading" if load else "ok"  # loading, ok or error; no loader: no encoder, ready at once
         self.encoders: dict[Kind, Encoder] = {}
         self.load_error: BaseException | None = None
         self.load_time_s: float | None = None
@@ -91,7 +91,8 @@ class EncodeWorker:
     # -- called from the event loop ---------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        if self._load is not None:
+            self._thread.start()
 
     @property
     def waiting(self) -> int:
