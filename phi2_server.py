@@ -25,6 +25,8 @@ them and describes them in /openapi.json; tests/test_openapi.py holds this index
     POST /v1/messages/count_tokens  v1_count_tokens   Anthropic Messages API
     POST /tokenize              tokenize              tokenizer
     POST /detokenize            detokenize            tokenizer
+    POST /v1/embeddings         v1_embeddings         embeddings and rerank
+    POST /v1/rerank             v1_rerank             embeddings and rerank
     GET  /metrics               metrics               metrics
     GET  /openapi.json          openapi               OpenAPI: the document
 
@@ -92,7 +94,9 @@ from backends import (
 )
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
 from backends.chat_plan import ChatPlan, ChatRequest, GrammarSpec, ToolUse
-from backends.engine import Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
+from backends.embeddings import Encoder, EncoderInfo, InputTooLong, Item, Kind, load_encoder
+from backends.encode_worker import Busy, EncodeWorker, NotReady
+from backends.engine import MIN_QUEUE, Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
 from backends.tools import Piece, ToolCall, ToolCallParser, argument_error
 
 VERSION = "0.9.0"
@@ -250,6 +254,16 @@ class Settings:
         "it matches, unlisted",
     )
     cors_origins: str = setting("", "browser origins allowed to call the API, comma-separated, or * (empty: no CORS)")
+    embedding_model: str = setting(
+        "", "the /v1/embeddings model: a sentence-transformers folder or Hugging Face id (empty: none)"
+    )
+    rerank_model: str = setting("", "the /v1/rerank model: a cross-encoder folder or Hugging Face id (empty: none)")
+    embedding_threads: int = setting(
+        0, "CPU threads of the embedding and rerank forwards (0: a quarter of the cores, at least 1)"
+    )
+    embedding_batch_tokens: int = setting(
+        8192, "padded tokens one embedding or rerank forward may hold, which bounds its time"
+    )
 
     ENV = {
         "model": "PHI2_MODEL",
@@ -368,6 +382,8 @@ CORS_ORIGINS: web.AppKey[frozenset[str]] = web.AppKey("cors_origins")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 OPENAPI: web.AppKey[dict] = web.AppKey("openapi")
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")
+ENCODER: web.AppKey[EncodeWorker] = web.AppKey("encoder")  # EMBEDDING_MODEL and RERANK_MODEL's worker
+ENCODER_LOADER: web.AppKey[Callable[[], dict] | None] = web.AppKey("encoder_loader")  # None: no encoder set
 LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
@@ -1137,8 +1153,9 @@ async def ready(request: web.Request) -> web.Response:
     """200 only while new requests would be served: loaded, and not shutting down."""
     engine = request.app[ENGINE]
     draining = request.app[DRAINING].is_set()
+    encoders = request.app[ENCODER].status
     body = {
-        "ready": engine.status == "ok" and engine.accepting and not draining,
+        "ready": engine.status == "ok" and encoders == "ok" and engine.accepting and not draining,
         "status": engine.status,
         "draining": draining,
     }
@@ -1167,6 +1184,7 @@ async def model_info(request: web.Request) -> web.Response:
             "prompt_cache": dataclasses.asdict(engine.prompt_cache_usage()),
             "kv_cache": dataclasses.asdict(engine.kv_cache_usage()),
             "prompt_lookup_tokens": engine.backend.draft_tokens,
+            "encoders": encoders_info(request.app),
             **info.extra,
         }
     )
@@ -2147,11 +2165,16 @@ async def v1_models(request: web.Request) -> web.Response:
     cards = [model_card(engine, name) for name in names]
     facts = await available_adapters(engine.backend)
     cards += [adapter_card(engine, names[0], adapter) for adapter in facts]
+    for kind, encoder in request.app[ENCODER].encoders.items():  # EMBEDDING_MODEL, RERANK_MODEL
+        cards.append({**model_card(engine, encoder_names(encoder)[0]), "task": kind})
     return web.json_response({"object": "list", "data": cards})
 
 
 async def v1_model(request: web.Request) -> web.Response:
     engine = engine_ready(request)
+    for kind, encoder in request.app[ENCODER].encoders.items():
+        if request.match_info["model"] in encoder_names(encoder):
+            return web.json_response({**model_card(engine, request.match_info["model"]), "task": kind})
     name, adapter = model_named(request, request.match_info["model"])
     if not adapter:
         return web.json_response(model_card(engine, name))
@@ -3964,6 +3987,237 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": text})
 
 
+# -- embeddings and rerank: /v1/embeddings, /v1/rerank -----------------------------------------
+# EMBEDDING_MODEL and RERANK_MODEL run on the encode worker (backends/encode_worker.py), apart
+# from the generation thread: inputs are tokenized on the pool, checked against the model's
+# length (an error naming it, or cut with `truncate`), batched with other requests' inputs, and
+# share MAX_QUEUE, REQUEST_TIMEOUT, the keys and rate limits. OpenAI's embeddings shape; the
+# Cohere/Jina rerank shape llama.cpp and vLLM serve. docs/api.md, "Embeddings and rerank".
+
+MAX_INPUTS = 2048  # inputs of one embeddings request, documents of one rerank request (OpenAI's limit)
+MAX_INPUT_CHARS = 1_000_000  # a text's characters: far past any encoder's length
+TEXT_INPUT = {"type": "string", "maxLength": MAX_INPUT_CHARS}
+EMBED_TEXT = {**TEXT_INPUT, "minLength": 1}  # OpenAI refuses an empty input too
+TRUNCATE = {
+    "type": "boolean",
+    "description": "cut inputs longer than the model takes to its length (false: such an input is a 400)",
+}
+EMBEDDINGS_SCHEMA: dict[str, Any] = tolerant(
+    {
+        "type": "object",
+        "required": ["input"],
+        "properties": {
+            "input": {
+                "anyOf": [
+                    EMBED_TEXT,
+                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": EMBED_TEXT},
+                    {**TOKEN_IDS, "description": "one input's token ids, the embedding model's own, as it reads them"},
+                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": TOKEN_IDS},
+                ],
+                "x-error": f"input must be a string, a list of at most {MAX_INPUTS} strings, a list of token ids "
+                "or a list of such lists",
+            },
+            "model": {"type": "string"},
+            "encoding_format": {"enum": ["float", "base64"], "default": "float"},
+            "dimensions": {"type": "integer", "minimum": 1, "description": "cut each vector to its first dimensions"},
+            "truncate": {**TRUNCATE, "default": False},
+            "user": _ignored("string"),
+        },
+    }
+)
+RERANK_DOCUMENT = {
+    "anyOf": [
+        TEXT_INPUT,
+        {"type": "object", "required": ["text"], "properties": {"text": TEXT_INPUT}},
+    ],
+    "x-error": "a document must be a string or an object with a text",
+}
+RERANK_SCHEMA: dict[str, Any] = tolerant(
+    {
+        "type": "object",
+        "required": ["query", "documents"],
+        "properties": {
+            "query": TEXT_INPUT,
+            "documents": {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": RERANK_DOCUMENT},
+            "model": {"type": "string"},
+            "top_n": {"type": "integer", "minimum": 1, "description": "the best n only (default: all)"},
+            "return_documents": {"type": "boolean", "default": False},
+            "truncate": {**TRUNCATE, "default": True, "description": "cut each document to fit the model's length"},
+        },
+    }
+)
+
+
+def encoder_for(request: web.Request, kind: Kind, name: str | None) -> Encoder:
+    """The encoder a request names (its EMBEDDING_MODEL or RERANK_MODEL, or that folder's name;
+    None: the one there is)."""
+    try:
+        encoder = request.app[ENCODER].encoder(kind)
+    except NotReady as exc:
+        loading = request.app[ENCODER].status != "error" and str(exc).startswith("the")
+        raise ApiError(503 if loading else 400, str(exc), retry_after=5 if loading else None) from None
+    names = encoder_names(encoder)
+    if name is not None and name not in names:
+        raise ApiError(
+            404,
+            f"The model {name!r} does not exist; this server's {kind} model is {names[0]!r}",
+            field="model",
+            code="model_not_found",
+        )
+    return encoder
+
+
+def encoder_names(encoder: Encoder) -> list[str]:
+    """The names an encoder answers to: its setting as given, and its folder's name."""
+    spec = encoder.info.model
+    return list(dict.fromkeys([spec, Path(spec.rstrip("/")).name]))
+
+
+async def run_encoder(request: web.Request, kind: Kind, items: list[Item]) -> list:
+    """The encode worker's rows for `items`, within REQUEST_TIMEOUT; a request that ends first
+    (its client gone, or the timeout) drops its inputs still waiting."""
+    try:
+        job = request.app[ENCODER].submit(kind, items)
+    except Busy as exc:
+        raise ApiError(503, f"server busy: {exc}", retry_after=2) from None
+    except NotReady as exc:
+        raise ApiError(503, f"not accepting requests: {exc}", retry_after=5) from None
+    timeout = request.app[SETTINGS].request_timeout
+    try:
+        async with asyncio.timeout(timeout or None):
+            return await job.future
+    except TimeoutError:
+        raise ApiError(504, f"the request did not finish within REQUEST_TIMEOUT ({timeout:g} s)") from None
+    finally:
+        job.cancel()
+
+
+async def off_loop(request: web.Request, fn: Callable[..., T], *args) -> T:
+    return await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], fn, *args)
+
+
+def embedding_items(encoder: Encoder, given: Any, truncate: bool) -> list[Item]:
+    """A request's `input` as the encoder's items (on the pool: tokenizing 2048 texts takes a while)."""
+    if isinstance(given, str) or given and isinstance(given[0], int):
+        given = [given]
+    if isinstance(given[0], str):
+        try:
+            return encoder.tokenize(given, truncate)
+        except InputTooLong as exc:
+            raise ApiError(400, str(exc), field="input", code="context_length_exceeded") from None
+    limit, vocab = encoder.info.max_tokens, encoder.info.vocab_size
+    items = []
+    for index, ids in enumerate(given):
+        if max(ids) >= vocab:
+            raise ApiError(400, f"input[{index}] holds a token id outside the vocabulary (0 to {vocab - 1})", "input")
+        if len(ids) > limit and not truncate:
+            raise ApiError(400, str(InputTooLong(index, len(ids), limit)), "input", "context_length_exceeded")
+        items.append(Item(ids[:limit]))
+    return items
+
+
+def embeddings_body(rows: list, params: dict, info: EncoderInfo, name: str, tokens: int) -> bytes:
+    """The answer, on the pool: 2048 vectors of 1024 floats are megabytes of JSON."""
+    import numpy as np
+
+    vectors = np.stack(rows).astype(np.float32)
+    if params["dimensions"] is not None and params["dimensions"] < vectors.shape[1]:
+        vectors = vectors[:, : params["dimensions"]]
+        if info.normalize:  # a cut normalized vector is normalized again, as OpenAI's are
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    if params["encoding_format"] == "base64":  # little-endian float32, as OpenAI's SDKs decode it
+        data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+    else:
+        data = vectors.tolist()
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(data)],
+        "model": name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return json.dumps(body).encode()
+
+
+async def v1_embeddings(request: web.Request) -> web.Response:
+    """OpenAI's embeddings: a vector an input, in input order, with the tokens they took."""
+    params = await read_params(request, EMBEDDINGS_SCHEMA)
+    encoder = encoder_for(request, "embedding", params["model"])
+    info = encoder.info
+    dimensions = params["dimensions"]
+    if (
+        dimensions is not None
+        and dimensions != info.dimensions
+        and not (info.matryoshka and dimensions < info.dimensions)
+    ):
+        allowed = (
+            f"at most {info.dimensions}" if info.matryoshka else f"{info.dimensions} (its vectors cannot be cut short)"
+        )
+        raise ApiError(400, f"dimensions must be {allowed} for this model", field="dimensions")
+    items = await off_loop(request, embedding_items, encoder, params["input"], params["truncate"])
+    rows = await run_encoder(request, "embedding", items)
+    tokens = sum(len(item.ids) for item in items)
+    name = params["model"] or encoder_names(encoder)[0]
+    body = await off_loop(request, embeddings_body, rows, params, info, name, tokens)
+    request[LOG_FACTS]["prompt_tokens"] = tokens
+    return web.Response(body=body, content_type="application/json")
+
+
+async def v1_rerank(request: web.Request) -> web.Response:
+    """Cohere's and Jina's rerank: the documents' relevance to the query, best first."""
+    params = await read_params(request, RERANK_SCHEMA)
+    encoder = encoder_for(request, "rerank", params["model"])
+    texts = [doc if isinstance(doc, str) else doc["text"] for doc in params["documents"]]
+    try:
+        items = await off_loop(request, encoder.pairs, params["query"], texts, params["truncate"])
+    except InputTooLong as exc:
+        raise ApiError(400, str(exc), field="documents", code="context_length_exceeded") from None
+    scores = await run_encoder(request, "rerank", items)
+    ranked = sorted(range(len(texts)), key=lambda i: -float(scores[i]))[: params["top_n"] or None]
+    results = []
+    for index in ranked:
+        result: dict[str, Any] = {"index": index, "relevance_score": float(scores[index])}
+        if params["return_documents"]:
+            result["document"] = {"text": texts[index]}
+        results.append(result)
+    tokens = sum(len(item.ids) for item in items)
+    request[LOG_FACTS]["prompt_tokens"] = tokens
+    return web.json_response(
+        {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "model": params["model"] or encoder_names(encoder)[0],
+            "results": results,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
+
+
+def encoder_loader(settings: Settings) -> Callable[[], dict[Kind, Encoder]]:
+    """EMBEDDING_MODEL and RERANK_MODEL, loaded by the encode worker on its thread."""
+
+    def load() -> dict[Kind, Encoder]:
+        runtime = select_backend(settings.backend)
+        wanted: dict[Kind, str] = {"embedding": settings.embedding_model, "rerank": settings.rerank_model}
+        encoders = {}
+        for kind, spec in wanted.items():
+            if spec:
+                log.info("loading the %s model %s with the %s backend", kind, spec, runtime)
+                encoders[kind] = load_encoder(runtime, kind, spec, settings.device)
+        return encoders
+
+    return load
+
+
+def encoders_info(app: web.Application) -> dict:
+    """/model/info's `encoders`: each loaded one's facts and counters."""
+    worker = app[ENCODER]
+    out: dict[str, Any] = {"status": worker.status, "waiting": worker.waiting}
+    if worker.load_error is not None:
+        out["error"] = str(worker.load_error)
+    for kind, encoder in worker.encoders.items():
+        out[kind] = {**encoder.info.describe(), "stats": dataclasses.asdict(worker.stats[kind])}
+    return out
+
+
 # -- metrics (Prometheus, through prometheus-client) ------------------------------------------------
 
 
@@ -4035,10 +4289,36 @@ class EngineCollector(Collector):
         ):
             if value is not None:  # MLX does not count them
                 yield GaugeMetricFamily(f"phi2_kv_cache_{name}", about, value=value)
+        yield from encoder_metrics(self._app[ENCODER])
         yield GaugeMetricFamily("phi2_model_loaded", "1 once the model is loaded.", value=int(engine.status == "ok"))
         yield GaugeMetricFamily(
             "phi2_model_load_seconds", "How long loading the model took.", value=engine.load_time_s or 0
         )
+
+
+ENCODER_COUNTERS = (
+    ("requests", "Embedding and rerank requests answered, by kind."),
+    ("inputs", "Inputs (texts, token id lists, query-document pairs) encoded, by kind."),
+    ("tokens", "Tokens of the inputs encoded, by kind."),
+    ("forwards", "Forward passes of the encode worker (batches), by kind."),
+    ("seconds", "Time inside the encode worker's forward passes, by kind."),
+    ("errors", "Forward passes that failed, by kind."),
+)
+
+
+def encoder_metrics(worker: EncodeWorker):
+    """EMBEDDING_MODEL's and RERANK_MODEL's: which model, and what the encode worker did."""
+    models = InfoMetricFamily("phi2_encoder", "The embedding and rerank models served.", labels=["kind"])
+    for kind, encoder in worker.encoders.items():
+        info = encoder.info
+        models.add_metric([kind], {"model": info.model, "backend": info.backend, "device": info.device})
+    yield models
+    for name, about in ENCODER_COUNTERS:
+        family = CounterMetricFamily(f"phi2_encoder_{name}", about, labels=["kind"])
+        for kind, stats in worker.stats.items():
+            family.add_metric([kind], getattr(stats, name))
+        yield family
+    yield GaugeMetricFamily("phi2_encoder_waiting", "Embedding and rerank requests waiting.", value=worker.waiting)
 
 
 class Metrics:
@@ -4219,6 +4499,8 @@ IN_PROBES, IN_NATIVE, IN_MODELS = "probes and model facts", "the native API", "O
 IN_COMPLETIONS, IN_CHAT = "OpenAI-compatible API: /v1/completions", "OpenAI-compatible API: /v1/chat/completions"
 IN_RESPONSES, IN_MESSAGES, IN_TOKENIZER = "OpenAI Responses API", "Anthropic Messages API", "tokenizer"
 IN_STORED = "OpenAI Responses API: stored answers"
+IN_ENCODERS = "embeddings and rerank"
+ENCODER_ANSWERS = {"errors": (400, 401, 404, 413, 429, 500, 503, 504), "error": "OpenAIError"}
 
 # fmt: off
 ROUTES = [  # method, path, handler, section; the document's summary, request schema, 200 answer, the rest
@@ -4251,6 +4533,10 @@ ROUTES = [  # method, path, handler, section; the document's summary, request sc
           TOKENIZE_SCHEMA, "TokenizeResponse", **TOKENIZER_ANSWERS),
     Route("POST", "/detokenize", detokenize, IN_TOKENIZER, "The text of token ids (vLLM)", DETOKENIZE_SCHEMA,
           "DetokenizeResponse", **TOKENIZER_ANSWERS),
+    Route("POST", "/v1/embeddings", v1_embeddings, IN_ENCODERS, "Embeddings of texts or token ids (OpenAI)",
+          EMBEDDINGS_SCHEMA, "EmbeddingsResponse", **ENCODER_ANSWERS),
+    Route("POST", "/v1/rerank", v1_rerank, IN_ENCODERS, "Documents ranked by relevance to a query (Cohere, Jina)",
+          RERANK_SCHEMA, "RerankResponse", **ENCODER_ANSWERS),
     Route("GET", "/metrics", metrics, "metrics", "Prometheus metrics", answer="Metrics", media="text/plain",
           errors=(401,)),
     Route("GET", "/openapi.json", openapi, "OpenAPI: the document"),  # not in the document it serves
@@ -4277,16 +4563,36 @@ async def start_worker(app: web.Application) -> None:
     app[GRAMMAR_COMPILER] = BoundedPool(GRAMMAR_WORKERS, GRAMMAR_BACKLOG, "grammar")
     loop = asyncio.get_running_loop()
     load_done = app[LOAD_DONE]
+    chat_loaded = threading.Event()
+
+    def on_load_done() -> None:
+        chat_loaded.set()
+        loop.call_soon_threadsafe(load_done.set)
+
+    def load_encoders() -> dict:
+        # After the chat model: two threads importing transformers' lazy module at once failed
+        # ("cannot import name 'AutoModel'"), and one load at a time keeps the peak memory lower.
+        chat_loaded.wait()
+        return app[ENCODER_LOADER]()
+
     engine = Engine(
         app[LOADER],
         max_queue=settings.max_queue,
         max_batch=settings.max_batch,
         prompt_cache_bytes=settings.prompt_cache_budget(),
         stream_buffer=settings.stream_buffer,
-        on_load_done=lambda: loop.call_soon_threadsafe(load_done.set),
+        on_load_done=on_load_done,
     )
     app[ENGINE] = engine
     engine.start()
+    threads = settings.embedding_threads or max(1, (os.cpu_count() or 1) // 4)
+    app[ENCODER] = EncodeWorker(
+        load_encoders if app[ENCODER_LOADER] else None,  # None: nothing to load, ready at once
+        lambda: engine.max_queue or MIN_QUEUE,
+        settings.embedding_batch_tokens,
+        threads,
+    )
+    app[ENCODER].start()
 
 
 async def drain_worker(app: web.Application) -> None:
@@ -4301,13 +4607,19 @@ async def drain_worker(app: web.Application) -> None:
 
 async def stop_worker(app: web.Application) -> None:
     await asyncio.to_thread(app[ENGINE].stop, 30)
+    await asyncio.to_thread(app[ENCODER].stop, 30)
     app[TOKENIZER_POOL].shutdown(wait=False, cancel_futures=True)
     app[GRAMMAR_COMPILER].shutdown()
     app[REQUEST_LOG].close()
 
 
-def create_app(settings: Settings | None = None, load: Callable[[], Backend] | None = None) -> web.Application:
-    """The application; `load` builds the backend on the worker thread (tests inject one)."""
+def create_app(
+    settings: Settings | None = None,
+    load: Callable[[], Backend] | None = None,
+    load_encoders: Callable[[], dict[Kind, Encoder]] | None = None,
+) -> web.Application:
+    """The application; `load` builds the backend on the worker thread, `load_encoders` the
+    embedding and rerank models on theirs (tests inject them)."""
     settings = settings or Settings()
     process_setup()
     middlewares = [request_log, cors_preflight, json_errors, access]  # outermost first
@@ -4324,6 +4636,8 @@ def create_app(settings: Settings | None = None, load: Callable[[], Backend] | N
     app[LOAD_DONE] = asyncio.Event()
     app[DRAINING] = asyncio.Event()
     app[LOADER] = load or model_loader(settings)
+    wanted = settings.embedding_model or settings.rerank_model
+    app[ENCODER_LOADER] = load_encoders or (encoder_loader(settings) if wanted else None)
     app.on_startup.append(start_worker)
     app.on_shutdown.append(drain_worker)
     app.on_cleanup.append(stop_worker)

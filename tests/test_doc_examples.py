@@ -54,7 +54,7 @@ from conftest import write_mlx_adapter
 
 from backends import load_backend
 from backends.model_files import tiny_dir
-from phi2_server import LOAD_DONE, Settings, create_app, runner_options
+from phi2_server import ENCODER, LOAD_DONE, Settings, create_app, runner_options
 
 ROOT = Path(__file__).resolve().parent.parent
 # Not docs/grammar-libraries/ (nor docs/clients/, whose setups need the agent CLIs).
@@ -346,6 +346,8 @@ async def serve(aiohttp_client, demo: Demo, **settings):
     await server.start_server(**{k: v for k, v in runner_options(app).items() if k != "handler_cancellation"})
     client = await aiohttp_client(server)
     await asyncio.wait_for(app[LOAD_DONE].wait(), 30)
+    while app[ENCODER].status == "loading":  # EMBEDDING_MODEL and RERANK_MODEL, where set
+        await asyncio.sleep(0.01)
     return client
 
 
