@@ -2510,9 +2510,9 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
     return await answer(request, tickets, CompletionsWire(request, tickets, params, name, texts))
 
 
-# -- chat: each API's request in one shared form, the model's plan for it ----------------------
+# -- chat: each API's messages in one shared form -----------------------------------------------
 # The three chat APIs translate their requests onto one `ChatRequest` (messages as
-# `chat_messages` checks them, tools as `chat_tools` does); the backend answers with one
+# `chat_messages` checks them, tools as `chat_tools` does, below); the backend answers with one
 # `ChatPlan` (backends.chat_plan): prompt, stops, grammar, kept tags, a parser per choice.
 
 
@@ -2588,6 +2588,9 @@ def history_call(call: dict, where: str) -> dict:
     if "function" not in call:
         raise ApiError(400, f"{where}.function is required", field=f"{where}.function")
     return call
+
+
+# -- chat: tools, reasoning switches, and the model's plan ---------------------------------------
 
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

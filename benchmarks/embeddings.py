@@ -97,8 +97,9 @@ def embeddings(args) -> list[dict]:
         async def run():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
                 url = server.url
-                one = await embed_rate(session, url, texts, 1, 64)
-                many = await embed_rate(session, url, texts, 32, 8)
+                for _ in range(2):  # the second pass is timed: the first meets every kernel once (CUDA loads lazily)
+                    one = await embed_rate(session, url, texts, 1, 64)
+                    many = await embed_rate(session, url, texts, 32, 8)
                 alone = await gaps(session, url, args.max_tokens, beside=False)
                 beside = await gaps(session, url, args.max_tokens, beside=True)
                 return one, many, alone, beside
@@ -118,16 +119,19 @@ def embeddings(args) -> list[dict]:
             }
         )
         progress(rows[-1])
+    import torch
     from sentence_transformers import SentenceTransformer
 
-    st = SentenceTransformer(model, device="cpu")
-    rates = []
-    for batch in (1, 32):
-        st.encode(texts[:batch], batch_size=batch)  # warm-up
-        count = 64 if batch == 1 else len(texts) - 32
-        started = time.perf_counter()
-        st.encode(texts[32 : 32 + count], batch_size=batch)
-        rates.append(count / (time.perf_counter() - started))
+    # Where the server's encoder runs, in its dtype (float32; a file stored in float16 would load as such).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    st = SentenceTransformer(model, device=device, model_kwargs={"dtype": torch.float32})
+    for _ in range(2):  # the second pass is timed, as the server's
+        rates = []
+        for batch in (1, 32):
+            count = 64 if batch == 1 else len(texts) - 32
+            started = time.perf_counter()
+            st.encode(texts[32 : 32 + count], batch_size=batch)  # numpy out: the device is synchronized
+            rates.append(count / (time.perf_counter() - started))
     rows.append(
         {
             "what": "sentence-transformers encode, same model and sentences, embeddings/s at batch 1 / 32",
