@@ -149,12 +149,12 @@ def tool_call_decoding(args) -> list[dict]:
     time_call(lambda: backend.grammars.tokenizer)  # built once a model, outside the timings
     messages = [{"role": "user", "content": "Save a note about the sea."}]
     forced = backend.chat_plan(ChatRequest(messages, ToolUse([NOTE_TOOL], "required", False)))
-    forced_spec = forced.grammar.spec
-    lazy_spec = backend.chat_plan(ChatRequest(messages, ToolUse([NOTE_TOOL], "auto", False))).grammar.spec
-    compile_s = time_call(lambda: backend.constraint("tool_calls", forced_spec))
+    forced_spec = forced.grammar
+    lazy_spec = backend.chat_plan(ChatRequest(messages, ToolUse([NOTE_TOOL], "auto", False))).grammar
+    compile_s = time_call(lambda: backend.constraint(forced_spec.kind, forced_spec.spec))
     grammars = {
-        "required": backend.constraint("tool_calls", forced_spec),
-        "auto": backend.constraint("tool_calls", lazy_spec),
+        "required": backend.constraint(forced_spec.kind, forced_spec.spec),
+        "auto": backend.constraint(lazy_spec.kind, lazy_spec.spec),
     }
     print(f"tool grammar compiled in {compile_s * 1000:.2f} ms; format {forced.tool_format.name}", flush=True)
     prompt_ids = backend.encode(forced.prompt)  # the tools are rendered alike with either choice

@@ -7,7 +7,8 @@ checks them (tests/test_tools.py).
 In one batch of 8 rows: `auto` (a lazy grammar, armed mid-reply, or never for a text reply),
 `required` on tools the model never saw (validated), and plain rows beside them, greedy and
 sampled; each memorized reply must come out as written, each forced call must parse and follow
-its schema. Exit status 1 on any mismatch.
+its schema. A 9th row (Hermes) keeps a thinking budget of 3 tokens on the memorized reasoning
+reply. Exit status 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def main() -> int:
         )
         forced_plan = backend.chat_plan(pick)
         print(f"{fmt}: {backend.info.device}, format {forced_plan.tool_format.name}", flush=True)
-        lazy = backend.constraint("tool_calls", backend.chat_plan(ChatRequest(TOOL_DIALOGUES[0][0], auto)).grammar.spec)
-        forced = backend.constraint("tool_calls", forced_plan.grammar.spec)
+        # The plan's grammar kind: "thinking" around the calls' where the tokenizer has <think> (hermes).
+        lazy_grammar = backend.chat_plan(ChatRequest(TOOL_DIALOGUES[0][0], auto)).grammar
+        lazy = backend.constraint(lazy_grammar.kind, lazy_grammar.spec)
+        forced = backend.constraint(forced_plan.grammar.kind, forced_plan.grammar.spec)
         sequences, wanted = [], {}
         for i, (messages, reply) in enumerate(TOOL_DIALOGUES[:4]):
             prompt = backend.encode(backend.chat_plan(ChatRequest(messages, auto)).prompt)
@@ -64,7 +67,23 @@ def main() -> int:
         for j in range(4):
             sampling = Sampling(temperature=0.0 if j % 2 == 0 else 1.0, seed=j, constraint=forced.matcher())
             sequences.append(Sequence(4 + j, pick_prompt, sampling, 130))
-        out = drive(backend.decoder(8), sequences)
+        # Hermes has <think> tokens: a thinking budget of 3 (ThinkingGrammar) on the memorized
+        # reasoning reply must cut its thought after 3 tokens, in the same batch (a 9th row).
+        budgeted = None
+        if fmt == "hermes":
+            think = backend.chat_plan(ChatRequest(TOOL_DIALOGUES[4][0], auto, thinking_budget=3))
+            budgeted = backend.constraint(think.grammar.kind, think.grammar.spec)
+            sampling = Sampling(constraint=budgeted.matcher())
+            sequences.append(Sequence(8, backend.encode(think.prompt), sampling, 40))
+        out = drive(backend.decoder(len(sequences)), sequences)
+        if budgeted is not None:
+            opening, closing, _ = think.thought
+            thought = backend.encode("\nA greeting is asked for.\n")[:3]
+            got = out.ids[8][:5]
+            ok = got == [opening, *thought, closing]
+            print(f"  thinking budget 3: {'ok' if ok else 'MISMATCH'} {backend.decode(out.ids[8])!r}", flush=True)
+            if not ok:
+                failures.append(f"{fmt} thinking budget: {got} != {[opening, *thought, closing]}")
         for i, text in wanted.items():
             got = text_of(backend, out.ids[i])
             ok = got == text
