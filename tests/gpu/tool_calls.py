@@ -4,7 +4,7 @@ checks them (tests/test_tools.py).
 
     python3 tests/gpu/tool_calls.py
 
-In one batch of 8 rows: `auto` (a lazy grammar, armed mid-reply, or never for a text reply),
+In one batch of 8 rows (9 with the budget's): `auto` (a lazy grammar, armed mid-reply, or never for a text reply),
 `required` on tools the model never saw (validated), and plain rows beside them, greedy and
 sampled; each memorized reply must come out as written, each forced call must parse and follow
 its schema. A 9th row (Hermes) keeps a thinking budget of 3 tokens on the memorized reasoning
@@ -13,10 +13,13 @@ reply. Exit status 1 on any mismatch.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 # Not this folder: its kernels.py would stand in for the `kernels` package transformers looks for.
@@ -46,7 +49,7 @@ def main() -> int:
     failures = []
     for fmt in ("hermes", "llama3"):
         path = write_tiny_tools(Path(tempfile.mkdtemp()) / fmt, fmt)
-        backend = load_backend("torch", LoadOptions(model=str(path), dtype="float32", max_batch=8))
+        backend = load_backend("torch", LoadOptions(model=str(path), dtype="float32", max_batch=9))
         auto = ToolUse([TOOL], "auto", True)
         pick = ChatRequest(
             [{"role": "user", "content": "Pick."}], ToolUse([{"name": "pick", "parameters": PICK}], "required", False)
@@ -75,7 +78,7 @@ def main() -> int:
             budgeted = backend.constraint(think.grammar.kind, think.grammar.spec)
             sampling = Sampling(constraint=budgeted.matcher())
             sequences.append(Sequence(8, backend.encode(think.prompt), sampling, 40))
-        out = drive(backend.decoder(len(sequences)), sequences)
+        out = drive(backend.decoder(9), sequences)  # the decoder the load made (a KV pool of its own)
         if budgeted is not None:
             opening, closing, _ = think.thought
             thought = backend.encode("\nA greeting is asked for.\n")[:3]
@@ -99,6 +102,11 @@ def main() -> int:
             print(f"  required {j}: {'ok' if ok else 'INVALID'} {got!r}", flush=True)
             if not ok:
                 failures.append(f"{fmt} required {j}: {got!r}")
+        # This format's decoder (its KV pool sized to the free GPU memory) goes before the next's.
+        del backend, out, sequences, lazy, forced, budgeted
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print("PASS" if not failures else "FAIL:\n" + "\n".join(failures))
     return 1 if failures else 0
 
