@@ -228,6 +228,12 @@ class Settings:
         "the temperature of a request that sends none, 0 to 2 (empty: each API's own default, 1 on the OpenAI "
         "and Anthropic routes, 0 on the native ones); agents such as Claude Code send none",
     )
+    first_tool_choice: str = setting(
+        "auto",
+        "auto, or required: a request that offers tools with tool_choice auto (sent or by default) must call one "
+        "when it answers the user (no tool result since the last assistant message); answering a tool result it "
+        "may end. For a small model that never calls a tool by itself behind an agent that sends auto",
+    )
     stream_keepalive: float = setting(
         5.0,
         "seconds a stream with no token yet (queued, or prefilling a long prompt) waits before it sends its "
@@ -350,6 +356,13 @@ class Settings:
         if not 0 <= value <= 2:
             raise ValueError(f"TEMPERATURE={self.temperature!r} must be a number from 0 to 2, or empty")
         return value
+
+    @cached_property
+    def forces_first_tool_call(self) -> bool:
+        """FIRST_TOOL_CHOICE as a switch; a ValueError names a bad one."""
+        if self.first_tool_choice not in ("auto", "required"):
+            raise ValueError(f"FIRST_TOOL_CHOICE={self.first_tool_choice!r} must be auto or required")
+        return self.first_tool_choice == "required"
 
     def prompt_cache_budget(self) -> int | None:
         """Each decoder's prompt cache: None for the device's default, 0 for none."""
@@ -2670,6 +2683,23 @@ def tool_of(tool: dict, where: str, flat: bool) -> dict:
     return tool["function"]
 
 
+def first_tool_choice(request: web.Request, use: ToolUse | None, messages: list[dict]) -> ToolUse | None:
+    """FIRST_TOOL_CHOICE=required: tool_choice auto made required where the model answers the
+    user, that is where a user message and no tool result follow the last assistant message. A
+    turn answering a tool result keeps auto, so an agent's loop can end; the log line says so."""
+    if use is None or use.choice != "auto" or not request.app[SETTINGS].forces_first_tool_call:
+        return use
+    since = []
+    for message in reversed(messages):
+        if message["role"] == "assistant":
+            break
+        since.append(message["role"])
+    if "user" not in since or "tool" in since:
+        return use
+    request[LOG_FACTS]["tool_choice"] = "required"
+    return dataclasses.replace(use, choice="required")
+
+
 def pick(mapping: dict, *keys: str) -> dict:
     return {k: mapping[k] for k in keys if k in mapping}
 
@@ -2898,6 +2928,7 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     backend = engine_ready(request).backend
     use = check_arguments(request, chat_tools(params))
     messages = chat_messages(params)
+    use = first_tool_choice(request, use, messages)
     tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
     output, output_field = response_grammar(params)
     options = template_options(
@@ -3378,6 +3409,7 @@ async def v1_responses(request: web.Request) -> web.StreamResponse:
     backend = engine_ready(request).backend
     use = check_arguments(request, responses_tools(request, params))
     messages = responses_chat(params)
+    use = first_tool_choice(request, use, messages)
     output, output_field = responses_format(params, use)
     effort = (params["reasoning"] or {}).get("effort")
     options = template_options(
@@ -3695,7 +3727,9 @@ def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
         effort=(params.get("output_config") or {}).get("effort"),
         budget=thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None,
     )
-    return chat_plan(backend, ChatRequest(anthropic_chat(params), use, response_format=schema or None, **options))
+    messages = anthropic_chat(params)
+    use = first_tool_choice(request, use, messages)
+    return chat_plan(backend, ChatRequest(messages, use, response_format=schema or None, **options))
 
 
 # -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
@@ -4628,7 +4662,8 @@ def create_app(
     middlewares = [request_log, cors_preflight, json_errors, access]  # outermost first
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
-    _ = settings.default_temperature, settings.template_kwargs  # read once: a bad one stops the start, naming it
+    # Read once: a bad one stops the start, naming it.
+    _ = settings.default_temperature, settings.template_kwargs, settings.forces_first_tool_call
     app[API_KEYS] = load_api_keys(settings)
     app[RATE_LIMITER] = TokenBuckets(settings.rate_limit) if settings.rate_limit > 0 else None
     app[AUTH_FAILURES] = TokenBuckets(AUTH_FAILURES_PER_MINUTE)

@@ -340,3 +340,81 @@ def test_hostile_template_kwargs_are_a_400_and_hurt_nobody(agent_server):
         assert status == 400, (path, body, answer)
         assert "chat_template_kwargs may not set" in answer["error"]["message"], answer
     assert all(status == 200 and answer["choices"] == before["choices"] for status, answer in beside.result())
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+async def test_first_tool_choice_forces_the_turn_that_answers_the_user(make_client, tool_backends, runtime, log_dir):
+    """FIRST_TOOL_CHOICE=required: tools offered with tool_choice auto (sent or by default) get a
+    call where the model answers the user ("Say hello.", which it answers in text unforced), on
+    the three APIs; answering a tool result the model is free (its memorized text), so an
+    agent's loop ends; none stays the request's. Unset, nothing changes; a bad value stops the
+    start."""
+    tools = [{"type": "function", "function": TOOL}]
+    # A call takes ~60 of the tiny model's tokens; calls completed before a cut are given out.
+    hello = {"messages": [{"role": "user", "content": "Say hello."}], "tools": tools, "max_tokens": 160}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    answered = {
+        "messages": [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny"},
+        ],
+        "tools": tools,
+        "max_tokens": 40,
+    }
+
+    async def chat(client, body: dict) -> dict:
+        response = await client.post("/v1/chat/completions", json={**body, "temperature": 0})
+        assert response.status == 200, await response.text()
+        return (await response.json())["choices"][0]["message"]
+
+    def called(calls: list[dict] | None) -> bool:
+        return bool(calls) and all(c["function"]["name"] == "get_weather" for c in calls)
+
+    plain = await make_client(lambda: tool_backends(runtime, "hermes"))
+    assert (await chat(plain, hello))["content"] == "Hello! How can I help you today?"
+    with pytest.raises(ValueError, match="FIRST_TOOL_CHOICE"):
+        create_app(Settings(first_tool_choice="any"))
+
+    client = await make_client(lambda: tool_backends(runtime, "hermes"), first_tool_choice="required", model="tiny")
+    for body in (hello, {**hello, "tool_choice": "auto"}):
+        message = await chat(client, body)
+        assert called(message.get("tool_calls")), message
+    assert (await chat(client, {**hello, "tool_choice": "none"})).get("tool_calls") is None
+    assert (await chat(client, answered))["content"] == "It is 22 C and sunny in Paris."
+    lines = [line for line in read_log(log_dir) if line["path"] == "/v1/chat/completions"]
+    assert [line.get("tool_choice") for line in lines[-4:]] == ["required", "required", None, None]
+
+    response = await client.post(
+        "/v1/responses",
+        json={
+            "input": "Say hello.",
+            "tools": [{"type": "function", **TOOL}],
+            "max_output_tokens": 160,
+            "temperature": 0,
+        },
+    )
+    output = (await response.json())["output"]
+    assert output and all(item["type"] == "function_call" and item["name"] == "get_weather" for item in output), output
+
+    tool = {"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}
+    anthropic = {"model": "tiny", "max_tokens": 160, "temperature": 0, "tools": [tool]}
+    response = await client.post(
+        "/v1/messages", json={**anthropic, "messages": [{"role": "user", "content": "Say hello."}]}
+    )
+    content = (await response.json())["content"]
+    assert content and all(block["type"] == "tool_use" and block["name"] == "get_weather" for block in content), content
+    use = {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}
+    turns = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "22 C and sunny"}]},
+    ]
+    response = await client.post("/v1/messages", json={**anthropic, "messages": turns})
+    assert (await response.json())["content"] == [{"type": "text", "text": "It is 22 C and sunny in Paris."}]
+    # Claude Code sends text beside a tool result (its reminders): still a turn answering the result.
+    turns[-1]["content"].append({"type": "text", "text": "<system-reminder>Be brief.</system-reminder>"})
+    response = await client.post("/v1/messages", json={**anthropic, "messages": turns})
+    assert response.status == 200
+    lines = [line for line in read_log(log_dir) if line["path"] == "/v1/messages"]
+    assert [line.get("tool_choice") for line in lines] == ["required", None, None]
