@@ -93,6 +93,7 @@ from backends import (
     select_backend,
 )
 from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
+from backends.chat_embeddings import POOLINGS, Refused, chat_encoder
 from backends.chat_plan import ChatPlan, ChatRequest, GrammarSpec, ToolUse
 from backends.embeddings import Encoder, EncoderInfo, InputTooLong, Item, Kind, load_encoder
 from backends.encode_worker import Busy, EncodeWorker, NotReady
@@ -264,6 +265,11 @@ class Settings:
         "", "the /v1/embeddings model: a sentence-transformers folder or Hugging Face id (empty: none)"
     )
     rerank_model: str = setting("", "the /v1/rerank model: a cross-encoder folder or Hugging Face id (empty: none)")
+    embedding_pooling: str = setting(
+        "mean",
+        "without EMBEDDING_MODEL, the chat model embeds: its final hidden states pooled by mean or last (token), "
+        "L2-normalized; none: it does not",
+    )
     embedding_threads: int = setting(
         0, "CPU threads of the embedding and rerank forwards (0: a quarter of the cores, at least 1)"
     )
@@ -2179,18 +2185,23 @@ async def v1_models(request: web.Request) -> web.Response:
     facts = await available_adapters(engine.backend)
     cards += [adapter_card(engine, names[0], adapter) for adapter in facts]
     for kind, encoder in request.app[ENCODER].encoders.items():  # EMBEDDING_MODEL, RERANK_MODEL
-        cards.append({**model_card(engine, encoder_names(encoder)[0]), "task": kind})
+        if of_chat_model(encoder):  # the chat model's cards say it embeds too
+            cards[: len(names)] = [{**card, "tasks": ["chat", "embedding"]} for card in cards[: len(names)]]
+        else:
+            cards.append({**model_card(engine, encoder_names(request, encoder)[0]), "task": kind})
     return web.json_response({"object": "list", "data": cards})
 
 
 async def v1_model(request: web.Request) -> web.Response:
     engine = engine_ready(request)
+    embeds = False
     for kind, encoder in request.app[ENCODER].encoders.items():
-        if request.match_info["model"] in encoder_names(encoder):
+        embeds = embeds or of_chat_model(encoder)
+        if not of_chat_model(encoder) and request.match_info["model"] in encoder_names(request, encoder):
             return web.json_response({**model_card(engine, request.match_info["model"]), "task": kind})
     name, adapter = model_named(request, request.match_info["model"])
     if not adapter:
-        return web.json_response(model_card(engine, name))
+        return web.json_response({**model_card(engine, name), **({"tasks": ["chat", "embedding"]} if embeds else {})})
     facts = await available_adapters(engine.backend)
     found = next((f for f in facts if f.name == adapter), None)
     if found is None:
@@ -4093,7 +4104,11 @@ def encoder_for(request: web.Request, kind: Kind, name: str | None) -> Encoder:
     except NotReady as exc:
         loading = request.app[ENCODER].status != "error" and str(exc).startswith("the")
         raise ApiError(503 if loading else 400, str(exc), retry_after=5 if loading else None) from None
-    names = encoder_names(encoder)
+    if of_chat_model(encoder):
+        if name is not None and model_named(request, name)[1]:  # a 404 in its shape for a name not served
+            raise ApiError(400, "the chat model's embeddings are its base model's: name no adapter", field="model")
+        return encoder
+    names = encoder_names(request, encoder)
     if name is not None and name not in names:
         raise ApiError(
             404,
@@ -4104,8 +4119,16 @@ def encoder_for(request: web.Request, kind: Kind, name: str | None) -> Encoder:
     return encoder
 
 
-def encoder_names(encoder: Encoder) -> list[str]:
-    """The names an encoder answers to: its setting as given, and its folder's name."""
+def of_chat_model(encoder: Encoder) -> bool:
+    """Whether the encoder is the chat model's (backends/chat_embeddings.py): no EMBEDDING_MODEL."""
+    return getattr(encoder, "of_chat_model", False)
+
+
+def encoder_names(request: web.Request, encoder: Encoder) -> list[str]:
+    """The names an encoder answers to: its setting as given, and its folder's name (the chat
+    model's: its served names)."""
+    if of_chat_model(encoder):
+        return served_names(request)
     spec = encoder.info.model
     return list(dict.fromkeys([spec, Path(spec.rstrip("/")).name]))
 
@@ -4193,7 +4216,7 @@ async def v1_embeddings(request: web.Request) -> web.Response:
     items = await off_loop(request, embedding_items, encoder, params["input"], params["truncate"])
     rows = await run_encoder(request, "embedding", items)
     tokens = sum(len(item.ids) for item in items)
-    name = params["model"] or encoder_names(encoder)[0]
+    name = params["model"] or encoder_names(request, encoder)[0]
     body = await off_loop(request, embeddings_body, rows, params, info, name, tokens)
     request[LOG_FACTS]["prompt_tokens"] = tokens
     return web.Response(body=body, content_type="application/json")
@@ -4221,7 +4244,7 @@ async def v1_rerank(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "id": f"rerank-{uuid.uuid4().hex}",
-            "model": params["model"] or encoder_names(encoder)[0],
+            "model": params["model"] or encoder_names(request, encoder)[0],
             "results": results,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
@@ -4612,6 +4635,12 @@ async def start_worker(app: web.Application) -> None:
         chat_loaded.wait()
         return app[ENCODER_LOADER]()
 
+    def chat_embedder() -> Encoder:
+        chat_loaded.wait()
+        if engine.status != "ok":
+            raise Refused("the chat model did not load")
+        return chat_encoder(engine.backend, settings.embedding_pooling)
+
     engine = Engine(
         app[LOADER],
         max_queue=settings.max_queue,
@@ -4628,6 +4657,7 @@ async def start_worker(app: web.Application) -> None:
         lambda: engine.max_queue or MIN_QUEUE,
         settings.embedding_batch_tokens,
         threads,
+        chat_embedder if settings.embedding_pooling != "none" else None,  # where no EMBEDDING_MODEL is loaded
     )
     app[ENCODER].start()
 
@@ -4664,6 +4694,8 @@ def create_app(
     app[SETTINGS] = settings
     # Read once: a bad one stops the start, naming it.
     _ = settings.default_temperature, settings.template_kwargs, settings.forces_first_tool_call
+    if settings.embedding_pooling not in POOLINGS:
+        raise ValueError(f"EMBEDDING_POOLING={settings.embedding_pooling!r} must be one of {', '.join(POOLINGS)}")
     app[API_KEYS] = load_api_keys(settings)
     app[RATE_LIMITER] = TokenBuckets(settings.rate_limit) if settings.rate_limit > 0 else None
     app[AUTH_FAILURES] = TokenBuckets(AUTH_FAILURES_PER_MINUTE)

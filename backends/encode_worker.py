@@ -7,12 +7,16 @@ The worker takes inputs in arrival order, several requests' together, into forwa
 between forwards the cores go back to whoever needs them. On a CPU it runs with `threads` torch
 threads of its own (OpenMP's pool is per calling thread), so the generation thread keeps its
 own; BENCHMARKS.md (D-embeddings) measures the decode gap of 8 streams beside a long batch.
+
+Without an embedding model of its own, the worker embeds with the chat model
+(`backends.chat_embeddings`): `chat` builds that encoder once the chat model has loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -72,10 +76,17 @@ class EncodeWorker:
         max_waiting: Callable[[], int],
         batch_tokens: int,
         threads: int,
+        chat: Callable[[], Encoder] | None = None,
     ):
-        self.status = "loading" if load else "ok"  # loading, ok or error; no loader: no encoder, ready at once
+        """`load`: EMBEDDING_MODEL's and RERANK_MODEL's encoders (None: none); `chat`: the chat
+        model's encoder, used where `load` gives no embedding model (None: the chat model does
+        not embed)."""
+        self.status = "loading" if load else "ok"  # loading, ok or error; no loader: ready at once
         self.encoders: dict[Kind, Encoder] = {}
         self.load_error: BaseException | None = None
+        self.chat_refused: str | None = None  # why the chat model does not embed, where it was to
+        self._chat = chat
+        self._setting_up = load is not None or chat is not None  # until the thread has its encoders
         self.load_time_s: float | None = None
         self.stats: dict[Kind, EncodeStats] = {"embedding": EncodeStats(), "rerank": EncodeStats()}
         self.batch_tokens = max(batch_tokens, 1)
@@ -91,7 +102,7 @@ class EncodeWorker:
     # -- called from the event loop ---------------------------------------------------------
 
     def start(self) -> None:
-        if self._load is not None:
+        if self._setting_up:
             self._thread.start()
 
     @property
@@ -106,8 +117,15 @@ class EncodeWorker:
         if self.status == "error":
             raise NotReady(f"the embedding and rerank models failed to load: {self.load_error}")
         if kind not in self.encoders:
-            setting = "EMBEDDING_MODEL" if kind == "embedding" else "RERANK_MODEL"
-            raise NotReady(f"no {'embedding' if kind == 'embedding' else 'rerank'} model is served: set {setting}")
+            if kind == "rerank":
+                raise NotReady("no rerank model is served: set RERANK_MODEL")
+            if self._chat is None:
+                raise NotReady(
+                    "no embedding model is served: set EMBEDDING_MODEL (or EMBEDDING_POOLING, for the chat model's)"
+                )
+            if self.chat_refused is None:
+                raise NotReady("the chat model's embeddings are not set up yet")  # a 503: it has just loaded
+            raise NotReady(f"no embedding model is served: set EMBEDDING_MODEL ({self.chat_refused})")
         return self.encoders[kind]
 
     def submit(self, kind: Kind, items: list[Item]) -> Job:
@@ -128,7 +146,7 @@ class EncodeWorker:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        if self._thread.is_alive() and self.status != "loading":
+        if self._thread.is_alive() and not self._setting_up:  # a load is not interrupted: it is not waited for
             self._thread.join(timeout)
 
     # -- the worker thread -------------------------------------------------------------------
@@ -136,17 +154,27 @@ class EncodeWorker:
     def _main(self) -> None:
         started = time.perf_counter()
         try:
-            if self.threads:
-                import torch
-
-                torch.set_num_threads(self.threads)  # this thread's OpenMP team only
-            self.encoders = self._load()
+            encoders = self._load() if self._load is not None else {}
         except BaseException as exc:  # reported by /health, /model/info and the routes' 503
             log.error("the embedding or rerank model failed to load: %s", exc)
             self.load_error = exc
             self.status = "error"
+            self._setting_up = False
             return
-        self.load_time_s = time.perf_counter() - started
+        if self._load is not None:
+            self.load_time_s = time.perf_counter() - started
+        if self._chat is not None and "embedding" not in encoders:
+            try:
+                encoders["embedding"] = self._chat()
+            except Exception as exc:  # the chat model still chats; /v1/embeddings says why it does not embed
+                log.warning("the chat model does not embed: %s", exc)
+                self.chat_refused = str(exc)
+        if self.threads and "torch" in sys.modules:  # torch's forwards only (MLX has no such pool)
+            import torch
+
+            torch.set_num_threads(self.threads)  # this thread's OpenMP team only
+        self.encoders = encoders
+        self._setting_up = False
         self.status = "ok"
         while True:
             batch = self._next_batch()

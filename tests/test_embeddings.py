@@ -273,7 +273,9 @@ async def test_bad_inputs_are_4xx_in_openai_shape(client, path, body, param):
 
 
 async def test_without_a_model_the_routes_say_which_setting(make_client, torch_backend):
-    client = await make_client(lambda: torch_backend, load_encoders=lambda: {})
+    """(Without EMBEDDING_MODEL the chat model embeds, unless EMBEDDING_POOLING=none:
+    tests/test_chat_embeddings.py.)"""
+    client = await make_client(lambda: torch_backend, load_encoders=lambda: {}, embedding_pooling="none")
     await wait_until(lambda: client.server.app[ENCODER].status == "ok")
     for path, body, setting in (
         ("/v1/embeddings", {"input": "a"}, "EMBEDDING_MODEL"),
