@@ -105,7 +105,7 @@ log = logging.getLogger("phi2_server")
 T = TypeVar("T")
 
 
-# -- configuration ----------------------------------------------------------------------------
+# -- configuration: the settings, each with its default and help -------------------------------
 
 
 def setting(default: Any, help: str) -> Any:
@@ -276,6 +276,8 @@ class Settings:
     embedding_batch_tokens: int = setting(
         8192, "padded tokens one embedding or rerank forward may hold, which bounds its time"
     )
+
+    # -- configuration: read from flags and the environment, checked --------------------------------
 
     ENV = {
         "model": "PHI2_MODEL",
