@@ -313,7 +313,11 @@ class ToolCallParser:
         """The text after an opening tag (or a bare call from its first brace on)."""
         close, buffer = self.format.close, self._buffer
         if close is not None and not self._bare:
+            # The first closing tag after which the call parses: the tag's text inside one of its
+            # strings (a command that writes "</tool_call>") does not end it.
             at = buffer.find(close)
+            while at >= 0 and parse_calls(buffer[:at], self.format, self.custom) is None:
+                at = buffer.find(close, at + 1)
             if at < 0:
                 if final:
                     self.cut_call = self.cut_call or bool(buffer.strip())

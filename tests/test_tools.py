@@ -589,6 +589,12 @@ ROME_CALL = ("call", "get_weather", {"city": "Rome"})
             'Calling.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>',
             [("content", "Calling."), PARIS_CALL],
         ),
+        # The closing tag's text inside an argument's string does not end the call.
+        (
+            "hermes",
+            '<tool_call>\n{"name": "f", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>\nDone.',
+            [("call", "f", {"text": "a </tool_call> b"}), ("content", "Done.")],
+        ),
     ],
 )
 def test_every_format_parses_whole_and_streamed(fmt, text, expected):
