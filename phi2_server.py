@@ -969,6 +969,8 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
     finally:
         if facts.pop("client_closed", False):
             status = 499
+        if facts.pop("delivered", False) and status == 499:  # closed after the stream's last event
+            status = 200
         seconds = time.perf_counter() - started
         summary = facts.pop("summary", None)
         record = {
@@ -1648,6 +1650,9 @@ async def answer(request: web.Request, tickets: list[Ticket], wire: Wire) -> web
                 if wire.finished:
                     chunks.append(wire.tail())
                 await send(request, response, tickets, wire, chunks, started)
+                # Its last event written: a client that closes now (Codex does, at
+                # response.completed) had the whole answer, and the log says 200.
+                request[LOG_FACTS]["delivered"] = wire.finished
         note_summary(request, combined(wire.summaries()))
         if response is not None:
             await settle_checks(request)

@@ -84,3 +84,42 @@ async def test_a_request_aiohttp_cannot_parse_gets_its_line_and_no_traceback(cli
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert (await client.get("/health")).status == 200
     assert [line["status"] for line in read_log(log_dir)] == [400, 200]
+
+
+def test_a_client_that_leaves_after_the_last_event_had_a_whole_answer(live_server, backend, monkeypatch, log_dir):
+    """A stream's client that closes as soon as it reads the last event (Codex does, at
+    response.completed) got the whole answer: its log line says 200, not 499, even when the
+    handler had not returned yet (here held after the last event, where the tool arguments'
+    checks are awaited, until the client has gone)."""
+    import socket
+    import threading
+
+    import phi2_server
+
+    gone = threading.Event()
+    real = phi2_server.settle_checks
+
+    async def held(request):
+        while not gone.is_set():
+            await asyncio.sleep(0.01)
+        await real(request)
+
+    monkeypatch.setattr(phi2_server, "settle_checks", held)
+    server = live_server(lambda: backend)
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "The quick brown", "max_tokens": 4, "temperature": 0, "stream": True})
+    with socket.create_connection((host, int(port))) as conn:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        conn.sendall(head.encode() + body.encode())
+        seen = b""
+        while b"data: [DONE]" not in seen:
+            seen += conn.recv(65536)
+    gone.set()
+
+    def logged():
+        return [line for line in read_log(log_dir) if line["path"] == "/v1/completions"]
+
+    asyncio.run(wait_until(lambda: logged()))
+    line = logged()[0]
+    assert line["status"] == 200 and line["finish_reason"] == "length", line
