@@ -5,8 +5,9 @@ Handlers `submit()` a request's inputs (tokenized, sorted longest first) and awa
 The worker takes inputs in arrival order, several requests' together, into forwards of at most
 `batch_tokens` padded positions (and `MAX_ROWS` inputs): one forward's time is bounded, and
 between forwards the cores go back to whoever needs them. On a CPU it runs with `threads` torch
-threads of its own (OpenMP's pool is per calling thread), so the generation thread keeps its
-own; BENCHMARKS.md (D-embeddings) measures the decode gap of 8 streams beside a long batch.
+threads of its own (OpenMP's pool is per calling thread), and while a forward runs the decode
+steps use the cores it leaves (backends.cpu_share: never more threads than cores);
+BENCHMARKS.md (D-embeddings) measures the decode gap of 8 streams beside a long batch.
 
 Without an embedding model of its own, the worker embeds with the chat model
 (`backends.chat_embeddings`): `chat` builds that encoder once the chat model has loaded.
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from backends.cpu_share import SHARE
 from backends.embeddings import Encoder, Item, Kind
 
 log = logging.getLogger("phi2_server.encode_worker")
@@ -173,6 +175,8 @@ class EncodeWorker:
             import torch
 
             torch.set_num_threads(self.threads)  # this thread's OpenMP team only
+        if any(e.info.backend == "torch" and e.info.device == "cpu" for e in encoders.values()):
+            SHARE.enable()  # its forwards and the decode steps share the cores (backends.cpu_share)
         self.encoders = encoders
         self._setting_up = False
         self.status = "ok"
@@ -225,7 +229,8 @@ class EncodeWorker:
         stats = self.stats[kind]
         started = time.perf_counter()
         try:
-            rows = encoder.embed(items) if kind == "embedding" else encoder.score(items)
+            with SHARE.forward(self.threads or 1):
+                rows = encoder.embed(items) if kind == "embedding" else encoder.score(items)
         except Exception as exc:
             log.exception("an %s forward failed", kind)
             stats.errors += 1

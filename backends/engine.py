@@ -24,6 +24,7 @@ from typing import Literal
 
 from backends import Backend, Decoder, Detokenizer, KvCacheUsage, PromptCacheUsage, Sampling, Sequence, StepLogprobs
 from backends.adapters import Adapter
+from backends.cpu_share import SHARE
 from backends.text import KeepTokens
 
 log = logging.getLogger("phi2_server.engine")
@@ -529,15 +530,17 @@ class Engine:
                 return
             admitted, abort_reason = work
             started = time.perf_counter()
-            for ticket in admitted:
-                self._start(decoder, backend, ticket)
+            with SHARE.step():  # prefills (in _start) and the step: on the cores an encoder leaves
+                for ticket in admitted:
+                    self._start(decoder, backend, ticket)
             self._retire_ended(decoder, abort_reason)
             self._remove_finished(decoder)
             if not self._running:
                 continue
             try:
                 step_started = time.perf_counter()
-                tokens = decoder.step()
+                with SHARE.step():
+                    tokens = decoder.step()
                 self.stats.decode_seconds += time.perf_counter() - step_started
                 self.stats.decode_steps += 1
             except Exception as exc:

@@ -309,3 +309,54 @@ def test_openai_sdk_and_langchain_unchanged(live_server, torch_backend, embedder
     assert cosines(lc.embed_query(TEXTS[2]), expected[2]) >= 0.9999
     status, data = post(server, "/v1/embeddings", {"input": "a", "model": "nope"})
     assert status == 404 and data["error"]["code"] == "model_not_found"
+
+
+def test_a_forward_and_the_decode_steps_never_take_more_threads_than_cores():
+    """backends.cpu_share: while the encoder runs a forward (or waits to), the generation
+    thread's steps use the cores it leaves; a forward starts only once the step under way, which
+    used them all, has ended; after it, the steps get their own count back."""
+    import threading
+
+    import torch
+
+    from backends.cpu_share import CpuShare
+
+    share = CpuShare(cores=2)
+    share.enable()
+    in_step, step_may_end, forward_started = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def generation():
+        torch.set_num_threads(2)
+        with share.step():
+            seen.append(("step 1", torch.get_num_threads()))
+            in_step.set()
+            step_may_end.wait(10)
+        forward_started.wait(10)
+        with share.step():  # while the forward runs: the core it leaves
+            seen.append(("step 2", torch.get_num_threads()))
+        release.wait(10)
+        with share.step():  # after it: all of its own again
+            seen.append(("step 3", torch.get_num_threads()))
+
+    release = threading.Event()
+    thread = threading.Thread(target=generation)
+    thread.start()
+    in_step.wait(10)
+
+    def encoder():
+        with share.forward(1):
+            seen.append(("forward", None))
+            forward_started.set()
+            while len(seen) < 3:  # step 2 runs beside it
+                threading.Event().wait(0.01)
+
+    worker = threading.Thread(target=encoder)
+    worker.start()
+    threading.Event().wait(0.2)  # the forward waits for step 1 (2 threads + 1 > 2 cores)
+    assert seen == [("step 1", 2)]
+    step_may_end.set()
+    worker.join(10)
+    release.set()
+    thread.join(10)
+    assert seen == [("step 1", 2), ("forward", None), ("step 2", 1), ("step 3", 2)]
