@@ -3206,6 +3206,14 @@ def responses_format(params: dict, use: ToolUse | None) -> tuple[GrammarSpec | N
 # -- OpenAI Responses API: /v1/responses --------------------------------------------------------
 
 
+# A call's output item as the Responses API streams it, by whether it is a custom tool's: its
+# type, its id's prefix, the field of its text, and its text's events (`.delta`, `.done`).
+CALL_ITEMS = {
+    False: ("function_call", "fc", "arguments", "response.function_call_arguments"),
+    True: ("custom_tool_call", "ctc", "input", "response.custom_tool_call_input"),
+}
+
+
 class ResponsesWire(Wire):
     """A `response` object; streamed, its events (`response.created`, each output item's
     `output_item.added`, text deltas or function-call arguments, `output_item.done`, then
@@ -3315,46 +3323,25 @@ class ResponsesWire(Wire):
             elif piece.kind == "reasoning":  # given out as one item once the thought ends
                 self.thought += piece.text
                 continue
-            elif piece.call.custom:  # a custom tool's call: its input, as OpenAI streams it
+            else:  # a call: its item, then its text (a function's arguments, a custom tool's input)
                 call = piece.call
+                kind, prefix, field, stem = CALL_ITEMS[call.custom]
+                text = call.input if call.custom else call.arguments
                 item = {
-                    "type": "custom_tool_call",
-                    "id": f"ctc_{uuid.uuid4().hex}",
+                    "type": kind,
+                    "id": f"{prefix}_{uuid.uuid4().hex}",
                     "call_id": call_id(),
                     "name": call.name,
-                    "input": "",
+                    field: "",
                     "status": "in_progress",
                 }
                 out += self.add_item(item)
                 at = len(self.output) - 1
-                item.update(input=call.input, status="completed")
+                item.update({field: text, "status": "completed"})
                 ids = {"item_id": item["id"], "output_index": at}
-                out += self.event("response.custom_tool_call_input.delta", **ids, delta=call.input)
-                out += self.event("response.custom_tool_call_input.done", **ids, input=call.input)
-                out += self.event("response.output_item.done", output_index=at, item=item)
-            else:
-                call = piece.call
-                item = {
-                    "type": "function_call",
-                    "id": f"fc_{uuid.uuid4().hex}",
-                    "call_id": call_id(),
-                    "name": call.name,
-                    "arguments": "",
-                    "status": "in_progress",
-                }
-                out += self.add_item(item)
-                at = len(self.output) - 1
-                item.update(arguments=call.arguments, status="completed")
-                out += self.event(
-                    "response.function_call_arguments.delta", item_id=item["id"], output_index=at, delta=call.arguments
-                )
-                out += self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=at,
-                    name=call.name,
-                    arguments=call.arguments,
-                )
+                named = {} if call.custom else {"name": call.name}  # only a function's .done names it
+                out += self.event(f"{stem}.delta", **ids, delta=text)
+                out += self.event(f"{stem}.done", **ids, **named, **{field: text})
                 out += self.event("response.output_item.done", output_index=at, item=item)
         return out + (self.think() if final else "")
 

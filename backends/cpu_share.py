@@ -20,6 +20,7 @@ import contextlib
 import os
 import threading
 
+NOTHING = contextlib.nullcontext()
 WAIT_S = 1.0  # the longest a forward waits for a step to end (a step is milliseconds to ~0.1 s)
 
 
@@ -36,13 +37,14 @@ class CpuShare:
     def enable(self) -> None:
         self.enabled = True
 
-    @contextlib.contextmanager
     def step(self):
         """Around a decode step, on the generation thread: its team is the cores the encoder
-        leaves while a forward runs or waits, else all of its own."""
-        if not self.enabled:
-            yield
-            return
+        leaves while a forward runs or waits, else all of its own. Off: a context that does
+        nothing, made once (this runs twice a step)."""
+        return self._step() if self.enabled else NOTHING
+
+    @contextlib.contextmanager
+    def _step(self):
         import torch
 
         if self._full is None:
