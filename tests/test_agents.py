@@ -342,6 +342,48 @@ def test_hostile_template_kwargs_are_a_400_and_hurt_nobody(agent_server):
     assert all(status == 200 and answer["choices"] == before["choices"] for status, answer in beside.result())
 
 
+def test_broken_reasoning_tool_and_embedding_values_are_4xx_and_hurt_nobody(agent_server):
+    """The fields and routes issues 53 and 55 added, sent broken or hostile: a thinking budget
+    that is no integer or below -1, an effort that is no string, Anthropic's budget_tokens below
+    0, a custom tool whose Lark grammar names a rule it lacks, embeddings of nothing, of an empty
+    string, of an id past the vocabulary, or cut to a size the model does not have. Each is a 4xx
+    with an error; greedy chats sent beside them on the same server get their usual answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hello = [{"role": "user", "content": "Say hello."}]
+    chat = {"messages": hello, "max_tokens": 12, "temperature": 0}
+    status, before = post(agent_server, "/v1/chat/completions", chat)
+    assert status == 200
+    lark = {"type": "grammar", "grammar": {"syntax": "lark", "definition": "start: nowhere"}}
+    broken_tool = {"type": "custom", "custom": {"name": "calc", "format": lark}}
+    bodies = [
+        ("/v1/chat/completions", {**chat, "thinking_token_budget": "lots"}),
+        ("/v1/chat/completions", {**chat, "thinking_token_budget": -2}),
+        ("/v1/chat/completions", {**chat, "reasoning_effort": 5}),
+        ("/v1/chat/completions", {**chat, "tools": [broken_tool], "tool_choice": "required"}),
+        ("/v1/responses", {"input": "Hi", "thinking_token_budget": [1]}),
+        (
+            "/v1/messages",
+            {
+                "model": "smollm2",
+                "max_tokens": 8,
+                "messages": hello,
+                "thinking": {"type": "enabled", "budget_tokens": -1},
+            },
+        ),
+        ("/v1/embeddings", {"input": []}),
+        ("/v1/embeddings", {"input": [""]}),
+        ("/v1/embeddings", {"input": [[10**12]]}),
+        ("/v1/embeddings", {"input": "Hi", "dimensions": 3}),
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        beside = pool.submit(lambda: [post(agent_server, "/v1/chat/completions", chat) for _ in range(3)])
+        answers = list(pool.map(lambda pair: post(agent_server, *pair), bodies))
+    for (path, body), (status, answer) in zip(bodies, answers, strict=True):
+        assert 400 <= status < 500 and answer.get("error"), (path, body, status, answer)
+    assert all(status == 200 and answer["choices"] == before["choices"] for status, answer in beside.result())
+
+
 @pytest.mark.parametrize("runtime", ["torch", "mlx"])
 async def test_first_tool_choice_forces_the_turn_that_answers_the_user(make_client, tool_backends, runtime, log_dir):
     """FIRST_TOOL_CHOICE=required: tools offered with tool_choice auto (sent or by default) get a
