@@ -147,7 +147,9 @@ class Settings:
     dtype: str = setting("auto", "Torch weights: auto (measured rule, see README), float32, bfloat16 or float16")
     compile: str = setting("auto", "Torch, Phi family: torch.compile the decode step (auto: on CUDA only)")
     quantize: str = setting(
-        "", "quantize the weights at load: int8, int4 or w8a8 (CPU) on Torch, 4 or 8 (bits) on MLX (empty: as stored)"
+        "",
+        "quantize the weights at load: q8_0, q4_0, q4_1 (CPU), int8, int4 or w8a8 on Torch, 4 or 8 (bits) on MLX "
+        "(empty: as stored, a GGUF file's own blocks on a CPU; none: dequantized)",
     )
     quantized_cache: bool = setting(
         True,

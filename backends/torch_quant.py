@@ -30,7 +30,9 @@ import torch.nn.functional as F
 
 from backends import ModelLoadError
 
-METHODS = ("int8", "int4", "w8a8")
+METHODS = ("int8", "int4", "w8a8", "q8_0", "q4_0", "q4_1")
+# llama.cpp's block types, on this server's own CPU kernels (backends/ggml_blocks.py).
+BLOCK_METHODS = ("q8_0", "q4_0", "q4_1")
 
 INT4_GROUP_SIZES = (128, 64, 32)
 
@@ -78,11 +80,18 @@ class QuantizedWeight:
         """Its tensors and sizes, as torch.load(weights_only=True) reads them back (quant_store)."""
         return {"kind": type(self).__name__, **vars(self)}
 
+    kinds: dict[str, type] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        QuantizedWeight.kinds[cls.__name__] = cls
+
     @staticmethod
     def from_state(state: dict) -> QuantizedWeight:
         state = dict(state)
-        kinds = {kind.__name__: kind for kind in (Int8Weight, Int4Weight, Int8DynamicWeight)}
-        weight = object.__new__(kinds[state.pop("kind")])
+        if state["kind"] == "BlockWeight":
+            import backends.ggml_blocks  # noqa: F401  (registers its kind)
+        weight = object.__new__(QuantizedWeight.kinds[state.pop("kind")])
         weight._restore(state)
         return weight
 
@@ -223,6 +232,10 @@ class Int8DynamicWeight(QuantizedWeight):
 
 
 def quantize_weight(weight: torch.Tensor, method: str) -> QuantizedWeight:
+    if method in BLOCK_METHODS:
+        from backends.ggml_blocks import BlockWeight
+
+        return BlockWeight.quantize(weight, method)
     return {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8DynamicWeight}[method](weight)
 
 
@@ -296,6 +309,9 @@ def _weight_first(rows: int, weight: torch.Tensor) -> bool:
 def describe(method: str, weights: list[QuantizedWeight]) -> dict:
     """/model/info's `quantization`."""
     group_sizes = sorted({w.group_size for w in weights if w.group_size})
+    if method in BLOCK_METHODS or method == "gguf":
+        kinds = sorted({w.name for w in weights if hasattr(w, "ggml_type")})
+        return {"method": "ggml-blocks", "types": kinds, "bits": min(w.bits for w in weights), "group_size": 32}
     return {
         "method": "torch-w8a8-fbgemm" if method == "w8a8" else f"torch-{method}-weight-only",
         "bits": 4 if method == "int4" else 8,

@@ -32,14 +32,15 @@ from backends import (
     prompt_cache_namespace,
 )
 from backends.adapters import AdapterRegistry, block_count, find_adapter, torch_linears
+from backends.ggml_blocks import file_kind
 from backends.grammar import Grammars
-from backends.model_files import is_random
+from backends.model_files import gguf_file, is_random
 from backends.prompt_cache import PrefixCache
 from backends.prompt_lookup import DEFAULT_DRAFT_TOKENS, PromptLookup, applied_draft_tokens, speculates
 from backends.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.torch_logprobs import token_logprobs
 from backends.torch_lora import LoraHooks
-from backends.torch_quant import QuantizedWeight, describe, parse_method, quantize_linears
+from backends.torch_quant import BLOCK_METHODS, QuantizedWeight, describe, parse_method, quantize_linears
 from backends.torch_sampling import TokenChooser, verify_draft
 
 log = logging.getLogger("phi2_server.torch")
@@ -160,10 +161,15 @@ class TorchBackend(TokenizerMethods):
     def load(cls, path: Path, options: LoadOptions) -> TorchBackend:
         device = pick_device(options.device)
         method = parse_method(options.quantize)
+        source = gguf_file(options.model)
+        if source and not options.quantize and device == "cpu":
+            method = file_kind(source) or ""  # a GGUF file's own blocks, as it stores them
         refuse_mlx_quantized(path, options.model)
         transformers_logging.disable_progress_bar()  # the server log is for the server
         try:
-            dtype = pick_dtype(options.dtype, device, lambda: count_parameters(path))
+            # Block-quantized weights multiply float32 activations (backends/cpu_kernels.cpp).
+            requested = "float32" if method in BLOCK_METHODS and options.dtype == "auto" else options.dtype
+            dtype = pick_dtype(requested, device, lambda: count_parameters(path))
             tokenizer = AutoTokenizer.from_pretrained(path)
             store = quantized_store(path, options, method, dtype, device)
             restored = restore_quantized(path, store, dtype, device) if store and store.exists() else None
@@ -208,7 +214,18 @@ class TorchBackend(TokenizerMethods):
         )
         backend = cls(model, tokenizer, info)
         backend.adapters, backend.max_adapters = registry, max(options.max_adapters, 1)
-        quantized = backend.quantize(method, stored_blocks, stored_head) if method else []  # adapters: unmerged
+        if method in BLOCK_METHODS:
+            from backends.cpu_kernels import kernels
+
+            kernels()  # built now, or a clear startup error
+        from_file = source and method in BLOCK_METHODS and not restored
+        file_blocks = block_source(source, model, method) if from_file else None
+        # adapters: unmerged
+        quantized = backend.quantize(method, stored_blocks, stored_head, file_blocks) if method else []
+        if method in BLOCK_METHODS and device == "cpu":
+            from backends.ggml_blocks import BlockWeight, rehome
+
+            rehome([weight for weight in quantized if isinstance(weight, BlockWeight)])
         if store and not restored:
             from backends import quant_store
 
@@ -238,15 +255,21 @@ class TorchBackend(TokenizerMethods):
         # torch.compile pays on CUDA, at a startup cost (BENCHMARKS.md, D-compile-off).
         backend.max_batch = max_batch
         backend.compile = on_cuda if options.compile is None else options.compile
-        # Drafts pay on the CPU; on CUDA a graphed step is cheaper than an eager verify pass.
-        default_drafts = 0 if on_cuda else DEFAULT_DRAFT_TOKENS
+        # Drafts pay on the CPU's operator-by-operator step; on CUDA a graphed step, and on the CPU
+        # the compiled step of block-quantized weights, are cheaper than an eager verify pass
+        # (BENCHMARKS.md, D-cpu-step). Off there, a sequence alone decodes as it does batched.
+        default_drafts = 0 if on_cuda or method in BLOCK_METHODS else DEFAULT_DRAFT_TOKENS
         backend.draft_tokens = applied_draft_tokens(options.prompt_lookup_tokens, default_drafts)
         if options.warmup:
             backend.warm_up(backend.max_batch)
         return backend
 
     def quantize(
-        self, method: str, stored_blocks: list[dict] | None = None, stored_head: QuantizedWeight | None = None
+        self,
+        method: str,
+        stored_blocks: list[dict] | None = None,
+        stored_head: QuantizedWeight | None = None,
+        file_blocks: dict | None = None,
     ) -> list[QuantizedWeight]:
         """Quantize the weights in place: the general decoder's fused matrices and, for w8a8, its
         output head (it then serves at any batch size), else every Linear but the output head
@@ -262,7 +285,7 @@ class TorchBackend(TokenizerMethods):
             quantized = [getattr(block, name) for block in weights.layers for name in block.matrices()]
             quantized += [stored_head] if stored_head else []
         elif torch_decoder.supports(self.model):
-            quantized = self.decoder_weights.quantize(self.model, method)
+            quantized = self.decoder_weights.quantize(self.model, method, file_blocks)
         else:
             quantized = quantize_linears(self.model, method)
         self.quantized = True
@@ -509,6 +532,15 @@ def random_model(path: Path, dtype: torch.dtype, device: str):
                 parameter.normal_(0.0, 0.02, generator=generator)
     rebuild_rotary(model, device)  # to_empty left them as garbage
     return model.eval()
+
+
+def block_source(file: Path, model, method: str) -> dict:
+    """The GGUF file's matrices stored in `method`'s block type (and the head's), as stored."""
+    from backends.ggml_blocks import file_matrices
+    from backends.torch_weights import HEAD_METHODS
+
+    kinds = {method, HEAD_METHODS.get(method, method)}
+    return {name: weight for name, weight in file_matrices(file, model).items() if weight.name in kinds}
 
 
 def restore_quantized(path: Path, file: Path, dtype: torch.dtype, device: str):

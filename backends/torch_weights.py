@@ -77,8 +77,10 @@ class Shape(NamedTuple):
 
 # The methods whose output head is quantized too. w8a8 is the CPU's fast choice: a float32 head
 # beside int8 blocks is much of a step's read; weight-only int8 keeps its head faithful
-# (BENCHMARKS.md, decisions).
-QUANTIZED_HEAD_METHODS = ("w8a8",)
+# (BENCHMARKS.md, decisions). llama.cpp's block types: the head in Q8_0 (a GGUF file's own, where
+# it stores one in a block type), as its quantizer keeps the output head at higher precision.
+QUANTIZED_HEAD_METHODS = ("w8a8", "q8_0", "q4_0", "q4_1")
+HEAD_METHODS = {"q4_0": "q8_0", "q4_1": "q8_0"}
 
 
 class DecoderWeights:
@@ -120,6 +122,9 @@ class DecoderWeights:
             arch.gated,
             self.activation,
         )
+        # Each block's fused matrices' own Linears, in order (rows; Phi's w_out: columns), which a
+        # GGUF file's stored blocks are found by (`quantize`'s `stored`).
+        self.parts: list[dict[str, list]] = []
         if blocks is not None:
             self.layers = [Block(**fields) for fields in blocks]
         else:
@@ -136,6 +141,8 @@ class DecoderWeights:
             attention_in = [find(names["q"]), find(names["k"]), find(names["v"])]
         norm1 = layer.input_layernorm
         if arch.parallel:  # [q; k; v; fc1] over LN(x), [o | fc2] into the residual
+            columns = [find(names["o"]), find(names["fc2"])]
+            self.parts.append({"w_in": [*attention_in, find(names["fc1"])], "w_out": columns})
             w_in, b_in = fuse_rows([*attention_in, find(names["fc1"])])
             o, fc2 = find(names["o"]), find(names["fc2"])
             w_out = torch.cat([o.weight, fc2.weight], dim=1)
@@ -147,6 +154,7 @@ class DecoderWeights:
         up = [find(names["gate_up"])] if "gate_up" in names else [find(names["gate"]), find(names["up"])]
         w_up, b_up = fuse_rows(up)
         down = find(names["down"])
+        self.parts.append({"w_in": attention_in, "w_out": [o], "w_up": up, "w_down": [down]})
         norm2 = layer.post_attention_layernorm
         attention = layer.self_attn
         q_norm = attention.q_norm.weight if arch.qk_norm else None
@@ -173,30 +181,50 @@ class DecoderWeights:
         return self.embed.device
 
     @torch.no_grad()
-    def quantize(self, model, method: str) -> list[QuantizedWeight]:
+    def quantize(self, model, method: str, stored: dict | None = None) -> list[QuantizedWeight]:
         """Quantize the fused block matrices (torch_quant) and free their full-precision copies.
 
         The model's own Linears in the blocks are views of those copies (or the copies
         themselves): they are emptied too, so a quantized model serves through this decoder
         only (transformers' forward would find no weights). Layer by layer, so the peak memory
-        stays one layer above the full-precision model."""
+        stays one layer above the full-precision model. `stored`: a GGUF file's matrices as it
+        stores them, by parameter name (ggml_blocks.file_matrices); a fused matrix whose parts
+        are all there, in one block type, is made of them as they are, else quantized
+        (`method`)."""
         quantized = []
+        module_names = {module: name for name, module in model.named_modules()} if stored else {}
         for index, (layer, block) in enumerate(zip(model.model.layers, self.layers, strict=False)):
             replaced = {}
             for name in block.matrices():
-                replaced[name] = quantize_weight(getattr(block, name), method)
+                replaced[name] = self._from_file(index, name, module_names, stored) if stored else None
+                if replaced[name] is None:
+                    replaced[name] = quantize_weight(getattr(block, name), method)
                 quantized.append(replaced[name])
             self.layers[index] = block._replace(**replaced)
             for module in layer.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.weight = _param(torch.empty(0, dtype=block.w_in.dtype, device=block.w_in.device))
         if method in QUANTIZED_HEAD_METHODS:
-            head = quantize_weight(self.lm_head[0], method)
+            head = self._head_from_file(model, stored) if stored else None
+            head = head or quantize_weight(self.lm_head[0], HEAD_METHODS.get(method, method))
             if model.lm_head.weight.data_ptr() != self.embed.data_ptr():  # a tied head is the embedding: kept
                 model.lm_head.weight = _param(torch.empty(0, dtype=self.embed.dtype, device=self.embed.device))
             self.lm_head = (head, self.lm_head[1])
             quantized.append(head)
         return quantized
+
+    def _from_file(self, index: int, name: str, module_names: dict, stored: dict) -> QuantizedWeight | None:
+        from backends.ggml_blocks import BlockWeight
+
+        parts = [stored.get(module_names[module] + ".weight") for module in self.parts[index][name]]
+        if any(part is None for part in parts) or len({part.ggml_type for part in parts}) != 1:
+            return None
+        columns = self.arch.parallel and name == "w_out"
+        return (BlockWeight.join_columns if columns else BlockWeight.stack_rows)(parts)
+
+    def _head_from_file(self, model, stored: dict) -> QuantizedWeight | None:
+        tied = model.lm_head.weight.data_ptr() == self.embed.data_ptr()
+        return stored.get("lm_head.weight") or (stored.get("model.embed_tokens.weight") if tied else None)
 
     @property
     def quantized_head(self) -> QuantizedWeight | None:

@@ -45,7 +45,7 @@ CLI_TIMEOUT = 600  # seconds: only turns a hang into a failure
 def serve(tmp_path_factory, **settings):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PHI2_CACHE_DIR", str(KEPT_CACHE))
-        backend = load_backend("torch", LoadOptions(model=str(FILE), dtype="float32"))
+        backend = load_backend("torch", LoadOptions(model=str(FILE), dtype="float32", quantize="none"))
     log_dir = tmp_path_factory.mktemp("logs")
     options = {"model": "smollm2", "temperature": "0", "max_tokens_limit": 256, "shutdown_grace": 1.0, **settings}
     live = LiveServer(create_app(Settings(log_dir=str(log_dir), **options), load=lambda: backend))

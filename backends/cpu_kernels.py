@@ -1,0 +1,157 @@
+"""The CPU's own kernels (backends/cpu_kernels.cpp): products over llama.cpp's block-quantized
+weights (Q8_0, Q4_0, Q4_1) and the whole decode step in one call.
+
+A decode step of a small model in torch's operators is mostly their launches (~200 a block,
+6,600-9,000 a SmolLM2 step) and its float32 weights' bytes (BENCHMARKS.md, D-cpu-step). llama.cpp
+runs the same step as one C++ loop over 4- or 8-bit blocks. These kernels do that inside this
+server: compiled once per machine by torch's cpp_extension (g++, -O3 -march=native: AVX2, and
+AVX512-VNNI where the CPU has it), kept in torch's extension folder (TORCH_EXTENSIONS_DIR, by
+default ~/.cache/torch_extensions), named by the source's hash, the compiler flags and the CPU.
+
+Where they cannot be built (no C++ compiler), `kernels()` says why; block-quantized weights then
+refuse to load with that reason, and the float step runs on torch's operators.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+from backends import ModelLoadError
+
+log = logging.getLogger("phi2.cpu_kernels")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+_lock = threading.Lock()
+_module = None
+_failure: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _name() -> str:
+    import torch
+
+    key = "\n".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_flags(), torch.__version__])
+    return "phi2_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def kernels():
+    """The compiled module (built at the first call on this machine, ~20-40 s; loaded in
+    milliseconds after). Raises ModelLoadError naming why it cannot be built."""
+    global _module, _failure
+    with _lock:
+        if _module is not None:
+            return _module
+        if _failure is not None:
+            raise ModelLoadError(_failure)
+        import torch.utils.cpp_extension as cpp
+
+        name = _name()
+        folder = Path(cpp._get_build_directory(name, verbose=False))
+        built = any(folder.glob(f"{name}*.so"))
+        started = time.perf_counter()
+        if not built:
+            log.info("compiling the CPU kernels (backends/cpu_kernels.cpp) once for this machine, in %s", folder)
+        try:
+            _module = cpp.load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        except (RuntimeError, OSError, ImportError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _failure = (
+                f"the CPU kernels (backends/cpu_kernels.cpp) could not be built: {first}. They need a C++ "
+                "compiler (g++; Debian: apt-get install g++)"
+            )
+            raise ModelLoadError(_failure) from exc
+        if not built:
+            log.info("CPU kernels compiled in %.1f s (%s)", time.perf_counter() - started, _module.simd())
+        return _module
+
+
+def available() -> bool:
+    """Whether the kernels are built or can be (a failure is remembered, not retried)."""
+    try:
+        kernels()
+    except ModelLoadError:
+        return False
+    return True
+
+
+def decode_step(weights, kv):
+    """The compiled decode step (cpu_kernels.cpp's `Step`) over these weights and this paged
+    pool, or None where it does not apply: not the CPU, not float32, a matrix neither float32
+    nor of a block type, or no kernels."""
+    import torch
+
+    from backends.architecture import GELU_TANH
+    from backends.ggml_blocks import BlockWeight
+
+    if weights.device.type != "cpu" or weights.embed.dtype != torch.float32 or kv.dtype != torch.float32:
+        return None
+    matrices = [getattr(block, name) for block in weights.layers for name in block.matrices()]
+    plain = (isinstance(m, BlockWeight) or (isinstance(m, torch.Tensor) and m.dtype == torch.float32) for m in matrices)
+    if not all(plain):
+        return None
+    try:
+        module = kernels()
+    except ModelLoadError as exc:
+        log.info("the decode step runs on torch's operators: %s", exc)
+        return None
+    arch, shape = weights.arch, weights.shape
+    activation = 1 if arch.activation in GELU_TANH else 2 if arch.activation == "gelu" else 0
+    step = module.Step(
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.rotary_dim,
+        shape.inner,
+        float(shape.eps),
+        shape.rms_norm,
+        shape.parallel,
+        shape.gated,
+        activation,
+    )
+
+    def matrix(m):
+        return (m.raw, m.ggml_type) if isinstance(m, BlockWeight) else (m.detach(), -1)
+
+    for layer, block in enumerate(weights.layers):
+        up = matrix(block.w_up) if block.w_up is not None else (None, -1)
+        down = matrix(block.w_down) if block.w_down is not None else (None, -1)
+        step.add_block(
+            block.norm1_w.detach(),
+            _plain(block.norm1_b),
+            *matrix(block.w_in),
+            _plain(block.b_in),
+            *matrix(block.w_out),
+            _plain(block.b_out),
+            _plain(block.norm2_w),
+            _plain(block.norm2_b),
+            *up,
+            _plain(block.b_up),
+            *down,
+            _plain(block.b_down),
+            _plain(block.q_norm),
+            _plain(block.k_norm),
+            arch.windows[layer] or 0,
+        )
+    return step
+
+
+def _plain(tensor):
+    return None if tensor is None else tensor.detach().float().contiguous()

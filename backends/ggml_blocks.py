@@ -1,0 +1,184 @@
+"""llama.cpp's block quantizations on the CPU: Q8_0, Q4_0 and Q4_1 weights, as GGUF files store
+them, multiplied by this server's own kernels (backends/cpu_kernels.cpp).
+
+A weight row is a run of blocks of 32 input channels: a float16 scale d (Q4_1: and a float16
+minimum m) and the block's values (Q8_0: w = d * q, q int8; Q4_0: w = d * (q - 8), q 4-bit;
+Q4_1: w = d * q + m). A GGUF file's tensors are taken as they are, byte for byte, so the server
+multiplies the numbers llama.cpp does; a float checkpoint is quantized as llama.cpp's reference
+quantizer does (`BlockWeight.quantize`). Rows stack (q, k, v into one matrix) and columns join
+(Phi's [o | fc2]) by their bytes: a block never straddles two matrices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backends import ModelLoadError
+from backends.torch_quant import QuantizedWeight
+
+# GGUF / ggml type ids, and each block's bytes.
+KINDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+NAMES = {kind: name for name, kind in KINDS.items()}
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+QK = 32
+
+
+class BlockWeight(QuantizedWeight):
+    """A matrix of llama.cpp blocks: `raw` uint8 [out_features, in_features / 32 * block bytes]."""
+
+    group_size, on_cuda = QK, False
+
+    def __init__(self, raw: torch.Tensor, kind: int, in_features: int):
+        if in_features % QK or raw.shape[1] != in_features // QK * BLOCK_BYTES[kind]:
+            raise ValueError(f"{NAMES[kind]} rows of {raw.shape[1]} bytes do not hold {in_features} channels")
+        self.raw, self.ggml_type = raw.contiguous(), kind
+        self.out_features, self.in_features = raw.shape[0], in_features
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.ggml_type == KINDS["q8_0"] else 4
+
+    @property
+    def name(self) -> str:
+        return NAMES[self.ggml_type]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        from backends.cpu_kernels import kernels
+
+        return kernels().mm(x.float(), self.raw, self.ggml_type, self.in_features).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        from backends.cpu_kernels import kernels
+
+        return kernels().dequantize(self.raw, self.ggml_type, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, name: str) -> BlockWeight:
+        """`weight` [out, in] as llama.cpp's reference quantizer writes `name` (quantize_row_*_ref)."""
+        if weight.is_cuda:
+            raise ModelLoadError(f"PHI2_QUANTIZE={name} is for the CPU; use int8 or int4 on CUDA")
+        out_features, in_features = weight.shape
+        if in_features % QK:
+            raise ModelLoadError(f"PHI2_QUANTIZE={name} needs input widths that are multiples of 32, not {in_features}")
+        x = weight.detach().float().reshape(out_features, -1, QK)
+        if name == "q8_0":
+            d = x.abs().amax(-1) / 127
+            q = torch.round(x * _inverse(d)[..., None]).to(torch.int8)  # roundf: half away from zero, as torch
+            parts = [_halves(d), q.view(torch.uint8)]
+        elif name == "q4_0":
+            signed_max = x.gather(-1, x.abs().argmax(-1, keepdim=True))[..., 0]
+            d = signed_max / -8
+            q = torch.clamp(torch.trunc(x * _inverse(d)[..., None] + 8.5), max=15).to(torch.uint8)
+            parts = [_halves(d), _nibbles(q)]
+        elif name == "q4_1":
+            low, high = x.amin(-1), x.amax(-1)
+            d = (high - low) / 15
+            q = torch.clamp(torch.trunc((x - low[..., None]) * _inverse(d)[..., None] + 0.5), max=15).to(torch.uint8)
+            parts = [_halves(d), _halves(low), _nibbles(q)]
+        else:
+            raise ValueError(name)
+        raw = torch.cat(parts, dim=-1).reshape(out_features, -1)
+        return BlockWeight(raw, KINDS[name], in_features)
+
+    @staticmethod
+    def stack_rows(parts: list[BlockWeight]) -> BlockWeight:
+        """[a; b; ...]: one product for matrices over the same input."""
+        _same_kind(parts)
+        return BlockWeight(torch.cat([p.raw for p in parts]), parts[0].ggml_type, parts[0].in_features)
+
+    @staticmethod
+    def join_columns(parts: list[BlockWeight]) -> BlockWeight:
+        """[a | b | ...]: one product over inputs laid side by side."""
+        _same_kind(parts)
+        raw = torch.cat([p.raw for p in parts], dim=1)
+        return BlockWeight(raw, parts[0].ggml_type, sum(p.in_features for p in parts))
+
+
+def _same_kind(parts: list[BlockWeight]) -> None:
+    if len({p.ggml_type for p in parts}) != 1:
+        raise ValueError("matrices of different block types do not fuse")
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d != 0, 1 / d, torch.zeros_like(d))
+
+
+def _halves(values: torch.Tensor) -> torch.Tensor:
+    """float16 values as their two bytes, little-endian ([..., 2])."""
+    return values.half().contiguous().view(torch.uint8).reshape(*values.shape, 2)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """32 4-bit values a block as 16 bytes: value j low, value j + 16 high."""
+    return q[..., : QK // 2] | (q[..., QK // 2 :] << 4)
+
+
+# -- a GGUF file's matrices as they are stored ----------------------------------------------------
+
+
+def file_matrices(file, model) -> dict[str, BlockWeight]:
+    """The model's weight matrices that `file` holds in a block type of KINDS, by the model's
+    parameter names (transformers' GGUF name map), memory-mapped from the file. Llama's q and k
+    rows are put back in transformers' order (its reader un-permutes llama.cpp's rotary layout
+    the same way, on whole rows)."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = GGUFReader(str(file))
+    config = model.config.to_dict()
+    architecture = reader.get_field("general.architecture").contents()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+    names = get_gguf_hf_weights_map(model, processor)
+    found = {}
+    for tensor in reader.tensors:
+        kind = int(tensor.tensor_type)
+        if kind not in BLOCK_BYTES or len(tensor.shape) != 2 or tensor.name not in names:
+            continue
+        rows = np.asarray(tensor.data)  # [out, bytes], a view of the mapped file
+        if architecture == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            rows = processor.process(rows, tensor.name).weights
+        matrix = torch.from_numpy(np.array(rows))  # a copy: the mapped file is read-only
+        found[names[tensor.name]] = BlockWeight(matrix, kind, int(tensor.shape[0]))
+    return found
+
+
+def file_kind(file) -> str | None:
+    """The block type most of the file's matrices are stored in (KINDS), or None (a float file,
+    or one whose types these kernels do not multiply: it is served as float32)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    counts = Counter(int(t.tensor_type) for t in GGUFReader(str(file)).tensors if len(t.shape) == 2)
+    blocks = {kind: count for kind, count in counts.items() if kind in BLOCK_BYTES}
+    return NAMES[max(blocks, key=blocks.get)] if blocks else None
+
+
+def rehome(weights: list[BlockWeight]) -> None:
+    """Move the blocks into one anonymous mapping backed by transparent huge pages, where the
+    system offers them (Linux, THP `madvise` or `always`): a decode step reads every block once,
+    and on 4 KB pages, in a VM, its page walks cost a third of a SmolLM2 step (BENCHMARKS.md,
+    D-cpu-step). Elsewhere, or if the mapping fails, the blocks stay where they are."""
+    import mmap
+
+    if not weights or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    aligned = [(w, -(-w.raw.numel() // 64) * 64) for w in weights]
+    size = sum(n for _, n in aligned)
+    try:
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return
+    arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    offset = 0
+    for weight, n in aligned:
+        target = arena[offset : offset + weight.raw.numel()].view(weight.raw.shape)
+        target.copy_(weight.raw)
+        weight.raw = target
+        offset += n
