@@ -43,6 +43,7 @@ PAIRS = {
     "int4-q4_0": ({"PHI2_QUANTIZE": "int4", "PHI2_DTYPE": "bfloat16"}, "q4_0"),
     "bf16-bf16": ({"PHI2_QUANTIZE": "", "PHI2_DTYPE": "bfloat16"}, "bf16"),
 }
+PAIRS_DEFAULT = "w8a8-q8_0,int8-q8_0,int4-q4_0,bf16-bf16"  # bench.py --llama-pairs
 SHORT_PROMPT_TOKENS = 20
 CLIENTS, CLIENT_TOKENS = 4, 64
 
@@ -198,22 +199,45 @@ def prompt_ids(url: str, count: int) -> list[int]:
     return (ids * (count // len(ids) + 1))[:count]
 
 
+# PHI2_MODEL a GGUF file: both servers serve one file, this server as stored (its default). "file":
+# the file itself; "q8_0", "q4_0": the file requantized by llama-quantize (--allow-requantize).
+FILE_PAIRS = ("file", "q8_0", "q4_0")
+
+
+def requantized(tree: Path, source: Path, kind: str, out_dir: Path) -> Path:
+    if kind == "file":
+        return source
+    out = out_dir / f"{source.stem}-{kind}.gguf"
+    if not out.exists():
+        command = [str(tree / "build/bin/llama-quantize"), "--allow-requantize", str(source), str(out), kind.upper()]
+        subprocess.run(command, check=True, capture_output=True)
+    return out
+
+
 def compare(args) -> list[dict]:
+    from backends.model_files import gguf_file
+
     tree = Path(args.llama_cpp).resolve()
     spec = os.environ.get("PHI2_MODEL", "random:phi-2")
     work = Path(args.llama_work or tempfile.mkdtemp(prefix="phi2-llama-"))
     work.mkdir(parents=True, exist_ok=True)
-    checkpoint = export_checkpoint(spec, work / "checkpoint")
+    source = gguf_file(spec)
+    checkpoint = None if source else export_checkpoint(spec, work / "checkpoint")
     threads = os.cpu_count() or 1
     rows = []
-    for label in args.llama_pairs.split(","):
-        env, kind = PAIRS[label]
-        model = gguf(tree, checkpoint, kind, work)
+    labels = args.llama_pairs.split(",") if args.llama_pairs != PAIRS_DEFAULT or not source else ["file", "q8_0"]
+    for label in labels:
+        if source:  # the same file on both sides; this server's first start converts and stores it
+            env, kind = {"PHI2_QUANTIZE": ""}, label
+            model = checkpoint = requantized(tree, source, label, work)
+        else:
+            env, kind = PAIRS[label]
+            model = gguf(tree, checkpoint, kind, work)
         cache = Path(tempfile.mkdtemp(prefix="phi2-llama-cache-"))
         log = work / f"{label}.log"
         sides = {}
         try:
-            if env["PHI2_QUANTIZE"]:  # the first start quantizes and stores; the measured one maps
+            if env["PHI2_QUANTIZE"] or source:  # the first start quantizes and stores; the measured one maps
                 first = start_ours(checkpoint, env, cache, args.ready_timeout, log)
                 first_ready = first.ready_s
                 first.stop()
@@ -237,7 +261,8 @@ def compare(args) -> list[dict]:
                     row[key] = statistics.median(run[key] for run in runs[side])
                     row[key + "_runs"] = [round(run[key], 3) for run in runs[side]]
                 row["ready_s"] = process.ready_s
-                row["first_ready_s"] = first_ready if side == "this server" and env["PHI2_QUANTIZE"] else None
+                stored = env["PHI2_QUANTIZE"] or source
+                row["first_ready_s"] = first_ready if side == "this server" and stored else None
                 row["rss_ready_gib"], row["rss_after_gib"] = ready_rss[side], process.peak_rss_gib("VmRSS")
                 row["peak_rss_gib"] = process.peak_rss_gib()
                 rows.append(row)
