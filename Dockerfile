@@ -14,6 +14,13 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 
+# g++: the CPU kernels for llama.cpp's block types (a GGUF file served as stored, PHI2_QUANTIZE=q8_0
+# and kin) are compiled at the first start that needs them, for the machine the container runs on
+# (backends/cpu_kernels.py); they cannot be built into the image for a CPU not known yet.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+
 # uid 1000 owns ~/.cache/huggingface on most Linux hosts, so the mounted cache is writable.
 RUN useradd --create-home --uid 1000 --user-group phi2 \
  && install -d -o phi2 -g phi2 /home/phi2/.cache /home/phi2/.cache/huggingface /var/log/phi2-server

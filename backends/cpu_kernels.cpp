@@ -134,7 +134,46 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float
 #if defined(__AVX2__)
   __m256 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
+  int64_t b = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+  // Two blocks a step in 512-bit registers (the tail block, if any, below in 256-bit ones).
+  __m512 wide[R];
+  for (int r = 0; r < R; r++) wide[r] = _mm512_setzero_ps();
+  for (; b + 1 < nb; b += 2) {
+    const uint8_t* b0 = w + b * bb;
+    const uint8_t* b1 = b0 + bb;
+    const float d0 = half_to_float(read_u16(b0)), d1 = half_to_float(read_u16(b1));
+    if (KIND == Q8_0) {
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 2))),
+                                           _mm256_loadu_si256((const __m256i*)(b1 + 2)), 1);
+      const __mmask64 negative = _mm512_movepi8_mask(q);
+      const __m512i aq = _mm512_abs_epi8(q);
+      for (int r = 0; r < R; r++) {
+        const __m512i x = _mm512_loadu_si512((const void*)(xq + r * in + b * QK));
+        const __m512i sx = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, sx);
+        const float* xr = xd + r * nb + b;
+        const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0 * xr[0]), _mm256_set1_ps(d1 * xr[1]), 1);
+        wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, wide[r]);
+      }
+    } else {
+      const int off = KIND == Q4_1 ? 4 : 2;
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_q4(b0 + off)), unpack_q4(b1 + off), 1);
+      const float m0 = KIND == Q4_1 ? half_to_float(read_u16(b0 + 2)) : -8.f * d0;
+      const float m1 = KIND == Q4_1 ? half_to_float(read_u16(b1 + 2)) : -8.f * d1;
+      for (int r = 0; r < R; r++) {
+        const __m512i x = _mm512_loadu_si512((const void*)(xq + r * in + b * QK));
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
+        const float* xr = xd + r * nb + b;
+        const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(d0 * xr[0]), _mm256_set1_ps(d1 * xr[1]), 1);
+        wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, wide[r]);
+        extra[r] += m0 * xs[r * nb + b] + m1 * xs[r * nb + b + 1];
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) extra[r] += _mm512_reduce_add_ps(wide[r]);
+#endif
+  for (; b < nb; b++) {
     const uint8_t* block = w + b * bb;
     const float d = half_to_float(read_u16(block));
     if (KIND == Q8_0) {
@@ -493,8 +532,11 @@ class Step {
     const float* yp = y.data_ptr<float>();
     float* ap = attention.data_ptr<float>();
     const int64_t* tp = table.data_ptr<int64_t>();
+    // Rows in zigzag order (first, last, second, second last, ...): a prompt piece's later rows
+    // attend to more columns, and each thread takes a contiguous run of items.
     rows_parallel(batch * kv_heads_, 1, [&](int64_t item) {
-      const int64_t r = item / kv_heads_, head = item % kv_heads_;
+      const int64_t i = item / kv_heads_, head = item % kv_heads_;
+      const int64_t r = i % 2 == 0 ? i / 2 : batch - 1 - i / 2;
       float* out = ap + r * heads_ * head_dim_ + head * group * head_dim_;
       if (!adv[r]) {
         std::memset(out, 0, group * head_dim_ * sizeof(float));
@@ -502,33 +544,54 @@ class Step {
       }
       const int64_t last = pos[r], first = b.window > 0 ? std::max<int64_t>(0, last - b.window + 1) : 0;
       const int64_t n = last - first + 1;
-      std::vector<float> scores(group * n);
-      for (int64_t c = first; c <= last; c++) {
-        const float* key = column(kv, 0, layer, head, tp[own[r] * table_width + c / PAGE], c % PAGE);
-        for (int64_t g = 0; g < group; g++) {
-          const float* q = yp + r * width + (head * group + g) * head_dim_;
-          float dot = 0.f;
+      thread_local std::vector<float> buffer;
+      if ((int64_t)buffer.size() < group * n) buffer.resize(group * n);
+      float* scores = buffer.data();
+      const int64_t* pages = tp + own[r] * table_width;
+      const float* q0 = yp + r * width + head * group * head_dim_;
+      for (int64_t c = first; c <= last;) {  // a page's columns at a time
+        const int64_t offset = c % PAGE, count = std::min(PAGE - offset, last + 1 - c);
+        const float* keys = column(kv, 0, layer, head, pages[c / PAGE], offset);
+        for (int64_t j = 0; j < count; j++) {
+          const float* key = keys + j * head_dim_;
+          for (int64_t g = 0; g < group; g++) {
+            const float* q = q0 + g * head_dim_;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < head_dim_; i++) dot += q[i] * key[i];
-          scores[g * n + (c - first)] = dot * scale;
+            for (int64_t d = 0; d < head_dim_; d++) dot += q[d] * key[d];
+            scores[g * n + (c + j - first)] = dot * scale;
+          }
         }
+        c += count;
       }
       for (int64_t g = 0; g < group; g++) {
-        float* sg = scores.data() + g * n;
+        float* sg = scores + g * n;
         float top = sg[0];
         for (int64_t j = 1; j < n; j++) top = std::fmax(top, sg[j]);
         float total = 0.f;
-        for (int64_t j = 0; j < n; j++) total += (sg[j] = std::exp(sg[j] - top));
-        for (int64_t j = 0; j < n; j++) sg[j] /= total;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; j++) {
+          sg[j] = expf(sg[j] - top);
+          total += sg[j];
+        }
+        const float inverse = 1.f / total;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) sg[j] *= inverse;
         std::memset(out + g * head_dim_, 0, head_dim_ * sizeof(float));
       }
-      for (int64_t c = first; c <= last; c++) {
-        const float* value = column(kv, 1, layer, head, tp[own[r] * table_width + c / PAGE], c % PAGE);
-        for (int64_t g = 0; g < group; g++) {
-          const float p = scores[g * n + (c - first)];
-          float* o = out + g * head_dim_;
-          for (int64_t i = 0; i < head_dim_; i++) o[i] += p * value[i];
+      for (int64_t c = first; c <= last;) {
+        const int64_t offset = c % PAGE, count = std::min(PAGE - offset, last + 1 - c);
+        const float* values = column(kv, 1, layer, head, pages[c / PAGE], offset);
+        for (int64_t j = 0; j < count; j++) {
+          const float* value = values + j * head_dim_;
+          for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * n + (c + j - first)];
+            float* o = out + g * head_dim_;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim_; d++) o[d] += p * value[d];
+          }
         }
+        c += count;
       }
     });
   }

@@ -11,6 +11,8 @@ quantizer does (`BlockWeight.quantize`). Rows stack (q, k, v into one matrix) an
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -147,16 +149,26 @@ def file_matrices(file, model) -> dict[str, BlockWeight]:
     return found
 
 
-def file_kind(file) -> str | None:
+def file_kind(file, folder=None) -> str | None:
     """The block type most of the file's matrices are stored in (KINDS), or None (a float file,
-    or one whose types these kernels do not multiply: it is served as float32)."""
+    or one whose types these kernels do not multiply: it is served as float32). Reading a GGUF
+    file's header parses its whole vocabulary (1-2 s for SmolLM2's): the answer is kept in
+    `folder` (the file's converted checkpoint, keyed by the file) for the next start."""
+    import json
     from collections import Counter
 
+    kept = folder / "block_type.json" if folder is not None else None
+    if kept is not None and kept.is_file():
+        return json.loads(kept.read_text())["type"]
     from gguf import GGUFReader
 
     counts = Counter(int(t.tensor_type) for t in GGUFReader(str(file)).tensors if len(t.shape) == 2)
     blocks = {kind: count for kind, count in counts.items() if kind in BLOCK_BYTES}
-    return NAMES[max(blocks, key=blocks.get)] if blocks else None
+    kind = NAMES[max(blocks, key=blocks.get)] if blocks else None
+    if kept is not None:
+        with contextlib.suppress(OSError):
+            kept.write_text(json.dumps({"type": kind}) + "\n")
+    return kind
 
 
 def rehome(weights: list[BlockWeight]) -> None:

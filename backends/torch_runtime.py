@@ -163,7 +163,7 @@ class TorchBackend(TokenizerMethods):
         method = parse_method(options.quantize)
         source = gguf_file(options.model)
         if source and not options.quantize and device == "cpu":
-            method = file_kind(source) or ""  # a GGUF file's own blocks, as it stores them
+            method = file_kind(source, path) or ""  # a GGUF file's own blocks, as it stores them
         refuse_mlx_quantized(path, options.model)
         transformers_logging.disable_progress_bar()  # the server log is for the server
         try:

@@ -178,3 +178,19 @@ def float_family_backends(family_paths):
 
 def test_the_kernels_say_which_simd_path_they_took():
     assert kernels().simd() in ("avx2+avx512vnni", "avx2+avxvnni", "avx2", "scalar")
+
+
+def test_without_a_compiler_block_weights_are_a_clear_startup_error(monkeypatch, tmp_path, tiny_path):
+    import backends.cpu_kernels as cpu
+
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu, "_failure", None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    from backends import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"could not be built: .*need a C\+\+ compiler"):
+        load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize="q8_0", warmup=False))
+    # float weights serve on torch's operators as before
+    backend = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", warmup=False))
+    assert BatchedDecoder(backend.decoder_weights, 2).network.cpu_step is None
