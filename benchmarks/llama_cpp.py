@@ -42,6 +42,10 @@ PAIRS = {
     "int8-q8_0": ({"PHI2_QUANTIZE": "int8", "PHI2_DTYPE": "bfloat16"}, "q8_0"),
     "int4-q4_0": ({"PHI2_QUANTIZE": "int4", "PHI2_DTYPE": "bfloat16"}, "q4_0"),
     "bf16-bf16": ({"PHI2_QUANTIZE": "", "PHI2_DTYPE": "bfloat16"}, "bf16"),
+    # llama.cpp's own block types on this server's CPU kernels (backends/ggml_blocks.py): the same
+    # checkpoint quantized by each side's reference quantizer.
+    "q8_0-q8_0": ({"PHI2_QUANTIZE": "q8_0", "PHI2_DTYPE": "float32"}, "q8_0"),
+    "q4_0-q4_0": ({"PHI2_QUANTIZE": "q4_0", "PHI2_DTYPE": "float32"}, "q4_0"),
 }
 PAIRS_DEFAULT = "w8a8-q8_0,int8-q8_0,int4-q4_0,bf16-bf16"  # bench.py --llama-pairs
 SHORT_PROMPT_TOKENS = 20
