@@ -38,6 +38,7 @@ from backends import (
 )
 from backends.adapters import AdapterRegistry, find_adapter
 from backends.grammar import Grammars
+from backends.mlx_gguf import keep_file_blocks
 from backends.mlx_logprobs import token_logprobs
 from backends.mlx_lookup import LookupGeneration
 from backends.mlx_lora import (
@@ -49,7 +50,7 @@ from backends.mlx_lora import (
     routed_sampler,
 )
 from backends.mlx_sampling import logits_processors, make_sampler
-from backends.model_files import is_random
+from backends.model_files import gguf_file, is_random
 from backends.prompt_lookup import DEFAULT_DRAFT_TOKENS, applied_draft_tokens, speculates
 from backends.text import TokenizerMethods, TokenizerText
 
@@ -130,12 +131,20 @@ class MlxBackend(TokenizerMethods):
     def load(cls, path: Path, options: LoadOptions) -> MlxBackend:
         default_adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
         bits = quantize_bits(options.quantize)
+        # A GGUF file's Q4_0, Q4_1 and Q8_0 matrices are served as it stores them, unless
+        # PHI2_QUANTIZE asks otherwise (`none`: all of it dequantized, as converted).
+        source = gguf_file(options.model) if not options.quantize else None
+        kept = None
         try:
             if is_random(options.model):
                 model, tokenizer = random_model(path, options.dtype)
                 config = json.loads((path / "config.json").read_text())
             else:
-                model, tokenizer, config = mlx_load(str(path), return_config=True)
+                # lazy where the file's blocks may replace the float matrices: those are never read
+                model, tokenizer, config = mlx_load(str(path), return_config=True, lazy=source is not None)
+                if source is not None:
+                    kept = keep_file_blocks(model, source, config)
+                    mx.eval(model.parameters())
         except (ValueError, KeyError, FileNotFoundError) as exc:
             raise ModelLoadError(f"PHI2_MODEL={options.model!r} could not be loaded by mlx-lm: {exc}") from exc
         if bits:
@@ -163,7 +172,7 @@ class MlxBackend(TokenizerMethods):
             backend=cls.name,
             device=mx.default_device().type.name,  # gpu (Metal) or cpu
             dtype=_weights_dtype(model),
-            quantization=_quantization(config),
+            quantization=kept or _quantization(config),
             context_length=min(int(config.get("max_position_embeddings") or 2048), options.max_context or 1 << 62),
             adapter_path=options.adapter_path,
             adapter_applied=default_adapter is not None,
