@@ -636,7 +636,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "x @ w.T for block-quantized w");
   m.def("dequantize", &dequantize, "block-quantized rows to float32");
   m.def("simd", &simd, "the SIMD path compiled");
-  pybind11::class_<Step>(m, "Step")
+  pybind11::class_<Step>(m, "Step", pybind11::module_local())  // builds for other targets load beside it (tests)
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool, bool, bool, int64_t>())
       .def("add_block", &Step::add_block)
       .def("forward", &Step::forward);

@@ -47,10 +47,10 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _name() -> str:
+def _name(flags: list[str]) -> str:
     import torch
 
-    key = "\n".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_flags(), torch.__version__])
+    key = "\n".join([SOURCE.read_text(), " ".join(flags), _cpu_flags(), torch.__version__])
     return "phi2_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -66,13 +66,13 @@ def kernels():
         import torch  # noqa: F401  (the extension links libtorch)
         import torch.utils.cpp_extension as cpp
 
-        name = _name()
+        name = _name(FLAGS)
         built = Path(cpp._get_build_directory(name, verbose=False)) / f"{name}.so"
         if not built.is_file():
             started = time.perf_counter()
             log.info("compiling the CPU kernels (backends/cpu_kernels.cpp) once for this machine, into %s", built)
             try:
-                _compile(name, built)
+                _compile(name, built, FLAGS)
             except (OSError, subprocess.CalledProcessError) as exc:
                 output = getattr(exc, "stderr", None) or str(exc)
                 first = output.strip().splitlines()[0] if output.strip() else type(exc).__name__
@@ -86,7 +86,20 @@ def kernels():
         return _module
 
 
-def _compile(name: str, target: Path) -> None:
+def variant(march: str):
+    """The kernels built for another target (`-march=x86-64-v3`: AVX2 without AVX-512;
+    `-march=x86-64`: the plain C++ path), for the tests to check every SIMD path on one machine."""
+    import torch.utils.cpp_extension as cpp
+
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
+    name = _name(flags)
+    built = Path(cpp._get_build_directory(name, verbose=False)) / f"{name}.so"
+    if not built.is_file():
+        _compile(name, built, flags)
+    return _import(name, built)
+
+
+def _compile(name: str, target: Path, flags: list[str]) -> None:
     """g++ (or $CXX) straight to a shared object beside torch's own extensions: the flags
     torch.utils.cpp_extension would pass, without its ninja build. Written under a temporary
     name and renamed, so a server starting beside this one finds a whole file or none."""
@@ -100,7 +113,7 @@ def _compile(name: str, target: Path) -> None:
     lib = Path(torch.__file__).parent / "lib"
     command = [
         os.environ.get("CXX", "c++"),
-        *FLAGS,
+        *flags,
         "-shared",
         "-fPIC",
         "-std=c++17",

@@ -194,3 +194,25 @@ def test_without_a_compiler_block_weights_are_a_clear_startup_error(monkeypatch,
     # float weights serve on torch's operators as before
     backend = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", warmup=False))
     assert BatchedDecoder(backend.decoder_weights, 2).network.cpu_step is None
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "plain-c++"])
+def test_every_simd_path_computes_the_same_products(march):
+    """The CPUs that serve differ (AVX2 only, AVX-512 with VNNI): the AVX2 path and the plain C++
+    one, built here for those targets, give this machine's products up to float32 sums, rows
+    alike alone or together (the AVX-512 path is the native build's where the CPU has it)."""
+    import platform
+
+    from backends.cpu_kernels import variant
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    other = variant(march)
+    for name in TYPES:
+        block = BlockWeight.quantize(weights(), name)
+        x = torch.randn(6, block.in_features, generator=torch.Generator().manual_seed(7))
+        native = kernels().mm(x, block.raw, block.ggml_type, block.in_features)
+        built = other.mm(x, block.raw, block.ggml_type, block.in_features)
+        assert float((built - native).abs().max()) <= 1e-4 * float(native.abs().max()), name
+        assert torch.equal(other.mm(x[-1:], block.raw, block.ggml_type, block.in_features), built[-1:])
+        assert torch.equal(other.dequantize(block.raw, block.ggml_type, block.in_features), block.dequantize())
