@@ -171,7 +171,7 @@ def llama_perplexity(tree: Path, file: Path, text: Path, context: int, threads: 
     return {"perplexity": float(final[1]), "plus_minus": float(final[2]), "running": running}
 
 
-def row_line(row: dict, reference: dict | None, first: int) -> str:
+def row_line(row: dict, reference: dict | None) -> str:
     whole = f"{row['perplexity']:.3f} ± {row['plus_minus']:.3f}" if row.get("perplexity") else "—"
     change = f"{row['perplexity'] / reference['perplexity'] - 1:+.1%}" if reference and row.get("perplexity") else "—"
     head = f"{row['first_perplexity']:.3f}" if row.get("first_perplexity") else "—"
@@ -207,7 +207,7 @@ def perplexity_table(args) -> list[dict]:
 
     def report(row: dict) -> None:
         rows.append(row)
-        print(row_line(row, reference, first), flush=True)
+        print(row_line(row, reference), flush=True)
 
     for label, quantize, dtype in TORCH_ROWS:
         options = LoadOptions(model=spec, dtype=dtype, quantize=quantize, warmup=False, quantized_cache=False)
