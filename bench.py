@@ -11,6 +11,7 @@ throughput under concurrency, and /health latency while generations stream.
     python bench.py --quant-agreement        # 8- and 4-bit greedy text against full precision (tiny)
     python bench.py --startup                # PHI2_QUANTIZE's start to ready: quantizing, storing, mapping
     python bench.py --llama-cpp DIR          # against llama.cpp's llama-server built in DIR, same weights
+    python bench.py --perplexity [DIR]       # perplexity on real text per weight option (PHI2_MODEL a GGUF file)
     python bench.py --chat 4                 # a chat re-sending its history: prompt cache on, then off
     python bench.py --shared-prefix 4        # 4 clients sharing a system prompt: cache on, then off
     python bench.py --latency --url URL      # prompts' TTFT; streams' inter-token latency as long prompts arrive
@@ -613,6 +614,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--llama-work", metavar="DIR", help="--llama-cpp's checkpoint and GGUF files, kept for the next run"
     )
+    mode.add_argument(
+        "--perplexity",
+        nargs="?",
+        const="",
+        metavar="LLAMA_CPP_DIR",
+        help="teacher-forced perplexity of PHI2_MODEL (a GGUF file) on --perplexity-text per weight option, both "
+        "runtimes, in llama-perplexity's windows; with DIR, also DIR's llama-perplexity on the file and its "
+        "requantizations (benchmarks/perplexity.py)",
+    )
+    parser.add_argument(
+        "--perplexity-text", default="benchmarks/data/perplexity.txt", help="--perplexity's text (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--perplexity-context",
+        type=int,
+        default=512,
+        help="--perplexity's window, llama-perplexity's -c (default: %(default)s, as its own)",
+    )
+    parser.add_argument(
+        "--perplexity-mlx-windows",
+        type=int,
+        default=4,
+        help="--perplexity's windows scored on MLX, the first ones (its CPU build is slow; 0: no MLX rows; "
+        "default: %(default)s)",
+    )
     parser.add_argument(
         "--latency",
         action="store_true",
@@ -702,6 +728,12 @@ def main(argv: list[str] | None = None) -> int:
             "adapters:adapter_decoding",
         ),
         (args.startup, "| start | to ready | peak resident | resident when ready |", "startup:startup"),
+        (
+            args.perplexity is not None,
+            "| runtime | weights | dtype | perplexity, whole text | vs Torch float32 | perplexity, first MLX windows "
+            "| seconds |",
+            "perplexity:perplexity_table",
+        ),
         (args.embeddings, "| measured | value |", "embeddings:embeddings"),
         (
             args.llama_cpp,
