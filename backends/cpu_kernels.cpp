@@ -254,6 +254,244 @@ void product(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t
   }
 }
 
+// -- four rows interleaved ----------------------------------------------------------------------
+//
+// The same blocks, four output rows at a time (as llama.cpp's repacked types are): for each group
+// of 4 rows and each block, one record of the 4 rows' values side by side, then their float16
+// scales (and, for Q4, their minimums: Q4_0's is -8 d). One 512-bit register holds 4 rows' 16
+// bytes, so a block's products for 4 rows take one dot-product instruction per 16 bytes, and
+// its 4 scales are one vector: a third of the instructions of a row at a time.
+//   Q4_0/Q4_1 record (80 bytes): 4 x 16 packed bytes | 4 d | 4 m
+//   Q8_0 record (136 bytes): 4 x bytes 0-15 | 4 x bytes 16-31 | 4 d
+
+inline int record_bytes(int kind) { return kind == Q8_0 ? 4 * QK + 8 : 4 * (QK / 2) + 16; }
+
+template <int KIND, int R>
+inline void dot_groups(const uint8_t* rec, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t in,
+                       float* out /* [R][4] */) {
+  const int rb = KIND == Q8_0 ? 4 * QK + 8 : 4 * (QK / 2) + 16;
+  float extra[R][4];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) extra[r][i] = 0.f;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__F16C__)
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  __m128 more[R];
+  for (int r = 0; r < R; r++) {
+    acc[r] = _mm512_setzero_ps();
+    more[r] = _mm_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* record = rec + b * rb;
+    __m512i a, c;
+    __mmask64 na = 0, nc = 0;
+    __m128 d4, m4 = _mm_setzero_ps();
+    if (KIND == Q8_0) {
+      const __m512i qa = _mm512_loadu_si512((const void*)record), qc = _mm512_loadu_si512((const void*)(record + 64));
+      na = _mm512_movepi8_mask(qa);
+      nc = _mm512_movepi8_mask(qc);
+      a = _mm512_abs_epi8(qa);
+      c = _mm512_abs_epi8(qc);
+      d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(record + 128)));
+    } else {
+      const __m512i q = _mm512_loadu_si512((const void*)record);
+      a = _mm512_and_si512(q, low);
+      c = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+      const __m128i h = _mm_loadu_si128((const __m128i*)(record + 64));
+      d4 = _mm_cvtph_ps(h);
+      m4 = KIND == Q4_1 ? _mm_cvtph_ps(_mm_srli_si128(h, 8)) : _mm_mul_ps(d4, _mm_set1_ps(-8.f));
+    }
+    for (int r = 0; r < R; r++) {
+      const int8_t* x = xq + r * in + b * QK;
+      __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)x));
+      __m512i xc = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(x + 16)));
+      if (KIND == Q8_0) {
+        xa = _mm512_mask_sub_epi8(xa, na, _mm512_setzero_si512(), xa);
+        xc = _mm512_mask_sub_epi8(xc, nc, _mm512_setzero_si512(), xc);
+      }
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a, xa), c, xc);
+      const __m128 s4 = _mm_mul_ps(d4, _mm_set1_ps(xd[r * nb + b]));
+      const __m512 s16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s16, acc[r]);
+      if (KIND != Q8_0) more[r] = _mm_fmadd_ps(m4, _mm_set1_ps(xs[r * nb + b]), more[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    alignas(64) float lanes[16];
+    alignas(16) float m[4];
+    _mm512_store_ps(lanes, acc[r]);
+    _mm_store_ps(m, more[r]);
+    for (int i = 0; i < 4; i++)
+      out[r * 4 + i] = (lanes[4 * i] + lanes[4 * i + 1]) + (lanes[4 * i + 2] + lanes[4 * i + 3]) + m[i];
+  }
+  (void)extra;
+#elif defined(__AVX2__) && defined(__F16C__)
+  // 256-bit: rows 0-1 in one register, rows 2-3 in another.
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i spread01 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), spread23 = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+  __m256 acc0[R], acc1[R];
+  __m128 more[R];
+  for (int r = 0; r < R; r++) {
+    acc0[r] = acc1[r] = _mm256_setzero_ps();
+    more[r] = _mm_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* record = rec + b * rb;
+    __m256i qa0, qa1, qc0, qc1;  // rows 0-1 / 2-3, values 0-15 / 16-31
+    __m128 d4, m4 = _mm_setzero_ps();
+    if (KIND == Q8_0) {
+      qa0 = _mm256_loadu_si256((const __m256i*)record);
+      qa1 = _mm256_loadu_si256((const __m256i*)(record + 32));
+      qc0 = _mm256_loadu_si256((const __m256i*)(record + 64));
+      qc1 = _mm256_loadu_si256((const __m256i*)(record + 96));
+      d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(record + 128)));
+    } else {
+      const __m256i q0 = _mm256_loadu_si256((const __m256i*)record), q1 = _mm256_loadu_si256((const __m256i*)(record + 32));
+      qa0 = _mm256_and_si256(q0, low);
+      qa1 = _mm256_and_si256(q1, low);
+      qc0 = _mm256_and_si256(_mm256_srli_epi16(q0, 4), low);
+      qc1 = _mm256_and_si256(_mm256_srli_epi16(q1, 4), low);
+      const __m128i h = _mm_loadu_si128((const __m128i*)(record + 64));
+      d4 = _mm_cvtph_ps(h);
+      m4 = KIND == Q4_1 ? _mm_cvtph_ps(_mm_srli_si128(h, 8)) : _mm_mul_ps(d4, _mm_set1_ps(-8.f));
+    }
+    for (int r = 0; r < R; r++) {
+      const int8_t* x = xq + r * in + b * QK;
+      const __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)x));
+      const __m256i xc = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(x + 16)));
+      __m256i p0, p1;
+      if (KIND == Q8_0) {
+        p0 = _mm256_add_epi32(dot_u8s8(_mm256_sign_epi8(qa0, qa0), _mm256_sign_epi8(xa, qa0)),
+                              dot_u8s8(_mm256_sign_epi8(qc0, qc0), _mm256_sign_epi8(xc, qc0)));
+        p1 = _mm256_add_epi32(dot_u8s8(_mm256_sign_epi8(qa1, qa1), _mm256_sign_epi8(xa, qa1)),
+                              dot_u8s8(_mm256_sign_epi8(qc1, qc1), _mm256_sign_epi8(xc, qc1)));
+      } else {
+        p0 = _mm256_add_epi32(dot_u8s8(qa0, xa), dot_u8s8(qc0, xc));
+        p1 = _mm256_add_epi32(dot_u8s8(qa1, xa), dot_u8s8(qc1, xc));
+      }
+      const __m256 s8 = _mm256_castps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(xd[r * nb + b])));
+      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_permutevar8x32_ps(s8, spread01), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_permutevar8x32_ps(s8, spread23), acc1[r]);
+      if (KIND != Q8_0) more[r] = _mm_fmadd_ps(m4, _mm_set1_ps(xs[r * nb + b]), more[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    alignas(32) float l0[8], l1[8];
+    alignas(16) float m[4];
+    _mm256_store_ps(l0, acc0[r]);
+    _mm256_store_ps(l1, acc1[r]);
+    _mm_store_ps(m, more[r]);
+    const float* lanes[2] = {l0, l1};
+    for (int i = 0; i < 4; i++) {
+      const float* l = lanes[i / 2] + 4 * (i % 2);
+      out[r * 4 + i] = (l[0] + l[1]) + (l[2] + l[3]) + m[i];
+    }
+  }
+  (void)extra;
+#else
+  float acc[R][4];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) acc[r][i] = 0.f;
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* record = rec + b * rb;
+    const uint8_t* halves = record + (KIND == Q8_0 ? 4 * QK : 4 * (QK / 2));
+    for (int i = 0; i < 4; i++) {
+      const float d = half_to_float(read_u16(halves + 2 * i));
+      const float m = KIND == Q4_1 ? half_to_float(read_u16(halves + 8 + 2 * i)) : -8.f * d;
+      for (int r = 0; r < R; r++) {
+        const int8_t* x = xq + r * in + b * QK;
+        int sum = 0;
+        if (KIND == Q8_0) {
+          const int8_t* qa = (const int8_t*)record + 16 * i;
+          const int8_t* qc = (const int8_t*)record + 64 + 16 * i;
+          for (int j = 0; j < 16; j++) sum += qa[j] * x[j] + qc[j] * x[j + 16];
+        } else {
+          const uint8_t* q = record + 16 * i;
+          for (int j = 0; j < 16; j++) sum += (q[j] & 0x0f) * x[j] + (q[j] >> 4) * x[j + 16];
+          extra[r][i] += m * xs[r * nb + b];
+        }
+        acc[r][i] += d * xd[r * nb + b] * (float)sum;
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < 4; i++) out[r * 4 + i] = acc[r][i] + extra[r][i];
+#endif
+}
+
+template <int KIND>
+void packed_product(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out_features, float* y) {
+  const int64_t nb = in / QK, groups = out_features / 4, group_bytes = nb * record_bytes(KIND);
+  std::vector<int8_t> xq(rows * in);
+  std::vector<float> xd(rows * nb), xs(rows * nb);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) quantize_row(x + r * in, in, &xq[r * in], &xd[r * nb], &xs[r * nb]);
+  });
+  for (int64_t tile = 0; tile < rows; tile += X_TILE) {
+    const int64_t tile_rows = std::min(X_TILE, rows - tile);
+    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, groups / (4 * at::get_num_threads())));
+    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+      float part[ROW_TILE * 4];
+      for (int64_t g = begin; g < end; g++) {
+        const uint8_t* wg = w + g * group_bytes;
+        int64_t r = tile;
+        for (; r + ROW_TILE <= tile + tile_rows; r += ROW_TILE) {
+          dot_groups<KIND, ROW_TILE>(wg, nb, &xq[r * in], &xd[r * nb], &xs[r * nb], in, part);
+          for (int k = 0; k < ROW_TILE; k++) std::memcpy(y + (r + k) * out_features + 4 * g, part + 4 * k, 16);
+        }
+        for (; r < tile + tile_rows; r++) {
+          dot_groups<KIND, 1>(wg, nb, &xq[r * in], &xd[r * nb], &xs[r * nb], in, part);
+          std::memcpy(y + r * out_features + 4 * g, part, 16);
+        }
+      }
+    });
+  }
+}
+
+// raw GGUF rows <-> four-row records (out_features a multiple of 4)
+void pack_group(const uint8_t* raw, int64_t row_bytes, int kind, int64_t nb, uint8_t* out) {
+  const int bb = block_bytes(kind), rb = record_bytes(kind);
+  for (int64_t b = 0; b < nb; b++) {
+    uint8_t* record = out + b * rb;
+    for (int i = 0; i < 4; i++) {
+      const uint8_t* block = raw + i * row_bytes + b * bb;
+      if (kind == Q8_0) {
+        std::memcpy(record + 16 * i, block + 2, 16);
+        std::memcpy(record + 64 + 16 * i, block + 18, 16);
+        std::memcpy(record + 128 + 2 * i, block, 2);
+      } else {
+        std::memcpy(record + 16 * i, block + (kind == Q4_1 ? 4 : 2), 16);
+        std::memcpy(record + 64 + 2 * i, block, 2);
+        if (kind == Q4_1) {
+          std::memcpy(record + 72 + 2 * i, block + 2, 2);
+        } else {  // Q4_0: no minimum stored (the kernels take -8 d)
+          std::memset(record + 72 + 2 * i, 0, 2);
+        }
+      }
+    }
+  }
+}
+
+void unpack_group(const uint8_t* packed, int kind, int64_t nb, int64_t row_bytes, uint8_t* raw) {
+  const int bb = block_bytes(kind), rb = record_bytes(kind);
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* record = packed + b * rb;
+    for (int i = 0; i < 4; i++) {
+      uint8_t* block = raw + i * row_bytes + b * bb;
+      if (kind == Q8_0) {
+        std::memcpy(block, record + 128 + 2 * i, 2);
+        std::memcpy(block + 2, record + 16 * i, 16);
+        std::memcpy(block + 18, record + 64 + 16 * i, 16);
+      } else {
+        std::memcpy(block, record + 64 + 2 * i, 2);
+        if (kind == Q4_1) std::memcpy(block + 2, record + 72 + 2 * i, 2);
+        std::memcpy(block + (kind == Q4_1 ? 4 : 2), record + 16 * i, 16);
+      }
+    }
+  }
+}
+
 void dequantize_row(const uint8_t* w, int kind, int64_t in, float* out) {
   const int64_t nb = in / QK;
   const int bb = block_bytes(kind);
@@ -278,7 +516,54 @@ void dequantize_row(const uint8_t* w, int kind, int64_t in, float* out) {
 }  // namespace
 
 // x [rows, in] float32 times the transpose of w (out_features rows of `kind` blocks): [rows, out].
+constexpr int64_t PACKED = 100;  // a kind + PACKED: the four-row records
+
+torch::Tensor pack(torch::Tensor raw, int64_t kind, int64_t in_features) {
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) % 4 == 0);
+  const int64_t nb = in_features / QK, groups = raw.size(0) / 4, row_bytes = raw.size(1);
+  TORCH_CHECK(row_bytes == nb * block_bytes(kind), "raw's row size");
+  auto out = torch::empty({groups, nb * record_bytes(kind)}, raw.options());
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g++) pack_group(rp + 4 * g * row_bytes, row_bytes, (int)kind, nb, op + g * out.size(1));
+  });
+  return out;
+}
+
+torch::Tensor unpack(torch::Tensor packed, int64_t kind, int64_t in_features) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous());
+  const int64_t nb = in_features / QK, groups = packed.size(0), row_bytes = nb * block_bytes(kind);
+  auto raw = torch::empty({4 * groups, row_bytes}, packed.options());
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  uint8_t* rp = raw.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g++) unpack_group(pp + g * packed.size(1), (int)kind, nb, row_bytes, rp + 4 * g * row_bytes);
+  });
+  return raw;
+}
+
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_features) {
+  if (kind >= PACKED) {  // four-row records [out / 4, records]
+    kind -= PACKED;
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == in_features, "x: float32 [rows, in]");
+    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 records");
+    TORCH_CHECK(in_features % QK == 0 && w.size(1) == in_features / QK * record_bytes(kind), "w's record size");
+    x = x.contiguous();
+    const int64_t rows = x.size(0), out_features = 4 * w.size(0);
+    auto y = torch::empty({rows, out_features}, x.options());
+    if (rows == 0) return y;
+    const float* xp = x.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    switch (kind) {
+      case Q8_0: packed_product<Q8_0>(xp, rows, in_features, wp, out_features, yp); break;
+      case Q4_0: packed_product<Q4_0>(xp, rows, in_features, wp, out_features, yp); break;
+      case Q4_1: packed_product<Q4_1>(xp, rows, in_features, wp, out_features, yp); break;
+      default: TORCH_CHECK(false, "unsupported block type ", kind);
+    }
+    return y;
+  }
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == in_features, "x: float32 [rows, in]");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 blocks [out, bytes]");
   TORCH_CHECK(in_features % QK == 0 && w.size(1) == in_features / QK * block_bytes(kind), "w's row size");
@@ -634,6 +919,8 @@ std::string simd() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "x @ w.T for block-quantized w");
+  m.def("pack", &pack, "raw GGUF rows to four-row records");
+  m.def("unpack", &unpack, "four-row records to raw GGUF rows");
   m.def("dequantize", &dequantize, "block-quantized rows to float32");
   m.def("simd", &simd, "the SIMD path compiled");
   pybind11::class_<Step>(m, "Step", pybind11::module_local())  // builds for other targets load beside it (tests)

@@ -195,7 +195,7 @@ def decode_step(weights, kv):
     )
 
     def matrix(m):
-        return (m.raw, m.ggml_type) if isinstance(m, BlockWeight) else (m.detach(), -1)
+        return m.operand if isinstance(m, BlockWeight) else (m.detach(), -1)
 
     for layer, block in enumerate(weights.layers):
         up = matrix(block.w_up) if block.w_up is not None else (None, -1)

@@ -23,6 +23,7 @@ from backends.torch_quant import QuantizedWeight
 KINDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 NAMES = {kind: name for name, kind in KINDS.items()}
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+PACKED = 100  # a kind + PACKED: cpu_kernels.cpp's four-row records
 QK = 32
 
 
@@ -36,6 +37,51 @@ class BlockWeight(QuantizedWeight):
             raise ValueError(f"{NAMES[kind]} rows of {raw.shape[1]} bytes do not hold {in_features} channels")
         self.raw, self.ggml_type = raw.contiguous(), kind
         self.out_features, self.in_features = raw.shape[0], in_features
+        self.packed: torch.Tensor | None = None  # four rows interleaved (`pack`), in place of `raw`
+
+    def pack(self, into=None) -> None:
+        """Four rows' blocks side by side (cpu_kernels.cpp's records: a third of the instructions
+        a product), in place of the rows as stored; `into(tensor)` gives where they go."""
+        from backends.cpu_kernels import kernels
+
+        if self.packed is not None or self.out_features % 4:
+            return
+        packed = kernels().pack(self.raw, self.ggml_type, self.in_features)
+        self.packed, self.raw = (into(packed) if into else packed), None
+
+    def rows(self) -> torch.Tensor:
+        """The matrix as GGUF stores it (uint8 [out_features, blocks' bytes])."""
+        if self.raw is not None:
+            return self.raw
+        from backends.cpu_kernels import kernels
+
+        return kernels().unpack(self.packed, self.ggml_type, self.in_features)
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Its bytes once packed (Q4_0's records hold a minimum slot its blocks do not)."""
+        if self.out_features % 4:
+            return self.nbytes
+        record = 4 * QK + 8 if self.ggml_type == KINDS["q8_0"] else 4 * (QK // 2) + 16
+        return self.out_features // 4 * self.in_features // QK * record
+
+    @property
+    def operand(self) -> tuple[torch.Tensor, int]:
+        """(its bytes, its kind) as cpu_kernels.cpp's products take them."""
+        return (self.raw, self.ggml_type) if self.packed is None else (self.packed, self.ggml_type + PACKED)
+
+    def state(self) -> dict:
+        return {
+            "kind": type(self).__name__,
+            "raw": self.rows(),
+            "ggml_type": self.ggml_type,
+            "out_features": self.out_features,
+            "in_features": self.in_features,
+        }
+
+    def _restore(self, state: dict) -> None:
+        vars(self).update(state)
+        self.packed = None
 
     @property
     def bits(self) -> int:
@@ -48,16 +94,16 @@ class BlockWeight(QuantizedWeight):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         from backends.cpu_kernels import kernels
 
-        return kernels().mm(x.float(), self.raw, self.ggml_type, self.in_features).to(x.dtype)
+        return kernels().mm(x.float(), *self.operand, self.in_features).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         from backends.cpu_kernels import kernels
 
-        return kernels().dequantize(self.raw, self.ggml_type, self.in_features)
+        return kernels().dequantize(self.rows(), self.ggml_type, self.in_features)
 
     @property
     def nbytes(self) -> int:
-        return self.raw.nbytes
+        return (self.raw if self.packed is None else self.packed).nbytes
 
     @staticmethod
     def quantize(weight: torch.Tensor, name: str) -> BlockWeight:
@@ -91,13 +137,13 @@ class BlockWeight(QuantizedWeight):
     def stack_rows(parts: list[BlockWeight]) -> BlockWeight:
         """[a; b; ...]: one product for matrices over the same input."""
         _same_kind(parts)
-        return BlockWeight(torch.cat([p.raw for p in parts]), parts[0].ggml_type, parts[0].in_features)
+        return BlockWeight(torch.cat([p.rows() for p in parts]), parts[0].ggml_type, parts[0].in_features)
 
     @staticmethod
     def join_columns(parts: list[BlockWeight]) -> BlockWeight:
         """[a | b | ...]: one product over inputs laid side by side."""
         _same_kind(parts)
-        raw = torch.cat([p.raw for p in parts], dim=1)
+        raw = torch.cat([p.rows() for p in parts], dim=1)
         return BlockWeight(raw, parts[0].ggml_type, sum(p.in_features for p in parts))
 
 
@@ -172,25 +218,39 @@ def file_kind(file, folder=None) -> str | None:
 
 
 def rehome(weights: list[BlockWeight]) -> None:
-    """Move the blocks into one anonymous mapping backed by transparent huge pages, where the
-    system offers them (Linux, THP `madvise` or `always`): a decode step reads every block once,
-    and on 4 KB pages, in a VM, its page walks cost a third of a SmolLM2 step (BENCHMARKS.md,
-    D-cpu-step). Elsewhere, or if the mapping fails, the blocks stay where they are."""
+    """Pack the blocks four rows at a time (`BlockWeight.pack`) into one anonymous mapping backed
+    by transparent huge pages, where the system offers them (Linux, THP `madvise` or `always`): a
+    decode step reads every block once, and on 4 KB pages, in a VM, its page walks cost a third of
+    a SmolLM2 step (BENCHMARKS.md, D-cpu-step). Elsewhere, or if the mapping fails, they are
+    packed where they are."""
     import mmap
 
-    if not weights or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not weights:
         return
-    aligned = [(w, -(-w.raw.numel() // 64) * 64) for w in weights]
-    size = sum(n for _, n in aligned)
-    try:
-        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
+    region = None
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        size = sum(-(-w.packed_nbytes // 64) * 64 for w in weights)
+        try:
+            region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, ValueError):
+            region = None
+    if region is None:
+        for weight in weights:
+            weight.pack()
         return
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     offset = 0
-    for weight, n in aligned:
-        target = arena[offset : offset + weight.raw.numel()].view(weight.raw.shape)
-        target.copy_(weight.raw)
-        weight.raw = target
-        offset += n
+
+    def into(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        target = arena[offset : offset + tensor.numel()].view(tensor.shape)
+        target.copy_(tensor)
+        offset += -(-tensor.numel() // 64) * 64
+        return target
+
+    for weight in weights:
+        if weight.out_features % 4:
+            weight.raw = into(weight.raw)
+        else:
+            weight.pack(into)

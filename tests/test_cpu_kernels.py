@@ -70,6 +70,17 @@ def test_a_product_is_the_blocks_times_int8_activations(name, rows):
     assert float((got.double() - expected).norm() / expected.norm()) < 2e-3
     # the same rows alone, or in any company, come out alike
     assert torch.equal(block.linear(x[-1:]), got[-1:])
+    # four rows interleaved (as served): the same products, and the rows as stored come back
+    raw = block.raw
+    block.pack()
+    assert block.packed is not None and block.raw is None and torch.equal(block.rows(), raw)
+    packed = block.linear(x)
+    assert float((packed.double() - expected).norm() / expected.norm()) < 2e-3
+    assert float((packed - got).abs().max()) <= 1e-4 * float(got.abs().max())
+    assert torch.equal(block.linear(x[-1:]), packed[-1:])
+    assert torch.equal(
+        block.dequantize(), torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[name.upper()]))
+    )
 
 
 def test_rows_stack_and_columns_join_by_their_bytes():
@@ -216,3 +227,10 @@ def test_every_simd_path_computes_the_same_products(march):
         assert float((built - native).abs().max()) <= 1e-4 * float(native.abs().max()), name
         assert torch.equal(other.mm(x[-1:], block.raw, block.ggml_type, block.in_features), built[-1:])
         assert torch.equal(other.dequantize(block.raw, block.ggml_type, block.in_features), block.dequantize())
+        packed = kernels().pack(block.raw, block.ggml_type, block.in_features)
+        assert torch.equal(other.pack(block.raw, block.ggml_type, block.in_features), packed)
+        kind = block.ggml_type + 100
+        native = kernels().mm(x, packed, kind, block.in_features)
+        built = other.mm(x, packed, kind, block.in_features)
+        assert float((built - native).abs().max()) <= 1e-4 * float(native.abs().max()), name
+        assert torch.equal(other.mm(x[-1:], packed, kind, block.in_features), built[-1:])
