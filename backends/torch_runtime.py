@@ -255,10 +255,9 @@ class TorchBackend(TokenizerMethods):
         # torch.compile pays on CUDA, at a startup cost (BENCHMARKS.md, D-compile-off).
         backend.max_batch = max_batch
         backend.compile = on_cuda if options.compile is None else options.compile
-        # Drafts pay on the CPU's operator-by-operator step; on CUDA a graphed step, and on the CPU
-        # the compiled step of block-quantized weights, are cheaper than an eager verify pass
-        # (BENCHMARKS.md, D-cpu-step). Off there, a sequence alone decodes as it does batched.
-        default_drafts = 0 if on_cuda or method in BLOCK_METHODS else DEFAULT_DRAFT_TOKENS
+        # Drafts pay on the CPU (with block weights too: their verify pass is the compiled step's,
+        # BENCHMARKS.md, D-cpu-step); on CUDA a graphed step is cheaper than an eager verify pass.
+        default_drafts = 0 if on_cuda else DEFAULT_DRAFT_TOKENS
         backend.draft_tokens = applied_draft_tokens(options.prompt_lookup_tokens, default_drafts)
         if options.warmup:
             backend.warm_up(backend.max_batch)
