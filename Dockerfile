@@ -18,7 +18,7 @@ ENV PYTHONUNBUFFERED=1 \
 # and kin) are compiled at the first start that needs them, for the machine the container runs on
 # (backends/cpu_kernels.py); they cannot be built into the image for a CPU not known yet.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ \
+ && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
  && rm -rf /var/lib/apt/lists/*
 
 # uid 1000 owns ~/.cache/huggingface on most Linux hosts, so the mounted cache is writable.
