@@ -544,42 +544,22 @@ torch::Tensor unpack(torch::Tensor packed, int64_t kind, int64_t in_features) {
 }
 
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_features) {
-  if (kind >= PACKED) {  // four-row records [out / 4, records]
-    kind -= PACKED;
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == in_features, "x: float32 [rows, in]");
-    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 records");
-    TORCH_CHECK(in_features % QK == 0 && w.size(1) == in_features / QK * record_bytes(kind), "w's record size");
-    x = x.contiguous();
-    const int64_t rows = x.size(0), out_features = 4 * w.size(0);
-    auto y = torch::empty({rows, out_features}, x.options());
-    if (rows == 0) return y;
-    const float* xp = x.data_ptr<float>();
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
-    switch (kind) {
-      case Q8_0: packed_product<Q8_0>(xp, rows, in_features, wp, out_features, yp); break;
-      case Q4_0: packed_product<Q4_0>(xp, rows, in_features, wp, out_features, yp); break;
-      case Q4_1: packed_product<Q4_1>(xp, rows, in_features, wp, out_features, yp); break;
-      default: TORCH_CHECK(false, "unsupported block type ", kind);
-    }
-    return y;
-  }
+  const bool packed = kind >= PACKED;  // four-row records [out / 4, records], else rows [out, blocks]
+  if (packed) kind -= PACKED;
+  TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, "unsupported block type ", kind);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == in_features, "x: float32 [rows, in]");
-  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 blocks [out, bytes]");
-  TORCH_CHECK(in_features % QK == 0 && w.size(1) == in_features / QK * block_bytes(kind), "w's row size");
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 blocks or records");
+  const int64_t unit = packed ? record_bytes(kind) : block_bytes(kind);
+  TORCH_CHECK(in_features % QK == 0 && w.size(1) == in_features / QK * unit, "w's row size");
   x = x.contiguous();
-  const int64_t rows = x.size(0), out_features = w.size(0);
+  const int64_t rows = x.size(0), out_features = (packed ? 4 : 1) * w.size(0);
   auto y = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  switch (kind) {
-    case Q8_0: product<Q8_0>(xp, rows, in_features, wp, out_features, yp); break;
-    case Q4_0: product<Q4_0>(xp, rows, in_features, wp, out_features, yp); break;
-    case Q4_1: product<Q4_1>(xp, rows, in_features, wp, out_features, yp); break;
-    default: TORCH_CHECK(false, "unsupported block type ", kind);
-  }
+  using Product = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*);
+  const Product product_of = kind == Q8_0 ? (packed ? packed_product<Q8_0> : product<Q8_0>)
+                             : kind == Q4_0 ? (packed ? packed_product<Q4_0> : product<Q4_0>)
+                                            : (packed ? packed_product<Q4_1> : product<Q4_1>);
+  product_of(x.data_ptr<float>(), rows, in_features, w.data_ptr<uint8_t>(), out_features, y.data_ptr<float>());
   return y;
 }
 
