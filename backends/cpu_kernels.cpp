@@ -10,9 +10,11 @@
 //   Q4_0: w = d * (q - 8)                dot = d * xd * sum(q * xq) - 8 * d * xs
 //   Q4_1: w = d * q + m                  dot = d * xd * sum(q * xq) + m * xs
 //
-// where xd is the activation block's scale and xs = xd * sum(xq). Built by torch's cpp_extension
-// for the machine it runs on (-march=native): AVX2, with AVX512-VNNI's dpbusd where the CPU has
-// it, else plain C++ (backends/ggml_blocks.py loads it).
+// where xd is the activation block's scale and xs = xd * sum(xq). Built with g++ for the machine
+// it runs on (-march=native; backends/cpu_kernels.py): AVX2, with AVX512-VNNI's dpbusd where the
+// CPU has it, AMX-INT8's tiles for 8 or more activation rows where Linux grants them, else plain
+// C++. Every path computes each block's integer sum exactly and then the same float steps in the
+// same order, so a row's result is the same bits whichever path, and whichever company, served it.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,10 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -76,13 +82,27 @@ inline int block_bytes(int kind) {
 
 // -- activations -----------------------------------------------------------------------------
 
-// One row of x (in values) to int8 blocks: xq, the blocks' scales xd and xs = xd * sum(xq).
-void quantize_row(const float* x, int64_t in, int8_t* xq, float* xd, float* xs) {
+// One row of x (in values) to int8 blocks: xq, the blocks' scales xd and xs = xd * sum(xq), and
+// (where xi is given) the integer sums. Every path rounds to nearest even, as nearbyint does.
+void quantize_row(const float* x, int64_t in, int8_t* xq, float* xd, float* xs, int32_t* xi = nullptr) {
   const int64_t nb = in / QK;
   for (int64_t b = 0; b < nb; b++) {
     const float* v = x + b * QK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i*)(xq + b * QK), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(xq + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
     float amax = 0.f;
-    for (int j = 0; j < QK; j++) amax = std::fmax(amax, std::fabs(v[j]));
+    for (int j = 0; j < QK; j++) {
+      const float a = std::fabs(v[j]);
+      amax = a > amax ? a : amax;
+    }
     const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
     int sum = 0;
     for (int j = 0; j < QK; j++) {
@@ -90,8 +110,10 @@ void quantize_row(const float* x, int64_t in, int8_t* xq, float* xd, float* xs) 
       xq[b * QK + j] = (int8_t)q;
       sum += q;
     }
+#endif
     xd[b] = d;
     xs[b] = d * (float)sum;
+    if (xi) xi[b] = sum;
   }
 }
 
@@ -254,219 +276,331 @@ void product(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t
   }
 }
 
-// -- four rows interleaved ----------------------------------------------------------------------
+// -- sixteen rows interleaved -------------------------------------------------------------------
 //
-// The same blocks, four output rows at a time (as llama.cpp's repacked types are): for each group
-// of 4 rows and each block, one record of the 4 rows' values side by side, then their float16
-// scales (and, for Q4, their minimums: Q4_0's is -8 d). One 512-bit register holds 4 rows' 16
-// bytes, so a block's products for 4 rows take one dot-product instruction per 16 bytes, and
-// its 4 scales are one vector: a third of the instructions of a row at a time.
-//   Q4_0/Q4_1 record (80 bytes): 4 x 16 packed bytes | 4 d | 4 m
-//   Q8_0 record (136 bytes): 4 x bytes 0-15 | 4 x bytes 16-31 | 4 d
+// The same blocks, sixteen output rows at a time (as llama.cpp's repacked types are): for each
+// group of 16 rows and each block, one record whose 32-bit lane i holds 4 consecutive values of
+// row i, so one dot-product instruction against 4 activation bytes broadcast does 64 products
+// for 16 rows, and a block's 16 sums land one to a lane, ready for the 16 rows' scales.
+//   Q8_0 record (544 bytes): for k = 0..7, 16 x 4 bytes (row i's values 4k..4k+3, each + 128
+//                            as unsigned, the form VNNI's dpbusd takes) | 16 d
+//   Q4_0/Q4_1 record (320 bytes): for k = 0..3, 16 x 4 bytes (row i's GGUF bytes 4k..4k+3: values
+//                            4k.. in the low nibbles, 16 + 4k.. in the high) | 16 d | 16 m
+// A block's sum is exact integer arithmetic: sum(q * xq) less the weights' offset times sum(xq)
+// (Q8_0's 128, Q4_0's 8); then one multiply-add by d * xd (and, for Q4_1, m * xs) per block.
 
-inline int record_bytes(int kind) { return kind == Q8_0 ? 4 * QK + 8 : 4 * (QK / 2) + 16; }
+constexpr int GROUP = 16;
+inline int record_bytes(int kind) { return kind == Q8_0 ? GROUP * QK + 2 * GROUP : GROUP * (QK / 2) + 4 * GROUP; }
+inline int weight_offset(int kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0; }
 
+// One group's 16 outputs for R activation rows: out [R][16].
 template <int KIND, int R>
-inline void dot_groups(const uint8_t* rec, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t in,
-                       float* out /* [R][4] */) {
-  const int rb = KIND == Q8_0 ? 4 * QK + 8 : 4 * (QK / 2) + 16;
-  float extra[R][4];
-  for (int r = 0; r < R; r++)
-    for (int i = 0; i < 4; i++) extra[r][i] = 0.f;
+inline void dot_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                      const int32_t* xi, int64_t in, float* out) {
+  constexpr int RB = KIND == Q8_0 ? GROUP * QK + 2 * GROUP : GROUP * (QK / 2) + 4 * GROUP;
+  constexpr int WB = KIND == Q8_0 ? GROUP * QK : GROUP * (QK / 2);  // the values' bytes
+  constexpr int OFF = KIND == Q8_0 ? 128 : KIND == Q4_0 ? 8 : 0;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__F16C__)
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 acc[R];
-  __m128 more[R];
-  for (int r = 0; r < R; r++) {
-    acc[r] = _mm512_setzero_ps();
-    more[r] = _mm_setzero_ps();
-  }
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* record = rec + b * rb;
-    __m512i a, c;
-    __mmask64 na = 0, nc = 0;
-    __m128 d4, m4 = _mm_setzero_ps();
+    const uint8_t* record = rec + b * RB;
+    __m512i w[8];
     if (KIND == Q8_0) {
-      const __m512i qa = _mm512_loadu_si512((const void*)record), qc = _mm512_loadu_si512((const void*)(record + 64));
-      na = _mm512_movepi8_mask(qa);
-      nc = _mm512_movepi8_mask(qc);
-      a = _mm512_abs_epi8(qa);
-      c = _mm512_abs_epi8(qc);
-      d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(record + 128)));
+      for (int k = 0; k < 8; k++) w[k] = _mm512_loadu_si512((const void*)(record + 64 * k));
     } else {
-      const __m512i q = _mm512_loadu_si512((const void*)record);
-      a = _mm512_and_si512(q, low);
-      c = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-      const __m128i h = _mm_loadu_si128((const __m128i*)(record + 64));
-      d4 = _mm_cvtph_ps(h);
-      m4 = KIND == Q4_1 ? _mm_cvtph_ps(_mm_srli_si128(h, 8)) : _mm_mul_ps(d4, _mm_set1_ps(-8.f));
+      for (int k = 0; k < 4; k++) {
+        const __m512i q = _mm512_loadu_si512((const void*)(record + 64 * k));
+        w[k] = _mm512_and_si512(q, low);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+      }
     }
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB)));
+    __m512 m16 = _mm512_setzero_ps();
+    if (KIND == Q4_1) m16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB + 2 * GROUP)));
     for (int r = 0; r < R; r++) {
       const int8_t* x = xq + r * in + b * QK;
-      __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)x));
-      __m512i xc = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(x + 16)));
-      if (KIND == Q8_0) {
-        xa = _mm512_mask_sub_epi8(xa, na, _mm512_setzero_si512(), xa);
-        xc = _mm512_mask_sub_epi8(xc, nc, _mm512_setzero_si512(), xc);
+      __m512i p = OFF ? _mm512_set1_epi32(-OFF * xi[r * nb + b]) : _mm512_setzero_si512();
+      for (int k = 0; k < 8; k++) {
+        int32_t four;
+        std::memcpy(&four, x + 4 * k, 4);
+        p = _mm512_dpbusd_epi32(p, w[k], _mm512_set1_epi32(four));
       }
-      const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a, xa), c, xc);
-      const __m128 s4 = _mm_mul_ps(d4, _mm_set1_ps(xd[r * nb + b]));
-      const __m512 s16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s16, acc[r]);
-      if (KIND != Q8_0) more[r] = _mm_fmadd_ps(m4, _mm_set1_ps(xs[r * nb + b]), more[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d16, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+      if (KIND == Q4_1) acc[r] = _mm512_fmadd_ps(m16, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; r++) {
-    alignas(64) float lanes[16];
-    alignas(16) float m[4];
-    _mm512_store_ps(lanes, acc[r]);
-    _mm_store_ps(m, more[r]);
-    for (int i = 0; i < 4; i++)
-      out[r * 4 + i] = (lanes[4 * i] + lanes[4 * i + 1]) + (lanes[4 * i + 2] + lanes[4 * i + 3]) + m[i];
-  }
-  (void)extra;
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * GROUP, acc[r]);
 #elif defined(__AVX2__) && defined(__F16C__)
-  // 256-bit: rows 0-1 in one register, rows 2-3 in another.
-  const __m256i low = _mm256_set1_epi8(0x0f);
-  const __m256i spread01 = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), spread23 = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
-  __m256 acc0[R], acc1[R];
-  __m128 more[R];
-  for (int r = 0; r < R; r++) {
-    acc0[r] = acc1[r] = _mm256_setzero_ps();
-    more[r] = _mm_setzero_ps();
-  }
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* record = rec + b * rb;
-    __m256i qa0, qa1, qc0, qc1;  // rows 0-1 / 2-3, values 0-15 / 16-31
-    __m128 d4, m4 = _mm_setzero_ps();
-    if (KIND == Q8_0) {
-      qa0 = _mm256_loadu_si256((const __m256i*)record);
-      qa1 = _mm256_loadu_si256((const __m256i*)(record + 32));
-      qc0 = _mm256_loadu_si256((const __m256i*)(record + 64));
-      qc1 = _mm256_loadu_si256((const __m256i*)(record + 96));
-      d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(record + 128)));
-    } else {
-      const __m256i q0 = _mm256_loadu_si256((const __m256i*)record), q1 = _mm256_loadu_si256((const __m256i*)(record + 32));
-      qa0 = _mm256_and_si256(q0, low);
-      qa1 = _mm256_and_si256(q1, low);
-      qc0 = _mm256_and_si256(_mm256_srli_epi16(q0, 4), low);
-      qc1 = _mm256_and_si256(_mm256_srli_epi16(q1, 4), low);
-      const __m128i h = _mm_loadu_si128((const __m128i*)(record + 64));
-      d4 = _mm_cvtph_ps(h);
-      m4 = KIND == Q4_1 ? _mm_cvtph_ps(_mm_srli_si128(h, 8)) : _mm_mul_ps(d4, _mm_set1_ps(-8.f));
-    }
-    for (int r = 0; r < R; r++) {
-      const int8_t* x = xq + r * in + b * QK;
-      const __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)x));
-      const __m256i xc = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(x + 16)));
-      __m256i p0, p1;
-      if (KIND == Q8_0) {
-        p0 = _mm256_add_epi32(dot_u8s8(_mm256_sign_epi8(qa0, qa0), _mm256_sign_epi8(xa, qa0)),
-                              dot_u8s8(_mm256_sign_epi8(qc0, qc0), _mm256_sign_epi8(xc, qc0)));
-        p1 = _mm256_add_epi32(dot_u8s8(_mm256_sign_epi8(qa1, qa1), _mm256_sign_epi8(xa, qa1)),
-                              dot_u8s8(_mm256_sign_epi8(qc1, qc1), _mm256_sign_epi8(xc, qc1)));
+  // 256-bit: rows 0-7 and rows 8-15 of each 64-byte piece in turn.
+  const __m256i low = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
+  for (int half = 0; half < 2; half++) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* record = rec + b * RB + 32 * half;
+      __m256i w[8];
+      if (KIND == Q8_0) {  // back to signed: |w| times x's sign keeps maddubs' pairs from saturating
+        for (int k = 0; k < 8; k++) w[k] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(record + 64 * k)), flip);
       } else {
-        p0 = _mm256_add_epi32(dot_u8s8(qa0, xa), dot_u8s8(qc0, xc));
-        p1 = _mm256_add_epi32(dot_u8s8(qa1, xa), dot_u8s8(qc1, xc));
+        for (int k = 0; k < 4; k++) {
+          const __m256i q = _mm256_loadu_si256((const __m256i*)(record + 64 * k));
+          w[k] = _mm256_and_si256(q, low);
+          w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+        }
       }
-      const __m256 s8 = _mm256_castps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(xd[r * nb + b])));
-      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_permutevar8x32_ps(s8, spread01), acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_permutevar8x32_ps(s8, spread23), acc1[r]);
-      if (KIND != Q8_0) more[r] = _mm_fmadd_ps(m4, _mm_set1_ps(xs[r * nb + b]), more[r]);
-    }
-  }
-  for (int r = 0; r < R; r++) {
-    alignas(32) float l0[8], l1[8];
-    alignas(16) float m[4];
-    _mm256_store_ps(l0, acc0[r]);
-    _mm256_store_ps(l1, acc1[r]);
-    _mm_store_ps(m, more[r]);
-    const float* lanes[2] = {l0, l1};
-    for (int i = 0; i < 4; i++) {
-      const float* l = lanes[i / 2] + 4 * (i % 2);
-      out[r * 4 + i] = (l[0] + l[1]) + (l[2] + l[3]) + m[i];
-    }
-  }
-  (void)extra;
-#else
-  float acc[R][4];
-  for (int r = 0; r < R; r++)
-    for (int i = 0; i < 4; i++) acc[r][i] = 0.f;
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* record = rec + b * rb;
-    const uint8_t* halves = record + (KIND == Q8_0 ? 4 * QK : 4 * (QK / 2));
-    for (int i = 0; i < 4; i++) {
-      const float d = half_to_float(read_u16(halves + 2 * i));
-      const float m = KIND == Q4_1 ? half_to_float(read_u16(halves + 8 + 2 * i)) : -8.f * d;
+      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(record - 32 * half + WB + 16 * half)));
+      __m256 m8 = _mm256_setzero_ps();
+      if (KIND == Q4_1) m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(record - 32 * half + WB + 2 * GROUP + 16 * half)));
       for (int r = 0; r < R; r++) {
         const int8_t* x = xq + r * in + b * QK;
-        int sum = 0;
-        if (KIND == Q8_0) {
-          const int8_t* qa = (const int8_t*)record + 16 * i;
-          const int8_t* qc = (const int8_t*)record + 64 + 16 * i;
-          for (int j = 0; j < 16; j++) sum += qa[j] * x[j] + qc[j] * x[j + 16];
-        } else {
-          const uint8_t* q = record + 16 * i;
-          for (int j = 0; j < 16; j++) sum += (q[j] & 0x0f) * x[j] + (q[j] >> 4) * x[j + 16];
-          extra[r][i] += m * xs[r * nb + b];
+        __m256i p = KIND == Q4_0 ? _mm256_set1_epi32(-OFF * xi[r * nb + b]) : _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) {
+          int32_t four;
+          std::memcpy(&four, x + 4 * k, 4);
+          const __m256i xb = _mm256_set1_epi32(four);
+          if (KIND == Q8_0) {
+            p = _mm256_add_epi32(p, dot_u8s8(_mm256_sign_epi8(w[k], w[k]), _mm256_sign_epi8(xb, w[k])));
+          } else {
+            p = _mm256_add_epi32(p, dot_u8s8(w[k], xb));
+          }
         }
-        acc[r][i] += d * xd[r * nb + b] * (float)sum;
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+        if (KIND == Q4_1) acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * GROUP + 8 * half, acc[r]);
+  }
+#else
+  float acc[R][GROUP];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < GROUP; i++) acc[r][i] = 0.f;
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* record = rec + b * RB;
+    for (int i = 0; i < GROUP; i++) {
+      const float d = half_to_float(read_u16(record + WB + 2 * i));
+      const float m = KIND == Q4_1 ? half_to_float(read_u16(record + WB + 2 * GROUP + 2 * i)) : 0.f;
+      for (int r = 0; r < R; r++) {
+        const int8_t* x = xq + r * in + b * QK;
+        int32_t sum = -OFF * xi[r * nb + b];
+        for (int k = 0; k < 8; k++)
+          for (int t = 0; t < 4; t++) {
+            int q;
+            if (KIND == Q8_0) {
+              q = record[64 * k + 4 * i + t];
+            } else {
+              const uint8_t byte = record[64 * (k % 4) + 4 * i + t];
+              q = k < 4 ? byte & 0x0f : byte >> 4;
+            }
+            sum += q * x[4 * k + t];
+          }
+        acc[r][i] = std::fma((float)sum, d * xd[r * nb + b], acc[r][i]);
+        if (KIND == Q4_1) acc[r][i] = std::fma(m, xs[r * nb + b], acc[r][i]);
       }
     }
   }
   for (int r = 0; r < R; r++)
-    for (int i = 0; i < 4; i++) out[r * 4 + i] = acc[r][i] + extra[r][i];
+    for (int i = 0; i < GROUP; i++) out[r * GROUP + i] = acc[r][i];
 #endif
 }
 
+// -- AMX: sixteen activation rows at a time -------------------------------------------------------
+//
+// Where the CPU has AMX-INT8 and Linux grants its tile state, a group's block for 16 activation
+// rows is one tile product: tile A the rows' 32 int8 values (signed), tile B the record's values as
+// it stands (Q8_0's are unsigned, + 128; Q4's nibbles are unpacked to bytes first), C[m][n] the
+// exact integer sum over the block. The sums then take the same float steps, in the same order,
+// as dot_group's (the offset, d * xd, Q4_1's m * xs), so a row comes out bit for bit as it does
+// alone through dot_group: which path served a row never shows.
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__) && defined(__linux__)
+#define PHI2_AMX 1
+
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long GET_PERM = 0x1022, REQ_PERM = 0x1023, XTILEDATA = 18;
+    unsigned long features = 0;
+    if (syscall(SYS_arch_prctl, GET_PERM, &features) == 0 && (features & (1ul << XTILEDATA))) return true;
+    if (syscall(SYS_arch_prctl, REQ_PERM, XTILEDATA) != 0) return false;
+    return syscall(SYS_arch_prctl, GET_PERM, &features) == 0 && (features & (1ul << XTILEDATA));
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (16 x 16 int32) for four blocks in flight; 4-5: A (16 rows x 32 bytes); 6-7: B (8 rows x 64 bytes).
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = t >= 6 ? QK / 4 : 16;
+    config.colsb[t] = t == 4 || t == 5 ? QK : 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// out [16][16]: 16 activation rows (xq padded to 16 rows) against one group.
+template <int KIND>
+inline void tile_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                       const int32_t* xi, int64_t in, float* out) {
+  constexpr int RB = KIND == Q8_0 ? GROUP * QK + 2 * GROUP : GROUP * (QK / 2) + 4 * GROUP;
+  constexpr int WB = KIND == Q8_0 ? GROUP * QK : GROUP * (QK / 2);
+  constexpr int OFF = KIND == Q8_0 ? 128 : KIND == Q4_0 ? 8 : 0;
+  alignas(64) int32_t sums[4][16 * 16];
+  alignas(64) uint8_t values[4][8 * 64];
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int m = 0; m < 16; m++) _mm512_storeu_ps(out + m * GROUP, _mm512_setzero_ps());
+  auto weights = [&](int64_t b, int slot) -> const void* {
+    const uint8_t* record = rec + b * RB;
+    if (KIND == Q8_0) return record;
+    for (int k = 0; k < 4; k++) {
+      const __m512i q = _mm512_loadu_si512((const void*)(record + 64 * k));
+      _mm512_store_si512((void*)(values[slot] + 64 * k), _mm512_and_si512(q, low));
+      _mm512_store_si512((void*)(values[slot] + 64 * (k + 4)), _mm512_and_si512(_mm512_srli_epi16(q, 4), low));
+    }
+    return values[slot];
+  };
+  for (int64_t b = 0; b < nb; b += 4) {
+    const int n = (int)std::min<int64_t>(4, nb - b);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, xq + b * QK, in);
+    _tile_loadd(6, weights(b, 0), 64);
+    _tile_dpbsud(0, 4, 6);
+    if (n > 1) {
+      _tile_loadd(5, xq + (b + 1) * QK, in);
+      _tile_loadd(7, weights(b + 1, 1), 64);
+      _tile_dpbsud(1, 5, 7);
+    }
+    if (n > 2) {
+      _tile_loadd(4, xq + (b + 2) * QK, in);
+      _tile_loadd(6, weights(b + 2, 2), 64);
+      _tile_dpbsud(2, 4, 6);
+    }
+    if (n > 3) {
+      _tile_loadd(5, xq + (b + 3) * QK, in);
+      _tile_loadd(7, weights(b + 3, 3), 64);
+      _tile_dpbsud(3, 5, 7);
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+    __m512 d16[4], m16[4];
+    for (int j = 0; j < n; j++) {
+      const uint8_t* record = rec + (b + j) * RB;
+      d16[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB)));
+      m16[j] = KIND == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB + 2 * GROUP)))
+                            : _mm512_setzero_ps();
+    }
+    for (int m = 0; m < 16; m++) {
+      __m512 acc = _mm512_loadu_ps(out + m * GROUP);
+      for (int j = 0; j < n; j++) {  // the blocks in order, as dot_group takes them
+        const int64_t at = m * nb + b + j;
+        __m512i p = _mm512_load_si512((const void*)(sums[j] + 16 * m));
+        if (OFF) p = _mm512_add_epi32(_mm512_set1_epi32(-OFF * xi[at]), p);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d16[j], _mm512_set1_ps(xd[at])), acc);
+        if (KIND == Q4_1) acc = _mm512_fmadd_ps(m16[j], _mm512_set1_ps(xs[at]), acc);
+      }
+      _mm512_storeu_ps(out + m * GROUP, acc);
+    }
+  }
+}
+#else
+bool amx_granted() { return false; }
+#endif
+
+constexpr int GROUP_ROWS = 4;  // activation rows a group's block values are loaded for
+
+constexpr int64_t TILE_MIN_ROWS = 8;  // from this many activation rows, AMX's tiles where granted
+
 template <int KIND>
 void packed_product(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out_features, float* y) {
-  const int64_t nb = in / QK, groups = out_features / 4, group_bytes = nb * record_bytes(KIND);
-  std::vector<int8_t> xq(rows * in);
-  std::vector<float> xd(rows * nb), xs(rows * nb);
+  const int64_t nb = in / QK, groups = out_features / GROUP, group_bytes = nb * record_bytes(KIND);
+#ifdef PHI2_AMX
+  const bool tiles = rows >= TILE_MIN_ROWS && amx_granted();
+#else
+  const bool tiles = false;
+#endif
+  const int64_t padded = tiles ? (rows + 15) / 16 * 16 : rows;  // tile loads read 16 rows
+  std::vector<int8_t> xq(padded * in, 0);
+  std::vector<float> xd(padded * nb, 0.f), xs(padded * nb, 0.f);
+  std::vector<int32_t> xi(padded * nb, 0);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) quantize_row(x + r * in, in, &xq[r * in], &xd[r * nb], &xs[r * nb]);
+    for (int64_t r = begin; r < end; r++) {
+      quantize_row(x + r * in, in, &xq[r * in], &xd[r * nb], &xs[r * nb], &xi[r * nb]);
+    }
   });
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(8, groups / (4 * at::get_num_threads())));
+#ifdef PHI2_AMX
+  if (tiles) {
+    // a group's blocks stay in L1 over up to 1 MB of activations (from L2)
+    const int64_t span = std::max<int64_t>(16, (1 << 20) / in / 16 * 16);
+    for (int64_t tile = 0; tile < padded; tile += span) {
+      const int64_t tile_rows = std::min(span, padded - tile);
+      at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+        configure_tiles();
+        alignas(64) float part[16 * GROUP];
+        for (int64_t g = begin; g < end; g++) {
+          for (int64_t r = tile; r < tile + tile_rows; r += 16) {
+            tile_group<KIND>(w + g * group_bytes, nb, &xq[r * in], &xd[r * nb], &xs[r * nb], &xi[r * nb], in, part);
+            for (int64_t k = 0; k < 16 && r + k < rows; k++)
+              std::memcpy(y + (r + k) * out_features + GROUP * g, part + GROUP * k, GROUP * sizeof(float));
+          }
+        }
+        _tile_release();
+      });
+    }
+    return;
+  }
+#endif
   for (int64_t tile = 0; tile < rows; tile += X_TILE) {
     const int64_t tile_rows = std::min(X_TILE, rows - tile);
-    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(16, groups / (4 * at::get_num_threads())));
     at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-      float part[ROW_TILE * 4];
+      float part[GROUP_ROWS * GROUP];
       for (int64_t g = begin; g < end; g++) {
         const uint8_t* wg = w + g * group_bytes;
         int64_t r = tile;
-        for (; r + ROW_TILE <= tile + tile_rows; r += ROW_TILE) {
-          dot_groups<KIND, ROW_TILE>(wg, nb, &xq[r * in], &xd[r * nb], &xs[r * nb], in, part);
-          for (int k = 0; k < ROW_TILE; k++) std::memcpy(y + (r + k) * out_features + 4 * g, part + 4 * k, 16);
+        for (; r + GROUP_ROWS <= tile + tile_rows; r += GROUP_ROWS) {
+          dot_group<KIND, GROUP_ROWS>(wg, nb, &xq[r * in], &xd[r * nb], &xs[r * nb], &xi[r * nb], in, part);
+          for (int k = 0; k < GROUP_ROWS; k++)
+            std::memcpy(y + (r + k) * out_features + GROUP * g, part + GROUP * k, GROUP * sizeof(float));
         }
         for (; r < tile + tile_rows; r++) {
-          dot_groups<KIND, 1>(wg, nb, &xq[r * in], &xd[r * nb], &xs[r * nb], in, part);
-          std::memcpy(y + r * out_features + 4 * g, part, 16);
+          dot_group<KIND, 1>(wg, nb, &xq[r * in], &xd[r * nb], &xs[r * nb], &xi[r * nb], in, part);
+          std::memcpy(y + r * out_features + GROUP * g, part, GROUP * sizeof(float));
         }
       }
     });
   }
 }
 
-// raw GGUF rows <-> four-row records (out_features a multiple of 4)
+// raw GGUF rows <-> sixteen-row records (out_features a multiple of 16)
 void pack_group(const uint8_t* raw, int64_t row_bytes, int kind, int64_t nb, uint8_t* out) {
   const int bb = block_bytes(kind), rb = record_bytes(kind);
+  const int wb = kind == Q8_0 ? GROUP * QK : GROUP * (QK / 2), lead = kind == Q4_1 ? 4 : 2;
   for (int64_t b = 0; b < nb; b++) {
     uint8_t* record = out + b * rb;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < GROUP; i++) {
       const uint8_t* block = raw + i * row_bytes + b * bb;
-      if (kind == Q8_0) {
-        std::memcpy(record + 16 * i, block + 2, 16);
-        std::memcpy(record + 64 + 16 * i, block + 18, 16);
-        std::memcpy(record + 128 + 2 * i, block, 2);
-      } else {
-        std::memcpy(record + 16 * i, block + (kind == Q4_1 ? 4 : 2), 16);
-        std::memcpy(record + 64 + 2 * i, block, 2);
+      const int pieces = kind == Q8_0 ? 8 : 4;
+      for (int k = 0; k < pieces; k++)
+        for (int t = 0; t < 4; t++)
+          record[64 * k + 4 * i + t] = kind == Q8_0 ? (uint8_t)(block[lead + 4 * k + t] ^ 0x80) : block[lead + 4 * k + t];
+      std::memcpy(record + wb + 2 * i, block, 2);
+      if (kind != Q8_0) {
         if (kind == Q4_1) {
-          std::memcpy(record + 72 + 2 * i, block + 2, 2);
-        } else {  // Q4_0: no minimum stored (the kernels take -8 d)
-          std::memset(record + 72 + 2 * i, 0, 2);
+          std::memcpy(record + wb + 2 * GROUP + 2 * i, block + 2, 2);
+        } else {  // Q4_0: no minimum stored (its offset of 8 is taken in the integer sums)
+          std::memset(record + wb + 2 * GROUP + 2 * i, 0, 2);
         }
       }
     }
@@ -475,19 +609,17 @@ void pack_group(const uint8_t* raw, int64_t row_bytes, int kind, int64_t nb, uin
 
 void unpack_group(const uint8_t* packed, int kind, int64_t nb, int64_t row_bytes, uint8_t* raw) {
   const int bb = block_bytes(kind), rb = record_bytes(kind);
+  const int wb = kind == Q8_0 ? GROUP * QK : GROUP * (QK / 2), lead = kind == Q4_1 ? 4 : 2;
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* record = packed + b * rb;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < GROUP; i++) {
       uint8_t* block = raw + i * row_bytes + b * bb;
-      if (kind == Q8_0) {
-        std::memcpy(block, record + 128 + 2 * i, 2);
-        std::memcpy(block + 2, record + 16 * i, 16);
-        std::memcpy(block + 18, record + 64 + 16 * i, 16);
-      } else {
-        std::memcpy(block, record + 64 + 2 * i, 2);
-        if (kind == Q4_1) std::memcpy(block + 2, record + 72 + 2 * i, 2);
-        std::memcpy(block + (kind == Q4_1 ? 4 : 2), record + 16 * i, 16);
-      }
+      const int pieces = kind == Q8_0 ? 8 : 4;
+      for (int k = 0; k < pieces; k++)
+        for (int t = 0; t < 4; t++)
+          block[lead + 4 * k + t] = kind == Q8_0 ? (uint8_t)(record[64 * k + 4 * i + t] ^ 0x80) : record[64 * k + 4 * i + t];
+      std::memcpy(block, record + wb + 2 * i, 2);
+      if (kind == Q4_1) std::memcpy(block + 2, record + wb + 2 * GROUP + 2 * i, 2);
     }
   }
 }
@@ -516,17 +648,17 @@ void dequantize_row(const uint8_t* w, int kind, int64_t in, float* out) {
 }  // namespace
 
 // x [rows, in] float32 times the transpose of w (out_features rows of `kind` blocks): [rows, out].
-constexpr int64_t PACKED = 100;  // a kind + PACKED: the four-row records
+constexpr int64_t PACKED = 100;  // a kind + PACKED: the sixteen-row records
 
 torch::Tensor pack(torch::Tensor raw, int64_t kind, int64_t in_features) {
-  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) % 4 == 0);
-  const int64_t nb = in_features / QK, groups = raw.size(0) / 4, row_bytes = raw.size(1);
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) % GROUP == 0);
+  const int64_t nb = in_features / QK, groups = raw.size(0) / GROUP, row_bytes = raw.size(1);
   TORCH_CHECK(row_bytes == nb * block_bytes(kind), "raw's row size");
   auto out = torch::empty({groups, nb * record_bytes(kind)}, raw.options());
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g++) pack_group(rp + 4 * g * row_bytes, row_bytes, (int)kind, nb, op + g * out.size(1));
+    for (int64_t g = begin; g < end; g++) pack_group(rp + GROUP * g * row_bytes, row_bytes, (int)kind, nb, op + g * out.size(1));
   });
   return out;
 }
@@ -534,17 +666,17 @@ torch::Tensor pack(torch::Tensor raw, int64_t kind, int64_t in_features) {
 torch::Tensor unpack(torch::Tensor packed, int64_t kind, int64_t in_features) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous());
   const int64_t nb = in_features / QK, groups = packed.size(0), row_bytes = nb * block_bytes(kind);
-  auto raw = torch::empty({4 * groups, row_bytes}, packed.options());
+  auto raw = torch::empty({GROUP * groups, row_bytes}, packed.options());
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   uint8_t* rp = raw.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g++) unpack_group(pp + g * packed.size(1), (int)kind, nb, row_bytes, rp + 4 * g * row_bytes);
+    for (int64_t g = begin; g < end; g++) unpack_group(pp + g * packed.size(1), (int)kind, nb, row_bytes, rp + GROUP * g * row_bytes);
   });
   return raw;
 }
 
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_features) {
-  const bool packed = kind >= PACKED;  // four-row records [out / 4, records], else rows [out, blocks]
+  const bool packed = kind >= PACKED;  // sixteen-row records [out / 16, records], else rows [out, blocks]
   if (packed) kind -= PACKED;
   TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, "unsupported block type ", kind);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == in_features, "x: float32 [rows, in]");
@@ -552,7 +684,7 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_feat
   const int64_t unit = packed ? record_bytes(kind) : block_bytes(kind);
   TORCH_CHECK(in_features % QK == 0 && w.size(1) == in_features / QK * unit, "w's row size");
   x = x.contiguous();
-  const int64_t rows = x.size(0), out_features = (packed ? 4 : 1) * w.size(0);
+  const int64_t rows = x.size(0), out_features = (packed ? GROUP : 1) * w.size(0);
   auto y = torch::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
   using Product = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*);
@@ -887,7 +1019,7 @@ class Step {
 // Which SIMD path this build took, for /model/info and the logs.
 std::string simd() {
 #if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return "avx2+avx512vnni";
+  return amx_granted() ? "avx2+avx512vnni+amx" : "avx2+avx512vnni";
 #elif defined(__AVX2__) && defined(__AVXVNNI__)
   return "avx2+avxvnni";
 #elif defined(__AVX2__)
@@ -899,8 +1031,8 @@ std::string simd() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "x @ w.T for block-quantized w");
-  m.def("pack", &pack, "raw GGUF rows to four-row records");
-  m.def("unpack", &unpack, "four-row records to raw GGUF rows");
+  m.def("pack", &pack, "raw GGUF rows to sixteen-row records");
+  m.def("unpack", &unpack, "sixteen-row records to raw GGUF rows");
   m.def("dequantize", &dequantize, "block-quantized rows to float32");
   m.def("simd", &simd, "the SIMD path compiled");
   pybind11::class_<Step>(m, "Step", pybind11::module_local())  // builds for other targets load beside it (tests)

@@ -23,7 +23,8 @@ from backends.torch_quant import QuantizedWeight
 KINDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 NAMES = {kind: name for name, kind in KINDS.items()}
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-PACKED = 100  # a kind + PACKED: cpu_kernels.cpp's four-row records
+PACKED = 100  # a kind + PACKED: cpu_kernels.cpp's sixteen-row records
+GROUP = 16  # rows a record interleaves
 QK = 32
 
 
@@ -37,14 +38,15 @@ class BlockWeight(QuantizedWeight):
             raise ValueError(f"{NAMES[kind]} rows of {raw.shape[1]} bytes do not hold {in_features} channels")
         self.raw, self.ggml_type = raw.contiguous(), kind
         self.out_features, self.in_features = raw.shape[0], in_features
-        self.packed: torch.Tensor | None = None  # four rows interleaved (`pack`), in place of `raw`
+        self.packed: torch.Tensor | None = None  # sixteen rows interleaved (`pack`), in place of `raw`
 
     def pack(self, into=None) -> None:
-        """Four rows' blocks side by side (cpu_kernels.cpp's records: a third of the instructions
-        a product), in place of the rows as stored; `into(tensor)` gives where they go."""
+        """Sixteen rows' blocks interleaved (cpu_kernels.cpp's records: one dot-product
+        instruction covers 16 rows), in place of the rows as stored; `into(tensor)` gives where
+        they go."""
         from backends.cpu_kernels import kernels
 
-        if self.packed is not None or self.out_features % 4:
+        if self.packed is not None or self.out_features % GROUP:
             return
         packed = kernels().pack(self.raw, self.ggml_type, self.in_features)
         self.packed, self.raw = (into(packed) if into else packed), None
@@ -60,10 +62,10 @@ class BlockWeight(QuantizedWeight):
     @property
     def packed_nbytes(self) -> int:
         """Its bytes once packed (Q4_0's records hold a minimum slot its blocks do not)."""
-        if self.out_features % 4:
+        if self.out_features % GROUP:
             return self.nbytes
-        record = 4 * QK + 8 if self.ggml_type == KINDS["q8_0"] else 4 * (QK // 2) + 16
-        return self.out_features // 4 * self.in_features // QK * record
+        record = GROUP * QK + 2 * GROUP if self.ggml_type == KINDS["q8_0"] else GROUP * (QK // 2) + 4 * GROUP
+        return self.out_features // GROUP * self.in_features // QK * record
 
     @property
     def operand(self) -> tuple[torch.Tensor, int]:
@@ -218,7 +220,7 @@ def file_kind(file, folder=None) -> str | None:
 
 
 def rehome(weights: list[BlockWeight]) -> None:
-    """Pack the blocks four rows at a time (`BlockWeight.pack`) into one anonymous mapping backed
+    """Pack the blocks sixteen rows at a time (`BlockWeight.pack`) into one anonymous mapping backed
     by transparent huge pages, where the system offers them (Linux, THP `madvise` or `always`): a
     decode step reads every block once, and on 4 KB pages, in a VM, its page walks cost a third of
     a SmolLM2 step (BENCHMARKS.md, D-cpu-step). Elsewhere, or if the mapping fails, they are
@@ -250,7 +252,7 @@ def rehome(weights: list[BlockWeight]) -> None:
         return target
 
     for weight in weights:
-        if weight.out_features % 4:
+        if weight.out_features % GROUP:
             weight.raw = into(weight.raw)
         else:
             weight.pack(into)
