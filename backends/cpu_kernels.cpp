@@ -749,6 +749,95 @@ inline torch::Tensor maybe(const c10::optional<torch::Tensor>& t) { return t.has
 
 }  // namespace
 
+#if defined(__AVX512F__)
+// -- attention, 16 lanes at a time ---------------------------------------------------------------
+//
+// One query row's heads of a key-value group over its columns, for head dims of CH x 16: a page's
+// 16 keys' dot products in 16 registers, summed across lanes together (each lane's sum stays one
+// key's); the softmax with a polynomial exp (Cephes' expf, within 2 ulp); the values summed into
+// registers in column order. Every row takes these steps whatever else is in the call.
+
+inline __m512 sum_lanes16(__m512* a) {  // lane j: the sum of a[j]'s lanes
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xee));
+  const __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+  const __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, 0x88), _mm512_shuffle_f32x4(f01, f23, 0xdd));
+}
+
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// scores [group][n]; pages: the row's page ids; keys(page) / values(page): a page's first column.
+template <int CH, typename Keys, typename Values>
+inline void attend16(const float* q0, int64_t group, int64_t first, int64_t last, const int64_t* pages, float scale,
+                     float* scores, float* out, const Keys& keys, const Values& values) {
+  constexpr int64_t HD = CH * 16, P = 16;
+  const int64_t n = last - first + 1;
+  alignas(64) float lane[16];
+  for (int64_t start = first - first % P; start <= last; start += P) {  // every page the row covers
+    const float* page = keys(pages[start / P]);
+    for (int64_t g = 0; g < group; g++) {
+      const float* q = q0 + g * HD;
+      __m512 acc[16];
+      for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+      for (int c = 0; c < CH; c++) {
+        const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(page + j * HD + 16 * c), acc[j]);
+      }
+      _mm512_store_ps(lane, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+      const int64_t from = std::max(start, first), to = std::min(start + P - 1, last);
+      for (int64_t col = from; col <= to; col++) scores[g * n + (col - first)] = lane[col - start];
+    }
+  }
+  for (int64_t g = 0; g < group; g++) {
+    float* s = scores + g * n;
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+      top16 = _mm512_mask_max_ps(top16, m, top16, _mm512_maskz_loadu_ps(m, s + j));
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top16));
+    __m512 total16 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      total16 = _mm512_mask_add_ps(total16, m, total16, e);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
+    __m512 o[CH];
+    for (int c = 0; c < CH; c++) o[c] = _mm512_setzero_ps();
+    for (int64_t start = first - first % P; start <= last; start += P) {
+      const float* page = values(pages[start / P]);
+      const int64_t from = std::max(start, first), to = std::min(start + P - 1, last);
+      for (int64_t col = from; col <= to; col++) {
+        const __m512 p = _mm512_set1_ps(s[col - first]);
+        const float* v = page + (col - start) * HD;
+        for (int c = 0; c < CH; c++) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), o[c]);
+      }
+    }
+    for (int c = 0; c < CH; c++) _mm512_storeu_ps(out + g * HD + 16 * c, _mm512_mul_ps(o[c], inverse));
+  }
+}
+#endif
+
 class Step {
  public:
   Step(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, int64_t inner,
@@ -946,6 +1035,18 @@ class Step {
       float* scores = buffer.data();
       const int64_t* pages = tp + own[r] * table_width;
       const float* q0 = yp + r * width + head * group * head_dim_;
+#if defined(__AVX512F__)
+      const auto keys = [&](int64_t page) { return column(kv, 0, layer, head, page, 0); };
+      const auto values = [&](int64_t page) { return column(kv, 1, layer, head, page, 0); };
+      switch (head_dim_) {
+        case 16: return attend16<1>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 32: return attend16<2>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 64: return attend16<4>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 80: return attend16<5>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 96: return attend16<6>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 128: return attend16<8>(q0, group, first, last, pages, scale, scores, out, keys, values);
+      }
+#endif
       for (int64_t c = first; c <= last;) {  // a page's columns at a time
         const int64_t offset = c % PAGE, count = std::min(PAGE - offset, last + 1 - c);
         const float* keys = column(kv, 0, layer, head, pages[c / PAGE], offset);
