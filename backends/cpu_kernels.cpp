@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <cstdint>
 #include <cstring>
 
@@ -420,6 +422,8 @@ inline void dot_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const fl
 
 bool amx_granted() {
   static const bool granted = [] {
+    const char* off = std::getenv("PHI2_CPU_AMX");  // "0": the VNNI path only (the same results)
+    if (off && std::string(off) == "0") return false;
     constexpr long GET_PERM = 0x1022, REQ_PERM = 0x1023, XTILEDATA = 18;
     unsigned long features = 0;
     if (syscall(SYS_arch_prctl, GET_PERM, &features) == 0 && (features & (1ul << XTILEDATA))) return true;

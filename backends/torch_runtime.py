@@ -226,6 +226,13 @@ class TorchBackend(TokenizerMethods):
             from backends.ggml_blocks import BlockWeight, rehome
 
             rehome([weight for weight in quantized if isinstance(weight, BlockWeight)])
+        measured = None
+        if method and options.quantize and device == "cpu" and parameters >= CPU_BF16_MIN_PARAMETERS:
+            from backends.quant_check import check
+
+            # a requested method against the float default, on this CPU (quant_check.py)
+            float_dtype = pick_dtype("auto", device, lambda: parameters)
+            measured = check(method, quantized, torch.float32 if method in BLOCK_METHODS else dtype, float_dtype)
         if store and not restored:
             from backends import quant_store
 
@@ -245,7 +252,9 @@ class TorchBackend(TokenizerMethods):
             info = dataclasses.replace(info, context_length=window)
         backend.info = dataclasses.replace(
             info,
-            quantization=describe(method, quantized) if method else None,
+            quantization={**describe(method, quantized), **({"measured": measured} if measured else {})}
+            if method
+            else None,
             extra={
                 "parameters": parameters,
                 "weight_bytes": weight_bytes,
