@@ -12,19 +12,25 @@
 //
 // where xd is the activation block's scale and xs = xd * sum(xq). Built with g++ for the machine
 // it runs on (-march=native; backends/cpu_kernels.py): AVX2, with AVX512-VNNI's dpbusd where the
-// CPU has it, else plain C++. Every path computes each block's integer sum exactly and then the
-// same float steps in the same order, so a row comes out the same bits whichever path, and
-// whichever company, served it.
+// CPU has it, AMX-INT8's tiles for 8 or more activation rows where Linux grants them, else plain
+// C++. Every path computes each block's integer sum exactly and then the same float steps in the
+// same order, so a row's result is the same bits whichever path, and whichever company, served it.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <cstdint>
 #include <cstring>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -401,19 +407,165 @@ inline void dot_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const fl
 #endif
 }
 
+// -- AMX: sixteen activation rows at a time -------------------------------------------------------
+//
+// Where the CPU has AMX-INT8 and Linux grants its tile state, a group's block for 16 activation
+// rows is one tile product: tile A the rows' 32 int8 values (signed), tile B the record's values as
+// it stands (Q8_0's are unsigned, + 128; Q4's nibbles are unpacked to bytes first), C[m][n] the
+// exact integer sum over the block. The sums then take the same float steps, in the same order,
+// as dot_group's (the offset, d * xd, Q4_1's m * xs), so a row comes out bit for bit as it does
+// alone through dot_group: which path served a row never shows.
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__) && defined(__linux__)
+#define PHI2_AMX 1
+
+bool amx_granted() {
+  static const bool granted = [] {
+    const char* off = std::getenv("PHI2_CPU_AMX");  // "0": the VNNI path only (the same results)
+    if (off && std::string(off) == "0") return false;
+    constexpr long GET_PERM = 0x1022, REQ_PERM = 0x1023, XTILEDATA = 18;
+    unsigned long features = 0;
+    if (syscall(SYS_arch_prctl, GET_PERM, &features) == 0 && (features & (1ul << XTILEDATA))) return true;
+    if (syscall(SYS_arch_prctl, REQ_PERM, XTILEDATA) != 0) return false;
+    return syscall(SYS_arch_prctl, GET_PERM, &features) == 0 && (features & (1ul << XTILEDATA));
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (16 x 16 int32) for four blocks in flight; 4-5: A (16 rows x 32 bytes); 6-7: B (8 rows x 64 bytes).
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = t >= 6 ? QK / 4 : 16;
+    config.colsb[t] = t == 4 || t == 5 ? QK : 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// out [16][16]: 16 activation rows (xq padded to 16 rows) against one group.
+template <int KIND>
+inline void tile_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                       const int32_t* xi, int64_t in, float* out) {
+  constexpr int RB = KIND == Q8_0 ? GROUP * QK + 2 * GROUP : GROUP * (QK / 2) + 4 * GROUP;
+  constexpr int WB = KIND == Q8_0 ? GROUP * QK : GROUP * (QK / 2);
+  constexpr int OFF = KIND == Q8_0 ? 128 : KIND == Q4_0 ? 8 : 0;
+  alignas(64) int32_t sums[4][16 * 16];
+  alignas(64) uint8_t values[4][8 * 64];
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int m = 0; m < 16; m++) _mm512_storeu_ps(out + m * GROUP, _mm512_setzero_ps());
+  auto weights = [&](int64_t b, int slot) -> const void* {
+    const uint8_t* record = rec + b * RB;
+    if (KIND == Q8_0) return record;
+    for (int k = 0; k < 4; k++) {
+      const __m512i q = _mm512_loadu_si512((const void*)(record + 64 * k));
+      _mm512_store_si512((void*)(values[slot] + 64 * k), _mm512_and_si512(q, low));
+      _mm512_store_si512((void*)(values[slot] + 64 * (k + 4)), _mm512_and_si512(_mm512_srli_epi16(q, 4), low));
+    }
+    return values[slot];
+  };
+  for (int64_t b = 0; b < nb; b += 4) {
+    const int n = (int)std::min<int64_t>(4, nb - b);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, xq + b * QK, in);
+    _tile_loadd(6, weights(b, 0), 64);
+    _tile_dpbsud(0, 4, 6);
+    if (n > 1) {
+      _tile_loadd(5, xq + (b + 1) * QK, in);
+      _tile_loadd(7, weights(b + 1, 1), 64);
+      _tile_dpbsud(1, 5, 7);
+    }
+    if (n > 2) {
+      _tile_loadd(4, xq + (b + 2) * QK, in);
+      _tile_loadd(6, weights(b + 2, 2), 64);
+      _tile_dpbsud(2, 4, 6);
+    }
+    if (n > 3) {
+      _tile_loadd(5, xq + (b + 3) * QK, in);
+      _tile_loadd(7, weights(b + 3, 3), 64);
+      _tile_dpbsud(3, 5, 7);
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+    __m512 d16[4], m16[4];
+    for (int j = 0; j < n; j++) {
+      const uint8_t* record = rec + (b + j) * RB;
+      d16[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB)));
+      m16[j] = KIND == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB + 2 * GROUP)))
+                            : _mm512_setzero_ps();
+    }
+    for (int m = 0; m < 16; m++) {
+      __m512 acc = _mm512_loadu_ps(out + m * GROUP);
+      for (int j = 0; j < n; j++) {  // the blocks in order, as dot_group takes them
+        const int64_t at = m * nb + b + j;
+        __m512i p = _mm512_load_si512((const void*)(sums[j] + 16 * m));
+        if (OFF) p = _mm512_add_epi32(_mm512_set1_epi32(-OFF * xi[at]), p);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d16[j], _mm512_set1_ps(xd[at])), acc);
+        if (KIND == Q4_1) acc = _mm512_fmadd_ps(m16[j], _mm512_set1_ps(xs[at]), acc);
+      }
+      _mm512_storeu_ps(out + m * GROUP, acc);
+    }
+  }
+}
+#else
+bool amx_granted() { return false; }
+#endif
 
 constexpr int GROUP_ROWS = 4;  // activation rows a group's block values are loaded for
+
+constexpr int64_t TILE_MIN_ROWS = 8;  // from this many activation rows, AMX's tiles where granted
 
 template <int KIND>
 void packed_product(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out_features, float* y) {
   const int64_t nb = in / QK, groups = out_features / GROUP, group_bytes = nb * record_bytes(KIND);
-  std::vector<int8_t> xq(rows * in);
-  std::vector<float> xd(rows * nb), xs(rows * nb);
-  std::vector<int32_t> xi(rows * nb);
+#ifdef PHI2_AMX
+  const bool tiles = rows >= TILE_MIN_ROWS && amx_granted();
+#else
+  const bool tiles = false;
+#endif
+  const int64_t padded = tiles ? (rows + 15) / 16 * 16 : rows;  // tile loads read 16 rows
+  std::vector<int8_t> xq(padded * in, 0);
+  std::vector<float> xd(padded * nb, 0.f), xs(padded * nb, 0.f);
+  std::vector<int32_t> xi(padded * nb, 0);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; r++) quantize_row(x + r * in, in, &xq[r * in], &xd[r * nb], &xs[r * nb], &xi[r * nb]);
+    for (int64_t r = begin; r < end; r++) {
+      quantize_row(x + r * in, in, &xq[r * in], &xd[r * nb], &xs[r * nb], &xi[r * nb]);
+    }
   });
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(8, groups / (4 * at::get_num_threads())));
+#ifdef PHI2_AMX
+  if (tiles) {
+    // a group's blocks stay in L1 over up to 1 MB of activations (from L2)
+    const int64_t span = std::max<int64_t>(16, (1 << 20) / in / 16 * 16);
+    for (int64_t tile = 0; tile < padded; tile += span) {
+      const int64_t tile_rows = std::min(span, padded - tile);
+      at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+        configure_tiles();
+        alignas(64) float part[16 * GROUP];
+        for (int64_t g = begin; g < end; g++) {
+          for (int64_t r = tile; r < tile + tile_rows; r += 16) {
+            tile_group<KIND>(w + g * group_bytes, nb, &xq[r * in], &xd[r * nb], &xs[r * nb], &xi[r * nb], in, part);
+            for (int64_t k = 0; k < 16 && r + k < rows; k++)
+              std::memcpy(y + (r + k) * out_features + GROUP * g, part + GROUP * k, GROUP * sizeof(float));
+          }
+        }
+        _tile_release();
+      });
+    }
+    return;
+  }
+#endif
   for (int64_t tile = 0; tile < rows; tile += X_TILE) {
     const int64_t tile_rows = std::min(X_TILE, rows - tile);
     at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
@@ -972,7 +1124,7 @@ class Step {
 // Which SIMD path this build took, for /model/info and the logs.
 std::string simd() {
 #if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return "avx2+avx512vnni";
+  return amx_granted() ? "avx2+avx512vnni+amx" : "avx2+avx512vnni";
 #elif defined(__AVX2__) && defined(__AVXVNNI__)
   return "avx2+avxvnni";
 #elif defined(__AVX2__)

@@ -57,7 +57,8 @@ def test_dequantized_blocks_are_the_formats_values(name):
 def test_a_product_is_the_blocks_times_int8_activations(name, rows):
     """x's rows quantized to Q8_0 blocks (as llama.cpp's dot products take them), times the
     dequantized weight, in float64: what the kernel computes, up to float32 sums. Rows past a
-    tile of 64 and a remainder past groups of 4 are covered."""
+    tile of 64, a remainder past groups of 4 and (where AMX is granted) tiles of 16 padded are
+    covered."""
     block = BlockWeight.quantize(weights(), name)
     x = torch.randn(rows, block.in_features, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0.0  # an all-zero activation block
@@ -188,7 +189,7 @@ def float_family_backends(family_paths):
 
 
 def test_the_kernels_say_which_simd_path_they_took():
-    assert kernels().simd() in ("avx2+avx512vnni", "avx2+avxvnni", "avx2", "scalar")
+    assert kernels().simd() in ("avx2+avx512vnni+amx", "avx2+avx512vnni", "avx2+avxvnni", "avx2", "scalar")
 
 
 def test_without_a_compiler_block_weights_are_a_clear_startup_error(monkeypatch, tmp_path, tiny_path):
