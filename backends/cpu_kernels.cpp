@@ -566,8 +566,12 @@ void packed_product(const float* x, int64_t rows, int64_t in, const uint8_t* w, 
     return;
   }
 #endif
-  for (int64_t tile = 0; tile < rows; tile += X_TILE) {
-    const int64_t tile_rows = std::min(X_TILE, rows - tile);
+  // a group's blocks are read once per span of rows: as many rows as keep their activations
+  // within 1 MB (in L2), so a big matrix streams from memory a few times a prompt piece, not once
+  // every 64 rows
+  const int64_t span = std::max<int64_t>(X_TILE, (1 << 20) / in / GROUP_ROWS * GROUP_ROWS);
+  for (int64_t tile = 0; tile < rows; tile += span) {
+    const int64_t tile_rows = std::min(span, rows - tile);
     at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
       float part[GROUP_ROWS * GROUP];
       for (int64_t g = begin; g < end; g++) {
