@@ -369,6 +369,9 @@ class LoadOptions:
     prompt_lookup_tokens: int = -1
     prompt_cache_bytes: int | None = None  # PROMPT_CACHE_BYTES as the decoder gets it (the KV budget leaves it room)
     warmup: bool = True
+    # Torch on a CPU: time a PHI2_QUANTIZE method against the float default at start-up and refuse
+    # it where decoding would be slower (backends/quant_check.py); off for quality measurements.
+    speed_check: bool = True
 
 
 GiB = 1 << 30

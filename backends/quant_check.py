@@ -11,7 +11,8 @@ prompt piece), against float matrices of the same shapes in the dtype `auto` pic
 - slower over a prompt only: served (decoding is faster, and the weights smaller), with a
   warning in the log; /model/info's `quantization.measured` holds both figures either way.
 
-Below CPU_BF16_MIN_PARAMETERS the weights sit in the caches and the times are noise: not measured.
+Below CPU_BF16_MIN_PARAMETERS the weights sit in the caches and the times are noise: not measured;
+nor where LoadOptions.speed_check is off (bench.py --perplexity loads every method for its quality).
 """
 
 from __future__ import annotations

@@ -227,7 +227,13 @@ class TorchBackend(TokenizerMethods):
 
             rehome([weight for weight in quantized if isinstance(weight, BlockWeight)])
         measured = None
-        if method and options.quantize and device == "cpu" and parameters >= CPU_BF16_MIN_PARAMETERS:
+        if (
+            options.speed_check
+            and method
+            and options.quantize
+            and device == "cpu"
+            and parameters >= CPU_BF16_MIN_PARAMETERS
+        ):
             from backends.quant_check import check
 
             # a requested method against the float default, on this CPU (quant_check.py)

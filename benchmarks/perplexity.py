@@ -210,7 +210,10 @@ def perplexity_table(args) -> list[dict]:
         print(row_line(row, reference), flush=True)
 
     for label, quantize, dtype in TORCH_ROWS:
-        options = LoadOptions(model=spec, dtype=dtype, quantize=quantize, warmup=False, quantized_cache=False)
+        # every row is loaded for its quality, faster than the float default here or not
+        options = LoadOptions(
+            model=spec, dtype=dtype, quantize=quantize, warmup=False, quantized_cache=False, speed_check=False
+        )
         backend = load_backend("torch", options)
         if ids is None:
             ids = text_ids(backend, text, bos)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from test_real_model import FILE, load_file
+from test_real_model import FILE, KEPT_CACHE, load_file
 
 from backends import ModelLoadError, quant_check
 from backends.torch_runtime import pick_dtype
@@ -67,3 +67,15 @@ def test_the_default_and_small_models_are_not_measured(monkeypatch, tiny_path):
     assert "measured" not in tiny.info.quantization  # its weights sit in the caches: times are noise
     assert "measured" not in load_file("").info.quantization  # the file as stored: not an option asked for
     assert ran == []
+
+
+def test_quality_measurements_load_without_the_check(monkeypatch):
+    """benchmarks/perplexity.py loads every method for its quality, faster here or not."""
+    from backends import LoadOptions, load_backend
+
+    ran = scripted(monkeypatch, [])
+    options = LoadOptions(model=str(FILE), dtype="float32", quantize="int8", warmup=False, speed_check=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PHI2_CACHE_DIR", str(KEPT_CACHE))
+        backend = load_backend("torch", options)
+    assert "measured" not in backend.info.quantization and ran == []
