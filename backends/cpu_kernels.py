@@ -1,5 +1,5 @@
-"""The CPU's own kernels (backends/cpu_kernels.cpp): products over llama.cpp's block-quantized
-weights (Q8_0, Q4_0, Q4_1) and the whole decode step in one call.
+"""The CPU's own kernels: products over llama.cpp's block-quantized weights (Q8_0, Q4_0, Q4_1;
+backends/cpu_kernels.cpp) and the whole decode step in one call (backends/cpu_step.h).
 
 A decode step of a small model in torch's operators is mostly their launches (~200 a block,
 6,600-9,000 a SmolLM2 step) and its float32 weights' bytes (BENCHMARKS.md, D-cpu-step). llama.cpp
@@ -28,6 +28,7 @@ from backends import ModelLoadError
 log = logging.getLogger("phi2.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [SOURCE, Path(__file__).with_name("cpu_step.h")]  # the second is included by the first
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]  # errno-free: expf vectorizes (libmvec)
 
 _lock = threading.Lock()
@@ -50,7 +51,7 @@ def _cpu_flags() -> str:
 def _name(flags: list[str]) -> str:
     import torch
 
-    key = "\n".join([SOURCE.read_text(), " ".join(flags), _cpu_flags(), torch.__version__])
+    key = "\n".join([*(source.read_text() for source in SOURCES), " ".join(flags), _cpu_flags(), torch.__version__])
     return "phi2_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

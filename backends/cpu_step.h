@@ -1,0 +1,413 @@
+// The decode step in one call (backends/cpu_kernels.cpp includes this file after its products,
+// which the step's Linears use): norms, rotary, attention over the paged KV pool, activations.
+// Kept apart from the products so each file keeps to one job; built as one unit with them.
+
+#pragma once
+
+// -- the decode step ---------------------------------------------------------------------------
+//
+// One token for each of a batch's rows through every block, in one call: what the Python step
+// (backends/torch_model.decode_block) does in ~200 operator calls a block. Float32 activations;
+// each matrix float32 or block-quantized. Keys and values go to the paged pool
+// (backends/kv_pages: [2, layers, kv_heads, pages, PAGE, head_dim]) at the pages the table names.
+
+namespace {
+
+constexpr int64_t PAGE = 16;
+
+struct Linear {
+  torch::Tensor w, b;  // b undefined: no bias
+  int64_t kind = -1;   // -1: float32 [out, in]; else a block type
+  int64_t in = 0;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y = kind < 0 ? at::linear(x, w) : mm(x, w, kind, in);
+    if (b.defined()) y.add_(b);
+    return y;
+  }
+};
+
+struct Block {
+  torch::Tensor norm1_w, norm1_b, norm2_w, norm2_b, q_norm, k_norm;
+  Linear in, out, up, down;
+  int64_t window = 0;  // 0: none
+};
+
+template <typename F>
+void rows_parallel(int64_t n, int64_t grain, const F& f) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) f(i);
+  });
+}
+
+inline torch::Tensor maybe(const c10::optional<torch::Tensor>& t) { return t.has_value() ? *t : torch::Tensor(); }
+
+}  // namespace
+
+#if defined(__AVX512F__)
+// -- attention, 16 lanes at a time ---------------------------------------------------------------
+//
+// One query row's heads of a key-value group over its columns, for head dims of CH x 16: a page's
+// 16 keys' dot products in 16 registers, summed across lanes together (each lane's sum stays one
+// key's); the softmax with a polynomial exp (Cephes' expf, within 2 ulp); the values summed into
+// registers in column order. Every row takes these steps whatever else is in the call.
+
+inline __m512 sum_lanes16(__m512* a) {  // lane j: the sum of a[j]'s lanes
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xee));
+  const __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+  const __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, 0x88), _mm512_shuffle_f32x4(f01, f23, 0xdd));
+}
+
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// scores [group][n]; pages: the row's page ids; keys(page) / values(page): a page's first column.
+template <int CH, typename Keys, typename Values>
+inline void attend16(const float* q0, int64_t group, int64_t first, int64_t last, const int64_t* pages, float scale,
+                     float* scores, float* out, const Keys& keys, const Values& values) {
+  constexpr int64_t HD = CH * 16, P = 16;
+  const int64_t n = last - first + 1;
+  alignas(64) float lane[16];
+  for (int64_t start = first - first % P; start <= last; start += P) {  // every page the row covers
+    const float* page = keys(pages[start / P]);
+    for (int64_t g = 0; g < group; g++) {
+      const float* q = q0 + g * HD;
+      __m512 acc[16];
+      for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+      for (int c = 0; c < CH; c++) {
+        const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(page + j * HD + 16 * c), acc[j]);
+      }
+      _mm512_store_ps(lane, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+      const int64_t from = std::max(start, first), to = std::min(start + P - 1, last);
+      for (int64_t col = from; col <= to; col++) scores[g * n + (col - first)] = lane[col - start];
+    }
+  }
+  for (int64_t g = 0; g < group; g++) {
+    float* s = scores + g * n;
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+      top16 = _mm512_mask_max_ps(top16, m, top16, _mm512_maskz_loadu_ps(m, s + j));
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top16));
+    __m512 total16 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      total16 = _mm512_mask_add_ps(total16, m, total16, e);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
+    __m512 o[CH];
+    for (int c = 0; c < CH; c++) o[c] = _mm512_setzero_ps();
+    for (int64_t start = first - first % P; start <= last; start += P) {
+      const float* page = values(pages[start / P]);
+      const int64_t from = std::max(start, first), to = std::min(start + P - 1, last);
+      for (int64_t col = from; col <= to; col++) {
+        const __m512 p = _mm512_set1_ps(s[col - first]);
+        const float* v = page + (col - start) * HD;
+        for (int c = 0; c < CH; c++) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), o[c]);
+      }
+    }
+    for (int c = 0; c < CH; c++) _mm512_storeu_ps(out + g * HD + 16 * c, _mm512_mul_ps(o[c], inverse));
+  }
+}
+#endif
+
+class Step {
+ public:
+  Step(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, int64_t inner,
+       double eps, bool rms, bool parallel, bool gated, int64_t activation)
+      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), rotary_dim_(rotary_dim),
+        inner_(inner), eps_((float)eps), rms_(rms), parallel_(parallel), gated_(gated), activation_(activation) {
+    TORCH_CHECK(rotary_dim <= 512 && heads % kv_heads == 0, "unsupported attention shape");
+  }
+
+  void add_block(torch::Tensor norm1_w, c10::optional<torch::Tensor> norm1_b, torch::Tensor w_in, int64_t kind_in,
+                 c10::optional<torch::Tensor> b_in, torch::Tensor w_out, int64_t kind_out,
+                 c10::optional<torch::Tensor> b_out, c10::optional<torch::Tensor> norm2_w,
+                 c10::optional<torch::Tensor> norm2_b, c10::optional<torch::Tensor> w_up, int64_t kind_up,
+                 c10::optional<torch::Tensor> b_up, c10::optional<torch::Tensor> w_down, int64_t kind_down,
+                 c10::optional<torch::Tensor> b_down, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, int64_t window) {
+    Block b;
+    b.norm1_w = norm1_w;
+    b.norm1_b = maybe(norm1_b);
+    b.in = {w_in, maybe(b_in), kind_in, hidden_};
+    b.out = {w_out, maybe(b_out), kind_out, parallel_ ? heads_ * head_dim_ + inner_ : heads_ * head_dim_};
+    b.norm2_w = maybe(norm2_w);
+    b.norm2_b = maybe(norm2_b);
+    if (w_up.has_value()) b.up = {*w_up, maybe(b_up), kind_up, hidden_};
+    if (w_down.has_value()) b.down = {*w_down, maybe(b_down), kind_down, inner_};
+    b.q_norm = maybe(q_norm);
+    b.k_norm = maybe(k_norm);
+    b.window = window;
+    blocks_.push_back(b);
+  }
+
+  // x [n, hidden] float32: the embeddings of n tokens, through every block. Token i sits at
+  // positions[i] of the sequence whose pages are row owners[i] of table ([rows, width] int64 page
+  // ids); with advance[i] 0 it idles (nothing written, its output undefined). Every token's key
+  // and value are written before any attends, so the tokens of a prompt piece (one owner,
+  // consecutive positions) attend causally, as decode rows do; each token's output depends on
+  // its own row and its owner's columns only, never on the others in the call.
+  // kv [2, layers, kv_heads, pages, PAGE, head_dim]; cos, sin [positions, rotary_dim] (sin
+  // sign-folded, as backends/torch_model.rope_).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor owners, torch::Tensor advance,
+                        torch::Tensor table, torch::Tensor kv, torch::Tensor cos, torch::Tensor sin) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && kv.dtype() == torch::kFloat32 && kv.is_contiguous());
+    TORCH_CHECK(table.dtype() == torch::kInt64 && table.is_contiguous() && cos.is_contiguous() && sin.is_contiguous());
+    x = x.contiguous();
+    const int64_t batch = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t* pos = positions.contiguous().data_ptr<int64_t>();
+    const int64_t* adv = advance.contiguous().data_ptr<int64_t>();
+    owners = owners.contiguous();
+    const int64_t* own = owners.data_ptr<int64_t>();
+    TORCH_CHECK(positions.numel() == batch && owners.numel() == batch && advance.numel() == batch);
+    auto attention = torch::zeros({batch, q_size}, x.options());
+    for (size_t layer = 0; layer < blocks_.size(); layer++) {
+      const Block& b = blocks_[layer];
+      auto h = norm(x, b.norm1_w, b.norm1_b);
+      auto y = b.in(h);  // [batch, q + 2 kv (+ inner)]
+      place(y, b, layer, batch, pos, own, adv, table, kv, cos, sin);
+      attend(y, b, layer, batch, pos, own, adv, table, kv, attention);
+      if (parallel_) {
+        auto mixed = torch::empty({batch, q_size + inner_}, x.options());
+        mixed.narrow(1, 0, q_size).copy_(attention);
+        auto act = mixed.narrow(1, q_size, inner_);
+        act.copy_(y.narrow(1, q_size + 2 * kv_size, inner_));
+        activate(act);
+        x.add_(b.out(mixed));
+      } else {
+        x.add_(b.out(attention));
+        auto u = b.up(norm(x, b.norm2_w, b.norm2_b));
+        torch::Tensor g;
+        if (gated_) {
+          g = u.narrow(1, 0, inner_).contiguous();
+          activate(g);
+          g.mul_(u.narrow(1, inner_, inner_));
+        } else {
+          g = u;
+          activate(g);
+        }
+        x.add_(b.down(g));
+      }
+    }
+    return x;
+  }
+
+ private:
+  int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, inner_;
+  float eps_;
+  bool rms_, parallel_, gated_;
+  int64_t activation_;  // 0 silu, 1 gelu (tanh), 2 gelu (erf)
+  std::vector<Block> blocks_;
+
+  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) const {
+    const int64_t batch = x.size(0), n = x.size(1);
+    auto out = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    float* op = out.data_ptr<float>();
+    for (int64_t r = 0; r < batch; r++) {
+      const float* v = xp + r * n;
+      float* o = op + r * n;
+      if (rms_) {
+        float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = 0; i < n; i++) sq += v[i] * v[i];
+        const float scale = 1.f / std::sqrt(sq / (float)n + eps_);
+        for (int64_t i = 0; i < n; i++) o[i] = wp[i] * (v[i] * scale);
+      } else {
+        float mean = 0.f;
+#pragma omp simd reduction(+ : mean)
+        for (int64_t i = 0; i < n; i++) mean += v[i];
+        mean /= (float)n;
+        float var = 0.f;
+#pragma omp simd reduction(+ : var)
+        for (int64_t i = 0; i < n; i++) var += (v[i] - mean) * (v[i] - mean);
+        const float scale = 1.f / std::sqrt(var / (float)n + eps_);
+        for (int64_t i = 0; i < n; i++) o[i] = (v[i] - mean) * scale * wp[i] + (bp ? bp[i] : 0.f);
+      }
+    }
+    return out;
+  }
+
+  void head_norm(float* v, const float* w) const {
+    float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t i = 0; i < head_dim_; i++) sq += v[i] * v[i];
+    const float scale = 1.f / std::sqrt(sq / (float)head_dim_ + eps_);
+    for (int64_t i = 0; i < head_dim_; i++) v[i] = w[i] * (v[i] * scale);
+  }
+
+  void rope(float* v, const float* c, const float* s) const {
+    const int64_t half = rotary_dim_ / 2;
+    float rot[512];
+    for (int64_t i = 0; i < rotary_dim_; i++) rot[i] = v[i];
+    for (int64_t i = 0; i < rotary_dim_; i++) {
+      const float rolled = i < half ? rot[i + half] : rot[i - half];
+      v[i] = rot[i] * c[i] + rolled * s[i];
+    }
+  }
+
+  float* column(const torch::Tensor& kv, int64_t which, size_t layer, int64_t head, int64_t page, int64_t offset) const {
+    const int64_t pages = kv.size(3), layers = kv.size(1);
+    return kv.data_ptr<float>() + ((((which * layers + (int64_t)layer) * kv_heads_ + head) * pages + page) * PAGE + offset) * head_dim_;
+  }
+
+  // q and k normalized (Qwen3) and turned, k and v written to the pool: each decoding row.
+  void place(torch::Tensor& y, const Block& b, size_t layer, int64_t batch, const int64_t* pos, const int64_t* own,
+             const int64_t* adv, const torch::Tensor& table, const torch::Tensor& kv, const torch::Tensor& cos,
+             const torch::Tensor& sin) const {
+    const int64_t width = y.size(1), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t table_width = table.size(1);
+    float* yp = y.data_ptr<float>();
+    for (int64_t r = 0; r < batch; r++) {
+      if (!adv[r]) continue;
+      float* q = yp + r * width;
+      float* k = q + q_size;
+      float* v = k + kv_size;
+      const float* c = cos.data_ptr<float>() + pos[r] * rotary_dim_;
+      const float* s = sin.data_ptr<float>() + pos[r] * rotary_dim_;
+      for (int64_t head = 0; head < heads_; head++) {
+        if (b.q_norm.defined()) head_norm(q + head * head_dim_, b.q_norm.data_ptr<float>());
+        rope(q + head * head_dim_, c, s);
+      }
+      const int64_t page = table.data_ptr<int64_t>()[own[r] * table_width + pos[r] / PAGE], offset = pos[r] % PAGE;
+      for (int64_t head = 0; head < kv_heads_; head++) {
+        if (b.k_norm.defined()) head_norm(k + head * head_dim_, b.k_norm.data_ptr<float>());
+        rope(k + head * head_dim_, c, s);
+        std::memcpy(column(kv, 0, layer, head, page, offset), k + head * head_dim_, head_dim_ * sizeof(float));
+        std::memcpy(column(kv, 1, layer, head, page, offset), v + head * head_dim_, head_dim_ * sizeof(float));
+      }
+    }
+  }
+
+  // Each decoding row's query heads over its columns (its window's), a key-value head's group at a time.
+  void attend(const torch::Tensor& y, const Block& b, size_t layer, int64_t batch, const int64_t* pos,
+              const int64_t* own, const int64_t* adv, const torch::Tensor& table, const torch::Tensor& kv,
+              torch::Tensor& attention) const {
+    const int64_t width = y.size(1), group = heads_ / kv_heads_, table_width = table.size(1);
+    const float scale = 1.f / std::sqrt((float)head_dim_);
+    const float* yp = y.data_ptr<float>();
+    float* ap = attention.data_ptr<float>();
+    const int64_t* tp = table.data_ptr<int64_t>();
+    // Rows in zigzag order (first, last, second, second last, ...): a prompt piece's later rows
+    // attend to more columns, and each thread takes a contiguous run of items.
+    rows_parallel(batch * kv_heads_, 1, [&](int64_t item) {
+      const int64_t i = item / kv_heads_, head = item % kv_heads_;
+      const int64_t r = i % 2 == 0 ? i / 2 : batch - 1 - i / 2;
+      float* out = ap + r * heads_ * head_dim_ + head * group * head_dim_;
+      if (!adv[r]) {
+        std::memset(out, 0, group * head_dim_ * sizeof(float));
+        return;
+      }
+      const int64_t last = pos[r], first = b.window > 0 ? std::max<int64_t>(0, last - b.window + 1) : 0;
+      const int64_t n = last - first + 1;
+      thread_local std::vector<float> buffer;
+      if ((int64_t)buffer.size() < group * n) buffer.resize(group * n);
+      float* scores = buffer.data();
+      const int64_t* pages = tp + own[r] * table_width;
+      const float* q0 = yp + r * width + head * group * head_dim_;
+#if defined(__AVX512F__)
+      const auto keys = [&](int64_t page) { return column(kv, 0, layer, head, page, 0); };
+      const auto values = [&](int64_t page) { return column(kv, 1, layer, head, page, 0); };
+      switch (head_dim_) {
+        case 16: return attend16<1>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 32: return attend16<2>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 64: return attend16<4>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 80: return attend16<5>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 96: return attend16<6>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 128: return attend16<8>(q0, group, first, last, pages, scale, scores, out, keys, values);
+      }
+#endif
+      for (int64_t c = first; c <= last;) {  // a page's columns at a time
+        const int64_t offset = c % PAGE, count = std::min(PAGE - offset, last + 1 - c);
+        const float* keys = column(kv, 0, layer, head, pages[c / PAGE], offset);
+        for (int64_t j = 0; j < count; j++) {
+          const float* key = keys + j * head_dim_;
+          for (int64_t g = 0; g < group; g++) {
+            const float* q = q0 + g * head_dim_;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim_; d++) dot += q[d] * key[d];
+            scores[g * n + (c + j - first)] = dot * scale;
+          }
+        }
+        c += count;
+      }
+      for (int64_t g = 0; g < group; g++) {
+        float* sg = scores + g * n;
+        float top = sg[0];
+        for (int64_t j = 1; j < n; j++) top = std::fmax(top, sg[j]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; j++) {
+          sg[j] = expf(sg[j] - top);
+          total += sg[j];
+        }
+        const float inverse = 1.f / total;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) sg[j] *= inverse;
+        std::memset(out + g * head_dim_, 0, head_dim_ * sizeof(float));
+      }
+      for (int64_t c = first; c <= last;) {
+        const int64_t offset = c % PAGE, count = std::min(PAGE - offset, last + 1 - c);
+        const float* values = column(kv, 1, layer, head, pages[c / PAGE], offset);
+        for (int64_t j = 0; j < count; j++) {
+          const float* value = values + j * head_dim_;
+          for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * n + (c + j - first)];
+            float* o = out + g * head_dim_;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim_; d++) o[d] += p * value[d];
+          }
+        }
+        c += count;
+      }
+    });
+  }
+
+  void activate(torch::Tensor& t) const {
+    // t may be a strided view of rows: walk its rows
+    const int64_t rows = t.size(0), n = t.size(1), stride = t.stride(0);
+    float* base = t.data_ptr<float>();
+    const int64_t chunk = 1024;
+    const int64_t pieces = (n + chunk - 1) / chunk;
+    rows_parallel(rows * pieces, 4, [&](int64_t item) {
+      float* v = base + (item / pieces) * stride;
+      const int64_t start = (item % pieces) * chunk, end = std::min(n, start + chunk);
+      for (int64_t i = start; i < end; i++) {
+        const float z = v[i];
+        if (activation_ == 0) {
+          v[i] = z / (1.f + std::exp(-z));
+        } else if (activation_ == 1) {
+          v[i] = 0.5f * z * (1.f + std::tanh(0.7978845608028654f * (z + 0.044715f * z * z * z)));
+        } else {
+          v[i] = 0.5f * z * (1.f + std::erf(z * 0.7071067811865476f));
+        }
+      }
+    });
+  }
+};
