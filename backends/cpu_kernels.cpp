@@ -292,16 +292,27 @@ void product(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t
 // (Q8_0's 128, Q4_0's 8); then one multiply-add by d * xd (and, for Q4_1, m * xs) per block.
 
 constexpr int GROUP = 16;
-inline int record_bytes(int kind) { return kind == Q8_0 ? GROUP * QK + 2 * GROUP : GROUP * (QK / 2) + 4 * GROUP; }
-inline int weight_offset(int kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0; }
+constexpr int values_bytes(int kind) { return kind == Q8_0 ? GROUP * QK : GROUP * (QK / 2); }  // then the scales
+constexpr int record_bytes(int kind) { return values_bytes(kind) + (kind == Q8_0 ? 2 : 4) * GROUP; }
+constexpr int weight_offset(int kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0; }  // taken out of the sums
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__F16C__)
+// A block's 16 exact integer sums p (offset not yet taken out) into one activation row's 16
+// outputs: the float steps every AVX-512 path takes, in this order, so their rows agree bit for bit.
+template <int KIND>
+inline __m512 add_block(__m512 acc, __m512i p, __m512 d16, __m512 m16, int32_t xi, float xd, float xs) {
+  if (weight_offset(KIND)) p = _mm512_add_epi32(_mm512_set1_epi32(-weight_offset(KIND) * xi), p);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d16, _mm512_set1_ps(xd)), acc);
+  if (KIND == Q4_1) acc = _mm512_fmadd_ps(m16, _mm512_set1_ps(xs), acc);
+  return acc;
+}
+#endif
 
 // One group's 16 outputs for R activation rows: out [R][16].
 template <int KIND, int R>
 inline void dot_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
                       const int32_t* xi, int64_t in, float* out) {
-  constexpr int RB = KIND == Q8_0 ? GROUP * QK + 2 * GROUP : GROUP * (QK / 2) + 4 * GROUP;
-  constexpr int WB = KIND == Q8_0 ? GROUP * QK : GROUP * (QK / 2);  // the values' bytes
-  constexpr int OFF = KIND == Q8_0 ? 128 : KIND == Q4_0 ? 8 : 0;
+  constexpr int RB = record_bytes(KIND), WB = values_bytes(KIND), OFF = weight_offset(KIND);
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && defined(__F16C__)
   __m512 acc[R];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -323,14 +334,13 @@ inline void dot_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const fl
     if (KIND == Q4_1) m16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB + 2 * GROUP)));
     for (int r = 0; r < R; r++) {
       const int8_t* x = xq + r * in + b * QK;
-      __m512i p = OFF ? _mm512_set1_epi32(-OFF * xi[r * nb + b]) : _mm512_setzero_si512();
+      __m512i p = _mm512_setzero_si512();
       for (int k = 0; k < 8; k++) {
         int32_t four;
         std::memcpy(&four, x + 4 * k, 4);
         p = _mm512_dpbusd_epi32(p, w[k], _mm512_set1_epi32(four));
       }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d16, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
-      if (KIND == Q4_1) acc[r] = _mm512_fmadd_ps(m16, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+      acc[r] = add_block<KIND>(acc[r], p, d16, m16, xi[r * nb + b], xd[r * nb + b], xs[r * nb + b]);
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * GROUP, acc[r]);
@@ -453,9 +463,7 @@ inline void configure_tiles() {
 template <int KIND>
 inline void tile_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
                        const int32_t* xi, int64_t in, float* out) {
-  constexpr int RB = KIND == Q8_0 ? GROUP * QK + 2 * GROUP : GROUP * (QK / 2) + 4 * GROUP;
-  constexpr int WB = KIND == Q8_0 ? GROUP * QK : GROUP * (QK / 2);
-  constexpr int OFF = KIND == Q8_0 ? 128 : KIND == Q4_0 ? 8 : 0;
+  constexpr int RB = record_bytes(KIND), WB = values_bytes(KIND);
   alignas(64) int32_t sums[4][16 * 16];
   alignas(64) uint8_t values[4][8 * 64];
   const __m512i low = _mm512_set1_epi8(0x0f);
@@ -509,10 +517,7 @@ inline void tile_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const f
       __m512 acc = _mm512_loadu_ps(out + m * GROUP);
       for (int j = 0; j < n; j++) {  // the blocks in order, as dot_group takes them
         const int64_t at = m * nb + b + j;
-        __m512i p = _mm512_load_si512((const void*)(sums[j] + 16 * m));
-        if (OFF) p = _mm512_add_epi32(_mm512_set1_epi32(-OFF * xi[at]), p);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d16[j], _mm512_set1_ps(xd[at])), acc);
-        if (KIND == Q4_1) acc = _mm512_fmadd_ps(m16[j], _mm512_set1_ps(xs[at]), acc);
+        acc = add_block<KIND>(acc, _mm512_load_si512((const void*)(sums[j] + 16 * m)), d16[j], m16[j], xi[at], xd[at], xs[at]);
       }
       _mm512_storeu_ps(out + m * GROUP, acc);
     }
@@ -594,7 +599,7 @@ void packed_product(const float* x, int64_t rows, int64_t in, const uint8_t* w, 
 // raw GGUF rows <-> sixteen-row records (out_features a multiple of 16)
 void pack_group(const uint8_t* raw, int64_t row_bytes, int kind, int64_t nb, uint8_t* out) {
   const int bb = block_bytes(kind), rb = record_bytes(kind);
-  const int wb = kind == Q8_0 ? GROUP * QK : GROUP * (QK / 2), lead = kind == Q4_1 ? 4 : 2;
+  const int wb = values_bytes(kind), lead = kind == Q4_1 ? 4 : 2;
   for (int64_t b = 0; b < nb; b++) {
     uint8_t* record = out + b * rb;
     for (int i = 0; i < GROUP; i++) {
@@ -617,7 +622,7 @@ void pack_group(const uint8_t* raw, int64_t row_bytes, int kind, int64_t nb, uin
 
 void unpack_group(const uint8_t* packed, int kind, int64_t nb, int64_t row_bytes, uint8_t* raw) {
   const int bb = block_bytes(kind), rb = record_bytes(kind);
-  const int wb = kind == Q8_0 ? GROUP * QK : GROUP * (QK / 2), lead = kind == Q4_1 ? 4 : 2;
+  const int wb = values_bytes(kind), lead = kind == Q4_1 ? 4 : 2;
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* record = packed + b * rb;
     for (int i = 0; i < GROUP; i++) {

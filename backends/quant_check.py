@@ -18,12 +18,12 @@ nor where LoadOptions.speed_check is off (bench.py --perplexity loads every meth
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
 
 from backends import ModelLoadError
+from backends.torch_quant import best_time
 
 log = logging.getLogger("phi2_server.torch")
 
@@ -32,14 +32,8 @@ MATRICES = 4  # the first quantized matrices: one block's
 SLOWER = 1.1  # a margin for timing noise: refused only when clearly slower
 
 
-def _best_ms(fn, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
+def _best_ms(fn) -> float:
+    return best_time(fn) * 1e3
 
 
 def measure(weights, activation_dtype: torch.dtype, float_dtype: torch.dtype, timer=None) -> dict:

@@ -273,17 +273,18 @@ def _without_onednn(fn, *args):
 def _gemv_without_onednn(weight: torch.Tensor) -> bool:
     if weight.dtype not in _GEMV_WITHOUT_ONEDNN:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
-        onednn = _best_time(lambda: F.linear(x, weight))
-        _GEMV_WITHOUT_ONEDNN[weight.dtype] = _best_time(lambda: _without_onednn(F.linear, x, weight)) < 0.8 * onednn
+        onednn = best_time(lambda: F.linear(x, weight))
+        _GEMV_WITHOUT_ONEDNN[weight.dtype] = best_time(lambda: _without_onednn(F.linear, x, weight)) < 0.8 * onednn
     return _GEMV_WITHOUT_ONEDNN[weight.dtype]
 
 
-def _best_time(fn) -> float:
+def best_time(fn, repeats: int = 3) -> float:
+    """Seconds: the fastest of `repeats` calls of `fn`, after one to warm up."""
     import time
 
     fn()
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
@@ -302,7 +303,7 @@ def _weight_first(rows: int, weight: torch.Tensor) -> bool:
     key = (rows, weight.dtype)
     if key not in _WEIGHT_FIRST:
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        _WEIGHT_FIRST[key] = _best_time(lambda: weight @ x.t()) < 0.8 * _best_time(lambda: F.linear(x, weight))
+        _WEIGHT_FIRST[key] = best_time(lambda: weight @ x.t()) < 0.8 * best_time(lambda: F.linear(x, weight))
     return _WEIGHT_FIRST[key]
 
 

@@ -9,7 +9,6 @@ q4_0, packed as served), `x @ W.T` for each row count, best of repeated calls, i
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))  # the tree under test: the one it is run from
@@ -18,21 +17,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from backends.ggml_blocks import BlockWeight  # noqa: E402
+from backends.torch_quant import best_time  # noqa: E402
 
 SHAPES = {  # (out, in) of [q; k; v], o, [gate; up] or fc1, down or fc2
     "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
     "phi2": [(7680, 2560), (2560, 2560), (10240, 2560), (2560, 10240)],
 }
-
-
-def best_ms(fn, calls: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(calls):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
 
 
 def main() -> None:
@@ -54,12 +44,12 @@ def main() -> None:
         xh = [x.bfloat16() for x in xs]
         calls = max(3, min(50, 20_000_000_000 // (macs * rows)))
         line = {
-            "float32": best_ms(lambda: [F.linear(x, w) for x, w in zip(xs, floats, strict=True)], calls),
-            "bfloat16": best_ms(lambda: [F.linear(x, w) for x, w in zip(xh, halves, strict=True)], calls),
+            "float32": best_time(lambda: [F.linear(x, w) for x, w in zip(xs, floats, strict=True)], calls),
+            "bfloat16": best_time(lambda: [F.linear(x, w) for x, w in zip(xh, halves, strict=True)], calls),
         }
         for name, weights in blocks.items():
-            line[name] = best_ms(lambda ws=weights: [w.linear(x) for x, w in zip(xs, ws, strict=True)], calls)
-        print(f"rows {rows:4d}: " + "  ".join(f"{k} {v:8.2f} ms" for k, v in line.items()), flush=True)
+            line[name] = best_time(lambda ws=weights: [w.linear(x) for x, w in zip(xs, ws, strict=True)], calls)
+        print(f"rows {rows:4d}: " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in line.items()), flush=True)
 
 
 if __name__ == "__main__":
