@@ -19,6 +19,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -523,6 +525,150 @@ inline void tile_group(const uint8_t* rec, int64_t nb, const int8_t* xq, const f
     }
   }
 }
+// -- AMX-BF16: prompt tokens -------------------------------------------------------------------
+//
+// A prompt piece's tokens are many rows at once, where the int8 tiles above are bound by each
+// block's float steps (16 x 16 sums converted, scaled and added per 32 inputs), not by the tiles.
+// For those rows, where the CPU has AMX-BF16, a pair of groups' records is dequantized once per
+// call into bfloat16 tiles (d * q, or d * q + m, rounded to bfloat16), and the activations are
+// rounded to bfloat16: the products are then whole tile products over every input, summed in
+// float32, with no step per block, as the bfloat16 default's own GEMMs are (oneDNN's AMX). Decode
+// rows and a draft's keep the exact int8 path above; a prompt token's row still depends on its
+// own inputs only, whatever the piece's size or company (each output is one thread's tile sum,
+// over the inputs in order).
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PHI2_AMX_BF16 1
+
+// Tiles 0-3: C (16 x 16 float32) for two row tiles by two groups; 4-5: A (16 rows x 32
+// bfloat16); 6-7: B (16 input pairs x 16 outputs x 2 bfloat16), one group's block each.
+inline void configure_bf16_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// A group's blocks in B's layout: panel [nb][16 input pairs][16 outputs][2] bfloat16 (1 KB a
+// block). A record's 64-byte piece k holds values 4k..4k+3 of each of its 16 rows: input pairs
+// 2k and 2k + 1.
+template <int KIND>
+inline void dequantize_group_bf16(const uint8_t* rec, int64_t nb, uint16_t* panel) {
+  constexpr int RB = record_bytes(KIND), WB = values_bytes(KIND);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512i spread[4];  // lane l of a 16-value quarter of a piece: row 4c + l / 4
+  for (int c = 0; c < 4; c++)
+    spread[c] = _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 2,
+                                  4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3);
+  const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* record = rec + b * RB;
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB)));
+    const __m512 m16 = KIND == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(record + WB + 2 * GROUP)))
+                       : KIND == Q4_0 ? _mm512_mul_ps(d16, _mm512_set1_ps(-8.f))
+                                      : _mm512_setzero_ps();
+    __m512 d[4], m[4];
+    for (int c = 0; c < 4; c++) {
+      d[c] = _mm512_permutexvar_ps(spread[c], d16);
+      m[c] = _mm512_permutexvar_ps(spread[c], m16);
+    }
+    uint16_t* out = panel + b * 512;
+    auto emit = [&](int k, __m512i values) {  // values: bytes as signed (Q8_0) or unsigned nibbles
+      __m512 f[4];
+      for (int c = 0; c < 4; c++) {
+        const __m128i quarter = _mm512_extracti32x4_epi32(values, c);
+        const __m512i ints = KIND == Q8_0 ? _mm512_cvtepi8_epi32(quarter) : _mm512_cvtepu8_epi32(quarter);
+        f[c] = KIND == Q8_0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(ints), d[c])
+                            : _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), d[c], m[c]);
+      }
+      // 32-bit unit 2i + p of `lo` (rows 0-7) and `hi` (rows 8-15): row i's values 4k + 2p, 4k + 2p + 1
+      const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+      _mm512_store_si512((void*)(out + 64 * k), _mm512_permutex2var_epi32(lo, even, hi));
+      _mm512_store_si512((void*)(out + 64 * k + 32), _mm512_permutex2var_epi32(lo, odd, hi));
+    };
+    if (KIND == Q8_0) {
+      for (int k = 0; k < 8; k++) emit(k, _mm512_xor_si512(_mm512_loadu_si512((const void*)(record + 64 * k)), flip));
+    } else {
+      for (int k = 0; k < 4; k++) {
+        const __m512i q = _mm512_loadu_si512((const void*)(record + 64 * k));
+        emit(k, _mm512_and_si512(q, low));
+        emit(k + 4, _mm512_and_si512(_mm512_srli_epi16(q, 4), low));
+      }
+    }
+  }
+}
+
+// y [rows][out] for x [rows][in] against sixteen-row records, in bfloat16 tiles (see above).
+template <int KIND>
+void bf16_product(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out_features, float* y) {
+  const int64_t nb = in / QK, groups = out_features / GROUP, group_bytes = nb * record_bytes(KIND);
+  const int64_t padded = (rows + 31) / 32 * 32;  // two row tiles at a time; the padding is zeros
+  std::vector<uint16_t> a(padded * in, 0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++)
+      for (int64_t i = 0; i < in; i += 32) {
+        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * in + i + 16), _mm512_loadu_ps(x + r * in + i));
+        _mm512_storeu_si512((void*)(&a[r * in + i]), (__m512i)h);
+      }
+  });
+  const int64_t stride = in * 2, pairs = (groups + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    configure_bf16_tiles();
+    std::vector<uint16_t> buffer(2 * nb * 512 + 32);  // two groups' panels, 64-byte aligned
+    uint16_t* panel = buffer.data() + (32 - ((uintptr_t)buffer.data() % 64) / 2) % 32;
+    alignas(64) float c[4][16 * 16];
+    for (int64_t p = begin; p < end; p++) {
+      const int64_t g = 2 * p;
+      const bool two = g + 1 < groups;
+      const uint16_t* b0 = panel;
+      const uint16_t* b1 = panel + nb * 512;
+      dequantize_group_bf16<KIND>(w + g * group_bytes, nb, panel);
+      if (two) dequantize_group_bf16<KIND>(w + (g + 1) * group_bytes, nb, panel + nb * 512);
+      for (int64_t r = 0; r < padded; r += 32) {
+        const uint16_t* a0 = &a[r * in];
+        const uint16_t* a1 = &a[(r + 16) * in];
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        if (two) {
+          for (int64_t b = 0; b < nb; b++) {
+            _tile_loadd(4, a0 + b * QK, stride);
+            _tile_loadd(5, a1 + b * QK, stride);
+            _tile_loadd(6, b0 + b * 512, 64);
+            _tile_loadd(7, b1 + b * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        } else {
+          for (int64_t b = 0; b < nb; b++) {
+            _tile_loadd(4, a0 + b * QK, stride);
+            _tile_loadd(5, a1 + b * QK, stride);
+            _tile_loadd(6, b0 + b * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+          }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        for (int half = 0; half < 2; half++)
+          for (int64_t k = 0; k < 16 && r + 16 * half + k < rows; k++) {
+            float* row = y + (r + 16 * half + k) * out_features + GROUP * g;
+            std::memcpy(row, c[2 * half] + 16 * k, GROUP * sizeof(float));
+            if (two) std::memcpy(row + GROUP, c[2 * half + 1] + 16 * k, GROUP * sizeof(float));
+          }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 #else
 bool amx_granted() { return false; }
 #endif
@@ -688,7 +834,17 @@ torch::Tensor unpack(torch::Tensor packed, int64_t kind, int64_t in_features) {
   return raw;
 }
 
-torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_features) {
+// Where the CPU has AMX-BF16 tiles (and Linux grants them), the rows from `prompt_from` on (a
+// prompt piece's tokens) take them; the rows before it, the exact int8 products.
+bool prompt_tiles() {
+#ifdef PHI2_AMX_BF16
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_features, int64_t prompt_from) {
   const bool packed = kind >= PACKED;  // sixteen-row records [out / 16, records], else rows [out, blocks]
   if (packed) kind -= PACKED;
   TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, "unsupported block type ", kind);
@@ -704,7 +860,17 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_feat
   const Product product_of = kind == Q8_0 ? (packed ? packed_product<Q8_0> : product<Q8_0>)
                              : kind == Q4_0 ? (packed ? packed_product<Q4_0> : product<Q4_0>)
                                             : (packed ? packed_product<Q4_1> : product<Q4_1>);
-  product_of(x.data_ptr<float>(), rows, in_features, w.data_ptr<uint8_t>(), out_features, y.data_ptr<float>());
+  const int64_t exact = packed && prompt_tiles() ? std::clamp<int64_t>(prompt_from, 0, rows) : rows;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (exact) product_of(xp, exact, in_features, w.data_ptr<uint8_t>(), out_features, yp);
+#ifdef PHI2_AMX_BF16
+  if (exact < rows) {
+    const Product tiles_of = kind == Q8_0 ? bf16_product<Q8_0> : kind == Q4_0 ? bf16_product<Q4_0> : bf16_product<Q4_1>;
+    tiles_of(xp + exact * in_features, rows - exact, in_features, w.data_ptr<uint8_t>(), out_features,
+             yp + exact * out_features);
+  }
+#endif
   return y;
 }
 
@@ -738,7 +904,10 @@ std::string simd() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mm", &mm, "x @ w.T for block-quantized w");
+  m.def("mm", &mm, "x @ w.T for block-quantized w (rows from prompt_from on: a prompt's, in AMX-BF16 tiles where granted)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("kind"), pybind11::arg("in_features"),
+        pybind11::arg("prompt_from") = INT64_MAX);
+  m.def("prompt_tiles", &prompt_tiles, "whether prompt rows take AMX-BF16 tiles here");
   m.def("pack", &pack, "raw GGUF rows to sixteen-row records");
   m.def("unpack", &unpack, "sixteen-row records to raw GGUF rows");
   m.def("dequantize", &dequantize, "block-quantized rows to float32");

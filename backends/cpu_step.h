@@ -20,8 +20,9 @@ struct Linear {
   int64_t kind = -1;   // -1: float32 [out, in]; else a block type
   int64_t in = 0;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = kind < 0 ? at::linear(x, w) : mm(x, w, kind, in);
+  // rows from `prompt_from` on: a prompt piece's tokens (mm)
+  torch::Tensor operator()(const torch::Tensor& x, int64_t prompt_from) const {
+    torch::Tensor y = kind < 0 ? at::linear(x, w) : mm(x, w, kind, in, prompt_from);
     if (b.defined()) y.add_(b);
     return y;
   }
@@ -172,8 +173,11 @@ class Step {
   // its own row and its owner's columns only, never on the others in the call.
   // kv [2, layers, kv_heads, pages, PAGE, head_dim]; cos, sin [positions, rotary_dim] (sin
   // sign-folded, as backends/torch_model.rope_).
+  // Rows from `prompt_from` on are a prompt's tokens: their products may take AMX-BF16's tiles
+  // (cpu_kernels.cpp's `mm`); the rows before it (decode rows, a draft's) the exact ones.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor owners, torch::Tensor advance,
-                        torch::Tensor table, torch::Tensor kv, torch::Tensor cos, torch::Tensor sin) {
+                        torch::Tensor table, torch::Tensor kv, torch::Tensor cos, torch::Tensor sin,
+                        int64_t prompt_from) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && kv.dtype() == torch::kFloat32 && kv.is_contiguous());
     TORCH_CHECK(table.dtype() == torch::kInt64 && table.is_contiguous() && cos.is_contiguous() && sin.is_contiguous());
     x = x.contiguous();
@@ -187,7 +191,7 @@ class Step {
     for (size_t layer = 0; layer < blocks_.size(); layer++) {
       const Block& b = blocks_[layer];
       auto h = norm(x, b.norm1_w, b.norm1_b);
-      auto y = b.in(h);  // [batch, q + 2 kv (+ inner)]
+      auto y = b.in(h, prompt_from);  // [batch, q + 2 kv (+ inner)]
       place(y, b, layer, batch, pos, own, adv, table, kv, cos, sin);
       attend(y, b, layer, batch, pos, own, adv, table, kv, attention);
       if (parallel_) {
@@ -196,10 +200,10 @@ class Step {
         auto act = mixed.narrow(1, q_size, inner_);
         act.copy_(y.narrow(1, q_size + 2 * kv_size, inner_));
         activate(act);
-        x.add_(b.out(mixed));
+        x.add_(b.out(mixed, prompt_from));
       } else {
-        x.add_(b.out(attention));
-        auto u = b.up(norm(x, b.norm2_w, b.norm2_b));
+        x.add_(b.out(attention, prompt_from));
+        auto u = b.up(norm(x, b.norm2_w, b.norm2_b), prompt_from);
         torch::Tensor g;
         if (gated_) {
           g = u.narrow(1, 0, inner_).contiguous();
@@ -209,7 +213,7 @@ class Step {
           g = u;
           activate(g);
         }
-        x.add_(b.down(g));
+        x.add_(b.down(g, prompt_from));
       }
     }
     return x;

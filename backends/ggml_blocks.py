@@ -98,6 +98,14 @@ class BlockWeight(QuantizedWeight):
 
         return kernels().mm(x.float(), *self.operand, self.in_features).to(x.dtype)
 
+    def prompt_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] times the weight's transpose as a long prompt's tokens take it in
+        the compiled step: AMX-BF16's tiles where the CPU has them (cpu_kernels.cpp), else the
+        exact products."""
+        from backends.cpu_kernels import kernels
+
+        return kernels().mm(x.float(), *self.operand, self.in_features, prompt_from=0).to(x.dtype)
+
     def dequantize(self) -> torch.Tensor:
         from backends.cpu_kernels import kernels
 

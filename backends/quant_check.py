@@ -1,10 +1,11 @@
 """A quantization option measured against the float default at start-up, on the CPU it runs on.
 
 Which is faster depends on the CPU: on an AVX2-only EPYC torch's int4 decoded 3x slower than
-float32 (issue 54); on a Xeon with AMX, bfloat16's prompt products (oneDNN's tiles) beat every
-weight-only option's. So when PHI2_QUANTIZE names a method on the CPU, the products of the first
-few quantized matrices (a block's) are timed at one row (a decode step) and at PROMPT_ROWS rows (a
-prompt piece), against float matrices of the same shapes in the dtype `auto` picks:
+float32 (issue 54); on a Xeon with AMX, bfloat16's prompt products (oneDNN's tiles) beat torch's
+weight-only options' (the block types' prompt rows take AMX-BF16 tiles of their own there). So
+when PHI2_QUANTIZE names a method on the CPU, the products of the first few quantized matrices (a
+block's) are timed at one row (a decode step) and at PROMPT_ROWS rows (a prompt piece, as a long
+prompt's tokens take them), against float matrices of the same shapes in the dtype `auto` picks:
 
 - slower at one row than the float default: refused at start-up (quantizing would only make
   decoding slower), naming the faster choice with both times;
@@ -48,8 +49,9 @@ def measure(weights, activation_dtype: torch.dtype, float_dtype: torch.dtype, ti
             xs = [torch.randn(rows, w.in_features) for w in chosen]
             quantized = [x.to(activation_dtype) for x in xs]
             plain = [x.to(float_dtype) for x in xs]
+            products = [w.prompt_product if rows > 1 else w.linear for w in chosen]
             figures[str(rows)] = {
-                "quantized": round(timer(lambda q=quantized: [w.linear(x) for w, x in zip(chosen, q, strict=True)]), 3),
+                "quantized": round(timer(lambda q=quantized, p=products: [f(x) for f, x in zip(p, q, strict=True)]), 3),
                 "float": round(timer(lambda p=plain: [F.linear(x, f) for f, x in zip(floats, p, strict=True)]), 3),
             }
     return figures

@@ -60,6 +60,12 @@ from backends.torch_weights import QUANTIZED_HEAD_METHODS, Block, DecoderWeights
 
 log = logging.getLogger("phi2_server.torch_decoder")
 
+# A prompt with this many tokens to compute takes the CPU's AMX-BF16 tiles for them, where the
+# CPU has them (cpu_kernels.cpp, `bf16_product`): from about here a piece's products cost less
+# there than the exact int8 ones, which a shorter one (a chat's next turn after its cached
+# history) keeps. benchmarks/block_products.py, BENCHMARKS.md (D-prompt-tiles).
+PROMPT_TILES_FROM = 32
+
 
 class Launch:
     """A decode step started on the device and not yet read: the rows it decodes, its logits and
@@ -91,6 +97,9 @@ class Row:
         self.chooser = chooser
         self.lora_index = lora_index  # its adapter's slot in FusedLoraSlots (torch_lora); -1: the base model
         self.cached = 0  # tokens in the cache: the prompt as far as prefilled, then the generated ones fed back
+        # Whether its prompt's tokens take the CPU's AMX-BF16 tiles (`Network.prompt_tiles`): set
+        # once it joins, from its own prompt and what the cache held of it, never from company.
+        self.tiled = False
         self.next_token: int | None = None  # the input of the next decode step, once the prompt is in
         self.generated: list[int] = []
         self.prompt_scores: list[TokenLogprob] = []  # prompt logprobs so far, if asked for
@@ -268,6 +277,8 @@ class BatchedDecoder:
         )
         self.prompts = PagedPrefixCache(prompt_cache_bytes, self.kv, self.pages.cache_pages)
         self.network = Network(weights, self.kv, self.width, self.context, use_graphs, compile, fused, adapter_slots)
+        rows = self.rows  # a check's prompt (`logits_after`) has a row past them, and no Row: it takes the tiles
+        self.network.prompt_tiles = lambda i: i >= len(rows) or rows[i].tiled
         # Prompt pieces beside the decode steps: on CUDA with graphs, on a stream of their own
         # (`_step`), their graphs in a memory pool of their own, as the two run at once.
         overlap = use_graphs and on_cuda if overlap_prefill is None else overlap_prefill
@@ -449,6 +460,7 @@ class BatchedDecoder:
             self.kv.copy_page(stored[whole], self.kv.held[i][whole])
         self.row_of[sequence.id] = i
         self.rows.append(row)
+        row.tiled = len(prompt) - reused >= PROMPT_TILES_FROM
         if reused:
             row.cached = reused
             if reused == len(prompt) - 1:
@@ -563,7 +575,7 @@ class BatchedDecoder:
         if not draft:
             return None
         # The rotary tables of a decode step (longrope's long factors are a long prompt's prefill's).
-        _, every = self.prefill.run([(0, [row.next_token, *draft], row.cached)], every_position=[0])
+        _, every = self.prefill.run([(0, [row.next_token, *draft], row.cached)], every_position=[0], draft=True)
         tokens = verify_draft(every[0], draft, row.chooser)
         row.lookup.verified(draft, tokens)
         row.cached += len(tokens)  # its next input and the draft ids it kept are in the cache now

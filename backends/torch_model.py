@@ -14,6 +14,7 @@ embedding's part of a head and its scaling) is read from the model's config into
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -261,6 +262,9 @@ class Network:
         # (backends/cpu_kernels.cpp; BENCHMARKS.md, D-cpu-step).
         quantized = any(isinstance(w, BlockWeight) for block in weights.layers for w in block)
         self.cpu_step = cpu_kernels.decode_step(weights, kv) if quantized and not use_graphs and not compile else None
+        # Whether the prompt pieces of row i take the compiled step's AMX-BF16 tiles (`_cpu_pass`):
+        # the decoder's rule (torch_decoder.PROMPT_TILES_FROM); none until it says.
+        self.prompt_tiles: Callable[[int], bool] = lambda i: False
         self.inputs = torch.zeros(4, rows, dtype=torch.long, device=self.device)
         self.host_inputs = torch.zeros(4, rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._padded_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # `padded_buffers`
@@ -281,17 +285,19 @@ class Network:
         every_position: list[int] = (),
         lora_rows: list[int] = (),
         long_rope: list[bool] | None = None,
+        draft: bool = False,
     ) -> tuple[torch.Tensor, dict]:
         """Run prompt pieces (row, ids, first position) through the model eagerly, padded to the
         longest, with each row's adapter (`lora_rows`); write their keys and values to their
         rows; return each piece's last-token logits, and {piece: the logits of each of its
-        positions} for the pieces in `every_position`.
+        positions} for the pieces in `every_position`. `draft`: the pieces verify a draft, so
+        their products are the decode rows' exact ones (the compiled step's `prompt_from`).
 
         Padding writes past a piece's end, in columns its sequence has not reached: a decode
         step writes a column before any query reads it, and the mask hides the rest."""
         w = self.weights
         if self.cpu_step is not None and not any(r >= 0 for r in lora_rows) and not any(long_rope or ()):
-            x, bounds = self._cpu_pieces(parts)
+            x, bounds = self._cpu_pieces(parts, exact=draft)
             every = {r: self.logits(x[bounds[r][0] : bounds[r][1]]) for r in every_position}
             return self.logits(x[torch.tensor([hi - 1 for _, hi in bounds])]), every
         n, length = len(parts), max(len(ids) for _, ids, _ in parts)
@@ -519,7 +525,7 @@ class Network:
         tokens, positions = self.inputs[0, :batch], self.inputs[1, :batch]
         if self.cpu_step is not None and not lora:
             rows = torch.arange(batch)
-            logits = self.logits(self._cpu_pass(tokens, positions, rows, self.inputs[2, :batch]))
+            logits = self.logits(self._cpu_pass(tokens, positions, rows, self.inputs[2, :batch], prompt_from=batch))
             return logits, logits[:, : w.decodable].argmax(dim=-1)
         rows = torch.arange(batch, device=self.device)
         x = w.embed[tokens]  # [b, hidden]
@@ -551,29 +557,39 @@ class Network:
         logits = self.logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
-    def _cpu_pass(self, tokens, positions, owners, advance, cos=None, sin=None) -> torch.Tensor:
+    def _cpu_pass(self, tokens, positions, owners, advance, cos=None, sin=None, *, prompt_from: int) -> torch.Tensor:
         """The compiled CPU pass (cpu_kernels.cpp's `Step.forward`): the last hidden states of
-        `tokens`, each at its position in its owner's row of the cache."""
+        `tokens`, each at its position in its owner's row of the cache. The tokens from
+        `prompt_from` on are a prompt's: where the CPU has AMX-BF16, their products take its
+        tiles (bfloat16's rounding, as the float default's); those before it, decode rows and
+        drafts, the exact int8 products, so batching, drafts and company never change a decode row."""
         cos, sin = (self.cos, self.sin) if cos is None else (cos, sin)
         x = self.weights.embed[tokens]
-        return self.cpu_step.forward(x, positions, owners, advance, self.kv.table, self.kv.whole, cos, sin)
+        return self.cpu_step.forward(x, positions, owners, advance, self.kv.table, self.kv.whole, cos, sin, prompt_from)
 
-    def _cpu_pieces(self, parts, batch: int = 0, cos=None, sin=None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def _cpu_pieces(
+        self, parts, batch: int = 0, cos=None, sin=None, exact: bool = False
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Decode rows 0..batch-1 (as `decode_step`) and prompt pieces (row, ids, first position)
-        in one compiled pass: the hidden states of all, and each piece's (first, end) in them."""
-        ids = [token for _, piece, _ in parts for token in piece]
-        lengths = [len(piece) for _, piece, _ in parts]
-        positions = [start + i for (_, piece, start) in parts for i in range(len(piece))]
-        owners = [row for (row, piece, _), n in zip(parts, lengths, strict=True) for _ in range(n)]
+        in one compiled pass: the hidden states of all, and each piece's (first, end) in them.
+        `exact`: the pieces take the decode rows' products too (a draft's)."""
+        # the pieces whose prompts take the tiles after the others: rows from `prompt_from` on
+        tiled = [not exact and self.prompt_tiles(row) for row, _, _ in parts]
+        order = sorted(range(len(parts)), key=lambda k: tiled[k])
+        ids = [token for k in order for token in parts[k][1]]
+        positions = [parts[k][2] + i for k in order for i in range(len(parts[k][1]))]
+        owners = [parts[k][0] for k in order for _ in parts[k][1]]
         tokens = torch.cat((self.inputs[0, :batch], torch.tensor(ids, dtype=torch.long)))
         at = torch.cat((self.inputs[1, :batch], torch.tensor(positions, dtype=torch.long)))
         rows = torch.cat((torch.arange(batch), torch.tensor(owners, dtype=torch.long)))
         advance = torch.cat((self.inputs[2, :batch], torch.ones(len(ids), dtype=torch.long)))
-        bounds, end = [], batch
-        for n in lengths:
-            bounds.append((end, end + n))
-            end += n
-        return self._cpu_pass(tokens, at, rows, advance, cos, sin), bounds
+        bounds, end, prompt_from = [None] * len(parts), batch, len(tokens)
+        for k in order:
+            if tiled[k]:
+                prompt_from = min(prompt_from, end)
+            bounds[k] = (end, end + len(parts[k][1]))
+            end += len(parts[k][1])
+        return self._cpu_pass(tokens, at, rows, advance, cos, sin, prompt_from=prompt_from), bounds
 
     def _decode_biases(self, positions: torch.Tensor, span: int) -> dict:
         """For decode rows at `positions` [b]: per sliding window (None: none), the columns

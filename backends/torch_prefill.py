@@ -67,18 +67,19 @@ class Prefill:
         every_position: list[int] = (),
         lora_rows: list[int] | None = None,
         long_rope: list[bool] | None = None,
+        draft: bool = False,
     ) -> tuple[torch.Tensor, dict]:
         """Run prompt pieces (row, ids, first position) through the model, padded to the longest,
         from a graph where one has their shape; write their keys and values to their rows;
         return each piece's last-token logits, and {piece: the logits of each of its positions}
         for the pieces in `every_position`. `lora_rows`: each piece's adapter slot (default:
-        its row's)."""
+        its row's). `draft`: the pieces verify a draft (`Network.prefill`)."""
         if lora_rows is None:
             lora_rows = [self.rows[i].lora_index for i, _, _ in pieces]
         shape = self.graphs.padded_shape(pieces, every_position, lora_rows, long_rope)
         if shape is not None:
             return self.graphs.prefill_padded(pieces, *shape), {}
-        return self.network.prefill(pieces, every_position, lora_rows, long_rope)
+        return self.network.prefill(pieces, every_position, lora_rows, long_rope, draft)
 
     def whole_from_graph(self, row: int, prompt: list[int], lora_index: int) -> bool:
         """Whether a new prompt is short enough to prefill whole from a graph, even where a

@@ -72,6 +72,11 @@ class QuantizedWeight:
         """x [rows, in_features] times the weight's transpose."""
         raise NotImplementedError
 
+    def prompt_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] times the weight's transpose as a long prompt's tokens take it:
+        as any rows, unless a kind has a path of its own for them (ggml_blocks.BlockWeight)."""
+        return self._product(x)
+
     @property
     def nbytes(self) -> int:
         raise NotImplementedError

@@ -1,6 +1,8 @@
 """The block kernels' matrix products alone, against float32 and bfloat16 `F.linear` (issue 54): the
 four matrices of one block of SmolLM2-135M or Phi-2 (random weights, quantized to q8_0 and
-q4_0, packed as served), `x @ W.T` for each row count, best of repeated calls, in milliseconds.
+q4_0, packed as served), `x @ W.T` for each row count, best of repeated calls, in milliseconds:
+as decode rows take them (exact int8 products) and, where the CPU has AMX-BF16, as a prompt's
+tokens do ("prompt": bfloat16 tiles).
 
     python benchmarks/block_products.py smollm2 1 16 64 256 512
     PHI2_CPU_AMX=0 python benchmarks/block_products.py phi2 64 256   # without AMX's tiles
@@ -37,7 +39,9 @@ def main() -> None:
             weight.pack()
     from backends.cpu_kernels import kernels
 
-    print(f"kernels: {kernels().simd()}; torch threads {torch.get_num_threads()}")
+    mm, prompts = kernels().mm, kernels().prompt_tiles()
+    threads = torch.get_num_threads()
+    print(f"kernels: {kernels().simd()}, prompt rows in AMX-BF16 tiles: {prompts}; torch threads {threads}")
     macs = sum(o * i for o, i in shapes)
     for rows in counts:
         xs = [torch.randn(rows, i) for _, i in shapes]
@@ -49,6 +53,10 @@ def main() -> None:
         }
         for name, weights in blocks.items():
             line[name] = best_time(lambda ws=weights: [w.linear(x) for x, w in zip(xs, ws, strict=True)], calls)
+            if prompts:  # the same rows as a prompt's tokens: AMX-BF16's tiles
+                line[f"{name} prompt"] = best_time(
+                    lambda ws=weights: [mm(x, *w.operand, w.in_features, 0) for x, w in zip(xs, ws, strict=True)], calls
+                )
         print(f"rows {rows:4d}: " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in line.items()), flush=True)
 
 

@@ -18,8 +18,10 @@ from backends import LoadOptions, Sampling, Sequence, load_backend
 from backends.cpu_kernels import decode_step, kernels
 from backends.drive import drive
 from backends.ggml_blocks import KINDS, BlockWeight
+from backends.prompt_lookup import PromptLookup
 from backends.tiny import write_tiny_family
-from backends.torch_decoder import BatchedDecoder
+from backends.torch_decoder import PROMPT_TILES_FROM, BatchedDecoder
+from backends.torch_model import Network
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -82,6 +84,34 @@ def test_a_product_is_the_blocks_times_int8_activations(name, rows):
     assert torch.equal(
         block.dequantize(), torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[name.upper()]))
     )
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_prompts_rows_are_bfloat16_tile_products_row_by_row(name):
+    """Where the CPU has AMX-BF16 tiles: a prompt's rows (from `prompt_from` on) are the weight's
+    values rounded to bfloat16 times the activations rounded to bfloat16, summed in float32;
+    the rows before it (decode rows) stay the exact int8 products; a row comes out the same
+    bits alone, in any company, or after exact rows. 48 outputs: an odd count of 16-row groups;
+    70 rows: row tiles of 32 with padding."""
+    if not kernels().prompt_tiles():
+        pytest.skip("no AMX-BF16 tiles on this CPU (or Linux does not grant them)")
+    mm = kernels().mm
+    block = BlockWeight.quantize(weights(48), name)
+    rounded = block.dequantize().bfloat16().double()
+    block.pack()
+    operand = (*block.operand, block.in_features)
+    x = torch.randn(70, block.in_features, generator=torch.Generator().manual_seed(3))
+    x[0, :32] = 0.0
+    exact = mm(x, *operand)
+    tiles = mm(x, *operand, prompt_from=0)
+    expected = x.bfloat16().double() @ rounded.t()
+    assert float((tiles.double() - expected).norm() / expected.norm()) < 1e-6  # float32 sums of exact products
+    assert not torch.equal(tiles, exact)  # the rows did take another path
+    assert torch.equal(mm(x, *operand, prompt_from=len(x)), exact)
+    mixed = mm(x, *operand, prompt_from=5)
+    assert torch.equal(mixed[:5], exact[:5]) and torch.equal(mixed[5:], tiles[5:])
+    for rows in (slice(69, 70), slice(0, 1), slice(10, 43)):
+        assert torch.equal(mm(x[rows], *operand, prompt_from=0), tiles[rows])
 
 
 def test_rows_stack_and_columns_join_by_their_bytes():
@@ -159,6 +189,48 @@ def test_block_weights_serve_batched_as_alone(family_paths, method):
     together = drive(decoder, sequences, arrive_at={3: 5, 4: 2}).ids
     for sequence in sequences:
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
+
+
+def test_only_a_long_prompts_tokens_take_the_tiles(family_paths, monkeypatch):
+    """The rows a compiled pass sends to AMX-BF16's tiles (from `prompt_from` on, the kernels'
+    choice where the CPU has them) are a prompt's tokens when it has PROMPT_TILES_FROM or more to
+    compute: never a decode row, a draft's tokens (greedy text is the same with drafts as
+    without), a short prompt's, or what follows a stored prefix that leaves fewer."""
+    backend = load_backend(
+        "torch", LoadOptions(model=str(family_paths["llama"]), dtype="float32", quantize="q8_0", warmup=False)
+    )
+    weights, passes = backend.decoder_weights, []  # (rows, rows to the tiles) of each pass
+    original = Network._cpu_pass
+
+    def spy(self, tokens, *args, prompt_from, **kwargs):
+        passes.append((len(tokens), len(tokens) - prompt_from))
+        return original(self, tokens, *args, prompt_from=prompt_from, **kwargs)
+
+    def tiled() -> int:
+        return sum(t for _, t in passes)
+
+    monkeypatch.setattr(Network, "_cpu_pass", spy)
+    long, short = prompt_of(PROMPT_TILES_FROM + 8), prompt_of(PROMPT_TILES_FROM - 1)
+    together = [Sequence(1, long, Sampling(), 40), Sequence(2, short, Sampling(), 40), Sequence(3, long, Sampling(), 9)]
+    plain = drive(BatchedDecoder(weights, 4, prefill_chunk=16), together, arrive_at={2: 3, 3: 5})
+    assert tiled() == 2 * len(long) and max(t for _, t in passes) <= 16
+    # Drafts of what the model will say (random weights echo no n-grams): verified, kept, exact.
+    expected = plain.ids[1][:30]
+
+    def oracle(self, left, vocabulary):
+        done = len(self.ids) - len(long)
+        return expected[done : done + min(self.length, left)]
+
+    monkeypatch.setattr(PromptLookup, "draft", oracle)
+    passes.clear()
+    drafted = drive(BatchedDecoder(weights, 1, draft_tokens=4), [Sequence(1, long, Sampling(), 30)])
+    assert drafted.ids[1] == expected and drafted.steps < 20
+    assert tiled() == len(long) and all(t == 0 for _, t in passes[1:])
+    decoder = BatchedDecoder(weights, 1, prompt_cache_bytes=1 << 24)
+    drive(decoder, [Sequence(1, long, Sampling(), 4)])
+    passes.clear()
+    again = drive(decoder, [Sequence(2, long + plain.ids[1][:8], Sampling(), 4)])
+    assert again.cached[2] >= len(long) and tiled() == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
