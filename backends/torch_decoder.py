@@ -65,6 +65,10 @@ log = logging.getLogger("phi2_server.torch_decoder")
 # there than the exact int8 ones, which a shorter one (a chat's next turn after its cached
 # history) keeps. benchmarks/block_products.py, BENCHMARKS.md (D-prompt-tiles).
 PROMPT_TILES_FROM = 32
+# Prompt tokens a CPU step takes while no row decodes (64 while some do, so that they wait at
+# most that): bigger eager passes cost less a token. A 1,000-token prompt's first token on
+# SmolLM2, in bfloat16: 1.52 s in pieces of 64, 0.65 s in pieces of 256 (BENCHMARKS.md, D-alone-chunk).
+CPU_ALONE_CHUNK = 256
 
 
 class Launch:
@@ -298,7 +302,8 @@ class BatchedDecoder:
             windows=arch.windows,
         )
         chunk = prefill_chunk or (512 if on_cuda else 64)
-        self.prefill = Prefill(self.rows, network, self.graphs, chunk, overlap, self.context)
+        alone = prefill_chunk or (512 if on_cuda else CPU_ALONE_CHUNK)
+        self.prefill = Prefill(self.rows, network, self.graphs, chunk, overlap, self.context, alone)
         self.state = StepState()
         self.logprobs: dict[int, StepLogprobs] = {}
         self.draws = Draws(self.rows, network.inputs, weights.decodable, self.width, self.device)

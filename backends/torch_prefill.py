@@ -46,11 +46,16 @@ class Prefill:
     `overlap_budget` tokens in pieces of `chunk` on a stream of their own (`side`) while the
     decode steps run."""
 
-    def __init__(self, rows: list, network: Network, graphs: Graphs, chunk: int, overlap: bool, context: int):
+    def __init__(
+        self, rows: list, network: Network, graphs: Graphs, chunk: int, overlap: bool, context: int, alone: int = 0
+    ):
         self.rows = rows
         self.network = network
         self.graphs = graphs
         self.chunk = chunk
+        # Eager passes with no row decoding (nobody waits on the step but new arrivals): up to
+        # this many prompt tokens a step, where bigger passes cost less a token.
+        self.alone = max(chunk, alone)
         self.overlap = overlap
         # The most prompt tokens launched beside the steps at once (`start`).
         self.overlap_budget = max(chunk, min(context, PREFILL_GRAPH_TOKENS))
@@ -102,8 +107,11 @@ class Prefill:
         budget, piece = self.chunk, None
         if overlap:
             budget, piece = self.overlap_budget, self.chunk
-        elif self.network.use_graphs and not any(row.next_token is not None for row in self.rows):
-            budget = max(budget, self.context)  # no stream waits on this step: whole prompts, one pass each
+        elif not any(row.next_token is not None for row in self.rows):
+            if self.network.use_graphs:
+                budget = max(budget, self.context)  # no stream waits on this step: whole prompts, one pass each
+            else:
+                budget = self.alone
         parts = []  # (row, the prompt ids to process now, their first position)
         order = []  # each part's place among its row's pieces
         for i, take in self.takes(budget).items():
