@@ -15,6 +15,8 @@
 // CPU has it, AMX-INT8's tiles for 8 or more activation rows where Linux grants them, else plain
 // C++. Every path computes each block's integer sum exactly and then the same float steps in the
 // same order, so a row's result is the same bits whichever path, and whichever company, served it.
+// The one exception is chosen by the caller, never by company: rows from `mm`'s `prompt_from` on
+// (a long prompt's tokens) take AMX-BF16's tiles where the CPU has them (`bf16_product`).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
