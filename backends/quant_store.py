@@ -33,7 +33,7 @@ from backends.torch_quant import QuantizedWeight
 
 log = logging.getLogger("phi2.quant_store")
 
-FORMAT = 3  # bump when what is stored, or how the decoder reads it, changes
+FORMAT = 4  # bump when what is stored, or how the decoder reads it, changes
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -59,13 +59,17 @@ def stored_file(checkpoint: Path, spec: str, method: str, dtype: torch.dtype, de
     return cache_root() / "quantized" / f"{checkpoint.name}-{method}-{digest}.pt"
 
 
-def save(file: Path, model, blocks: list, head: QuantizedWeight | None, parameters: int) -> None:
+def save(
+    file: Path, model, blocks: list, head: QuantizedWeight | None, parameters: int, shell: dict | None = None
+) -> None:
     """Write the quantized model (its state dict, whose block Linears are empty, the decoder's
-    blocks, and its output head where that is quantized). Tensors that share storage (the
-    model's biases are views of the fused ones) are written once. A failure is logged: the
-    server serves on, quantizing again next time."""
+    blocks, and its output head where that is quantized), and `shell`: what the next start
+    builds the model from without transformers' modelling code (backends/stored_model.py), or
+    None. Tensors that share storage (the model's biases are views of the fused ones) are
+    written once. A failure is logged: the server serves on, quantizing again next time."""
     layers = [{name: _pack(value) for name, value in block._asdict().items()} for block in blocks]
     saved = {"format": FORMAT, "parameters": parameters, "state": model.state_dict(), "blocks": layers}
+    saved["shell"] = shell
     saved["head"] = _pack(head) if head is not None else None
     temporary = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
@@ -79,14 +83,20 @@ def save(file: Path, model, blocks: list, head: QuantizedWeight | None, paramete
         log.warning("could not store the quantized weights in %s (%s): the next start quantizes again", file, exc)
 
 
-def restore(file: Path, model, device: torch.device) -> tuple[list[dict], QuantizedWeight | None, int]:
-    """Fill `model` (built on the meta device) from the stored file, memory-mapped on the CPU;
-    return the decoder's block fields, its quantized output head (or None: the model's own) and
-    the full model's parameter count. Raises ValueError
-    when the file does not fit the model (then the caller quantizes again)."""
+def load(file: Path, device: torch.device) -> dict:
+    """The stored file, memory-mapped on the CPU (`restore` reads it). Raises ValueError for a
+    file of another FORMAT."""
     saved = torch.load(file, mmap=True, weights_only=True, map_location=device)
     if saved.get("format") != FORMAT:
         raise ValueError(f"format {saved.get('format')}, not {FORMAT}")
+    return saved
+
+
+def restore(saved: dict, model) -> tuple[list[dict], QuantizedWeight | None, int]:
+    """Fill `model` (built on the meta device) from the stored file (`load`); return the
+    decoder's block fields, its quantized output head (or None: the model's own) and the full
+    model's parameter count. Raises ValueError when the file does not fit the model (then the
+    caller quantizes again)."""
     for name, tensor in saved["state"].items():
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -99,6 +109,12 @@ def restore(file: Path, model, device: torch.device) -> tuple[list[dict], Quanti
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"no weights for {missing[:3]}")
+    return decoder_parts(saved)
+
+
+def decoder_parts(saved: dict) -> tuple[list[dict], QuantizedWeight | None, int]:
+    """The decoder's block fields, its quantized output head (or None) and the full model's
+    parameter count, from the stored file (`load`)."""
     # Layers in parallel: w8a8's weights are packed again for fbgemm, one thread a matrix (in one
     # thread most of a start: BENCHMARKS.md, D-w8a8-threads); the other kinds are views of the file.
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:

@@ -19,7 +19,6 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from backends import cpu_kernels
 from backends.architecture import Architecture
@@ -310,6 +309,9 @@ class Network:
             positions = torch.arange(start, start + length, device=self.device)[None, :]
             span, mask = start + length, None  # from position 0: causal flash attention, no mask
             if start and length >= LOWER_RIGHT_FROM:  # after cached columns, a long piece: bottom-right causal
+                # Imported here: its module imports torch._dynamo (~1 s of a CPU start, which never comes here).
+                from torch.nn.attention.bias import causal_lower_right
+
                 mask = causal_lower_right(length, span)
             elif start:
                 # A short piece after cached columns: an explicit mask and the memory-efficient

@@ -12,8 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.utils import logging as transformers_logging
 
 from backends import (
@@ -30,6 +29,7 @@ from backends import (
     default_prompt_cache_bytes,
     physical_memory,
     prompt_cache_namespace,
+    stored_model,
 )
 from backends.adapters import AdapterRegistry, block_count, find_adapter, torch_linears
 from backends.ggml_blocks import file_kind
@@ -112,19 +112,23 @@ def refuse_mlx_quantized(path: Path, spec: str) -> None:
 def quantized_store(path: Path, options: LoadOptions, method: str, dtype: torch.dtype, device: str) -> Path | None:
     """Where PHI2_QUANTIZE's weights are stored for the next start (QUANTIZED_CACHE), or None:
     not quantized, or a model the general decoder does not serve (quantized at every start)."""
+    from backends import quant_store
+
+    if not method or not options.quantized_cache:
+        return None
+    file = quant_store.stored_file(path, options.model, method, dtype, torch.device(device))
+    if file.exists():  # written for a model the general decoder serves: no config to read again
+        return file
     from transformers import AutoConfig
 
-    from backends import quant_store
     from backends.architecture import Architecture
 
-    if not method or not options.quantized_cache or Architecture.of(AutoConfig.from_pretrained(path)) is None:
-        return None
-    return quant_store.stored_file(path, options.model, method, dtype, torch.device(device))
+    return file if Architecture.of(AutoConfig.from_pretrained(path)) is not None else None
 
 
 def count_parameters(path: Path) -> int:
     """The model's parameter count, from its config alone (built on the meta device: no memory)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
@@ -170,14 +174,22 @@ class TorchBackend(TokenizerMethods):
             # Block-quantized weights multiply float32 activations (backends/cpu_kernels.cpp).
             requested = "float32" if method in BLOCK_METHODS and options.dtype == "auto" else options.dtype
             dtype = pick_dtype(requested, device, lambda: count_parameters(path))
-            tokenizer = AutoTokenizer.from_pretrained(path)
             store = quantized_store(path, options, method, dtype, device)
             restored = restore_quantized(path, store, dtype, device) if store and store.exists() else None
+            shell = restored[4] if restored else None
+            if shell:  # the class AutoTokenizer chose (backends/stored_model.py): it reads the config
+                tokenizer = stored_model.tokenizer_class(shell).from_pretrained(path)
+            else:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(path)
             if restored:
-                model, stored_blocks, stored_head, parameters = restored
+                model, stored_blocks, stored_head, parameters, _ = restored
             elif is_random(options.model):
                 model = random_model(path, dtype, device)
             else:
+                from transformers import AutoModelForCausalLM
+
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(
@@ -243,7 +255,8 @@ class TorchBackend(TokenizerMethods):
             from backends import quant_store
 
             weights = backend.decoder_weights
-            quant_store.save(store, model, weights.layers, weights.quantized_head, parameters)
+            shell = stored_model.describe(model, tokenizer) if device == "cpu" else None
+            quant_store.save(store, model, weights.layers, weights.quantized_head, parameters, shell)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(q.nbytes for q in quantized)
         if on_cuda:
             # The KV pool, allocated whole by the decoder (graphs hold its address): measured
@@ -515,7 +528,7 @@ def _load_safetensors(path: Path) -> dict:
 
 def meta_model(path: Path, dtype: torch.dtype):
     """The architecture in `path`/config.json on the meta device: shapes, no memory."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
@@ -558,27 +571,36 @@ def block_source(file: Path, model, method: str) -> dict:
 
 
 def restore_quantized(path: Path, file: Path, dtype: torch.dtype, device: str):
-    """The model and its decoder blocks from quantized weights stored by an earlier start
-    (backends/quant_store.py), with no full-precision copy; None when the file does not load."""
+    """The model, its decoder blocks and head, its parameter count and its shell (or None) from
+    quantized weights stored by an earlier start (backends/quant_store.py), with no
+    full-precision copy; None when the file does not load. On the CPU, where the file holds a
+    shell, the model is built from it (backends/stored_model.py), not by transformers."""
     import pickle
-
-    from transformers import GenerationConfig
 
     from backends import quant_store
 
     try:
-        model = meta_model(path, dtype)
-        blocks, head, parameters = quant_store.restore(file, model, torch.device(device))
-    except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+        saved = quant_store.load(file, torch.device(device))
+        shell = saved.get("shell") if device == "cpu" else None
+        if shell:
+            model = stored_model.build(shell, saved["state"])
+            blocks, head, parameters = quant_store.decoder_parts(saved)
+        else:
+            model = meta_model(path, dtype)
+            blocks, head, parameters = quant_store.restore(saved, model)
+    except (OSError, RuntimeError, ValueError, KeyError, AttributeError, pickle.UnpicklingError) as exc:
         log.warning("stored quantized weights %s did not load (%s): quantizing again", file, exc)
         return None
-    rebuild_rotary(model, device)
-    try:  # from_pretrained reads it too: the checkpoint's end-of-text ids
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        pass
-    log.info("quantized weights mapped from %s", file)
-    return model.eval(), blocks, head, parameters
+    if not shell:
+        from transformers import GenerationConfig
+
+        rebuild_rotary(model, device)
+        try:  # from_pretrained reads it too: the checkpoint's end-of-text ids
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            pass
+    log.info("quantized weights mapped from %s%s", file, " (no transformers model built)" if shell else "")
+    return model.eval(), blocks, head, parameters, shell
 
 
 class SingleSequenceDecoder:

@@ -198,7 +198,7 @@ def load_quantized(tiny_path, method: str, **options):
 def test_torch_stores_quantized_weights_once_and_the_next_start_maps_them(
     method, tiny_path, tmp_path, monkeypatch, caplog
 ):
-    from backends import torch_runtime
+    import transformers
 
     monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path))
     first = load_quantized(tiny_path, method)
@@ -209,7 +209,7 @@ def test_torch_stores_quantized_weights_once_and_the_next_start_maps_them(
     def no_full_precision(*args, **kwargs):
         raise AssertionError("the stored quantized weights were not used")
 
-    monkeypatch.setattr(torch_runtime.AutoModelForCausalLM, "from_pretrained", no_full_precision)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_full_precision)
     with caplog.at_level("INFO", logger="phi2_server.torch"):
         second = load_quantized(tiny_path, method)
     assert f"quantized weights mapped from {stored}" in caplog.text

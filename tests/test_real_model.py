@@ -20,7 +20,8 @@ import openai
 import pytest
 from conftest import LiveServer, post
 
-from backends import LoadOptions, load_backend
+from backends import LoadOptions, Sampling, Sequence, load_backend
+from backends.drive import drive
 from backends.model_files import demo_gguf, resolve_model
 from phi2_server import Settings, create_app
 
@@ -79,6 +80,63 @@ def test_the_file_converts_once_and_its_folder_names_it_too(loaded):
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
         f.name for f in loaded[0].iterdir()
     }
+
+
+# The next start of a stored file, in a process of its own (its imports are what is checked).
+NEXT_START = """
+import json, sys
+from backends import LoadOptions, Sampling, Sequence, load_backend
+from backends.drive import drive
+backend = load_backend("torch", LoadOptions(model=sys.argv[1], dtype="float32", warmup=False))
+prompts = json.loads(sys.argv[2])
+decoder = backend.decoder(4)
+result = drive(decoder, [Sequence(i, ids, Sampling(), 12) for i, ids in enumerate(prompts)])
+# no model family's code (its config, modelling or auto classes), none of what those import
+heavy = ("transformers.masking_utils", "transformers.modeling_utils", "torch._dynamo", "torch.distributed.tensor")
+print(json.dumps({
+    "model": type(backend.model).__name__,
+    "tokenizer": type(backend.text.tokenizer).__name__,
+    "template": backend.text.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_dict=False
+    ),
+    "imported": sorted(m for m in sys.modules if m in heavy or m.startswith("transformers.models.")),
+    "ids": [result.ids[i] for i in range(len(prompts))],
+}))
+"""
+
+
+def test_the_next_start_builds_its_model_from_the_stored_file(blocks):
+    """The file's next start (backends/stored_model.py) builds its model from what the first
+    stored, imports none of transformers' modelling code (2-3 s of a start), and answers as the
+    start that stored it: the same tokenizer, the same greedy tokens, batched."""
+    import os
+    import subprocess
+    import sys
+
+    tokenizer = blocks.text.tokenizer
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False)
+        for p in PROMPTS
+    ]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PHI2_CACHE_DIR": str(KEPT_CACHE)}
+    run = subprocess.run(
+        [sys.executable, "-c", NEXT_START, str(FILE), json.dumps(prompts)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    started = json.loads(run.stdout.strip().splitlines()[-1])
+    assert started["model"] == "StoredModel" and started["imported"] == []
+    assert started["tokenizer"] == type(tokenizer).__name__
+    assert started["template"] == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_dict=False
+    )
+    expected = drive(blocks.decoder(4), [Sequence(i, ids, Sampling(), 12) for i, ids in enumerate(prompts)])
+    assert started["ids"] == [expected.ids[i] for i in range(len(prompts))]
 
 
 def serve(backend, tmp_path_factory) -> LiveServer:

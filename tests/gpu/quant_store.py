@@ -26,13 +26,14 @@ sys.path.insert(0, str(ROOT))
 
 os.environ["PHI2_CACHE_DIR"] = tempfile.mkdtemp()
 
+import transformers  # noqa: E402
+
 from backends import (  # noqa: E402
     LoadOptions,
     ModelLoadError,
     Sampling,
     Sequence,
     load_backend,
-    torch_runtime,  # noqa: E402
 )
 from backends.drive import drive  # noqa: E402
 from backends.tiny import write_tiny_checkpoint  # noqa: E402
@@ -55,7 +56,7 @@ def load(model: str, method: str):
 def main() -> int:
     failures = []
     tiny = str(write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny"))
-    real_from_pretrained = torch_runtime.AutoModelForCausalLM.from_pretrained
+    real_from_pretrained = transformers.AutoModelForCausalLM.from_pretrained
     try:  # the tiny model is 64 wide: tinygemm's CUDA int4 needs 128
         load(tiny, "int4")
         failures.append("int4 loaded on CUDA at width 64")
@@ -68,11 +69,11 @@ def main() -> int:
         def refuse(*args, **kwargs):
             raise AssertionError("the stored file was not used")
 
-        torch_runtime.AutoModelForCausalLM.from_pretrained = refuse
+        transformers.AutoModelForCausalLM.from_pretrained = refuse
         try:
             second, _ = load(tiny, method)
         finally:
-            torch_runtime.AutoModelForCausalLM.from_pretrained = real_from_pretrained
+            transformers.AutoModelForCausalLM.from_pretrained = real_from_pretrained
         got = greedy(second)
         ok = got == expected and second.info.device.startswith("cuda")
         print(f"tiny {method} on {second.info.device} ({second.info.dtype}): mapped, same ids: {ok}", flush=True)
