@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         "--llama-pairs",
         default="w8a8-q8_0,int8-q8_0,int4-q4_0,bf16-bf16",
         help="--llama-cpp's pairs, this server's method against llama.cpp's GGUF type (default: %(default)s); "
-        "with PHI2_MODEL a .gguf file, both serve that file: file, q8_0, q4_0 (requantized; default file,q8_0)",
+        "with PHI2_MODEL a .gguf file, both serve that file: file, q8_0, q4_0, q4_k_m (requantized; default file,q8_0)",
     )
     parser.add_argument(
         "--llama-work", metavar="DIR", help="--llama-cpp's checkpoint and GGUF files, kept for the next run"

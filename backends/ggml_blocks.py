@@ -205,25 +205,42 @@ def file_matrices(file, model) -> dict[str, BlockWeight]:
     return found
 
 
+# Quantized types these kernels do not multiply (Q5_0, Q5_1, the K-quants Q2_K to Q6_K): a file
+# mostly of them (Q4_K_M, the most common GGUF download) is served in Q8_0 blocks, each matrix
+# quantized again from its dequantized values, as PHI2_QUANTIZE=q8_0 quantizes a float
+# checkpoint. SmolLM2 in Q4_K_M: perplexity 22.395 against 22.316 dequantized (llama.cpp's on the
+# file 22.402), decode 120.9 tok/s against float32's 21.5, what such a file was served as before
+# (BENCHMARKS.md, D-k-quants).
+REQUANTIZED = {6, 7, 10, 11, 12, 13, 14}
+KIND_RULE = 2  # the rule of `file_kind`, kept with its answer: an answer by another is read again
+
+
 def file_kind(file, folder=None) -> str | None:
-    """The block type most of the file's matrices are stored in (KINDS), or None (a float file,
-    or one whose types these kernels do not multiply: it is served as float32). Reading a GGUF
-    file's header parses its whole vocabulary (1-2 s for SmolLM2's): the answer is kept in
-    `folder` (the file's converted checkpoint, keyed by the file) for the next start."""
+    """The block type to serve the file in: the one most of its matrices are stored in (KINDS),
+    q8_0 where most are in REQUANTIZED's types, or None (a float file: it is served as
+    float32). Reading a GGUF file's header parses its whole vocabulary (1-2 s for SmolLM2's):
+    the answer is kept in `folder` (the file's converted checkpoint, keyed by the file) for the
+    next start."""
     import json
     from collections import Counter
 
     kept = folder / "block_type.json" if folder is not None else None
     if kept is not None and kept.is_file():
-        return json.loads(kept.read_text())["type"]
+        answer = json.loads(kept.read_text())
+        if answer.get("rule") == KIND_RULE:
+            return answer["type"]
     from gguf import GGUFReader
 
     counts = Counter(int(t.tensor_type) for t in GGUFReader(str(file)).tensors if len(t.shape) == 2)
     blocks = {kind: count for kind, count in counts.items() if kind in BLOCK_BYTES}
-    kind = NAMES[max(blocks, key=blocks.get)] if blocks else None
+    requantized = sum(count for kind, count in counts.items() if kind in REQUANTIZED)
+    if requantized > sum(blocks.values()):
+        kind = "q8_0"
+    else:
+        kind = NAMES[max(blocks, key=blocks.get)] if blocks else None
     if kept is not None:
         with contextlib.suppress(OSError):
-            kept.write_text(json.dumps({"type": kind}) + "\n")
+            kept.write_text(json.dumps({"type": kind, "rule": KIND_RULE}) + "\n")
     return kind
 
 

@@ -204,8 +204,9 @@ def prompt_ids(url: str, count: int) -> list[int]:
 
 
 # PHI2_MODEL a GGUF file: both servers serve one file, this server as stored (its default). "file":
-# the file itself; "q8_0", "q4_0": the file requantized by llama-quantize (--allow-requantize).
-FILE_PAIRS = ("file", "q8_0", "q4_0")
+# the file itself; "q8_0", "q4_0", "q4_k_m": the file requantized by llama-quantize
+# (--allow-requantize; Q4_K_M, the most common download, this server serves in Q8_0 blocks).
+FILE_PAIRS = ("file", "q8_0", "q4_0", "q4_k_m")
 
 
 def requantized(tree: Path, source: Path, kind: str, out_dir: Path) -> Path:

@@ -9,6 +9,8 @@ family the decoder serves computes what transformers computes, prompt and decode
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -307,3 +309,42 @@ def test_every_simd_path_computes_the_same_products(march):
         built = other.mm(x, packed, kind, block.in_features)
         assert float((built - native).abs().max()) <= 1e-4 * float(native.abs().max()), name
         assert torch.equal(other.mm(x[-1:], packed, kind, block.in_features), built[-1:])
+
+
+@pytest.mark.parametrize(
+    ("types", "kind"),
+    [
+        (["Q4_1", "Q4_1", "Q8_0"], "q4_1"),  # SmolLM2's file: its own blocks
+        (["Q4_K", "Q4_K", "Q6_K"], "q8_0"),  # Q4_K_M: quantized again into Q8_0 blocks
+        (["Q5_0", "Q5_0", "Q8_0"], "q8_0"),
+        (["Q4_K", "Q4_0", "Q4_0"], "q4_0"),  # mostly a type the kernels multiply: that one
+        (["F16", "F32"], None),  # floats: served as float
+    ],
+)
+def test_a_files_matrices_choose_the_block_type_it_is_served_in(tmp_path, types, kind):
+    """Its most common type where the kernels multiply it; Q8_0 blocks where most matrices are
+    in a quantized type they do not (K-quants, Q5); float where none is quantized. The answer is
+    kept beside the converted checkpoint, under the rule that gave it."""
+    import gguf
+
+    from backends.ggml_blocks import KIND_RULE, file_kind
+
+    file = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(file), "llama")
+    for block, name in enumerate(types):
+        kind_type = gguf.GGMLQuantizationType[name]
+        size, width = gguf.GGML_QUANT_SIZES[kind_type]
+        raw = np.zeros((4, 256 // size * width), dtype=np.uint8)
+        writer.add_tensor(f"blk.{block}.attn_q.weight", raw, raw_dtype=kind_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    assert file_kind(file, folder) == kind
+    assert json.loads((folder / "block_type.json").read_text()) == {"type": kind, "rule": KIND_RULE}
+    (folder / "block_type.json").write_text(json.dumps({"type": "q4_0"}))  # kept by an older rule: read again
+    assert file_kind(file, folder) == kind
+    file.unlink()
+    assert file_kind(file, folder) == kind  # kept: the file is not read
