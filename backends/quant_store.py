@@ -68,8 +68,7 @@ def save(
     None. Tensors that share storage (the model's biases are views of the fused ones) are
     written once. A failure is logged: the server serves on, quantizing again next time."""
     layers = [{name: _pack(value) for name, value in block._asdict().items()} for block in blocks]
-    saved = {"format": FORMAT, "parameters": parameters, "state": model.state_dict(), "blocks": layers}
-    saved["shell"] = shell
+    saved = {"format": FORMAT, "parameters": parameters, "state": model.state_dict(), "blocks": layers, "shell": shell}
     saved["head"] = _pack(head) if head is not None else None
     temporary = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:

@@ -101,7 +101,8 @@ def build(shell: dict, state: dict[str, torch.Tensor]) -> StoredModel:
         owner, _, leaf = name.rpartition(".")
         if owner in linears:
             fan_in, fan_out, bias = linears.pop(owner)
-            _place(model, owner, torch.nn.Linear(fan_in, fan_out, bias=bias, device="meta"))
+            parent, _, attribute = owner.rpartition(".")
+            _attach(_module(model, parent), attribute, torch.nn.Linear(fan_in, fan_out, bias=bias, device="meta"))
         module = _module(model, owner)
         if name in buffers:
             module.register_buffer(leaf, tensor)
@@ -128,27 +129,18 @@ def _module(root: torch.nn.Module, path: str) -> torch.nn.Module:
     module = root
     parts = path.split(".") if path else []
     for index, part in enumerate(parts):
-        if part in module._modules:
-            module = module._modules[part]
-            continue
-        numbered = index + 1 < len(parts) and parts[index + 1].isdigit()
-        child = torch.nn.ModuleList() if numbered else torch.nn.Module()
-        if isinstance(module, torch.nn.ModuleList):
-            while len(module) <= int(part):
-                module.append(torch.nn.Module())
-            module[int(part)] = child
-        else:
-            module.add_module(part, child)
-        module = child
+        if part not in module._modules:
+            numbered = index + 1 < len(parts) and parts[index + 1].isdigit()
+            _attach(module, part, torch.nn.ModuleList() if numbered else torch.nn.Module())
+        module = module._modules[part]
     return module
 
 
-def _place(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
-    owner, _, leaf = path.rpartition(".")
-    parent = _module(root, owner)
+def _attach(parent: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
+    """`child` as `parent`'s `name`: an index into a ModuleList (filled up to it), else an attribute."""
     if isinstance(parent, torch.nn.ModuleList):
-        while len(parent) <= int(leaf):
+        while len(parent) <= int(name):
             parent.append(torch.nn.Module())
-        parent[int(leaf)] = module
+        parent[int(name)] = child
     else:
-        parent.add_module(leaf, module)
+        parent.add_module(name, child)
