@@ -16,7 +16,7 @@ import contextlib
 import numpy as np
 import torch
 
-from backends import ModelLoadError
+from backends import ModelLoadError, gguf_phi2
 from backends.torch_quant import QuantizedWeight
 
 # GGUF / ggml type ids, and each block's bytes.
@@ -190,6 +190,8 @@ def file_matrices(file, model) -> dict[str, BlockWeight]:
     reader = GGUFReader(str(file))
     config = model.config.to_dict()
     architecture = reader.get_field("general.architecture").contents()
+    if architecture == gguf_phi2.ARCHITECTURE:
+        return _phi2_matrices(reader, config)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
     names = get_gguf_hf_weights_map(model, processor)
     found = {}
@@ -202,6 +204,21 @@ def file_matrices(file, model) -> dict[str, BlockWeight]:
             rows = processor.process(rows, tensor.name).weights
         matrix = torch.from_numpy(np.array(rows))  # a copy: the mapped file is read-only
         found[names[tensor.name]] = BlockWeight(matrix, kind, int(tensor.shape[0]))
+    return found
+
+
+def _phi2_matrices(reader, config: dict) -> dict[str, BlockWeight]:
+    """file_matrices for a Phi-2 file, by backends/gguf_phi2.py's table (transformers has no name
+    map for it): a fused attn_qkv gives q, k and v their rows."""
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    found = {}
+    for module, (stem, rows) in gguf_phi2.modules(config, tensors).items():
+        tensor = tensors.get(f"{stem}.weight")
+        if tensor is None or int(tensor.tensor_type) not in BLOCK_BYTES or len(tensor.shape) != 2:
+            continue
+        data = np.asarray(tensor.data)  # [out, bytes], a view of the mapped file
+        matrix = torch.from_numpy(np.array(data[rows] if rows is not None else data))
+        found[f"{module}.weight"] = BlockWeight(matrix, int(tensor.tensor_type), int(tensor.shape[0]))
     return found
 
 

@@ -48,7 +48,7 @@ def keep_file_blocks(model: nn.Module, file: Path, config: dict) -> dict | None:
     if unread := sorted(set(types.values()) - READABLE):
         log.warning("%s holds %s, which MLX does not read: served dequantized", file.name, ", ".join(unread))
         return None
-    names = _name_map(architecture, int(config["num_hidden_layers"]))
+    names = _name_map(architecture, config, types)
     if names is None:
         log.warning("%s: GGUF architecture %r has no name map in gguf: served dequantized", file.name, architecture)
         return None
@@ -61,10 +61,12 @@ def keep_file_blocks(model: nn.Module, file: Path, config: dict) -> dict | None:
     for path, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
-        stem = names.get_name(path)
+        stem, rows = names(path)
         if stem is None or types.get(f"{stem}.weight") not in KEPT:
             continue
-        parts = [tensors.pop(f"{stem}.{part}") for part in ("weight", "scales", "biases")]
+        parts = [tensors[f"{stem}.{part}"] for part in ("weight", "scales", "biases")]
+        if rows is not None:  # q, k or v of a fused attn_qkv (Phi-2's files): whole rows of blocks
+            parts = [part[rows] for part in parts]
         if architecture == "llama" and stem.endswith((".attn_q", ".attn_k")):
             parts = _unpermute(parts, stem, config)
         layer = _quantized(module, *parts, KEPT[types[f"{stem}.weight"]])
@@ -82,12 +84,22 @@ def keep_file_blocks(model: nn.Module, file: Path, config: dict) -> dict | None:
     return {"method": "mlx-gguf", "types": sorted(kinds), "bits": bits, "group_size": GROUP_SIZE}
 
 
-def _name_map(architecture: str | None, blocks: int):
-    """gguf's map from Hugging Face parameter names (mlx-lm's are the same) to the file's."""
+def _name_map(architecture: str | None, config: dict, names):
+    """A module's name (Hugging Face's; mlx-lm's are the same) -> (the file's tensor stem or None,
+    the rows of it that are the module's or None): gguf's map, or for Phi-2's files
+    backends/gguf_phi2.py's table. None where the architecture has neither."""
     import gguf
 
+    from backends import gguf_phi2
+
+    if architecture == gguf_phi2.ARCHITECTURE:
+        table = gguf_phi2.modules(config, names)
+        return lambda path: table.get(path, (None, None))
     arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(architecture)
-    return gguf.get_tensor_name_map(arch, blocks) if arch is not None else None
+    if arch is None:
+        return None
+    name_map = gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
+    return lambda path: (name_map.get_name(path), None)
 
 
 def _unpermute(parts: list[mx.array], stem: str, config: dict) -> list[mx.array]:

@@ -247,7 +247,8 @@ GGUF_SUFFIX = ".gguf"
 GGUF_FORMAT = 1  # bump when what converted_gguf writes changes, so old folders are not reused
 # GGUF's architecture names whose transformers model_type the general decoder serves
 # (backends/architecture.py; llama.cpp writes Mistral as llama).
-GGUF_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3")
+# Phi-2's own files (phi2) are converted by backends/gguf_phi2.py: transformers' reader refuses them.
+GGUF_ARCHITECTURES = ("llama", "phi2", "phi3", "qwen2", "qwen3")
 # The tensor types gguf dequantizes that GGUF files in use carry: float, the legacy quants, K-quants.
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -346,10 +347,19 @@ def _convert_gguf(file: Path, folder: Path, spec: str) -> None:
     """Dequantize the file into a safetensors checkpoint with its tokenizer (chat template and
     special tokens from the file's metadata)."""
     import torch
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from backends import gguf_phi2
     from backends.architecture import unsupported
 
+    if GGUFReader(file).get_field("general.architecture").contents() == gguf_phi2.ARCHITECTURE:
+        try:
+            gguf_phi2.convert(file, folder)
+        except ValueError as exc:
+            raise ModelLoadError(f"PHI2_MODEL={spec!r}: {exc}") from exc
+        _top_level_rope(folder / "config.json")
+        return
     tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     if reason := unsupported(model.config):
@@ -359,9 +369,12 @@ def _convert_gguf(file: Path, folder: Path, spec: str) -> None:
     del model.config.quantization_config
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    # transformers 5 nests the rotary settings under "rope_parameters" only; mlx-lm reads them at the
-    # top level and silently falls back to its defaults (rope_theta 10,000), so write both.
-    config_file = folder / "config.json"
+    _top_level_rope(folder / "config.json")
+
+
+def _top_level_rope(config_file: Path) -> None:
+    """transformers 5 nests the rotary settings under "rope_parameters" only; mlx-lm reads them at
+    the top level and silently falls back to its defaults (rope_theta 10,000), so write both."""
     data = json.loads(config_file.read_text())
     rope = data.get("rope_parameters") or {}
     data.update({key: rope[key] for key in ("rope_theta", "partial_rotary_factor") if key in rope})

@@ -93,11 +93,11 @@ def write_gguf(path: Path, architecture: str, tensor_type: str = "F32") -> Path:
 
 
 def test_gguf_files_that_are_not_served_are_clear_errors(tmp_path):
-    with pytest.raises(ModelLoadError, match="GGUF architecture 'phi2' is not served"):
-        resolve_model(str(write_gguf(tmp_path / "phi.gguf", "phi2")))
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'gpt2' is not served"):
+        resolve_model(str(write_gguf(tmp_path / "gpt.gguf", "gpt2")))
     with pytest.raises(ModelLoadError, match="GGUF tensor type IQ2_XXS is not supported"):
         resolve_model(str(write_gguf(tmp_path / "iq.gguf", "llama", "IQ2_XXS")))
-    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(iq.gguf, phi.gguf\): name one"):
+    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(gpt.gguf, iq.gguf\): name one"):
         resolve_model(str(tmp_path))
     with pytest.raises(ModelLoadError, match="no such GGUF file"):
         resolve_model(str(tmp_path / "absent.gguf"))
