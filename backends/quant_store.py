@@ -33,7 +33,7 @@ from backends.torch_quant import QuantizedWeight
 
 log = logging.getLogger("phi2.quant_store")
 
-FORMAT = 4  # bump when what is stored, or how the decoder reads it, changes
+FORMAT = 5  # bump when what is stored, or how the decoder reads it, changes
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
