@@ -193,7 +193,7 @@ class Step {
       auto h = norm(x, b.norm1_w, b.norm1_b);
       auto y = b.in(h, prompt_from);  // [batch, q + 2 kv (+ inner)]
       place(y, b, layer, batch, pos, own, adv, table, kv, cos, sin);
-      attend(y, b, layer, batch, pos, own, adv, table, kv, attention);
+      attend(y, b, layer, batch, pos, own, adv, table, kv, attention, prompt_from);
       if (parallel_) {
         auto mixed = torch::empty({batch, q_size + inner_}, x.options());
         mixed.narrow(1, 0, q_size).copy_(attention);
@@ -308,11 +308,177 @@ class Step {
     }
   }
 
+#ifdef PHI2_AMX_BF16
+  // A prompt piece's tokens in AMX-BF16 tiles (rows from `from` on: runs of one owner's
+  // consecutive positions), 16 query rows at a time (a token's heads of the group, token by
+  // token). For each run and key-value head, its keys (row-major) and values (transposed) up to
+  // the run's last position are rounded to bfloat16 once. Scores come out column by row (tile A
+  // the keys, B the queries), so the softmax runs with a row in each lane, in float32 over the
+  // row's own columns (its window's); p, rounded to bfloat16, is then B of the value product
+  // (A the values transposed), over the columns in blocks of 32. Every row's output depends on
+  // its own query and its owner's columns only: a score is one tile element, its lane's sums run
+  // over the columns in order, and a column a row may not see takes p = 0, which adds nothing,
+  // so the piece's size and company never change it, as with the products' tiles.
+  void attend_tiles(const torch::Tensor& y, const Block& b, size_t layer, int64_t from, int64_t batch,
+                    const int64_t* pos, const int64_t* own, const int64_t* adv, const torch::Tensor& table,
+                    const torch::Tensor& kv, torch::Tensor& attention) const {
+    const int64_t HD = head_dim_, width = y.size(1), group = heads_ / kv_heads_, table_width = table.size(1);
+    const int64_t steps = HD / 32, chunks = HD / 16;
+    const float scale = 1.f / std::sqrt((float)HD);
+    const float* yp = y.data_ptr<float>();
+    float* ap = attention.data_ptr<float>();
+    const int64_t* tp = table.data_ptr<int64_t>();
+    struct Run {
+      int64_t start, end, lo, n;  // rows [start, end); columns lo (a multiple of 32) .. lo + n - 1 (n: 32s)
+    };
+    std::vector<Run> runs;
+    for (int64_t r = from; r < batch;) {
+      int64_t e = r + 1;
+      while (adv[r] && e < batch && adv[e] && own[e] == own[r] && pos[e] == pos[e - 1] + 1) e++;
+      const int64_t lo = (b.window > 0 ? std::max<int64_t>(0, pos[r] - b.window + 1) : 0) / 32 * 32;
+      runs.push_back({r, e, lo, (pos[e - 1] + 32) / 32 * 32 - lo});
+      r = e;
+    }
+    const int64_t nr = (int64_t)runs.size();
+    // keys[run * kv_heads + head]: [n][HD]; values: [HD][n]; bfloat16, zeros past the run's last column
+    std::vector<std::vector<uint16_t>> keys(nr * kv_heads_), values(nr * kv_heads_);
+    rows_parallel(nr * kv_heads_, 1, [&](int64_t item) {
+      const Run& run = runs[item / kv_heads_];
+      const int64_t head = item % kv_heads_, last = pos[run.end - 1];
+      if (!adv[run.start]) return;
+      const int64_t* pages = tp + own[run.start] * table_width;
+      std::vector<uint16_t>& k = keys[item];
+      std::vector<uint16_t>& v = values[item];
+      k.assign(run.n * HD, 0);
+      v.assign(HD * run.n, 0);
+      for (int64_t c = run.lo; c <= last; c++) {
+        const float* key = column(kv, 0, layer, head, pages[c / PAGE], c % PAGE);
+        const float* value = column(kv, 1, layer, head, pages[c / PAGE], c % PAGE);
+        const int64_t j = c - run.lo;
+        for (int64_t d = 0; d < HD; d += 32) {
+          const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(key + d + 16), _mm512_loadu_ps(key + d));
+          _mm512_storeu_si512((void*)(k.data() + j * HD + d), (__m512i)h);
+          alignas(64) uint16_t w[32];
+          _mm512_store_si512((void*)w, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(value + d + 16),
+                                                                      _mm512_loadu_ps(value + d)));
+          for (int i = 0; i < 32; i++) v[(d + i) * run.n + j] = w[i];
+        }
+      }
+    });
+    std::vector<std::array<int64_t, 3>> items;  // run, head, first query row (of the run's rows x group)
+    for (int64_t i = 0; i < nr; i++)
+      for (int64_t head = 0; head < kv_heads_; head++)
+        for (int64_t t = 0; t < (runs[i].end - runs[i].start) * group; t += 16) items.push_back({i, head, t});
+    // [e0 of rows 0-15 | e1 of rows 0-15] -> pairs (e0, e1) row by row: B's layout for p
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
+      configure_bf16_tiles();
+      thread_local std::vector<float> scores;     // [n][16 rows]
+      thread_local std::vector<uint16_t> probabilities;  // [n / 2][16 rows][2]
+      alignas(64) uint16_t q[4][16 * 32];  // B: per 32 head dims, [16 dim pairs][16 rows][2]
+      alignas(64) float c[16 * 16];
+      alignas(64) int32_t firsts[16], lasts[16];
+      for (int64_t it = begin; it < end; it++) {
+        const Run& run = runs[items[it][0]];
+        const int64_t head = items[it][1], t0 = items[it][2], n = run.n;
+        const int64_t rows = std::min<int64_t>(16, (run.end - run.start) * group - t0);
+        auto out_of = [&](int64_t i) {
+          const int64_t r = run.start + (t0 + i) / group, g = (t0 + i) % group;
+          return ap + r * heads_ * HD + (head * group + g) * HD;
+        };
+        if (!adv[run.start]) {
+          for (int64_t i = 0; i < rows; i++) std::memset(out_of(i), 0, HD * sizeof(float));
+          continue;
+        }
+        const uint16_t* k = keys[items[it][0] * kv_heads_ + head].data();
+        const uint16_t* v = values[items[it][0] * kv_heads_ + head].data();
+        if ((int64_t)scores.size() < 16 * n) scores.resize(16 * n);
+        if ((int64_t)probabilities.size() < 16 * n) probabilities.resize(16 * n);
+        std::memset(q, 0, sizeof(q));
+        for (int64_t i = 0; i < 16; i++) {
+          firsts[i] = 1, lasts[i] = 0;  // rows past the run's: no column
+          if (i >= rows) continue;
+          const int64_t r = run.start + (t0 + i) / group, g = (t0 + i) % group;
+          firsts[i] = (int32_t)((b.window > 0 ? std::max<int64_t>(0, pos[r] - b.window + 1) : 0) - run.lo);
+          lasts[i] = (int32_t)(pos[r] - run.lo);
+          const float* qr = yp + r * width + (head * group + g) * HD;
+          for (int64_t d = 0; d < HD; d += 32) {
+            alignas(64) uint16_t w[32];
+            _mm512_store_si512((void*)w, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + d + 16), _mm512_loadu_ps(qr + d)));
+            for (int pair = 0; pair < 16; pair++) {
+              q[d / 32][pair * 32 + 2 * i] = w[2 * pair];
+              q[d / 32][pair * 32 + 2 * i + 1] = w[2 * pair + 1];
+            }
+          }
+        }
+        for (int64_t chunk = 0; chunk < n / 16; chunk++) {  // scores [16 columns][16 rows] a tile
+          _tile_zero(0);
+          for (int64_t step = 0; step < steps; step++) {
+            _tile_loadd(4, k + chunk * 16 * HD + 32 * step, HD * 2);
+            _tile_loadd(6, q[step], 64);
+            _tile_dpbf16ps(0, 4, 6);
+          }
+          _tile_stored(0, scores.data() + chunk * 256, 64);
+        }
+        // the softmax, a row in each lane
+        const __m512i first = _mm512_load_si512((const void*)firsts), last = _mm512_load_si512((const void*)lasts);
+        const __m512 vscale = _mm512_set1_ps(scale);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j++) {
+          const __m512i jj = _mm512_set1_epi32((int32_t)j);
+          const __mmask16 valid = _mm512_cmple_epi32_mask(first, jj) & _mm512_cmpge_epi32_mask(last, jj);
+          top = _mm512_mask_max_ps(top, valid, top, _mm512_mul_ps(_mm512_load_ps(scores.data() + 16 * j), vscale));
+        }
+        __m512 total = _mm512_setzero_ps();
+        uint16_t* p = probabilities.data();
+        for (int64_t j = 0; j < n; j += 2) {
+          __m512 e[2];
+          for (int u = 0; u < 2; u++) {
+            const __m512i jj = _mm512_set1_epi32((int32_t)(j + u));
+            const __mmask16 valid = _mm512_cmple_epi32_mask(first, jj) & _mm512_cmpge_epi32_mask(last, jj);
+            const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(scores.data() + 16 * (j + u)), vscale), top);
+            e[u] = _mm512_maskz_mov_ps(valid, exp16(_mm512_maskz_mov_ps(valid, x)));
+          }
+          const __m512bh h = _mm512_cvtne2ps_pbh(e[1], e[0]);  // rounded as the tiles will take them
+          total = _mm512_add_ps(total, _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)h)));
+          total = _mm512_add_ps(total, _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)h, 1)));
+          _mm512_storeu_si512((void*)(p + 16 * j), _mm512_permutexvar_epi16(pairs, (__m512i)h));
+        }
+        alignas(64) float inverse[16];
+        _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.f), total));
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {  // p v: [16 outputs][16 rows] a tile
+          _tile_zero(0);
+          for (int64_t block = 0; block < n / 32; block++) {
+            _tile_loadd(4, v + chunk * 16 * n + 32 * block, n * 2);
+            _tile_loadd(6, p + 16 * 32 * block, 64);
+            _tile_dpbf16ps(0, 4, 6);
+          }
+          _tile_stored(0, c, 64);
+          for (int64_t i = 0; i < rows; i++) {
+            float* out = out_of(i) + 16 * chunk;
+            for (int64_t o = 0; o < 16; o++) out[o] = c[16 * o + i] * inverse[i];
+          }
+        }
+      }
+      _tile_release();
+    });
+  }
+#endif
+
   // Each decoding row's query heads over its columns (its window's), a key-value head's group at a time.
   void attend(const torch::Tensor& y, const Block& b, size_t layer, int64_t batch, const int64_t* pos,
               const int64_t* own, const int64_t* adv, const torch::Tensor& table, const torch::Tensor& kv,
-              torch::Tensor& attention) const {
+              torch::Tensor& attention, int64_t prompt_from) const {
     const int64_t width = y.size(1), group = heads_ / kv_heads_, table_width = table.size(1);
+#ifdef PHI2_AMX_BF16
+    // A prompt's tokens (rows from prompt_from on) take AMX-BF16 tiles where the products do
+    // (block weights, packed: mm's prompt_from).
+    const bool tiles = b.in.kind >= PACKED && prompt_tiles() && head_dim_ % 32 == 0 && head_dim_ <= 128;
+    const int64_t exact = tiles ? std::clamp<int64_t>(prompt_from, 0, batch) : batch;
+    if (exact < batch) attend_tiles(y, b, layer, exact, batch, pos, own, adv, table, kv, attention);
+    batch = exact;
+#endif
     const float scale = 1.f / std::sqrt((float)head_dim_);
     const float* yp = y.data_ptr<float>();
     float* ap = attention.data_ptr<float>();
