@@ -323,7 +323,13 @@ class Step {
                     const int64_t* pos, const int64_t* own, const int64_t* adv, const torch::Tensor& table,
                     const torch::Tensor& kv, torch::Tensor& attention) const {
     const int64_t HD = head_dim_, width = y.size(1), group = heads_ / kv_heads_, table_width = table.size(1);
-    const int64_t steps = HD / 32, chunks = HD / 16;
+    // q and k padded with zeros to whole 32s of head dims (Phi-2's 80: 96), which add nothing
+    const int64_t steps = (HD + 31) / 32, padded = 32 * steps, chunks = HD / 16;
+    auto halves = [HD](const float* x, int64_t d) {  // x[d..d+31] in bfloat16, zeros past HD
+      const __mmask16 low = HD - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (HD - d)) - 1);
+      const __mmask16 high = HD - d >= 32 ? (__mmask16)0xffff : HD - d > 16 ? (__mmask16)((1u << (HD - d - 16)) - 1) : 0;
+      return (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, x + d + 16), _mm512_maskz_loadu_ps(low, x + d));
+    };
     const float scale = 1.f / std::sqrt((float)HD);
     const float* yp = y.data_ptr<float>();
     float* ap = attention.data_ptr<float>();
@@ -340,7 +346,7 @@ class Step {
       r = e;
     }
     const int64_t nr = (int64_t)runs.size();
-    // keys[run * kv_heads + head]: [n][HD]; values: [HD][n]; bfloat16, zeros past the run's last column
+    // keys[run * kv_heads + head]: [n][padded]; values: [HD][n]; bfloat16, zeros past the run's last column
     std::vector<std::vector<uint16_t>> keys(nr * kv_heads_), values(nr * kv_heads_);
     rows_parallel(nr * kv_heads_, 1, [&](int64_t item) {
       const Run& run = runs[item / kv_heads_];
@@ -349,19 +355,17 @@ class Step {
       const int64_t* pages = tp + own[run.start] * table_width;
       std::vector<uint16_t>& k = keys[item];
       std::vector<uint16_t>& v = values[item];
-      k.assign(run.n * HD, 0);
+      k.assign(run.n * padded, 0);
       v.assign(HD * run.n, 0);
       for (int64_t c = run.lo; c <= last; c++) {
         const float* key = column(kv, 0, layer, head, pages[c / PAGE], c % PAGE);
         const float* value = column(kv, 1, layer, head, pages[c / PAGE], c % PAGE);
         const int64_t j = c - run.lo;
         for (int64_t d = 0; d < HD; d += 32) {
-          const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(key + d + 16), _mm512_loadu_ps(key + d));
-          _mm512_storeu_si512((void*)(k.data() + j * HD + d), (__m512i)h);
+          _mm512_storeu_si512((void*)(k.data() + j * padded + d), halves(key, d));
           alignas(64) uint16_t w[32];
-          _mm512_store_si512((void*)w, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(value + d + 16),
-                                                                      _mm512_loadu_ps(value + d)));
-          for (int i = 0; i < 32; i++) v[(d + i) * run.n + j] = w[i];
+          _mm512_store_si512((void*)w, halves(value, d));
+          for (int64_t i = 0; i < std::min<int64_t>(32, HD - d); i++) v[(d + i) * run.n + j] = w[i];
         }
       }
     });
@@ -405,7 +409,7 @@ class Step {
           const float* qr = yp + r * width + (head * group + g) * HD;
           for (int64_t d = 0; d < HD; d += 32) {
             alignas(64) uint16_t w[32];
-            _mm512_store_si512((void*)w, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + d + 16), _mm512_loadu_ps(qr + d)));
+            _mm512_store_si512((void*)w, halves(qr, d));
             for (int pair = 0; pair < 16; pair++) {
               q[d / 32][pair * 32 + 2 * i] = w[2 * pair];
               q[d / 32][pair * 32 + 2 * i + 1] = w[2 * pair + 1];
@@ -415,7 +419,7 @@ class Step {
         for (int64_t chunk = 0; chunk < n / 16; chunk++) {  // scores [16 columns][16 rows] a tile
           _tile_zero(0);
           for (int64_t step = 0; step < steps; step++) {
-            _tile_loadd(4, k + chunk * 16 * HD + 32 * step, HD * 2);
+            _tile_loadd(4, k + chunk * 16 * padded + 32 * step, padded * 2);
             _tile_loadd(6, q[step], 64);
             _tile_dpbf16ps(0, 4, 6);
           }
@@ -474,7 +478,7 @@ class Step {
 #ifdef PHI2_AMX_BF16
     // A prompt's tokens (rows from prompt_from on) take AMX-BF16 tiles where the products do
     // (block weights, packed: mm's prompt_from).
-    const bool tiles = b.in.kind >= PACKED && prompt_tiles() && head_dim_ % 32 == 0 && head_dim_ <= 128;
+    const bool tiles = b.in.kind >= PACKED && prompt_tiles() && head_dim_ % 16 == 0 && head_dim_ <= 128;
     const int64_t exact = tiles ? std::clamp<int64_t>(prompt_from, 0, batch) : batch;
     if (exact < batch) attend_tiles(y, b, layer, exact, batch, pos, own, adv, table, kv, attention);
     batch = exact;

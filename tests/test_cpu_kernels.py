@@ -193,16 +193,16 @@ def test_block_weights_serve_batched_as_alone(family_paths, method):
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
 
 
-def wide_window_checkpoint(path, tokenizer_from):
-    """A Mistral of head_dim 32 (the attention tiles' unit) with a sliding window of 24: random
-    weights, the tiny tokenizer."""
+def wide_window_checkpoint(path, tokenizer_from, head_dim: int = 32):
+    """A Mistral of `head_dim` (32: the attention tiles' unit; 80: Phi-2's, padded to 96) with a
+    sliding window of 24: random weights, the tiny tokenizer."""
     from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     eos = tokenizer.eos_token_id
     config = MistralConfig(
         vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, sliding_window=24, max_position_embeddings=512,
+        num_key_value_heads=2, head_dim=head_dim, sliding_window=24, max_position_embeddings=512,
         initializer_range=0.2, bos_token_id=eos, eos_token_id=eos, pad_token_id=None,
     )  # fmt: skip
     torch.manual_seed(7)
@@ -211,7 +211,8 @@ def wide_window_checkpoint(path, tokenizer_from):
     return path
 
 
-def test_a_prompts_attention_takes_the_tiles_row_by_row(tiny_path, tmp_path):
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_a_prompts_attention_takes_the_tiles_row_by_row(tiny_path, tmp_path, head_dim):
     """Where the CPU has AMX-BF16 tiles, a long prompt's tokens attend in them too (cpu_step.h,
     `attend_tiles`: query, keys and values rounded to bfloat16, the softmax in float32). A
     token's output still depends on its own row and its sequence's columns only: the same bits
@@ -219,7 +220,7 @@ def test_a_prompts_attention_takes_the_tiles_row_by_row(tiny_path, tmp_path):
     prompt), and close to float32's."""
     if not kernels().prompt_tiles():
         pytest.skip("no AMX-BF16 tiles on this CPU (or Linux does not grant them)")
-    path = wide_window_checkpoint(tmp_path / "wide", tiny_path)
+    path = wide_window_checkpoint(tmp_path / "wide", tiny_path, head_dim)
     weights = load_backend(
         "torch", LoadOptions(model=str(path), dtype="float32", quantize="q8_0", warmup=False)
     ).decoder_weights
