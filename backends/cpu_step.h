@@ -275,6 +275,11 @@ class Step {
     }
   }
 
+  // The first column a token at `position` attends to: its window's, or the sequence's first.
+  static int64_t first_column(const Block& b, int64_t position) {
+    return b.window > 0 ? std::max<int64_t>(0, position - b.window + 1) : 0;
+  }
+
   float* column(const torch::Tensor& kv, int64_t which, size_t layer, int64_t head, int64_t page, int64_t offset) const {
     const int64_t pages = kv.size(3), layers = kv.size(1);
     return kv.data_ptr<float>() + ((((which * layers + (int64_t)layer) * kv_heads_ + head) * pages + page) * PAGE + offset) * head_dim_;
@@ -341,7 +346,7 @@ class Step {
     for (int64_t r = from; r < batch;) {
       int64_t e = r + 1;
       while (adv[r] && e < batch && adv[e] && own[e] == own[r] && pos[e] == pos[e - 1] + 1) e++;
-      const int64_t lo = (b.window > 0 ? std::max<int64_t>(0, pos[r] - b.window + 1) : 0) / 32 * 32;
+      const int64_t lo = first_column(b, pos[r]) / 32 * 32;
       runs.push_back({r, e, lo, (pos[e - 1] + 32) / 32 * 32 - lo});
       r = e;
     }
@@ -404,7 +409,7 @@ class Step {
           firsts[i] = 1, lasts[i] = 0;  // rows past the run's: no column
           if (i >= rows) continue;
           const int64_t r = run.start + (t0 + i) / group, g = (t0 + i) % group;
-          firsts[i] = (int32_t)((b.window > 0 ? std::max<int64_t>(0, pos[r] - b.window + 1) : 0) - run.lo);
+          firsts[i] = (int32_t)(first_column(b, pos[r]) - run.lo);
           lasts[i] = (int32_t)(pos[r] - run.lo);
           const float* qr = yp + r * width + (head * group + g) * HD;
           for (int64_t d = 0; d < HD; d += 32) {
@@ -500,7 +505,7 @@ class Step {
         std::memset(out, 0, group * head_dim_ * sizeof(float));
         return;
       }
-      const int64_t last = pos[r], first = b.window > 0 ? std::max<int64_t>(0, last - b.window + 1) : 0;
+      const int64_t last = pos[r], first = first_column(b, last);
       const int64_t n = last - first + 1;
       thread_local std::vector<float> buffer;
       if ((int64_t)buffer.size() < group * n) buffer.resize(group * n);

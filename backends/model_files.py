@@ -293,11 +293,14 @@ def converted_gguf(file: Path, spec: str) -> Path:
     folder = cache_root() / "gguf" / f"{file.stem}-{digest}"
     if (folder / "config.json").is_file():
         return folder
-    check_gguf(file, spec)
+    from backends import gguf_phi2
+
+    architecture = check_gguf(file, spec)
+    convert = _convert_phi2 if architecture == gguf_phi2.ARCHITECTURE else _convert_gguf
     temporary = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     try:
         log.info("converting %s into %s (once: the next start loads that folder)", file, folder)
-        _convert_gguf(file, temporary, spec)
+        convert(file, temporary, spec)
         try:
             os.replace(temporary, folder)
         except OSError:
@@ -319,9 +322,9 @@ def converted_gguf(file: Path, spec: str) -> Path:
     return folder
 
 
-def check_gguf(file: Path, spec: str) -> None:
-    """A ModelLoadError naming what the file holds that is not served: its architecture, or a
-    tensor type. Reads the header only."""
+def check_gguf(file: Path, spec: str) -> str:
+    """The file's architecture; a ModelLoadError naming what the file holds that is not served:
+    its architecture, or a tensor type. Reads the header only."""
     from gguf import GGUFReader
 
     try:
@@ -341,25 +344,17 @@ def check_gguf(file: Path, spec: str) -> None:
             f"PHI2_MODEL={spec!r}: GGUF tensor type {', '.join(types)} is not supported "
             f"(supported: {', '.join(GGUF_TYPES)})"
         )
+    return architecture
 
 
 def _convert_gguf(file: Path, folder: Path, spec: str) -> None:
     """Dequantize the file into a safetensors checkpoint with its tokenizer (chat template and
     special tokens from the file's metadata)."""
     import torch
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from backends import gguf_phi2
     from backends.architecture import unsupported
 
-    if GGUFReader(file).get_field("general.architecture").contents() == gguf_phi2.ARCHITECTURE:
-        try:
-            gguf_phi2.convert(file, folder)
-        except ValueError as exc:
-            raise ModelLoadError(f"PHI2_MODEL={spec!r}: {exc}") from exc
-        _top_level_rope(folder / "config.json")
-        return
     tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     if reason := unsupported(model.config):
@@ -369,6 +364,17 @@ def _convert_gguf(file: Path, folder: Path, spec: str) -> None:
     del model.config.quantization_config
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    _top_level_rope(folder / "config.json")
+
+
+def _convert_phi2(file: Path, folder: Path, spec: str) -> None:
+    """As _convert_gguf, for Phi-2's own files, which transformers' reader refuses."""
+    from backends import gguf_phi2
+
+    try:
+        gguf_phi2.convert(file, folder)
+    except ValueError as exc:
+        raise ModelLoadError(f"PHI2_MODEL={spec!r}: {exc}") from exc
     _top_level_rope(folder / "config.json")
 
 

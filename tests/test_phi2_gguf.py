@@ -116,6 +116,13 @@ def logits(backend, prompt: str) -> torch.Tensor:
     return BatchedDecoder(backend.decoder_weights, 1).logits_after(ids, None)
 
 
+@pytest.fixture(autouse=True)
+def own_cache(cache_dir, tmp_path, monkeypatch):
+    """Each test converts and stores its files in a cache of its own, not the session's (whose
+    gguf folder other tests check stays empty)."""
+    monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_path, cache_dir):
     return load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize="none", warmup=False))
