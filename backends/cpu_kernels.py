@@ -7,7 +7,9 @@ runs the same step as one C++ loop over 4- or 8-bit blocks. These kernels do tha
 server: compiled once per machine with g++ (-O3 -march=native: AVX2, and
 AVX512-VNNI where the CPU has it), kept in torch's extension folder (TORCH_EXTENSIONS_DIR, by
 default ~/.cache/torch_extensions), named by the source's hash, the compiler flags, the CPU's
-flags and torch's version.
+flags and torch's version. `PHI2_CPU_MARCH` names another target than `native` (`x86-64-v3`:
+AVX2 and FMA, nothing wider), to time the AVX2 path on an AVX-512 machine or to keep off
+instructions a VM advertises but faults on.
 
 Where they cannot be built (no C++ compiler), `kernels()` says why; block-quantized weights then
 refuse to load with that reason, and the float step runs on torch's operators.
@@ -55,6 +57,14 @@ def _name(flags: list[str]) -> str:
     return "phi2_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def _flags() -> list[str]:
+    """FLAGS for PHI2_CPU_MARCH's target (default `native`); a name g++ does not know fails its build."""
+    march = os.environ.get("PHI2_CPU_MARCH", "").strip() or "native"
+    if not all(c.isalnum() or c in "-_." for c in march):
+        raise ModelLoadError(f"PHI2_CPU_MARCH={march!r} is not a target name (as g++'s -march: native, x86-64-v3)")
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
+
+
 def kernels():
     """The compiled module (built at the first call on this machine, ~20-40 s; loaded in
     milliseconds after). Raises ModelLoadError naming why it cannot be built."""
@@ -67,13 +77,18 @@ def kernels():
         import torch  # noqa: F401  (the extension links libtorch)
         import torch.utils.cpp_extension as cpp
 
-        name = _name(FLAGS)
+        try:
+            flags = _flags()
+        except ModelLoadError as exc:
+            _failure = str(exc)
+            raise
+        name = _name(flags)
         built = Path(cpp._get_build_directory(name, verbose=False)) / f"{name}.so"
         if not built.is_file():
             started = time.perf_counter()
             log.info("compiling the CPU kernels (backends/cpu_kernels.cpp) once for this machine, into %s", built)
             try:
-                _compile(name, built, FLAGS)
+                _compile(name, built, flags)
             except (OSError, subprocess.CalledProcessError) as exc:
                 output = getattr(exc, "stderr", None) or str(exc)
                 first = output.strip().splitlines()[0] if output.strip() else type(exc).__name__
@@ -84,6 +99,7 @@ def kernels():
                 raise ModelLoadError(_failure) from exc
             log.info("CPU kernels compiled in %.1f s", time.perf_counter() - started)
         _module = _import(name, built)
+        log.info("CPU kernels: %s (%s)", _module.simd(), " ".join(flags[:2]))
         return _module
 
 
@@ -92,7 +108,7 @@ def variant(march: str):
     `-march=x86-64`: the plain C++ path), for the tests to check every SIMD path on one machine."""
     import torch.utils.cpp_extension as cpp
 
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]  # as _flags() does
     name = _name(flags)
     built = Path(cpp._get_build_directory(name, verbose=False)) / f"{name}.so"
     if not built.is_file():

@@ -132,6 +132,100 @@ inline void attend16(const float* q0, int64_t group, int64_t first, int64_t last
     for (int c = 0; c < CH; c++) _mm512_storeu_ps(out + g * HD + 16 * c, _mm512_mul_ps(o[c], inverse));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// -- attention, 8 lanes at a time (AVX2 without AVX-512) ----------------------------------------
+//
+// attend16's steps in 256-bit registers, for head dims of CH x 8: half a page's keys' dot
+// products in 8 registers, summed across lanes together; exp8 is exp16's polynomial, 2^n made in
+// the exponent's bits. A row's steps depend on its own columns only, as above.
+
+inline __m256 sum_lanes8(const __m256* a) {  // lane j: the sum of a[j]'s lanes
+  const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // n in [-126, 128]: 2^n as a float's exponent bits (128 gives infinity, as exp overflows)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// scores [group][n]; pages: the row's page ids; keys(page) / values(page): a page's first column.
+template <int CH, typename Keys, typename Values>
+inline void attend8(const float* q0, int64_t group, int64_t first, int64_t last, const int64_t* pages, float scale,
+                    float* scores, float* out, const Keys& keys, const Values& values) {
+  constexpr int64_t HD = CH * 8, P = 16;
+  const int64_t n = last - first + 1;
+  alignas(32) float lane[8];
+  for (int64_t start = first - first % P; start <= last; start += P) {  // every page the row covers
+    const float* page = keys(pages[start / P]);
+    for (int64_t half = start; half < start + P && half <= last; half += 8) {
+      if (half + 7 < first) continue;
+      const float* column = page + (half - start) * HD;
+      for (int64_t g = 0; g < group; g++) {
+        const float* q = q0 + g * HD;
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int c = 0; c < CH; c++) {
+          const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+          for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(column + j * HD + 8 * c), acc[j]);
+        }
+        _mm256_store_ps(lane, _mm256_mul_ps(sum_lanes8(acc), _mm256_set1_ps(scale)));
+        const int64_t from = std::max(half, first), to = std::min(half + 7, last);
+        for (int64_t col = from; col <= to; col++) scores[g * n + (col - first)] = lane[col - half];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; g++) {
+    float* s = scores + g * n;
+    const int64_t whole = n - n % 8;
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < whole; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + j));
+    _mm256_store_ps(lane, top8);
+    float top = lane[0];
+    for (int j = 1; j < 8; j++) top = std::fmax(top, lane[j]);
+    for (int64_t j = whole; j < n; j++) top = std::fmax(top, s[j]);
+    __m256 total8 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+      _mm256_storeu_ps(s + j, e);
+      total8 = _mm256_add_ps(total8, e);
+    }
+    _mm256_store_ps(lane, total8);
+    float total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    if (whole < n) {  // the last columns, through exp8 too
+      for (int j = 0; j < 8; j++) lane[j] = whole + j < n ? s[whole + j] - top : -87.3f;
+      _mm256_store_ps(lane, exp8(_mm256_load_ps(lane)));
+      for (int64_t j = whole; j < n; j++) total += s[j] = lane[j - whole];
+    }
+    const __m256 inverse = _mm256_set1_ps(1.f / total);
+    __m256 o[CH];
+    for (int c = 0; c < CH; c++) o[c] = _mm256_setzero_ps();
+    for (int64_t start = first - first % P; start <= last; start += P) {
+      const float* page = values(pages[start / P]);
+      const int64_t from = std::max(start, first), to = std::min(start + P - 1, last);
+      for (int64_t col = from; col <= to; col++) {
+        const __m256 p = _mm256_set1_ps(s[col - first]);
+        const float* v = page + (col - start) * HD;
+        for (int c = 0; c < CH; c++) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+      }
+    }
+    for (int c = 0; c < CH; c++) _mm256_storeu_ps(out + g * HD + 8 * c, _mm256_mul_ps(o[c], inverse));
+  }
+}
 #endif
 
 class Step {
@@ -523,6 +617,17 @@ class Step {
         case 96: return attend16<6>(q0, group, first, last, pages, scale, scores, out, keys, values);
         case 128: return attend16<8>(q0, group, first, last, pages, scale, scores, out, keys, values);
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const auto keys = [&](int64_t page) { return column(kv, 0, layer, head, page, 0); };
+      const auto values = [&](int64_t page) { return column(kv, 1, layer, head, page, 0); };
+      switch (head_dim_) {
+        case 16: return attend8<2>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 32: return attend8<4>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 64: return attend8<8>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 80: return attend8<10>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 96: return attend8<12>(q0, group, first, last, pages, scale, scores, out, keys, values);
+        case 128: return attend8<16>(q0, group, first, last, pages, scale, scores, out, keys, values);
+      }
 #endif
       for (int64_t c = first; c <= last;) {  // a page's columns at a time
         const int64_t offset = c % PAGE, count = std::min(PAGE - offset, last + 1 - c);
@@ -595,6 +700,19 @@ class Step {
           }
           const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), t));
           _mm512_mask_storeu_ps(v + i, m, _mm512_div_ps(z, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        }
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      if (activation_ != 2) {  // the same in 8 lanes (exp8); the last few below
+        for (; i + 8 <= end; i += 8) {
+          const __m256 z = _mm256_loadu_ps(v + i);
+          __m256 t = z;
+          if (activation_ == 1) {
+            const __m256 z3 = _mm256_mul_ps(_mm256_mul_ps(z, z), z);
+            t = _mm256_mul_ps(_mm256_set1_ps(2.f * 0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), z3, z));
+          }
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), t));
+          _mm256_storeu_ps(v + i, _mm256_div_ps(z, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
         }
       }
 #endif

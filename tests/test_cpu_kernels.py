@@ -140,9 +140,10 @@ def family_paths(tiny_path, tmp_path_factory):
     return {family: write_tiny_family(root / family, family, tiny_path) for family in FAMILIES}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def float_family(request, family_paths):
-    return load_backend("torch", LoadOptions(model=str(family_paths[request.param]), dtype="float32", warmup=False))
+@pytest.fixture(scope="module", params=[*FAMILIES, "phi"])
+def float_family(request, family_paths, tiny_path):
+    path = tiny_path if request.param == "phi" else family_paths[request.param]  # phi: gelu_new, partial rotary
+    return load_backend("torch", LoadOptions(model=str(path), dtype="float32", warmup=False))
 
 
 def compiled(weights, rows: int, **kwargs) -> BatchedDecoder:
@@ -154,8 +155,23 @@ def compiled(weights, rows: int, **kwargs) -> BatchedDecoder:
     return decoder
 
 
+@pytest.fixture(params=["native", "x86-64-v3"], ids=["native", "avx2"])
+def simd_target(request, monkeypatch):
+    """The kernels of this machine, then those built for AVX2 without AVX-512 (attend8, exp8):
+    the step's own code differs by target, so each is checked against transformers."""
+    import platform
+
+    import backends.cpu_kernels as cpu
+
+    if request.param != "native":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("x86 targets")
+        monkeypatch.setattr(cpu, "_module", cpu.variant(request.param))
+    return cpu.kernels().simd()
+
+
 @pytest.mark.parametrize("length", [10, 40, 70], ids=["short", "past-windows", "past-longrope"])
-def test_the_compiled_step_computes_what_transformers_computes(float_family, length):
+def test_the_compiled_step_computes_what_transformers_computes(float_family, length, simd_target):
     """Every family: the prompt's logits and each decode step's, against transformers' forward.
     Windows of 16 and 32 and longrope's switch at 64 (backends/tiny.py) fall inside these."""
     prompt = prompt_of(length)
@@ -173,7 +189,7 @@ def test_the_compiled_step_computes_what_transformers_computes(float_family, len
 
 
 @pytest.mark.parametrize("method", TYPES)
-def test_block_weights_serve_batched_as_alone(family_paths, method):
+def test_block_weights_serve_batched_as_alone(family_paths, method, simd_target):
     """Quantized to each block type (the families' widths are whole blocks), a sequence decodes
     the same ids batched with others, arriving at other times, as alone: each token's output
     depends on its own row only."""
@@ -331,6 +347,28 @@ def test_without_a_compiler_block_weights_are_a_clear_startup_error(monkeypatch,
     # float weights serve on torch's operators as before
     backend = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", warmup=False))
     assert BatchedDecoder(backend.decoder_weights, 2).network.cpu_step is None
+
+
+def test_phi2_cpu_march_builds_the_kernels_for_that_target(monkeypatch):
+    """PHI2_CPU_MARCH=x86-64-v3 serves the AVX2 path on a wider CPU (how BENCHMARKS.md times it
+    here); a name that is not a target is a clear startup error, not a shell word."""
+    import platform
+
+    import backends.cpu_kernels as cpu
+    from backends import ModelLoadError
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu, "_failure", None)
+    monkeypatch.setenv("PHI2_CPU_MARCH", "x86-64-v3")
+    assert cpu.kernels().simd() == "avx2"
+    assert cpu.kernels().__name__ == cpu.variant("x86-64-v3").__name__
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setenv("PHI2_CPU_MARCH", "native; rm -rf /")
+    with pytest.raises(ModelLoadError, match="PHI2_CPU_MARCH='native; rm -rf /' is not a target name"):
+        cpu.kernels()
+    assert not cpu.available()  # remembered
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "plain-c++"])
