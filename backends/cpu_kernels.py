@@ -57,12 +57,17 @@ def _name(flags: list[str]) -> str:
     return "phi2_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def _target(march: str) -> list[str]:
+    """FLAGS with -march={march}."""
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
+
+
 def _flags() -> list[str]:
     """FLAGS for PHI2_CPU_MARCH's target (default `native`); a name g++ does not know fails its build."""
     march = os.environ.get("PHI2_CPU_MARCH", "").strip() or "native"
     if not all(c.isalnum() or c in "-_." for c in march):
         raise ModelLoadError(f"PHI2_CPU_MARCH={march!r} is not a target name (as g++'s -march: native, x86-64-v3)")
-    return [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]
+    return _target(march)
 
 
 def kernels():
@@ -108,7 +113,7 @@ def variant(march: str):
     `-march=x86-64`: the plain C++ path), for the tests to check every SIMD path on one machine."""
     import torch.utils.cpp_extension as cpp
 
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS]  # as _flags() does
+    flags = _target(march)
     name = _name(flags)
     built = Path(cpp._get_build_directory(name, verbose=False)) / f"{name}.so"
     if not built.is_file():

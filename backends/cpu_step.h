@@ -46,12 +46,11 @@ inline torch::Tensor maybe(const c10::optional<torch::Tensor>& t) { return t.has
 }  // namespace
 
 #if defined(__AVX512F__)
-// -- attention, 16 lanes at a time ---------------------------------------------------------------
+// -- attention's lanes: 16 (AVX-512) or 8 (AVX2) ------------------------------------------------
 //
-// One query row's heads of a key-value group over its columns, for head dims of CH x 16: a page's
-// 16 keys' dot products in 16 registers, summed across lanes together (each lane's sum stays one
-// key's); the softmax with a polynomial exp (Cephes' expf, within 2 ulp); the values summed into
-// registers in column order. Every row takes these steps whatever else is in the call.
+// What `attend` (below) needs of a register width: its operations, a sum across lanes (each
+// lane's sum stays one key's) and the softmax with a polynomial exp (Cephes' expf, within 2 ulp).
+// Every row takes the same steps whatever else is in the call.
 
 inline __m512 sum_lanes16(__m512* a) {  // lane j: the sum of a[j]'s lanes
   __m512 b[8], c[4];
@@ -80,30 +79,20 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// scores [group][n]; pages: the row's page ids; keys(page) / values(page): a page's first column.
-template <int CH, typename Keys, typename Values>
-inline void attend16(const float* q0, int64_t group, int64_t first, int64_t last, const int64_t* pages, float scale,
-                     float* scores, float* out, const Keys& keys, const Values& values) {
-  constexpr int64_t HD = CH * 16, P = 16;
-  const int64_t n = last - first + 1;
-  alignas(64) float lane[16];
-  for (int64_t start = first - first % P; start <= last; start += P) {  // every page the row covers
-    const float* page = keys(pages[start / P]);
-    for (int64_t g = 0; g < group; g++) {
-      const float* q = q0 + g * HD;
-      __m512 acc[16];
-      for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-      for (int c = 0; c < CH; c++) {
-        const __m512 qc = _mm512_loadu_ps(q + 16 * c);
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(page + j * HD + 16 * c), acc[j]);
-      }
-      _mm512_store_ps(lane, _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
-      const int64_t from = std::max(start, first), to = std::min(start + P - 1, last);
-      for (int64_t col = from; col <= to; col++) scores[g * n + (col - first)] = lane[col - start];
-    }
-  }
-  for (int64_t g = 0; g < group; g++) {
-    float* s = scores + g * n;
+// The lane width's operations, for `attend` below.
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
+  static V sum_lanes(V* a) { return sum_lanes16(a); }
+
+  // s[j] = exp(s[j] - max s) over n columns, in masked 16s; returns 1 / their sum
+  static float softmax(float* s, int64_t n) {
     __m512 top16 = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
@@ -117,27 +106,12 @@ inline void attend16(const float* q0, int64_t group, int64_t first, int64_t last
       _mm512_mask_storeu_ps(s + j, m, e);
       total16 = _mm512_mask_add_ps(total16, m, total16, e);
     }
-    const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
-    __m512 o[CH];
-    for (int c = 0; c < CH; c++) o[c] = _mm512_setzero_ps();
-    for (int64_t start = first - first % P; start <= last; start += P) {
-      const float* page = values(pages[start / P]);
-      const int64_t from = std::max(start, first), to = std::min(start + P - 1, last);
-      for (int64_t col = from; col <= to; col++) {
-        const __m512 p = _mm512_set1_ps(s[col - first]);
-        const float* v = page + (col - start) * HD;
-        for (int c = 0; c < CH; c++) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), o[c]);
-      }
-    }
-    for (int c = 0; c < CH; c++) _mm512_storeu_ps(out + g * HD + 16 * c, _mm512_mul_ps(o[c], inverse));
+    return 1.f / _mm512_reduce_add_ps(total16);
   }
-}
+};
+using Lanes = Lanes16;
 #elif defined(__AVX2__) && defined(__FMA__)
-// -- attention, 8 lanes at a time (AVX2 without AVX-512) ----------------------------------------
-//
-// attend16's steps in 256-bit registers, for head dims of CH x 8: half a page's keys' dot
-// products in 8 registers, summed across lanes together; exp8 is exp16's polynomial, 2^n made in
-// the exponent's bits. A row's steps depend on its own columns only, as above.
+// AVX2 without AVX-512: exp8 is exp16's polynomial, 2^n made in the exponent's bits.
 
 inline __m256 sum_lanes8(const __m256* a) {  // lane j: the sum of a[j]'s lanes
   const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -163,34 +137,20 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// scores [group][n]; pages: the row's page ids; keys(page) / values(page): a page's first column.
-template <int CH, typename Keys, typename Values>
-inline void attend8(const float* q0, int64_t group, int64_t first, int64_t last, const int64_t* pages, float scale,
-                    float* scores, float* out, const Keys& keys, const Values& values) {
-  constexpr int64_t HD = CH * 8, P = 16;
-  const int64_t n = last - first + 1;
-  alignas(32) float lane[8];
-  for (int64_t start = first - first % P; start <= last; start += P) {  // every page the row covers
-    const float* page = keys(pages[start / P]);
-    for (int64_t half = start; half < start + P && half <= last; half += 8) {
-      if (half + 7 < first) continue;
-      const float* column = page + (half - start) * HD;
-      for (int64_t g = 0; g < group; g++) {
-        const float* q = q0 + g * HD;
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (int c = 0; c < CH; c++) {
-          const __m256 qc = _mm256_loadu_ps(q + 8 * c);
-          for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(column + j * HD + 8 * c), acc[j]);
-        }
-        _mm256_store_ps(lane, _mm256_mul_ps(sum_lanes8(acc), _mm256_set1_ps(scale)));
-        const int64_t from = std::max(half, first), to = std::min(half + 7, last);
-        for (int64_t col = from; col <= to; col++) scores[g * n + (col - first)] = lane[col - half];
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; g++) {
-    float* s = scores + g * n;
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, V a) { _mm256_storeu_ps(p, a); }
+  static V sum_lanes(V* a) { return sum_lanes8(a); }
+
+  // as Lanes16's, in whole 8s and then the last columns through exp8 too
+  static float softmax(float* s, int64_t n) {
+    alignas(32) float lane[8];
     const int64_t whole = n - n % 8;
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < whole; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + j));
@@ -206,25 +166,81 @@ inline void attend8(const float* q0, int64_t group, int64_t first, int64_t last,
     }
     _mm256_store_ps(lane, total8);
     float total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-    if (whole < n) {  // the last columns, through exp8 too
+    if (whole < n) {
       for (int j = 0; j < 8; j++) lane[j] = whole + j < n ? s[whole + j] - top : -87.3f;
       _mm256_store_ps(lane, exp8(_mm256_load_ps(lane)));
       for (int64_t j = whole; j < n; j++) total += s[j] = lane[j - whole];
     }
-    const __m256 inverse = _mm256_set1_ps(1.f / total);
-    __m256 o[CH];
-    for (int c = 0; c < CH; c++) o[c] = _mm256_setzero_ps();
+    return 1.f / total;
+  }
+};
+using Lanes = Lanes8;
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PHI2_LANES 1
+// One query row's heads of a key-value group over its columns [first, last], for head dims of
+// CH x W: W keys' dot products at a time in W registers, summed across lanes together; the
+// softmax (Lanes::softmax); the values summed into registers in column order. scores
+// [group][n]; pages: the row's page ids; keys(page) / values(page): a page's first column.
+template <typename L, int CH, typename Keys, typename Values>
+inline void attend(const float* q0, int64_t group, int64_t first, int64_t last, const int64_t* pages, float scale,
+                   float* scores, float* out, const Keys& keys, const Values& values) {
+  constexpr int W = L::W;
+  constexpr int64_t HD = CH * W, P = 16;
+  const int64_t n = last - first + 1;
+  alignas(64) float lane[W];
+  for (int64_t start = first - first % P; start <= last; start += P) {  // every page the row covers
+    const float* page = keys(pages[start / P]);
+    for (int64_t part = start; part < start + P && part <= last; part += W) {  // W keys at a time
+      if (part + W - 1 < first) continue;
+      const float* column = page + (part - start) * HD;
+      for (int64_t g = 0; g < group; g++) {
+        const float* q = q0 + g * HD;
+        typename L::V acc[W];
+        for (int j = 0; j < W; j++) acc[j] = L::zero();
+        for (int c = 0; c < CH; c++) {
+          const typename L::V qc = L::load(q + W * c);
+          for (int j = 0; j < W; j++) acc[j] = L::fmadd(qc, L::load(column + j * HD + W * c), acc[j]);
+        }
+        L::store(lane, L::mul(L::sum_lanes(acc), L::set1(scale)));
+        const int64_t from = std::max(part, first), to = std::min(part + W - 1, last);
+        for (int64_t col = from; col <= to; col++) scores[g * n + (col - first)] = lane[col - part];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; g++) {
+    float* s = scores + g * n;
+    const typename L::V inverse = L::set1(L::softmax(s, n));
+    typename L::V o[CH];
+    for (int c = 0; c < CH; c++) o[c] = L::zero();
     for (int64_t start = first - first % P; start <= last; start += P) {
       const float* page = values(pages[start / P]);
       const int64_t from = std::max(start, first), to = std::min(start + P - 1, last);
       for (int64_t col = from; col <= to; col++) {
-        const __m256 p = _mm256_set1_ps(s[col - first]);
+        const typename L::V p = L::set1(s[col - first]);
         const float* v = page + (col - start) * HD;
-        for (int c = 0; c < CH; c++) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+        for (int c = 0; c < CH; c++) o[c] = L::fmadd(p, L::load(v + W * c), o[c]);
       }
     }
-    for (int c = 0; c < CH; c++) _mm256_storeu_ps(out + g * HD + 8 * c, _mm256_mul_ps(o[c], inverse));
+    for (int c = 0; c < CH; c++) L::store(out + g * HD + W * c, L::mul(o[c], inverse));
   }
+}
+
+// attend for the head dims served (multiples of 16, up to 128); false for another
+template <typename L, typename Keys, typename Values>
+inline bool attend_dims(int64_t head_dim, const float* q0, int64_t group, int64_t first, int64_t last,
+                        const int64_t* pages, float scale, float* scores, float* out, const Keys& keys,
+                        const Values& values) {
+  switch (head_dim) {
+    case 16: attend<L, 16 / L::W>(q0, group, first, last, pages, scale, scores, out, keys, values); return true;
+    case 32: attend<L, 32 / L::W>(q0, group, first, last, pages, scale, scores, out, keys, values); return true;
+    case 64: attend<L, 64 / L::W>(q0, group, first, last, pages, scale, scores, out, keys, values); return true;
+    case 80: attend<L, 80 / L::W>(q0, group, first, last, pages, scale, scores, out, keys, values); return true;
+    case 96: attend<L, 96 / L::W>(q0, group, first, last, pages, scale, scores, out, keys, values); return true;
+    case 128: attend<L, 128 / L::W>(q0, group, first, last, pages, scale, scores, out, keys, values); return true;
+  }
+  return false;
 }
 #endif
 
@@ -606,28 +622,10 @@ class Step {
       float* scores = buffer.data();
       const int64_t* pages = tp + own[r] * table_width;
       const float* q0 = yp + r * width + head * group * head_dim_;
-#if defined(__AVX512F__)
+#ifdef PHI2_LANES
       const auto keys = [&](int64_t page) { return column(kv, 0, layer, head, page, 0); };
       const auto values = [&](int64_t page) { return column(kv, 1, layer, head, page, 0); };
-      switch (head_dim_) {
-        case 16: return attend16<1>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 32: return attend16<2>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 64: return attend16<4>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 80: return attend16<5>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 96: return attend16<6>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 128: return attend16<8>(q0, group, first, last, pages, scale, scores, out, keys, values);
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-      const auto keys = [&](int64_t page) { return column(kv, 0, layer, head, page, 0); };
-      const auto values = [&](int64_t page) { return column(kv, 1, layer, head, page, 0); };
-      switch (head_dim_) {
-        case 16: return attend8<2>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 32: return attend8<4>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 64: return attend8<8>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 80: return attend8<10>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 96: return attend8<12>(q0, group, first, last, pages, scale, scores, out, keys, values);
-        case 128: return attend8<16>(q0, group, first, last, pages, scale, scores, out, keys, values);
-      }
+      if (attend_dims<Lanes>(head_dim_, q0, group, first, last, pages, scale, scores, out, keys, values)) return;
 #endif
       for (int64_t c = first; c <= last;) {  // a page's columns at a time
         const int64_t offset = c % PAGE, count = std::min(PAGE - offset, last + 1 - c);
@@ -688,7 +686,7 @@ class Step {
       int64_t i = start;
 #if defined(__AVX512F__)
       // SiLU z * sigmoid(z) and tanh's GELU z * sigmoid(2u) (0.5 (1 + tanh(u)) = sigmoid(2u)), with
-      // attend16's vector exp: libm's tanhf is scalar, and took a sixth of a Phi-2 prompt's time.
+      // the attention's vector exp: libm's tanhf is scalar, and took a sixth of a Phi-2 prompt's time.
       if (activation_ != 2) {
         for (; i < end; i += 16) {
           const __mmask16 m = end - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (end - i)) - 1);

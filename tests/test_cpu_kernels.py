@@ -157,7 +157,7 @@ def compiled(weights, rows: int, **kwargs) -> BatchedDecoder:
 
 @pytest.fixture(params=["native", "x86-64-v3"], ids=["native", "avx2"])
 def simd_target(request, monkeypatch):
-    """The kernels of this machine, then those built for AVX2 without AVX-512 (attend8, exp8):
+    """The kernels of this machine, then those built for AVX2 without AVX-512 (Lanes8, exp8):
     the step's own code differs by target, so each is checked against transformers."""
     import platform
 
