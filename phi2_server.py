@@ -2,7 +2,7 @@
 
 HTTP only: configuration, routes, validation, wire formats, middleware, startup and shutdown.
 The model lives behind `backends` (MLX or PyTorch) and is driven by one generation worker thread
-(`backends.engine`); handlers hand requests to it and stream its tokens back.
+(`backends.workers.engine`); handlers hand requests to it and stream its tokens back.
 
     python phi2_server.py --help
 
@@ -78,7 +78,10 @@ from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from backends import (
+from backends.chat.plan import ChatPlan, ChatRequest, GrammarSpec, ToolUse
+from backends.chat.tools import Piece, ToolCall, ToolCallParser, argument_error
+from backends.choose import chat_encoder, load_backend, load_encoder, select_backend
+from backends.contract import (
     MAX_LOGPROBS,
     Backend,
     ChatError,
@@ -88,17 +91,23 @@ from backends import (
     ModelLoadError,
     Sampling,
     StepLogprobs,
-    load_backend,
     mean_logprob,
-    select_backend,
 )
-from backends.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
-from backends.chat_embeddings import POOLINGS, Refused, chat_encoder
-from backends.chat_plan import ChatPlan, ChatRequest, GrammarSpec, ToolUse
-from backends.embeddings import Encoder, EncoderInfo, InputTooLong, Item, Kind, load_encoder
-from backends.encode_worker import Busy, EncodeWorker, NotReady
-from backends.engine import MIN_QUEUE, Engine, Event, NotAccepting, QueueFull, Request, Summary, Ticket, next_events
-from backends.tools import Piece, ToolCall, ToolCallParser, argument_error
+from backends.encoders.chat import POOLINGS, Refused
+from backends.encoders.embeddings import Encoder, EncoderInfo, InputTooLong, Item, Kind
+from backends.files.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
+from backends.workers.encode import Busy, EncodeWorker, NotReady
+from backends.workers.engine import (
+    MIN_QUEUE,
+    Engine,
+    Event,
+    NotAccepting,
+    QueueFull,
+    Request,
+    Summary,
+    Ticket,
+    next_events,
+)
 
 VERSION = "0.9.0"
 log = logging.getLogger("phi2_server")
@@ -2051,7 +2060,7 @@ FUNCTION = {
     },
 }
 # OpenAI's custom tool: its input is text, free or in a grammar of the client's (Lark or a
-# regex), which constrains it as a schema does a function's arguments (backends.tools). Chat
+# regex), which constrains it as a schema does a function's arguments (backends.chat.tools). Chat
 # nests the grammar (`format.grammar.syntax`), Responses does not (`format.syntax`).
 GRAMMAR = {
     "type": "object",
@@ -2089,7 +2098,7 @@ NAMED_TOOL = {
     "properties": {"type": {"enum": ["function", "custom"]}, "function": NAME_ONLY, "custom": NAME_ONLY},
 }
 MAX_TOOLS = 128  # OpenAI's limit
-# A reasoning model's switches (backends.chat_plan.ChatRequest): vLLM's chat_template_kwargs and
+# A reasoning model's switches (backends.chat.plan.ChatRequest): vLLM's chat_template_kwargs and
 # thinking_token_budget, and OpenAI's reasoning_effort ("none": no thinking; a degree: a budget).
 REASONING_CONTROLS = {
     "chat_template_kwargs": {"type": "object", "description": "what the chat template reads besides the messages"},
@@ -2546,7 +2555,7 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
 # -- chat: each API's messages in one shared form -----------------------------------------------
 # The three chat APIs translate their requests onto one `ChatRequest` (messages as
 # `chat_messages` checks them, tools as `chat_tools` does, below); the backend answers with one
-# `ChatPlan` (backends.chat_plan): prompt, stops, grammar, kept tags, a parser per choice.
+# `ChatPlan` (backends.chat.plan): prompt, stops, grammar, kept tags, a parser per choice.
 
 
 def chat_messages(params: dict) -> list[dict]:
@@ -2612,7 +2621,7 @@ def chat_messages(params: dict) -> list[dict]:
 
 def history_call(call: dict, where: str) -> dict:
     """A call in the history as a function's: a custom tool's input as the one string argument
-    the prompt shows it taking (backends.tools.as_function)."""
+    the prompt shows it taking (backends.chat.tools.as_function)."""
     if call.get("type") == "custom" or ("custom" in call and "function" not in call):
         if "custom" not in call:
             raise ApiError(400, f"{where}.custom is required", field=f"{where}.custom")
@@ -2764,7 +2773,7 @@ def tools_or_format(use: ToolUse | None, format_type: str | None, field: str) ->
 
 class ArgumentChecks:
     """A request's calls checked against their tools' full JSON Schemas (the grammar held them to
-    a lenient form: backends.tools.CALL_JSON), each on the tokenizer pool as its call is given
+    a lenient form: backends.chat.tools.CALL_JSON), each on the tokenizer pool as its call is given
     out. A call that breaks its schema is still the answer (agents check calls themselves and
     tell the model what was wrong); the request log names its tool (`tool_arguments_invalid`)
     and /metrics counts it. docs/api.md, "Tool calls"."""
@@ -4032,7 +4041,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 # -- embeddings and rerank: /v1/embeddings, /v1/rerank -----------------------------------------
-# EMBEDDING_MODEL and RERANK_MODEL run on the encode worker (backends/encode_worker.py), apart
+# EMBEDDING_MODEL and RERANK_MODEL run on the encode worker (backends/workers/encode.py), apart
 # from the generation thread: inputs are tokenized on the pool, checked against the model's
 # length (an error naming it, or cut with `truncate`), batched with other requests' inputs, and
 # share MAX_QUEUE, REQUEST_TIMEOUT, the keys and rate limits. OpenAI's embeddings shape; the
@@ -4116,7 +4125,7 @@ def encoder_for(request: web.Request, kind: Kind, name: str | None) -> Encoder:
 
 
 def of_chat_model(encoder: Encoder) -> bool:
-    """Whether the encoder is the chat model's (backends/chat_embeddings.py): no EMBEDDING_MODEL."""
+    """Whether the encoder is the chat model's (backends/encoders/chat.py): no EMBEDDING_MODEL."""
     return getattr(encoder, "of_chat_model", False)
 
 

@@ -20,7 +20,7 @@ def write_random_adapters(
     import torch
     from safetensors.torch import save_file
 
-    from backends.adapters import torch_linears
+    from backends.torch.lora import torch_linears
 
     linears = torch_linears(backend.model)
     blocks = 1 + max(int(name.split(".")[2]) for name in linears)
@@ -53,8 +53,8 @@ def adapter_decoding(args) -> list[dict]:
     (merged in place and subtracted again: the same memory, the same decoder)."""
     import tempfile
 
-    from backends import Sampling, Sequence
-    from backends.drive import drive
+    from backends.contract import Sampling, Sequence
+    from backends.decoding.drive import drive
 
     os.environ.setdefault("PHI2_MODEL", "random:phi-2")
     folder = tempfile.mkdtemp(prefix="bench-adapters-")

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path.cwd()))  # the tree under test: the one it is run fr
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from backends.ggml_blocks import BlockWeight  # noqa: E402
-from backends.torch_quant import best_time  # noqa: E402
+from backends.torch.quant.blocks import BlockWeight  # noqa: E402
+from backends.torch.quant.methods import best_time  # noqa: E402
 
 SHAPES = {  # (out, in) of [q; k; v], o, [gate; up] or fc1, down or fc2
     "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
@@ -37,7 +37,7 @@ def main() -> None:
     for weights in blocks.values():
         for weight in weights:
             weight.pack()
-    from backends.cpu_kernels import kernels
+    from backends.torch.cpu.kernels import kernels
 
     mm, prompts = kernels().mm, kernels().prompt_tiles()
     threads = torch.get_num_threads()

@@ -30,8 +30,8 @@ TYPICAL_SCHEMA = {
 def constrained_decoding(args) -> list[dict]:
     """Decode tok/s with and without TYPICAL_SCHEMA, same decoder, alternating runs, per batch
     size (--concurrency) and temperature (0 and 1); and the schema's compile time."""
-    from backends import Sampling, Sequence
-    from backends.drive import drive
+    from backends.contract import Sampling, Sequence
+    from backends.decoding.drive import drive
 
     os.environ.setdefault("PHI2_MODEL", "random:phi-2")
     backend = load_in_process()
@@ -85,8 +85,8 @@ def constrained_decoding(args) -> list[dict]:
 def constrained_outputs_check(backend, prompt_ids: list[int], n: int = 16) -> str:
     """On this device: sampled outputs under a small schema, beside unconstrained ones, parse and
     validate when they complete (the tests check this on the tiny model; this, on the real path)."""
-    from backends import Sampling, Sequence
-    from backends.drive import drive
+    from backends.contract import Sampling, Sequence
+    from backends.decoding.drive import drive
 
     schema = {
         "type": "object",
@@ -140,9 +140,9 @@ def tool_call_decoding(args) -> list[dict]:
     """Decode tok/s of plain text, of a tool call under its grammar (tool_choice required), and of
     text under a dormant lazy grammar (tool_choice auto, no call opened), same decoder,
     alternating runs, per batch size (--concurrency); greedy and sampled."""
-    from backends import Sampling, Sequence
-    from backends.chat_plan import ChatRequest, ToolUse
-    from backends.drive import drive
+    from backends.chat.plan import ChatRequest, ToolUse
+    from backends.contract import Sampling, Sequence
+    from backends.decoding.drive import drive
 
     os.environ.setdefault("PHI2_MODEL", "random:phi-2")
     backend = load_in_process()

@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))  # the tree under test: the one it is run from
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
+from backends.choose import load_backend
+from backends.contract import LoadOptions, Sampling, Sequence
 
 
 def median_step_ms(decoder, steps: int = 8) -> float:
@@ -44,8 +45,8 @@ def attention(columns: int) -> None:
 
     import torch
 
-    from backends.kv_pages import PAGE, PagedKV
-    from backends.torch_decoder import Shape, decode_attention
+    from backends.torch.decoder import Shape, decode_attention
+    from backends.torch.kv_pages import PAGE, PagedKV
 
     kv_heads, head_dim = 32, 80
     kv = PagedKV(1, kv_heads, head_dim, torch.float32, torch.device("cpu"), rows=8, context=2048, pages=8 * 129 + 1)

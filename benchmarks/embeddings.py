@@ -85,7 +85,7 @@ async def gaps(session, url: str, max_tokens: int, beside: bool) -> dict:
 
 
 def embeddings(args) -> list[dict]:
-    from backends.model_files import demo_embedder
+    from backends.files.models import demo_embedder
     from bench import SpawnedServer, default_model
 
     os.environ.setdefault("PHI2_MODEL", default_model())

@@ -9,7 +9,8 @@ import resource
 import time
 from pathlib import Path
 
-from backends import LoadOptions, load_backend, select_backend
+from backends.choose import load_backend, select_backend
+from backends.contract import LoadOptions
 from benchmarks.common import FILLER, QUESTIONS, Result, Timing, progress
 
 # -- the model, from the server's environment variables ------------------------------------------
@@ -52,8 +53,8 @@ def load_in_process():
 
 def bench_in_process(args, backend) -> Result:
     """The same request through the backend's own decode loop and detokenizer, one at a time."""
-    from backends import Sampling, Sequence
-    from backends.drive import drive
+    from backends.contract import Sampling, Sequence
+    from backends.decoding.drive import drive
 
     result = Result(args.label, "in-process", 1)
     prompt_ids = backend.encode(args.prompt)
@@ -89,13 +90,13 @@ def chat_in_process(args) -> list[dict]:
     model, one with a prompt cache and one without; each turn's TTFT (from adding the sequence
     to its first token) and whether the two decode the same ids. One model in memory, so this
     also runs in float32 at Phi-2's size."""
-    from backends import Sampling, Sequence
-    from backends.drive import drive
+    from backends.contract import Sampling, Sequence
+    from backends.decoding.drive import drive
 
     backend = load_in_process()
     with_cache = backend.decoder(backend.max_batch)
     try:  # a second fast-path decoder of its own (backend.decoder hands one thread the same one)
-        from backends.torch_decoder import BatchedDecoder
+        from backends.torch.decoder import BatchedDecoder
 
         without = (
             BatchedDecoder(backend.decoder_weights, backend.max_batch)

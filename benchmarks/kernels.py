@@ -55,11 +55,11 @@ def dtype_sweep(args) -> list[dict]:
 
     import torch
 
-    from backends import Sampling, Sequence
-    from backends.drive import drive
-    from backends.model_files import RANDOM_ARCHITECTURES
-    from backends.torch_decoder import BatchedDecoder, DecoderWeights
-    from backends.torch_runtime import CPU_BF16_MIN_PARAMETERS, random_model
+    from backends.contract import Sampling, Sequence
+    from backends.decoding.drive import drive
+    from backends.files.models import RANDOM_ARCHITECTURES
+    from backends.torch.decoder import BatchedDecoder, DecoderWeights
+    from backends.torch.runtime import CPU_BF16_MIN_PARAMETERS, random_model
 
     rows = []
     for hidden, layers, heads, vocab in SWEEP_SIZES:
@@ -108,7 +108,7 @@ def quant_kernels(args) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from backends.torch_quant import Int4Weight, Int8Weight
+    from backends.torch.quant.methods import Int4Weight, Int8Weight
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -42,7 +42,7 @@ PAIRS = {
     "int8-q8_0": ({"PHI2_QUANTIZE": "int8", "PHI2_DTYPE": "bfloat16"}, "q8_0"),
     "int4-q4_0": ({"PHI2_QUANTIZE": "int4", "PHI2_DTYPE": "bfloat16"}, "q4_0"),
     "bf16-bf16": ({"PHI2_QUANTIZE": "", "PHI2_DTYPE": "bfloat16"}, "bf16"),
-    # llama.cpp's own block types on this server's CPU kernels (backends/ggml_blocks.py): the same
+    # llama.cpp's own block types on this server's CPU kernels (backends/torch/quant/blocks.py): the same
     # checkpoint quantized by each side's reference quantizer.
     "q8_0-q8_0": ({"PHI2_QUANTIZE": "q8_0", "PHI2_DTYPE": "float32"}, "q8_0"),
     "q4_0-q4_0": ({"PHI2_QUANTIZE": "q4_0", "PHI2_DTYPE": "float32"}, "q4_0"),
@@ -56,8 +56,8 @@ def export_checkpoint(spec: str, out: Path) -> Path:
     """The architecture of `spec` with random weights, saved in bfloat16 with its tokenizer."""
     import torch
 
-    from backends.model_files import resolve_model
-    from backends.torch_runtime import random_model
+    from backends.choose import resolve_model
+    from backends.torch.runtime import random_model
 
     if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
         return out
@@ -220,7 +220,7 @@ def requantized(tree: Path, source: Path, kind: str, out_dir: Path) -> Path:
 
 
 def compare(args) -> list[dict]:
-    from backends.model_files import gguf_file
+    from backends.files.models import gguf_file
 
     tree = Path(args.llama_cpp).resolve()
     spec = os.environ.get("PHI2_MODEL", "random:phi-2")

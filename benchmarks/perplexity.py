@@ -13,7 +13,7 @@ in place of each window's first id: so does `windows` here.
 The logits are the server's own: on Torch the general decoder's pass over a prompt
 (BatchedDecoder.logits_after, every position), on MLX the pass that prompt logprobs take
 (MlxBackend.start); a token's logprob is what the server reports (the log-softmax, in float32,
-over the whole vocabulary: backends/torch_logprobs.py, backends/mlx_logprobs.py).
+over the whole vocabulary: backends/torch/logprobs.py, backends/mlx/logprobs.py).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def text_ids(backend, text: str, bos: int | None) -> list[int]:
 
 def torch_scorer(backend) -> Scorer:
     """Logprobs of each next id through the Torch general decoder's pass over the window."""
-    from backends.torch_decoder import BatchedDecoder
-    from backends.torch_logprobs import token_logprobs
+    from backends.torch.decoder import BatchedDecoder
+    from backends.torch.logprobs import token_logprobs
 
     decoder = BatchedDecoder(backend.decoder_weights, 1)
 
@@ -102,7 +102,7 @@ def torch_scorer(backend) -> Scorer:
 
 def mlx_scorer(backend) -> Scorer:
     """Logprobs of each next id as MLX's prompt logprobs compute them."""
-    from backends import Sampling, Sequence
+    from backends.contract import Sampling, Sequence
 
     def score(window: list[int]) -> list[float]:
         _, _, scores = backend.start(Sequence(0, window, Sampling(), 1, prompt_logprobs=0), None)
@@ -185,8 +185,9 @@ def perplexity_table(args) -> list[dict]:
     the MLX CPU build is slow), llama.cpp's; each row's perplexity over those first windows too."""
     import torch
 
-    from backends import LoadOptions, load_backend
-    from backends.model_files import gguf_file
+    from backends.choose import load_backend
+    from backends.contract import LoadOptions
+    from backends.files.models import gguf_file
 
     spec = os.environ.get("PHI2_MODEL", "")
     source = gguf_file(spec)

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path.cwd()))  # the tree under test: the one it is run fr
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends.model_files import demo_gguf  # noqa: E402
+from backends.choose import load_backend
+from backends.contract import LoadOptions, Sampling, Sequence
+from backends.files.models import demo_gguf  # noqa: E402
 
 MATRIX_OPS = ("mm", "linear", "matmul", "addmm", "_weight_int", "int8", "qlinear")
 

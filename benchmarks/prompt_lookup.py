@@ -38,8 +38,8 @@ OPEN = "Write a short story about a lighthouse keeper who finds a message in a b
 
 
 def prompt_lookup_decoding(args) -> list[dict]:
-    from backends import Sampling, Sequence
-    from backends.drive import drive
+    from backends.contract import Sampling, Sequence
+    from backends.decoding.drive import drive
     from benchmarks.in_process import load_in_process
 
     os.environ.setdefault("PHI2_MODEL", "random:phi-2")
@@ -108,7 +108,7 @@ def verify_costs(backend, decoder, runs: int) -> list[dict]:
     """One decode step against one verify pass of 1 + k tokens, on a sequence 100 tokens in."""
     import torch
 
-    from backends import Sampling, Sequence
+    from backends.contract import Sampling, Sequence
 
     decoder.draft_tokens = 0
     decoder.add(Sequence(10_000, backend.encode(OPEN * 4)[:100], Sampling(), 10_000))

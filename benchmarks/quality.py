@@ -19,8 +19,9 @@ def quant_quality(args) -> list[dict]:
     as one piece (w8a8 takes a range per token, so the piece's size does not matter)."""
     import torch
 
-    from backends import LoadOptions, load_backend, select_backend
-    from backends.torch_decoder import BatchedDecoder
+    from backends.choose import load_backend, select_backend
+    from backends.contract import LoadOptions
+    from backends.torch.decoder import BatchedDecoder
 
     model = os.environ.get("PHI2_MODEL", "random:phi-2")
     prompts = [FILLER[: 40 * (i + 1)] + q for i, q in enumerate(QUESTIONS)]
@@ -75,9 +76,10 @@ def quant_agreement(args) -> list[dict]:
     """Greedy ids of quantized weights against full precision on the tiny demo model, which
     memorized its corpus: each memorized line is cut after its first word or two and the rest
     decoded (float32, both runtimes, 8 and 4 bits), as tests/test_quantization.py does."""
-    from backends import LoadOptions, Sampling, Sequence, load_backend
-    from backends.drive import drive
-    from backends.tiny import ascii_lines
+    from backends.choose import load_backend
+    from backends.contract import LoadOptions, Sampling, Sequence
+    from backends.decoding.drive import drive
+    from backends.torch.tiny import ascii_lines
 
     rows = []
     for runtime, methods in (("torch", ("int8", "int4", "w8a8")), ("mlx", ("8", "4"))):

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from backends import Backend, LoadOptions, load_backend
-from backends.tiny import write_tiny_checkpoint, write_tiny_tools
+from backends.choose import load_backend
+from backends.contract import Backend, LoadOptions
+from backends.torch.tiny import write_tiny_checkpoint, write_tiny_tools
 from phi2_server import ENGINE, LOAD_DONE, Settings, create_app, listen, runner_options
 
 
@@ -263,7 +264,7 @@ def live_server(log_dir, max_batch):
 def reach_groups(monkeypatch) -> list:
     """What every eager decode step's `_reach_groups` returns from now on (the groups of rows
     that attend together, or None for one group), as the steps run."""
-    from backends.torch_decoder import BatchedDecoder
+    from backends.torch.decoder import BatchedDecoder
 
     found = []
     original = BatchedDecoder._reach_groups
@@ -279,7 +280,7 @@ def reach_groups(monkeypatch) -> list:
 @pytest.fixture(scope="session")
 def tool_paths(tmp_path_factory) -> dict:
     """The tiny instruction models that memorized tool dialogues, in two families' formats
-    (backends.tiny.write_tiny_tools): Hermes tags on Qwen2, Llama-3 JSON on Llama."""
+    (backends.torch.tiny.write_tiny_tools): Hermes tags on Qwen2, Llama-3 JSON on Llama."""
     return {fmt: write_tiny_tools(tmp_path_factory.mktemp(f"tiny-{fmt}"), fmt) for fmt in ("hermes", "llama3")}
 
 

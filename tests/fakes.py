@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from backends import Backend, Decoder, PromptCacheUsage, Sequence
+from backends.contract import Backend, Decoder, PromptCacheUsage, Sequence
 
 
 class WrappedBackend:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backends.adapters import WEIGHTS_FILE, block_count, check_modules, lora_settings, read_config, torch_linears
+from backends.files.adapters import WEIGHTS_FILE, block_count, check_modules, lora_settings, read_config
+from backends.torch.lora import torch_linears
 
 
 def merge_lora_into_torch(model, path: Path) -> int:

@@ -15,7 +15,8 @@ from conftest import engine_of, wait_until, write_mlx_adapter
 from fakes import Gate, GatedBackend
 from lora_reference import merge_lora_into_torch
 
-from backends import LoadOptions, load_backend
+from backends.choose import load_backend
+from backends.contract import LoadOptions
 
 ADAPTERS = {  # name -> how write_mlx_adapter makes it: different ranks, scales and depths
     "exp-a": dict(num_layers=2, rank=4, scale=2.0),

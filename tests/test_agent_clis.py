@@ -26,8 +26,9 @@ import pytest
 from conftest import LiveServer
 from test_request_log import read_log
 
-from backends import LoadOptions, load_backend
-from backends.model_files import demo_gguf
+from backends.choose import load_backend
+from backends.contract import LoadOptions
+from backends.files.models import demo_gguf
 from phi2_server import Settings, create_app
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,9 +21,9 @@ from conftest import post
 from fakes import Gate, GatedBackend
 from test_request_log import read_log
 
-from backends import ChatError
-from backends.chat_plan import ChatFormat, ChatRequest, folded_system
-from backends.tiny import TOOL
+from backends.chat.plan import ChatFormat, ChatRequest, folded_system
+from backends.contract import ChatError
+from backends.torch.tiny import TOOL
 from phi2_server import SETTINGS, Settings, create_app
 
 AGENTS = Path(__file__).parent / "data" / "agents"

@@ -14,8 +14,8 @@ import pytest
 from conftest import engine_of, wait_until
 from fakes import Gate, GatedBackend
 
-from backends import Sampling, Sequence
-from backends.drive import drive
+from backends.contract import Sampling, Sequence
+from backends.decoding.drive import drive
 
 RUNTIMES = ["mlx", "torch"]
 
@@ -121,7 +121,7 @@ def test_mlx_removed_sequences_leave_the_running_batch(mlx_backend):
 
 
 def test_mlx_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(mlx_backend):
-    from backends.mlx_runtime import BatchDecoder
+    from backends.mlx.runtime import BatchDecoder
 
     decoder = BatchDecoder(mlx_backend, 2, prefill_step=8)
     running = sequence(mlx_backend, 1, "Once upon", 120)

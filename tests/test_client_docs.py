@@ -20,7 +20,8 @@ import pytest
 from conftest import LiveServer
 from test_real_model import FILE, KEPT_CACHE
 
-from backends import LoadOptions, load_backend
+from backends.choose import load_backend
+from backends.contract import LoadOptions
 from phi2_server import Settings, create_app
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backends import ModelLoadError, select_backend
-from backends.model_files import resolve_model
+from backends.choose import resolve_model, select_backend
+from backends.contract import ModelLoadError
 from phi2_server import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,17 +114,17 @@ def test_a_gguf_that_fails_to_convert_leaves_no_folder(tmp_path, cache_dir):
 
 
 def test_a_conversion_cut_short_leaves_no_half_folder(tmp_path, cache_dir, monkeypatch):
-    import backends.model_files
+    import backends.files.models
 
-    def half_written(file, folder, spec):
+    def half_written(file, folder, spec, architecture):
         folder.mkdir(parents=True)
         (folder / "config.json").write_text("{}")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(backends.model_files, "check_gguf", lambda file, spec: None)
-    monkeypatch.setattr(backends.model_files, "_convert_gguf", half_written)
+    monkeypatch.setattr(backends.files.models, "check_gguf", lambda file, spec: None)
+    makers = backends.files.models.Makers(tiny=None, tiny_reranker=None, gguf=half_written)
     with pytest.raises(ModelLoadError, match="could not write its converted checkpoint.*No space left"):
-        resolve_model(str(write_gguf(tmp_path / "cut.gguf", "llama")))
+        backends.files.models.resolve_model(str(write_gguf(tmp_path / "cut.gguf", "llama")), makers)
     assert not any((cache_dir / "gguf").glob("*")), "neither the folder nor its temporary one stays"
 
 
@@ -150,7 +150,7 @@ def test_server_exits_with_a_clear_message_when_the_model_cannot_load(tmp_path):
 def test_auto_dtype_follows_the_measured_rule(monkeypatch, device, native_bf16, parameters, expected):
     import torch
 
-    from backends import torch_runtime
+    from backends.torch import runtime as torch_runtime
 
     monkeypatch.setattr(torch_runtime, "cpu_has_bf16", lambda: native_bf16)  # a faked CPU
     assert torch_runtime.pick_dtype("auto", device, lambda: parameters) == getattr(torch, expected)
@@ -158,13 +158,13 @@ def test_auto_dtype_follows_the_measured_rule(monkeypatch, device, native_bf16, 
 
 
 def test_parameters_are_counted_from_the_config_alone(tiny_path):
-    from backends.torch_runtime import count_parameters
+    from backends.torch.runtime import count_parameters
 
     assert count_parameters(tiny_path) == 231_936
 
 
 def test_an_absent_default_adapter_path_is_normal_and_an_explicit_one_is_warned(tmp_path, caplog):
-    from backends.adapters import find_adapter
+    from backends.files.adapters import find_adapter
 
     caplog.set_level("INFO", logger="phi2_server.adapters")
     assert find_adapter(str(tmp_path / "absent"), is_default=True) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import backends
+from backends import contract as backends
 
 
 def members(protocol: type) -> set[str]:

@@ -1,4 +1,4 @@
-"""The CPU's own kernels (backends/cpu_kernels.cpp) and llama.cpp's block types (backends/ggml_blocks.py).
+"""The CPU's own kernels (backends/torch/cpu/kernels.cpp) and llama.cpp's block types (backends/torch/quant/blocks.py).
 
 Checked against the GGUF format's own reference code (gguf-py's numpy quantizer and
 dequantizer) and against transformers: blocks are written byte for byte as llama.cpp's
@@ -16,14 +16,16 @@ import pytest
 import torch
 from test_families import FAMILIES, PROMPT, prompt_of, reference_steps
 
-from backends import LoadOptions, Sampling, Sequence, load_backend
-from backends.cpu_kernels import decode_step, kernels
-from backends.drive import drive
-from backends.ggml_blocks import KINDS, BlockWeight
-from backends.prompt_lookup import PromptLookup
-from backends.tiny import write_tiny_family
-from backends.torch_decoder import PROMPT_TILES_FROM, BatchedDecoder
-from backends.torch_model import Network
+from backends.choose import load_backend
+from backends.contract import LoadOptions, Sampling, Sequence
+from backends.decoding.drafts import PromptLookup
+from backends.decoding.drive import drive
+from backends.torch.cpu.kernels import kernels
+from backends.torch.cpu.step import decode_step
+from backends.torch.decoder import PROMPT_TILES_FROM, BatchedDecoder
+from backends.torch.network import Network
+from backends.torch.quant.blocks import KINDS, BlockWeight
+from backends.torch.tiny import write_tiny_family
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -128,7 +130,7 @@ def test_rows_stack_and_columns_join_by_their_bytes():
 
 
 def test_a_width_that_is_not_whole_blocks_is_refused():
-    from backends import ModelLoadError
+    from backends.contract import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="multiples of 32"):
         BlockWeight.quantize(torch.randn(8, 40), "q8_0")
@@ -161,7 +163,7 @@ def simd_target(request, monkeypatch):
     the step's own code differs by target, so each is checked against transformers."""
     import platform
 
-    import backends.cpu_kernels as cpu
+    import backends.torch.cpu.kernels as cpu
 
     if request.param != "native":
         if platform.machine() not in ("x86_64", "AMD64"):
@@ -173,7 +175,7 @@ def simd_target(request, monkeypatch):
 @pytest.mark.parametrize("length", [10, 40, 70], ids=["short", "past-windows", "past-longrope"])
 def test_the_compiled_step_computes_what_transformers_computes(float_family, length, simd_target):
     """Every family: the prompt's logits and each decode step's, against transformers' forward.
-    Windows of 16 and 32 and longrope's switch at 64 (backends/tiny.py) fall inside these."""
+    Windows of 16 and 32 and longrope's switch at 64 (backends/torch/tiny.py) fall inside these."""
     prompt = prompt_of(length)
     expected_ids, expected_logits = reference_steps(float_family, prompt, 24)
     weights = float_family.decoder_weights
@@ -334,13 +336,13 @@ def test_the_kernels_say_which_simd_path_they_took():
 
 
 def test_without_a_compiler_block_weights_are_a_clear_startup_error(monkeypatch, tmp_path, tiny_path):
-    import backends.cpu_kernels as cpu
+    import backends.torch.cpu.kernels as cpu
 
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpu, "_failure", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    from backends import ModelLoadError
+    from backends.contract import ModelLoadError
 
     with pytest.raises(ModelLoadError, match=r"could not be built: .*need a C\+\+ compiler"):
         load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize="q8_0", warmup=False))
@@ -354,8 +356,8 @@ def test_phi2_cpu_march_builds_the_kernels_for_that_target(monkeypatch):
     here); a name that is not a target is a clear startup error, not a shell word."""
     import platform
 
-    import backends.cpu_kernels as cpu
-    from backends import ModelLoadError
+    import backends.torch.cpu.kernels as cpu
+    from backends.contract import ModelLoadError
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 targets")
@@ -378,7 +380,7 @@ def test_every_simd_path_computes_the_same_products(march):
     alike alone or together (the AVX-512 path is the native build's where the CPU has it)."""
     import platform
 
-    from backends.cpu_kernels import variant
+    from backends.torch.cpu.kernels import variant
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 targets")
@@ -416,7 +418,7 @@ def test_a_files_matrices_choose_the_block_type_it_is_served_in(tmp_path, types,
     kept beside the converted checkpoint, under the rule that gave it."""
     import gguf
 
-    from backends.ggml_blocks import KIND_RULE, file_kind
+    from backends.torch.quant.blocks import KIND_RULE, file_kind
 
     file = tmp_path / "model.gguf"
     writer = gguf.GGUFWriter(str(file), "llama")

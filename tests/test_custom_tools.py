@@ -14,8 +14,8 @@ import openai
 import pytest
 from conftest import post
 
-from backends import tools as T
-from backends.chat_plan import ChatFormat
+from backends.chat import tools as T
+from backends.chat.plan import ChatFormat
 
 SERVED_TOOLS = [("torch", "hermes", 4), ("torch", "llama3", 1), ("mlx", "hermes", 1), ("mlx", "llama3", 4)]
 
@@ -172,7 +172,7 @@ TOOL_LIST = [
 def hermes_format(tool_paths):
     from transformers import AutoTokenizer
 
-    from backends.grammar import Grammars
+    from backends.decoding.grammar import Grammars
 
     tokenizer = AutoTokenizer.from_pretrained(str(tool_paths["hermes"]))
     return ChatFormat(tokenizer), Grammars(tokenizer, len(tokenizer))

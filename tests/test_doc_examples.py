@@ -52,8 +52,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 from conftest import write_mlx_adapter
 
-from backends import load_backend
-from backends.model_files import tiny_dir
+from backends.choose import load_backend
+from backends.files.models import tiny_dir
 from phi2_server import ENCODER, LOAD_DONE, Settings, create_app, runner_options
 
 ROOT = Path(__file__).resolve().parent.parent

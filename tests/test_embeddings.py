@@ -15,9 +15,9 @@ import shutil
 import numpy as np
 import pytest
 
-from backends.embeddings import load_encoder
-from backends.model_files import demo_embedder
-from backends.tiny import write_tiny_reranker
+from backends.choose import load_encoder
+from backends.files.models import demo_embedder
+from backends.torch.tiny import write_tiny_reranker
 from phi2_server import ENCODER
 from tests.conftest import post, wait_until
 
@@ -312,17 +312,18 @@ def test_openai_sdk_and_langchain_unchanged(live_server, torch_backend, embedder
 
 
 def test_a_forward_and_the_decode_steps_never_take_more_threads_than_cores():
-    """backends.cpu_share: while the encoder runs a forward (or waits to), the generation
+    """backends.workers.cores: while the encoder runs a forward (or waits to), the generation
     thread's steps use the cores it leaves; a forward starts only once the step under way, which
     used them all, has ended; after it, the steps get their own count back."""
     import threading
 
     import torch
 
-    from backends.cpu_share import CpuShare
+    from backends.torch.encoder import TORCH_TEAM
+    from backends.workers.cores import CpuShare
 
     share = CpuShare(cores=2)
-    share.enable()
+    share.enable(TORCH_TEAM)
     in_step, step_may_end, forward_started = threading.Event(), threading.Event(), threading.Event()
     seen = []
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 from conftest import engine_of, wait_until
 
-from backends import ModelLoadError
+from backends.contract import ModelLoadError
 
 
 async def test_health_ready_and_info_when_loaded(client, backend):

@@ -1,5 +1,5 @@
 """The batched Torch decoder on every family it serves (issue 26), on tiny checkpoints of each
-(backends/tiny.py TINY_FAMILIES: random weights, shapes that reach each family's own code).
+(backends/torch/tiny.py TINY_FAMILIES: random weights, shapes that reach each family's own code).
 
 For each family: its logits equal transformers' forward (float32, within 1e-5 of the logits'
 scale) at every step, past its sliding window and longrope's switch; a sequence decodes the same
@@ -20,10 +20,11 @@ import torch
 from conftest import engine_of
 from lora_reference import merge_lora_into_torch
 
-from backends import LoadOptions, Sampling, Sequence, load_backend
-from backends.drive import drive
-from backends.tiny import TINY_FAMILIES, write_tiny_family
-from backends.torch_decoder import BatchedDecoder
+from backends.choose import load_backend
+from backends.contract import LoadOptions, Sampling, Sequence
+from backends.decoding.drive import drive
+from backends.torch.decoder import BatchedDecoder
+from backends.torch.tiny import TINY_FAMILIES, write_tiny_family
 
 FAMILIES = sorted(TINY_FAMILIES)
 PROMPT = [5 + (i * 37) % 580 for i in range(24)]
@@ -182,7 +183,8 @@ def write_adapter(backend, directory: Path, rank: int = 4, scale: float = 2.0) -
     """An mlx-lm-format LoRA adapter on every Linear of the last block (mlx-lm's module names)."""
     from safetensors.torch import save_file
 
-    from backends.adapters import block_count, torch_linears
+    from backends.files.adapters import block_count
+    from backends.torch.lora import torch_linears
 
     last = block_count(backend.model) - 1
     generator = torch.Generator().manual_seed(7)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-# The tiny model has memorized its corpus (backends/tiny.py), so these continuations are known.
+# The tiny model has memorized its corpus (backends/torch/tiny.py), so these continuations are known.
 FOX = "The quick brown"
 FOX_TEXT = " fox jumps over the lazy dog."
 JAPANESE = "日本語の"

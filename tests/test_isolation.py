@@ -127,7 +127,7 @@ async def test_a_grammar_failing_mid_generation_ends_only_its_sequence(make_clie
 async def test_no_grammar_work_runs_on_the_generation_thread(make_client, backend, monkeypatch):
     """Compiling, and each sequence's copy of the grammar (a large one takes seconds, then a
     while), happen on pools; the generation thread only reads masks computed elsewhere."""
-    from backends import grammar
+    from backends.decoding import grammar
 
     threads = []
     for name in ("compile", "cached"):

@@ -11,10 +11,11 @@ import sys
 
 import pytest
 
-from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
-from backends.drive import drive
-from backends.tiny import CONTEXT_LENGTH
-from backends.torch_decoder import BatchedDecoder
+from backends.choose import load_backend
+from backends.contract import LoadOptions, ModelLoadError, Sampling, Sequence
+from backends.decoding.drive import drive
+from backends.torch.decoder import BatchedDecoder
+from backends.torch.tiny import CONTEXT_LENGTH
 from tests.conftest import engine_of, wait_idle
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -167,7 +168,7 @@ def small_pool(layers: int, kv_heads: int, head_dim: int, context: int, most: in
     `most_pages`."""
     import torch
 
-    from backends.kv_pages import PagedKV
+    from backends.torch.kv_pages import PagedKV
 
     cpu = torch.device("cpu")
     return PagedKV(layers, kv_heads, head_dim, torch.float32, cpu, rows=3, context=context, pages=12, most_pages=most)
@@ -178,7 +179,7 @@ def test_the_pool_shrinks_under_held_pages_and_keeps_their_contents():
     values and their table entries; pages freed go back to be taken again."""
     import torch
 
-    from backends.kv_pages import PAGE
+    from backends.torch.kv_pages import PAGE
 
     kv = small_pool(layers=2, kv_heads=2, head_dim=4, context=10 * PAGE)
     kv.assign(0, 5 * PAGE)
@@ -231,7 +232,7 @@ def test_a_pool_takes_memory_where_rows_write_grows_without_a_copy_and_gives_mem
     hold, and a shrink gives the memory past its end back (those pages read as zeros again)."""
     import torch
 
-    from backends.kv_pages import PAGE
+    from backends.torch.kv_pages import PAGE
 
     mib = 1 << 20
     before = resident_bytes()
@@ -274,7 +275,7 @@ def test_a_page_that_rows_and_the_cache_share_returns_to_the_pool_once_none_hold
     lists and the rows' tables alike."""
     import torch
 
-    from backends.kv_pages import PAGE
+    from backends.torch.kv_pages import PAGE
 
     kv = small_pool(layers=1, kv_heads=1, head_dim=2, context=8 * PAGE)
     kv.assign(0, 4 * PAGE)  # takes low pages first
@@ -301,8 +302,8 @@ def test_a_pool_allocated_whole_has_room_for_the_prompt_cache_it_is_made_with(to
     """On CUDA the pool is allocated once: the runtime makes the decoder with the prompt cache's
     budget (a pool made without room for it served no prompt from the cache), and a later budget
     cannot exceed that room."""
-    from backends import torch_decoder
-    from backends.kv_pages import PAGE
+    from backends.torch import decoder as torch_decoder
+    from backends.torch.kv_pages import PAGE
 
     made = []
 
@@ -331,8 +332,8 @@ def test_consecutive_pages_are_read_in_place_on_the_cpu_and_give_what_a_copy_giv
 
     import torch
 
-    from backends.kv_pages import PAGE
-    from backends.torch_decoder import Shape, decode_attention
+    from backends.torch.decoder import Shape, decode_attention
+    from backends.torch.kv_pages import PAGE
 
     kv = small_pool(layers=1, kv_heads=2, head_dim=4, context=10 * PAGE)
     kv.assign(0, 3 * PAGE)  # pages 1, 2, 3

@@ -188,7 +188,8 @@ def test_a_quantized_model_scores_the_task_as_full_precision_does(
     """Torch's 8-bit methods (weight-only, and w8a8's int8 activations) through the served
     API: the task's accuracy and each choice's is_greedy equal full precision's, and each
     loglikelihood is within what 8 bits move it (measured: docs/benchmark-log.md, w8a8 on the CPU)."""
-    from backends import LoadOptions, load_backend
+    from backends.choose import load_backend
+    from backends.contract import LoadOptions
 
     backend = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize=method))
     server = live_server(lambda: backend, model=str(tiny_path), max_batch=4)

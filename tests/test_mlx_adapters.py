@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import write_mlx_adapter
 
-from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
+from backends.choose import load_backend
+from backends.contract import LoadOptions, ModelLoadError, Sampling, Sequence
 
 mx = pytest.importorskip("mlx.core")
 
@@ -77,7 +78,7 @@ def reference(backend, reference_model):
     with that adapter's LoRA layers (and this server's sampler for the sampling)."""
     from mlx_lm.generate import generate_step
 
-    from backends.mlx_sampling import logits_processors, make_sampler
+    from backends.mlx.sampling import logits_processors, make_sampler
 
     def ids(name: str | None, prompt: list[int], n: int = N, sampling: Sampling = Sampling()) -> list[int]:
         sampler = make_sampler(sampling, prompt, backend.decodable)
@@ -137,7 +138,7 @@ def test_each_adapter_decodes_as_mlx_lm_with_it(backend, reference, name, max_ba
 
 
 def test_slot_layers_are_installed_only_where_an_adapter_needs_them(tiny_path, adapters_dir):
-    from backends.mlx_lora import SlotLoRALinear
+    from backends.mlx.lora import SlotLoRALinear
 
     fresh = load(tiny_path, adapters_dir)
 
@@ -230,7 +231,7 @@ def test_one_slot_serves_adapters_one_after_another(tiny_path, adapters_dir, ref
 
 
 def test_a_slot_is_reused_by_its_adapter_and_refilled_for_another(backend):
-    from backends.mlx_lora import SlotBank
+    from backends.mlx.lora import SlotBank
 
     bank = SlotBank(backend.model, backend.router, 2)
     alpha, beta, gamma = (backend.adapters.get(n) for n in ("alpha", "beta", "gamma"))

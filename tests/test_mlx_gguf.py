@@ -15,8 +15,9 @@ import openai
 import pytest
 from conftest import LiveServer, post
 
-from backends import LoadOptions, load_backend
-from backends.model_files import demo_gguf
+from backends.choose import load_backend
+from backends.contract import LoadOptions
+from backends.files.models import demo_gguf
 from phi2_server import Settings, create_app
 
 pytest.importorskip("mlx_lm")
@@ -158,7 +159,7 @@ def test_a_file_mlx_cannot_keep_is_served_dequantized(tmp_path, caplog, types, r
     import gguf
     import numpy as np
 
-    from backends.mlx_gguf import keep_file_blocks
+    from backends.mlx.gguf import keep_file_blocks
 
     file = tmp_path / "model.gguf"
     writer = gguf.GGUFWriter(str(file), "llama")

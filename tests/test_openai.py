@@ -9,7 +9,7 @@ import pytest
 from conftest import engine_of, wait_idle
 from fakes import Gate, GatedBackend
 
-from backends.chat_plan import ChatRequest
+from backends.chat.plan import ChatRequest
 
 
 @pytest.fixture

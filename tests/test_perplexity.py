@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from backends.tiny import ascii_lines
+from backends.torch.tiny import ascii_lines
 from benchmarks.perplexity import mlx_scorer, perplexity, torch_scorer
 
 CONTEXT = 32

@@ -1,5 +1,5 @@
 """Phi-2's own GGUF files (llama.cpp's `phi2` architecture), which transformers' reader refuses:
-backends/gguf_phi2.py converts them, and the file's Q8_0/Q4_0 blocks serve as they are stored.
+backends/files/gguf_phi2.py converts them, and the file's Q8_0/Q4_0 blocks serve as they are stored.
 
 The files are the tiny Phi checkpoint written as llama.cpp's convert_hf_to_gguf.py writes Phi-2
 (its `Phi2Model`: a gpt2 vocabulary padded with `[PADn]` to the model's rows, q/k/v as separate
@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from backends import LoadOptions, Sampling, Sequence, load_backend
-from backends.drive import drive
-from backends.ggml_blocks import file_matrices
-from backends.gguf_phi2 import modules
-from backends.tiny import CORPUS
+from backends.choose import load_backend
+from backends.contract import LoadOptions, Sampling, Sequence
+from backends.decoding.drive import drive
+from backends.files.gguf_phi2 import modules
+from backends.torch.quant.blocks import file_matrices
+from backends.torch.tiny import CORPUS
 
 gguf = pytest.importorskip("gguf")
 
@@ -110,7 +111,7 @@ def greedy(backend, prompts: list[str], n: int = 12) -> dict[int, list[int]]:
 
 
 def logits(backend, prompt: str) -> torch.Tensor:
-    from backends.torch_decoder import BatchedDecoder
+    from backends.torch.decoder import BatchedDecoder
 
     ids = backend.text.tokenizer.encode(prompt, add_special_tokens=False)
     return BatchedDecoder(backend.decoder_weights, 1).logits_after(ids, None)
@@ -228,7 +229,7 @@ def test_a_phi2_file_chats_over_http(tiny_path, cache_dir, tmp_path):
 def test_a_phi2_file_missing_its_shape_is_a_clear_startup_error(cache_dir, tmp_path):
     from gguf import GGUFWriter
 
-    from backends import ModelLoadError
+    from backends.contract import ModelLoadError
 
     file = tmp_path / "broken-phi2.gguf"
     writer = GGUFWriter(str(file), "phi2")
@@ -243,7 +244,7 @@ def test_a_phi2_file_missing_its_shape_is_a_clear_startup_error(cache_dir, tmp_p
 
 
 def test_a_phi2_files_next_start_maps_its_stored_blocks(tiny_path, cache_dir, tmp_path, caplog):
-    """The second start of the same file builds no transformers model (backends/stored_model.py)
+    """The second start of the same file builds no transformers model (backends/torch/stored_model.py)
     and decodes the same greedy tokens, batched, as the first."""
     file = phi2_gguf(tiny_path, tmp_path / "tiny-phi2-q8_0.gguf", "Q8_0", fused=True)
     first = load_backend("torch", LoadOptions(model=str(file), dtype="float32", warmup=False))

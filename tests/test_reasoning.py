@@ -2,7 +2,7 @@
 after the thought, on a model that thinks in <think> tags, through the three chat APIs, whole
 and streamed, on both runtimes.
 
-The tiny Hermes tool model (backends.tiny) memorized one reply that reasons first:
+The tiny Hermes tool model (backends.torch.tiny) memorized one reply that reasons first:
 "<think>\\nA greeting is asked for.\\n</think>\\n\\nHello there!". Its tokenizer has <think>
 and </think> as tokens, as Qwen3's has. A budget of N tokens must cut that thought after its
 first N tokens (then </think> is forced, and the reply goes on)."""
@@ -16,7 +16,7 @@ import openai
 import pytest
 from conftest import post
 
-from backends.tiny import TOOL
+from backends.torch.tiny import TOOL
 
 THINK = [{"role": "user", "content": "Think, then greet me."}]
 THOUGHT = "A greeting is asked for."  # as memorized, between "<think>\n" and "\n</think>"

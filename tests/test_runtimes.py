@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import write_mlx_adapter
 
-from backends import LoadOptions, ModelLoadError, Sampling, Sequence, load_backend
+from backends.choose import load_backend
+from backends.contract import LoadOptions, ModelLoadError, Sampling, Sequence
 
 PROMPTS = ["The quick brown", "Once upon", "日本語の", "Hello world", "def f(x):\n", "zq"]
 

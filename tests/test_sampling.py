@@ -20,9 +20,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from backends import Sampling, mlx_sampling, torch_sampling
-from backends.mlx_sampling import SequenceSampler, greedy_sampler, make_sampler
-from backends.torch_sampling import TokenChooser
+from backends.contract import Sampling
+from backends.mlx import sampling as mlx_sampling
+from backends.mlx.sampling import SequenceSampler, greedy_sampler, make_sampler
+from backends.torch import sampling as torch_sampling
+from backends.torch.sampling import TokenChooser
 
 VOCAB, DECODABLE = 1024, 900
 CPU = torch.device("cpu")

@@ -2,7 +2,7 @@
 langchain-openai against the real app, on both runtimes, batched.
 
 `auto` is tested for real on tiny instruction models that memorized a few dialogues in two
-families' formats (backends.tiny.write_tiny_tools: Hermes tags on a Qwen2 model, Llama-3 JSON on a
+families' formats (backends.torch.tiny.write_tiny_tools: Hermes tags on a Qwen2 model, Llama-3 JSON on a
 Llama model). `required` and a named function must hold with any weights, since the grammar makes
 the call: they run on the demo model too, whose template knows no tools (the default block)."""
 
@@ -15,8 +15,8 @@ import openai
 import pytest
 from conftest import post
 
-from backends.chat_plan import ChatRequest, ToolUse
-from backends.tiny import TOOL
+from backends.chat.plan import ChatRequest, ToolUse
+from backends.torch.tiny import TOOL
 
 TOOLS = [{"type": "function", "function": TOOL}]
 PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -537,7 +537,7 @@ def test_responses_answers_are_as_described(tool_server):
 
 
 def pieces_of(fmt: str, text: str, step: int, **options) -> tuple[list, bool]:
-    from backends.tools import FORMATS, ToolCallParser
+    from backends.chat.tools import FORMATS, ToolCallParser
 
     parser = ToolCallParser(FORMATS[fmt], {"get_weather", "f"}, **options)
     out = []
@@ -623,7 +623,7 @@ def test_reasoning_and_cut_calls_parse_as_they_stream():
 
 
 def test_the_format_is_read_from_the_template():
-    from backends.tools import detect_format, template_messages
+    from backends.chat.tools import detect_format, template_messages
 
     assert detect_format(None)[0].name == "hermes"
     assert detect_format("{% for tool in tools %}<tool_call>{% endfor %}") == (

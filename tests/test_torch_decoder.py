@@ -1,4 +1,4 @@
-"""The batched Phi decoder (backends/torch_decoder.py) on the CPU: every sequence in a batch
+"""The batched Phi decoder (backends/torch/decoder.py) on the CPU: every sequence in a batch
 decodes exactly as it would alone, whoever joins or leaves, however long its prompt."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from backends import Sampling, Sequence
-from backends.drive import drive
-from backends.torch_decoder import BatchedDecoder, supports
-from backends.torch_graphs import MIN_LENGTH_BUCKET, Graphs
-from backends.torch_model import Network
-from backends.torch_prefill import InFlight, Prefill
+from backends.contract import Sampling, Sequence
+from backends.decoding.drive import drive
+from backends.torch.cuda.graphs import MIN_LENGTH_BUCKET, Graphs
+from backends.torch.decoder import BatchedDecoder, supports
+from backends.torch.network import Network
+from backends.torch.prefill import InFlight, Prefill
 
 PROMPTS = [
     "The quick brown",
@@ -64,7 +64,7 @@ def test_new_prompts_for_a_prefill_graph_are_neither_cut_nor_grouped_past_a_grap
     token budget (its second piece would be prefilled eagerly), new prompts are not grouped with
     pieces that continue cached columns, and a group larger than a graph takes is split; every
     sequence still decodes as alone."""
-    from backends import torch_graphs
+    from backends.torch.cuda import graphs as torch_graphs
 
     monkeypatch.setattr(torch_graphs, "PREFILL_GRAPH_TOKENS", 64)  # a graph takes 4 rows of 16
     pieces, fresh, after = [], [], []
@@ -391,7 +391,7 @@ def test_a_stored_prompt_is_shared_by_page_not_copied(torch_backend):
     """A prompt that starts as a stored one takes the stored pages into its own table (the page
     where the shared prefix ends part-way is copied); its output is the output without reuse,
     and the pages stay held until neither a row nor the cache holds them."""
-    from backends.kv_pages import PAGE
+    from backends.torch.kv_pages import PAGE
 
     weights = torch_backend.decoder_weights
     system = torch_backend.encode("A system prompt that many clients share, long enough for pages. " * 3)
@@ -483,7 +483,7 @@ def test_a_hit_gives_a_row_the_keys_and_values_of_its_own_prefix(torch_backend):
 
     import torch
 
-    from backends.kv_pages import PAGE
+    from backends.torch.kv_pages import PAGE
 
     weights = torch_backend.decoder_weights
     rng = random.Random(11)

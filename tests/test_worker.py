@@ -81,7 +81,7 @@ async def test_events_that_arrive_while_the_loop_is_busy_go_out_together_in_orde
     in one delivery after it, in order; a handler takes everything that is ready at once."""
     import threading
 
-    from backends.engine import Courier, Inbox, next_events
+    from backends.workers.engine import Courier, Inbox, next_events
 
     class Ticket:  # what the courier reads of one: its inbox, its index, its taken count
         def __init__(self, inbox):

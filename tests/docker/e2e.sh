@@ -48,7 +48,7 @@ docker run --rm phi2-server python -c \
   'import torch; assert torch.version.cuda is None, torch.__version__; print("torch", torch.__version__, "(CPU build)")'
 
 echo "== make docker-run with the tiny checkpoint"
-"$VENV/bin/python" -m backends.tiny "$WORK/tiny" >/dev/null
+"$VENV/bin/python" -m backends.torch.tiny "$WORK/tiny" >/dev/null
 chmod -R a+rX "$WORK/tiny"  # the weights are written 0600; the container's user (uid 1000) reads them
 timeout 300 make docker-run MODEL_DIR="$WORK/tiny"
 

@@ -20,8 +20,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "abtest")]
 import oldbackends.torch_fast as old  # noqa: E402
 import torch  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends.torch_decoder import BatchedDecoder  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 backend = load_backend("torch", LoadOptions(model="random:phi-2", device="cuda", dtype="bfloat16", warmup=False))
 new_weights = backend.decoder_weights

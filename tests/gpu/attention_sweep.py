@@ -1,4 +1,4 @@
-"""The decode step's split attention kernel (backends/triton_decode.py `_attention_split`, a head's
+"""The decode step's split attention kernel (backends/torch/cuda/triton_decode.py `_attention_split`, a head's
 dims in two tiles) against its launch shapes and against the kernel before it (one tile padded to
 a power of two, masked loads), on a paged cache of Phi-2's, Phi-3-mini's and Qwen2.5-1.5B's heads
 (the models that take the per-head kernel): rows x columns as the server's steps see them. Prints
@@ -21,8 +21,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from backends import triton_decode as td  # noqa: E402
-from backends.kv_pages import PAGE  # noqa: E402
+from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.kv_pages import PAGE  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: TRITON_INTERPRET=1, agreement only
 

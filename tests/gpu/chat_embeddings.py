@@ -64,8 +64,8 @@ async def run(url: str) -> tuple[np.ndarray, np.ndarray, list[str], list[str], l
 def reference() -> np.ndarray:
     from transformers import AutoTokenizer
 
-    from backends.model_files import resolve_model
-    from backends.torch_runtime import random_model
+    from backends.choose import resolve_model
+    from backends.torch.runtime import random_model
 
     path = resolve_model(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -44,9 +44,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends.drive import drive  # noqa: E402
-from backends.torch_decoder import BatchedDecoder  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.decoding.drive import drive  # noqa: E402
+from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 PROMPT = "Alice: How are you today? Bob: I am fine, thank you. And you? Alice: What is two plus two?"
 RESULTS: dict = {}
@@ -354,7 +355,7 @@ def constrained_speed() -> int:
     process (check.py --constrained-speed), with the backend bench.py would load but for its KV
     budget: CONSTRAINED_KV_BYTES, so that a decoder made beside another fits."""
     import benchmarks.constrained as constrained
-    from backends import select_backend
+    from backends.choose import select_backend
     from benchmarks.in_process import server_load_options
 
     name, options = server_load_options({"PHI2_MODEL": "random:phi-2", **os.environ})  # as the benchmark sets it

@@ -1,4 +1,4 @@
-"""Compile the paged attention kernels (backends/triton_decode.py: the prefill one, whole and
+"""Compile the paged attention kernels (backends/torch/cuda/triton_decode.py: the prefill one, whole and
 split with its combine, and the decode step's split attention, which share `_paged_columns`)
 for an H200 (sm_90) on a machine without a GPU: Triton's front end checks what its interpreter
 does not (a variable whose type differs between branches, for one), and the back end builds
@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from backends import triton_decode  # noqa: E402
+from backends.torch.cuda import triton_decode  # noqa: E402
 
 ARGUMENTS = {
     "q_ptr": "*{t}",

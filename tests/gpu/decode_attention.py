@@ -1,4 +1,4 @@
-"""The decode step's attention kernels (backends/triton_decode.py `attention`: `_attention_split`
+"""The decode step's attention kernels (backends/torch/cuda/triton_decode.py `attention`: `_attention_split`
 or, for grouped heads, `_attention_split_grouped`, then `_attention_combine`) against a torch
 reference over the same paged cache: rows of different lengths, idle rows, a sliding window,
 Qwen3's q/k norms, a parallel (Phi) block's extra outputs, a table as wide as a long context's
@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from backends import triton_decode as td  # noqa: E402
-from backends.kv_pages import PAGE  # noqa: E402
+from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.kv_pages import PAGE  # noqa: E402
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -138,7 +138,7 @@ def case(name, heads, rows, lengths, width, dtype, window=None, qk_norm=False, p
 
 def norm_case(n: int, rms: bool, dtype, with_bias: bool = True) -> int:
     """`td.norm` of rows with an offset (LayerNorm must center them) against the torch step's."""
-    from backends.torch_model import norm
+    from backends.torch.network import norm
 
     torch.manual_seed(n)
     x = (torch.randn(5, n, device=dev) * 3 + torch.randn(5, 1, device=dev) * 4).to(dtype)

@@ -2,7 +2,7 @@
 
     python3 tests/gpu/families.py --out $OUT [--only parity,llama-3.2-1b,...] [--skip-static]
 
-1. parity: each tiny family checkpoint (backends/tiny.py TINY_FAMILIES) and Phi-2's shape, on
+1. parity: each tiny family checkpoint (backends/torch/tiny.py TINY_FAMILIES) and Phi-2's shape, on
    the GPU in float32: the decoder's logits (CUDA graphs, the Triton step) against transformers'
    forward, and greedy ids of 8 prompts decoded in one batch against each alone (float32, then
    bfloat16 with random weights at the real shape).
@@ -32,9 +32,10 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import torch  # noqa: E402
 from check import copy_bandwidth, profile_step, say, timed_cuda  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends.drive import drive  # noqa: E402
-from backends.torch_decoder import BatchedDecoder  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.decoding.drive import drive  # noqa: E402
+from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 SHAPES = ["random:phi-2", "random:llama-3.2-1b", "random:qwen2.5-1.5b", "random:phi-3-mini"]
 PROMPTS = [[5 + (i * 37 + j * 11) % 580 for i in range(12 + 7 * j)] for j in range(8)]
@@ -295,7 +296,7 @@ def main() -> int:
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     say(torch.cuda.get_device_name(), torch.__version__)
     if not only or "parity" in only or "extras" in only:
-        from backends.tiny import TINY_FAMILIES, write_tiny_family
+        from backends.torch.tiny import TINY_FAMILIES, write_tiny_family
 
         root = Path(tempfile.mkdtemp())
         tiny = load_backend("torch", LoadOptions(model="tiny", device="cpu", warmup=False))

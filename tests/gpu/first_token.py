@@ -30,8 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend, torch_model  # noqa: E402
-from backends.torch_decoder import BatchedDecoder  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.torch import network as torch_model  # noqa: E402
+from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 GRAPHS = [(1, 32, 0), (1, 64, 0), (1, 64, 512), (1, 64, 2048), (1, 256, 2048), (8, 64, 2048), (32, 32, 512)]
 PIECES = [(512, 512), (1024, 512), (1500, 400), (100, 600)]  # (cached columns, piece length)

@@ -1,6 +1,6 @@
 """The CUDA path's Triton kernels on a CPU, under Triton's interpreter: each against the torch
 code it replaces, on the tiny model and a tiny checkpoint of each other family, in float32. For
-working on backends/triton_decode.py without a GPU; tests/gpu/check.py and kernels.py are the
+working on backends/torch/cuda/triton_decode.py without a GPU; tests/gpu/check.py and kernels.py are the
 measurements on one.
 
     python3 -m pip install --target /tmp/triton-interp triton==3.6.0 "numpy<2.3"
@@ -24,17 +24,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from backends import (  # noqa: E402
-    LoadOptions,
-    Sampling,
-    Sequence,
-    load_backend,
-    torch_decoder,  # noqa: E402
-    torch_model,  # noqa: E402
-)
-from backends.drive import drive  # noqa: E402
-from backends.kv_pages import pages_for  # noqa: E402
-from backends.torch_decoder import BatchedDecoder  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.decoding.drive import drive  # noqa: E402
+from backends.torch import decoder as torch_decoder  # noqa: E402
+from backends.torch import network as torch_model  # noqa: E402
+from backends.torch.decoder import BatchedDecoder  # noqa: E402
+from backends.torch.kv_pages import pages_for  # noqa: E402
 
 PROMPTS = ["Alice: describe yourself as JSON. Bob:", "Bob: I am fine", "Alice: What is two plus two? Bob:", "Hello"]
 FAILURES: list[str] = []
@@ -67,8 +63,8 @@ def decode(decoder, backend, samplings, adapters=(None,) * 4, tokens: int = 16) 
 
 def main() -> int:
     torch.cuda.synchronize = lambda *args: None  # triton_decode.works() waits for the device
-    from backends import triton_decode
-    from backends.tiny import TINY_FAMILIES, write_tiny_family
+    from backends.torch.cuda import triton_decode
+    from backends.torch.tiny import TINY_FAMILIES, write_tiny_family
 
     # The interpreter runs every program in numpy: few splits still combine. A split per 16
     # columns gives the rows of a step split counts of their own (by their lengths).
@@ -97,7 +93,7 @@ def check_model(name: str, model: str, root: Path) -> None:
     from benchmarks.adapters import write_random_adapters
 
     w = backend.decoder_weights
-    from backends import triton_decode
+    from backends.torch.cuda import triton_decode
 
     arch = w.arch
     check(

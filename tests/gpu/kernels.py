@@ -1,4 +1,4 @@
-"""The Triton kernels (backends/triton_decode.py) on a CUDA machine: greedy ids against the
+"""The Triton kernels (backends/torch/cuda/triton_decode.py) on a CUDA machine: greedy ids against the
 unfused step, the attention kernels' launch shapes against the unfused attention, the whole
 decode step against the eager and compiled unfused steps, and prefill timing, in the same run
 as the memory bandwidth.
@@ -22,9 +22,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends import triton_decode as td  # noqa: E402
-from backends.torch_decoder import BatchedDecoder  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -76,9 +77,9 @@ def attention_case(rows: int, context: int, layers: int, device: str = "cuda", d
     reference is the unfused step's attention (rotary, cache writes, baddbmm, masked softmax,
     bmm over the power-of-two span) on contiguous caches; kernel is td.attention (split,
     combine) on a paged copy of the same caches, one table row of consecutive pages a row."""
-    from backends.kv_pages import PAGE
-    from backends.torch_graphs import MIN_LENGTH_BUCKET
-    from backends.torch_model import rope_
+    from backends.torch.cuda.graphs import MIN_LENGTH_BUCKET
+    from backends.torch.kv_pages import PAGE
+    from backends.torch.network import rope_
 
     hidden, heads, head_dim, rot, inner = 2560, 32, 80, 32, 10240
     span = max(MIN_LENGTH_BUCKET, triton_pow2(context + 1))
@@ -328,7 +329,7 @@ def prefill_profile(backend, tokens: int = 1044) -> dict:
 def continued(backend) -> list[dict]:
     """One piece prefilled after cached columns, by attention: bottom-right causal (flash) against
     an explicit mask (memory-efficient kernel), in-process, median of 5."""
-    import backends.torch_model as torch_model
+    import backends.torch.network as torch_model
 
     ids = (backend.encode(PROMPT) * 100)[:1100]
     decoder = BatchedDecoder(backend.decoder_weights, 1)
@@ -361,7 +362,7 @@ def parity(dtype: str) -> dict:
     def decode(decoder, chosen):
         decoder.clear()
         ids = (
-            __import__("backends.drive", fromlist=["drive"])
+            __import__("backends.decoding.drive", fromlist=["drive"])
             .drive(decoder, [Sequence(i, backend.encode(prompts[i]), Sampling(), 48) for i in chosen])
             .ids
         )
@@ -390,7 +391,7 @@ def parity(dtype: str) -> dict:
     def sample(decoder, chosen):
         decoder.clear()
         ids = (
-            __import__("backends.drive", fromlist=["drive"])
+            __import__("backends.decoding.drive", fromlist=["drive"])
             .drive(decoder, [Sequence(i, backend.encode(prompts[i]), samplings[i], 48) for i in chosen])
             .ids
         )

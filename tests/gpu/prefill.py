@@ -39,9 +39,10 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import torch  # noqa: E402
 from check import say, timed_cuda  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends.drive import drive  # noqa: E402
-from backends.torch_decoder import BatchedDecoder  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.decoding.drive import drive  # noqa: E402
+from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 RESULTS: dict = {}
 CONTEXT = 2048  # the in-process decoders' window: Llama's 131,072 at 64 rows would not fit

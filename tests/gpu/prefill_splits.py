@@ -1,4 +1,4 @@
-"""The paged prefill attention kernel split across programs (backends/triton_decode.py,
+"""The paged prefill attention kernel split across programs (backends/torch/cuda/triton_decode.py,
 `paged_prefill_attention(..., splits=)`), against a torch reference, and timed by splits on a GPU.
 
     python3 -P tests/gpu/prefill_splits.py                  # a GPU: float32 and bfloat16, timed
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from backends import triton_decode as td  # noqa: E402
+from backends.torch.cuda import triton_decode as td  # noqa: E402
 
 PAGE = 16
 dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -28,15 +28,10 @@ os.environ["PHI2_CACHE_DIR"] = tempfile.mkdtemp()
 
 import transformers  # noqa: E402
 
-from backends import (  # noqa: E402
-    LoadOptions,
-    ModelLoadError,
-    Sampling,
-    Sequence,
-    load_backend,
-)
-from backends.drive import drive  # noqa: E402
-from backends.tiny import write_tiny_checkpoint  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, ModelLoadError, Sampling, Sequence  # noqa: E402
+from backends.decoding.drive import drive  # noqa: E402
+from backends.torch.tiny import write_tiny_checkpoint  # noqa: E402
 
 PROMPTS = ["The quick brown", "Once upon a time", "Water boils at", "zq"]
 

@@ -1,9 +1,9 @@
 r"""The decoder's graphed decode step with this tree's `triton_decode.attention` against other
-versions of it (each a copy of backends/triton_decode.py in abtest/, named by its file), alternating,
+versions of it (each a copy of backends/torch/cuda/triton_decode.py in abtest/, named by its file), alternating,
 in one process: rows x columns per shape, random bfloat16 weights, each step's time from 100
 graph replays.
 
-    git show REV:backends/triton_decode.py > abtest/old.py
+    git show REV:backends/torch/cuda/triton_decode.py > abtest/old.py
     STEP_CASES=64x300,256x300 python3 -P tests/gpu/step_ab.py [random:phi-2 ...]
 
 The decoder calls `triton_decode.attention` through the module at capture, so each decoder
@@ -22,9 +22,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends import triton_decode as td  # noqa: E402
-from backends.torch_decoder import BatchedDecoder  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 CASES = [
     tuple(int(n) for n in case.split("x"))

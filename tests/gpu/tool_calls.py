@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from backends import LoadOptions, Sampling, Sequence, load_backend  # noqa: E402
-from backends.chat_plan import ChatRequest, ToolUse  # noqa: E402
-from backends.drive import drive  # noqa: E402
-from backends.tiny import TOOL, TOOL_DIALOGUES, tool_reply, write_tiny_tools  # noqa: E402
-from backends.tools import ToolCallParser  # noqa: E402
+from backends.chat.plan import ChatRequest, ToolUse  # noqa: E402
+from backends.chat.tools import ToolCallParser  # noqa: E402
+from backends.choose import load_backend  # noqa: E402
+from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
+from backends.decoding.drive import drive  # noqa: E402
+from backends.torch.tiny import TOOL, TOOL_DIALOGUES, tool_reply, write_tiny_tools  # noqa: E402
 
 PICK = {
     "type": "object",

@@ -1,0 +1,490 @@
+"""Constrained decoding: JSON Schema, JSON mode and regexes through llguidance.
+
+llguidance (MIT, no dependencies) turns a grammar into a mask over the vocabulary, token by
+token. It was measured against xgrammar and outlines-core on a Phi-2-sized byte-level BPE
+vocabulary (BENCHMARKS.md, D-llguidance): it compiled schemas fastest, fills a mask in well under
+a millisecond a token, bounds pathological schemas with its own limits (a huge enum included), and
+names what is wrong with an invalid schema.
+
+What a grammar costs is paid when it is compiled, never on the generation thread (issue 25):
+- `Grammars.compile` builds llguidance's matcher (the parser and lexer: seconds for a schema
+  of thousands of properties), computes its first mask, and takes one allowed token and the mask
+  after it. A grammar that allows nothing (`[a&&b]`, a `$ref` to itself) or that runs past
+  llguidance's limits on its first token (`a{1000000}`, 500 optional properties: "Current row
+  has 2007 items") is refused there, as a GrammarError, before any sequence uses it.
+- Each constrained sequence walks a `deep_copy` of that matcher (a `Matcher`), made by the
+  caller off the generation thread too (`Grammar.matcher`), starting from the first mask
+  computed at compile time.
+- After that, a step's mask is bounded by llguidance's per-step fuel (`step_lexer_fuel`,
+  `step_max_items`: milliseconds at most), computed on a worker thread as soon as a token is
+  consumed (llguidance drops the GIL), so it is ready by the time the next step's logits are.
+- A grammar that fails later anyway fails only its own sequence: the matcher keeps the error
+  (`Matcher.error`, llguidance's reason without its state dump), allows every token from then on
+  so the batch's step goes on as usual, and the engine ends that sequence with the error.
+
+Each compiled grammar is cached per tokenizer (least recently used out first), within
+GRAMMAR_CACHE entries and GRAMMAR_CACHE_TEXT characters of grammar text: a grammar's memory
+(its lexer above all) grows with its text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.hf
+import numpy as np
+
+from backends.chat.tools import COMPACT_JSON, Trigger
+from backends.contract import GrammarError
+
+GRAMMAR_CACHE = 256  # compiled grammars kept per tokenizer
+GRAMMAR_CACHE_TEXT = 1_000_000  # characters of grammar text they may hold together (a 3,000-property schema: ~90k)
+# Compact JSON (", " and ": ", no other whitespace): a model cannot pad the output with
+# whitespace until max_tokens, and the text reads as usual.
+JSON_OPTIONS = COMPACT_JSON
+ANY_OBJECT = '{"type": "object"}'  # JSON mode: any JSON object (OpenAI's json_object)
+ERROR_CHARS = 300  # of llguidance's reason, in an error message
+
+# llguidance's default limits, except that its errors carry no parser state (which names the
+# grammar and the tokens generated so far: nothing a log line or a neighbour should see).
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+_masks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
+# Rows advanced together (a batch of constrained rows) fill their masks on llguidance's own
+# threads, in one call.
+_rows = llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
+
+
+def reason(text: str) -> str:
+    """llguidance's error, its first line only (no state dump), at most ERROR_CHARS long."""
+    first = text.strip().splitlines()[0] if text.strip() else "grammar error"
+    return first if len(first) <= ERROR_CHARS else first[: ERROR_CHARS - 3] + "..."
+
+
+class Grammar:
+    """A compiled grammar for one tokenizer: the matcher every sequence copies, and its first mask.
+    With a `trigger`, a lazy grammar: each sequence's matcher waits, unconstrained, until the
+    model opens a tool call (`LazyMatcher`)."""
+
+    def __init__(
+        self,
+        prototype: llguidance.LLMatcher,
+        first_mask: np.ndarray,
+        vocab: int,
+        size: int,
+        trigger: Trigger | None = None,
+        tokenizer: llguidance.LLTokenizer | None = None,
+    ):
+        self._prototype = prototype
+        self._first_mask = first_mask
+        self._lock = threading.Lock()  # copies are taken from any thread; the prototype never moves
+        self.vocab = vocab
+        self.size = size  # characters of grammar text: what the cache counts
+        self.trigger = trigger
+        self._tokenizer = tokenizer
+
+    def matcher(self) -> Matcher:
+        """A sequence's own walk through the grammar. Made off the generation thread (the HTTP
+        layer makes one per sequence with the compile): a copy of a large grammar takes a while."""
+        with self._lock:
+            copy = self._prototype.deep_copy()
+        if self.trigger is not None:
+            return LazyMatcher(copy, self.vocab, self._first_mask, self.trigger, self._tokenizer)
+        return Matcher(copy, self.vocab, self._first_mask)
+
+
+class Matcher:
+    """One sequence's position in its grammar: the `Constraint` the contract passes around."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, first_mask: np.ndarray):
+        self._matcher = matcher
+        self.words = (vocab + 31) // 32  # int32 words of a mask
+        self.error: str | None = None  # why the grammar failed; then every token is allowed
+        done: Future = Future()
+        done.set_result(first_mask[None])
+        self._next: tuple[Future, int] = (done, 0)
+
+    def allowed_words(self) -> np.ndarray:
+        """The ids the grammar allows next, a bit per id of the model's vocabulary (int32
+        words, bit i of word w: id 32 w + i); end-of-text only where the grammar is complete.
+        Every id once the grammar has failed: the step goes on, and the engine ends the sequence."""
+        future, row = self._next
+        words = future.result()[row]
+        return words if self.error is None else np.full(self.words, -1, dtype=np.int32)
+
+    def allowed(self) -> np.ndarray:
+        """The same as a bool per id."""
+        return np.unpackbits(self.allowed_words().view(np.uint8), bitorder="little").view(bool)
+
+    def consume(self, token: int) -> None:
+        """The chosen token; the next mask starts computing at once."""
+        self._consume(token)
+        self._next = (_masks.submit(lambda: self._fill()[None]), 0)
+
+    def _consume(self, token: int) -> None:
+        if self.error is None and not self._matcher.consume_token(token):
+            self._fail(f"token {token} is not allowed here: {self._matcher.get_error()}")
+
+    def _fill(self) -> np.ndarray:
+        words = np.zeros(self.words, dtype=np.int32)
+        if self.error is None:
+            self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            self._check()
+        return words
+
+    def _check(self) -> None:
+        if self.error is None and self._matcher.is_error():
+            self._fail(self._matcher.get_error())
+
+    def _source(self):
+        """What advance_together fills this row's mask from: llguidance's matcher, or (a failed
+        grammar, a lazy one not armed yet) every token."""
+        if self.error is None and self.active:
+            return self._matcher
+        return np.full(self.words, -1, dtype=np.int32)
+
+    def _finish(self, words: np.ndarray) -> None:
+        """After advance_together filled this row's mask: a grammar that failed there says so."""
+        self._check()
+
+    def _fail(self, text: str) -> None:
+        self.error = reason(text)
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (a lazy one only once armed)."""
+        return True
+
+    def constrains(self) -> bool:
+        """`active`, once the last token is consumed (a lazy grammar may arm on it)."""
+        return True
+
+
+class LazyMatcher(Matcher):
+    """A tool-call grammar that constrains nothing until the model opens a call (tool_choice
+    `auto`): then the grammar takes over from the opening tag, so the call always parses and
+    its arguments follow their schema, while the text before it is the model's own.
+
+    Armed by a trigger token (a tag that is one token), by a tag's text spread over several
+    tokens, or by a bare call's brace at the reply's start. The grammar begins at the tag:
+    what the reply holds from the tag on is fed to it (re-tokenized where the tag began inside
+    a token), then it masks every step. A token that completes a text tag mid-token with bytes
+    the grammar refuses fails this sequence alone, like any grammar."""
+
+    WINDOW = 256  # bytes of dormant text kept to find a tag spread over tokens
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab: int,
+        first_mask: np.ndarray,
+        trigger: Trigger,
+        tokenizer: llguidance.LLTokenizer,
+    ):
+        super().__init__(matcher, vocab, first_mask)
+        self._trigger = trigger
+        self._tokenizer = tokenizer
+        self._armed = False
+        self._text = b""  # the reply so far, its last WINDOW bytes, while dormant
+        self._at_start = bool(trigger.at_start)  # only whitespace so far
+        self._next = (_ready(np.full((1, self.words), -1, dtype=np.int32)), 0)
+
+    @property
+    def active(self) -> bool:
+        return self._armed
+
+    def constrains(self) -> bool:
+        self._next[0].result()  # the step that consumed the last token (its worker may arm the grammar)
+        return self._armed
+
+    def consume(self, token: int) -> None:
+        self._consume(token)
+        if self._armed:
+            self._next = (_masks.submit(lambda: self._fill()[None]), 0)
+        else:
+            self._next = (_ready(np.full((1, self.words), -1, dtype=np.int32)), 0)
+
+    def _consume(self, token: int) -> None:
+        if self._armed:
+            super()._consume(token)
+            return
+        if token in self._trigger.ids:
+            self._arm([token])
+            return
+        self._text = (self._text + self._tokenizer.decode_bytes([token]))[-self.WINDOW :]
+        if self._at_start:
+            stripped = self._text.lstrip()
+            if stripped:
+                self._at_start = False
+                if any(stripped.startswith(t.encode()) for t in self._trigger.at_start):
+                    self._arm(self._tokenizer.tokenize_bytes(stripped))
+                    return
+        found = [at for at in (self._text.find(t.encode()) for t in self._trigger.texts) if at >= 0]
+        if found:
+            self._arm(self._tokenizer.tokenize_bytes(self._text[min(found) :]))
+
+    def _arm(self, tokens: list[int]) -> None:
+        self._armed = True
+        for token in tokens:
+            super()._consume(token)
+
+    def _fill(self) -> np.ndarray:
+        if not self._armed:
+            return np.full(self.words, -1, dtype=np.int32)
+        return super()._fill()
+
+
+def _ready(value) -> Future:
+    done: Future = Future()
+    done.set_result(value)
+    return done
+
+
+def advance_together(matchers: list, tokens: list[int]) -> None:
+    """Consume a token in each matcher, and compute all their next masks, in one task on a
+    worker thread (the rows of a batch: one hand-over a step, not one per row). A matcher whose
+    grammar fails records it (`Matcher.error`); the others go on."""
+
+    def work() -> np.ndarray:
+        for matcher, token in zip(matchers, tokens, strict=False):
+            matcher._consume(token)
+        words = np.zeros((len(matchers), matchers[0].words), dtype=np.int32)
+        live = []
+        for i, matcher in enumerate(matchers):
+            source = matcher._source()
+            if isinstance(source, np.ndarray):  # every token, or a mask of its own (ThinkingMatcher)
+                words[i] = source
+            else:
+                live.append((source, i))
+        if live:
+            _rows.unsafe_compute_mask_ptr(live, words.ctypes.data, words.shape[1] * 4, len(matchers))
+        for i, matcher in enumerate(matchers):
+            matcher._finish(words[i])
+        return words
+
+    future = _masks.submit(work)
+    for row, matcher in enumerate(matchers):
+        matcher._next = (future, row)
+
+
+class ThinkingGrammar:
+    """A reply that may reason first, in `<think>` ... `</think>` (both single tokens), with
+    the request's grammar (or none) over the reply after it. Issue 53's thinking budget: after
+    `budget` tokens of reasoning only `</think>` is allowed, so the reasoning ends there and the
+    reply goes on. And a grammar (a response format, tool calls) holds from the reply's start,
+    after the reasoning (vLLM's reasoning parsers do the same): it never forces the thought
+    into JSON, and a call's tag inside the thought does not arm the tool grammar."""
+
+    def __init__(self, inner: Grammar | None, vocab: int, plan: dict, size: int):
+        self.inner = inner
+        self.vocab = vocab
+        self.budget: int | None = plan["budget"]  # tokens of reasoning (not counting the tags); None: no limit
+        self.open: int = plan["open"]
+        self.close: int = plan["close"]
+        self.inside: bool = plan["inside"]  # the prompt opened <think>: the reply starts inside it
+        self.may_open: bool = plan["may_open"]  # the reply's first token may open <think>
+        self.size = size
+        self.trigger = None
+
+    def matcher(self) -> ThinkingMatcher:
+        return ThinkingMatcher(self, self.inner.matcher() if self.inner is not None else None)
+
+
+class ThinkingMatcher:
+    """One reply's walk through a ThinkingGrammar: the `Constraint` the decoders take, with
+    Matcher's interface (advance_together included). States: "start" (the first token may open
+    the thought), "think" (counting its tokens), "after" (the inner grammar's, or free text).
+    Its masks are its own (every token while thinking, the closing tag alone once the budget
+    is spent); the inner matcher sees only the tokens after the thought."""
+
+    def __init__(self, grammar: ThinkingGrammar, inner: Matcher | None):
+        self._grammar = grammar
+        self._inner = inner
+        self.words = (grammar.vocab + 31) // 32
+        self._state = "think" if grammar.inside else ("start" if grammar.may_open else "after")
+        self.spent = 0  # tokens of reasoning so far
+        self._next = (_ready(self._fill()[None]), 0)
+
+    @property
+    def error(self) -> str | None:
+        return self._inner.error if self._inner is not None else None
+
+    def _forcing(self) -> bool:
+        budget = self._grammar.budget
+        return self._state == "think" and budget is not None and self.spent >= budget
+
+    def _every(self) -> np.ndarray:
+        return np.full(self.words, -1, dtype=np.int32)
+
+    def _only(self, token: int) -> np.ndarray:
+        words = np.zeros(self.words, dtype=np.int32)
+        words.view(np.uint32)[token // 32] = np.uint32(1 << (token % 32))
+        return words
+
+    def _consume(self, token: int) -> None:
+        if self._state == "start":
+            if token == self._grammar.open:
+                self._state = "think"
+                return
+            self._state = "after"
+        elif self._state == "think":
+            if token == self._grammar.close:
+                self._state = "after"
+            else:
+                self.spent += 1
+            return
+        if self._inner is not None:
+            self._inner._consume(token)
+
+    def _source(self):
+        """What advance_together fills this row's mask from: an llguidance matcher, or the words."""
+        if self._state == "think":
+            return self._only(self._grammar.close) if self._forcing() else self._every()
+        if self._inner is None:
+            return self._every()
+        return self._inner._source()
+
+    def _finish(self, words: np.ndarray) -> None:
+        if self._state == "start" and self._grammar.may_open:  # the thought may open, whatever the grammar
+            words.view(np.uint32)[self._grammar.open // 32] |= np.uint32(1 << (self._grammar.open % 32))
+        if self._state != "think" and self._inner is not None:
+            self._inner._finish(words)
+
+    def _fill(self) -> np.ndarray:
+        if self._state == "think" or self._inner is None:
+            words = self._source()
+        elif self._state == "start":  # nothing consumed yet: the inner grammar's first mask
+            words = self._inner.allowed_words().copy()
+        else:
+            words = self._inner._fill()
+        self._finish(words)
+        return words
+
+    def allowed_words(self) -> np.ndarray:
+        future, row = self._next
+        words = future.result()[row]
+        return words if self.error is None else self._every()
+
+    def allowed(self) -> np.ndarray:
+        return np.unpackbits(self.allowed_words().view(np.uint8), bitorder="little").view(bool)
+
+    def consume(self, token: int) -> None:
+        self._consume(token)
+        self._next = (_masks.submit(lambda: self._fill()[None]), 0)
+
+    @property
+    def active(self) -> bool:
+        if self._state == "think":
+            return self._forcing()
+        return self._inner is not None and self._inner.active
+
+    def constrains(self) -> bool:
+        self._next[0].result()  # the step that consumed the last token
+        if self._state == "think":
+            return self._forcing()
+        return self._inner is not None and self._inner.constrains()
+
+
+class Grammars:
+    """The grammars of one tokenizer, compiled on demand and cached. `compile` is slow for a
+    large grammar (seconds) and thread-safe: callers run it on a pool of their own, never on the
+    event loop or the generation thread."""
+
+    def __init__(self, hf_tokenizer, vocab: int):
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab = vocab  # the model's: masks cover every logit
+        self._lock = threading.Lock()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._cached_size = 0
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer, built on first use (a third of a second for Phi-2's)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab)
+            return self._tokenizer
+
+    def cached(self, kind: str, spec: str) -> Grammar | None:
+        """The grammar if it is compiled already (cheap: callers ask before queueing a compile)."""
+        with self._lock:
+            grammar = self._cache.get((kind, spec))
+            if grammar is not None:
+                self._cache.move_to_end((kind, spec))
+            return grammar
+
+    def compile(self, kind: str, spec: str) -> Grammar:
+        grammar = self.cached(kind, spec)
+        if grammar is not None:
+            return grammar
+        grammar = self._compile(kind, spec)
+        with self._lock:
+            if (kind, spec) not in self._cache:
+                self._cache[(kind, spec)] = grammar
+                self._cached_size += grammar.size
+            while len(self._cache) > GRAMMAR_CACHE or (self._cached_size > GRAMMAR_CACHE_TEXT and len(self._cache) > 1):
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_size -= evicted.size
+        return grammar
+
+    def _compile(self, kind: str, spec: str) -> Grammar | ThinkingGrammar:
+        if kind == "thinking":  # backends.chat.plan: a reasoning reply's plan, over its inner grammar
+            plan = json.loads(spec)
+            inner = self.compile(*plan["inner"]) if plan["inner"] else None
+            return ThinkingGrammar(inner, self.vocab, plan, len(spec))
+        trigger = None
+        try:
+            if kind == "json_schema":
+                json.loads(spec)  # its own error names the position
+                text = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+            elif kind == "json_object":
+                text = llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
+            elif kind == "regex":
+                text = llguidance.LLMatcher.grammar_from_regex(spec)
+            elif kind == "tool_calls":  # backends.chat.tools: Lark text, and a trigger if lazy
+                tool_spec = json.loads(spec)
+                for custom in tool_spec.get("custom", ()):  # a client's grammar alone: its error names its tool
+                    error = llguidance.LLMatcher.validate_grammar(
+                        llguidance.LLMatcher.grammar_from_lark(custom["lark"]), self.tokenizer, limits=LIMITS
+                    )
+                    if error and not error.startswith("WARNING"):
+                        raise GrammarError(f"custom tool {custom['tool']!r}'s grammar: {reason(error)}")
+                text = tool_spec["lark"]
+                trigger = (
+                    Trigger(**{k: tuple(v) for k, v in tool_spec["trigger"].items()}) if tool_spec["trigger"] else None
+                )
+            else:
+                raise GrammarError(f"unknown grammar kind {kind!r}")
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(str(exc)) from None
+        prototype = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=LIMITS)
+        first_mask = self._probe(prototype)
+        return Grammar(prototype, first_mask, self.vocab, len(text), trigger, self.tokenizer)
+
+    def _probe(self, prototype: llguidance.LLMatcher) -> np.ndarray:
+        """The grammar's first mask, once it is known to allow some token and to survive taking
+        one (on a copy): most grammars that break do so there, and are refused at compile time."""
+        words = np.zeros((self.vocab + 31) // 32, dtype=np.int32)
+        prototype.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if prototype.is_error():
+            raise GrammarError(reason(prototype.get_error()))
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        eos = self.tokenizer.eos_token
+        first = next((int(t) for t in allowed if t != eos), None)
+        if first is None:
+            if prototype.is_accepting():
+                return words  # only the empty text matches: end-of-text at once
+            raise GrammarError("the grammar allows no text at all")
+        probe = prototype.deep_copy()
+        after = np.zeros_like(words)
+        if probe.consume_token(first):
+            probe.unsafe_compute_mask_ptr(after.ctypes.data, after.nbytes)
+        if probe.is_error():
+            raise GrammarError(reason(probe.get_error()))
+        return words

@@ -1,0 +1,156 @@
+"""What the general Torch decoder (backends/torch/decoder.py) needs to know of a model, read from
+its Hugging Face config: one description for every decoder-only family it serves, not a copy of
+the decoder per family.
+
+The families differ in a handful of choices, each a field here:
+- the norm: LayerNorm with a bias (Phi) or RMSNorm (Llama, Mistral, Qwen2/3, Phi-3);
+- the block: parallel, x + attention(norm x) + mlp(norm x) (Phi), or sequential with a second
+  norm before the MLP (the others);
+- the MLP: fc1 -> activation -> fc2 (Phi) or gated, down(silu(gate) * up) (the others);
+- attention: heads and key-value heads (GQA where fewer), the head size, biases on q/k/v
+  (Qwen2) and on the output (Phi), per-head RMSNorms of q and k (Qwen3), a sliding window per
+  layer (Mistral, Phi-3, Qwen2 where its config turns it on);
+- rotary embeddings on all of a head or its first part (Phi, Phi-4-mini), with whatever
+  scaling the config names (rope tables come from transformers' own rotary module);
+- where the weights are: separate q/k/v and gate/up Linears, or fused ones (Phi-3).
+
+A config this does not describe (another model type, or a feature outside the list) gets
+None from `Architecture.of`, and the model is served one sequence at a time through
+transformers' own forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# model_type -> where its block's Linears are, by module name inside a layer.
+LAYOUTS = {
+    "phi": {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.dense",
+        "fc1": "mlp.fc1",
+        "fc2": "mlp.fc2",
+    },
+    "llama": {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.o_proj",
+        "gate": "mlp.gate_proj",
+        "up": "mlp.up_proj",
+        "down": "mlp.down_proj",
+    },
+    "phi3": {
+        "qkv": "self_attn.qkv_proj",
+        "o": "self_attn.o_proj",
+        "gate_up": "mlp.gate_up_proj",
+        "down": "mlp.down_proj",
+    },
+}
+LAYOUTS["mistral"] = LAYOUTS["qwen2"] = LAYOUTS["qwen3"] = LAYOUTS["llama"]
+GATED_ACTIVATIONS = ("silu", "swish")
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    family: str  # the config's model_type
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int  # the leading dims of a head that rotary embeddings turn (all of it, or a part)
+    inner: int  # the MLP's width
+    rms_norm: bool  # RMSNorm; else LayerNorm with a bias
+    eps: float
+    parallel: bool  # x + attention(norm x) + mlp(norm x), one norm a block (Phi)
+    gated: bool  # down(silu(gate) * up); else fc2(activation(fc1))
+    activation: str  # hidden_act
+    qk_norm: bool  # RMSNorm of each head of q and k before rotary (Qwen3)
+    windows: tuple[int | None, ...]  # per layer: the sliding window (a row sees its last `window` columns), or None
+    layout: dict  # where the Linears are (LAYOUTS)
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def group(self) -> int:
+        """Query heads per key-value head (1: plain multi-head attention)."""
+        return self.heads // self.kv_heads
+
+    @classmethod
+    def of(cls, config) -> Architecture | None:
+        """The description of a config the decoder serves, else None (see `unsupported`)."""
+        return None if unsupported(config) else cls._read(config)
+
+    @classmethod
+    def _read(cls, config) -> Architecture:
+        family = config.model_type
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+        phi = family == "phi"
+        return cls(
+            family=family,
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * factor),
+            inner=config.intermediate_size,
+            rms_norm=not phi,
+            eps=config.layer_norm_eps if phi else config.rms_norm_eps,
+            parallel=phi,
+            gated=not phi,
+            activation=config.hidden_act,
+            qk_norm=family == "qwen3",
+            windows=sliding_windows(config),
+            layout=LAYOUTS[family],
+        )
+
+
+def unsupported(config) -> str | None:
+    """Why the general decoder cannot serve this config (None: it can)."""
+    family = getattr(config, "model_type", None)
+    if family not in LAYOUTS:
+        return f"model type {family!r} is not one of {', '.join(sorted(LAYOUTS))}"
+    if family == "phi" and getattr(config, "qk_layernorm", False):
+        return "Phi with qk_layernorm"
+    if family == "phi" and config.hidden_act not in GELU_TANH and config.hidden_act != "gelu":
+        return f"Phi with hidden_act {config.hidden_act!r}"
+    if family != "phi" and config.hidden_act not in GATED_ACTIVATIONS:
+        return f"hidden_act {config.hidden_act!r} in a gated MLP"
+    heads, kv_heads = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
+    if heads % kv_heads:
+        return f"{heads} attention heads over {kv_heads} key-value heads"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ("default", "linear", "dynamic", "llama3", "longrope", "yarn"):
+        return f"rope_type {rope.get('rope_type')!r}"
+    return None
+
+
+def sliding_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers applies it: Mistral and Phi-3 on every layer
+    when `sliding_window` is set; Qwen2/3 on the layers `layer_types` calls sliding_attention."""
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if config.model_type in ("qwen2", "qwen3"):
+        types = types or ["full_attention"] * layers
+        return tuple(window if kind == "sliding_attention" else None for kind in types)
+    if config.model_type in ("mistral", "phi3"):
+        return (window,) * layers
+    return (None,) * layers

@@ -1,0 +1,76 @@
+"""The compiled decode step (backends/torch/cpu/step.h, built with the products in kernels.cpp)
+over a model's weights: `decode_step` hands it the weights' matrices, block records or float32."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from backends.errors import ModelLoadError
+from backends.files.architecture import GELU_TANH
+from backends.torch.cpu.kernels import kernels
+from backends.torch.quant.blocks import BlockWeight
+
+log = logging.getLogger("phi2.cpu_kernels")
+
+
+def decode_step(weights, kv):
+    """The compiled decode step (cpu_kernels.cpp's `Step`) over these weights and this paged
+    pool, or None where it does not apply: not the CPU, not float32, a matrix neither float32
+    nor of a block type, or no kernels."""
+    if weights.device.type != "cpu" or weights.embed.dtype != torch.float32 or kv.dtype != torch.float32:
+        return None
+    matrices = [getattr(block, name) for block in weights.layers for name in block.matrices()]
+    plain = (isinstance(m, BlockWeight) or (isinstance(m, torch.Tensor) and m.dtype == torch.float32) for m in matrices)
+    if not all(plain):
+        return None
+    try:
+        module = kernels()
+    except ModelLoadError as exc:
+        log.info("the decode step runs on torch's operators: %s", exc)
+        return None
+    arch, shape = weights.arch, weights.shape
+    activation = 1 if arch.activation in GELU_TANH else 2 if arch.activation == "gelu" else 0
+    step = module.Step(
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.rotary_dim,
+        shape.inner,
+        float(shape.eps),
+        shape.rms_norm,
+        shape.parallel,
+        shape.gated,
+        activation,
+    )
+
+    def matrix(m):
+        return m.operand if isinstance(m, BlockWeight) else (m.detach(), -1)
+
+    for layer, block in enumerate(weights.layers):
+        up = matrix(block.w_up) if block.w_up is not None else (None, -1)
+        down = matrix(block.w_down) if block.w_down is not None else (None, -1)
+        step.add_block(
+            block.norm1_w.detach(),
+            _plain(block.norm1_b),
+            *matrix(block.w_in),
+            _plain(block.b_in),
+            *matrix(block.w_out),
+            _plain(block.b_out),
+            _plain(block.norm2_w),
+            _plain(block.norm2_b),
+            *up,
+            _plain(block.b_up),
+            *down,
+            _plain(block.b_down),
+            _plain(block.q_norm),
+            _plain(block.k_norm),
+            arch.windows[layer] or 0,
+        )
+    return step
+
+
+def _plain(tensor):
+    return None if tensor is None else tensor.detach().float().contiguous()
