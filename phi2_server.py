@@ -1,7 +1,8 @@
 """phi2-server: a small local REST server for Phi-2 (and causal LMs of the same families).
 
-HTTP only: configuration, routes, validation, wire formats, middleware, startup and shutdown.
-The model lives behind `backends` (MLX or PyTorch) and is driven by one generation worker thread
+HTTP only: configuration, routes, bodies, errors, middleware, the answer loop, startup and
+shutdown. Each API's schema, translation and answer shape are in `backends/wire/`; the model lives
+behind `backends` (MLX or PyTorch) and is driven by one generation worker thread
 (`backends.workers.engine`); handlers hand requests to it and stream its tokens back.
 
     python phi2_server.py --help
@@ -17,12 +18,12 @@ them and describes them in /openapi.json; tests/test_openapi.py holds this index
     GET  /v1/models             v1_models             OpenAI-compatible API: models
     GET  /v1/models/{model}     v1_model              OpenAI-compatible API: models
     POST /v1/completions        v1_completions        OpenAI-compatible API: /v1/completions
-    POST /v1/chat/completions   v1_chat_completions   OpenAI-compatible API: /v1/chat/completions
-    POST /v1/responses          v1_responses          OpenAI Responses API
+    POST /v1/chat/completions   v1_chat_completions   chat: one path for the three chat APIs
+    POST /v1/responses          v1_responses          chat: one path for the three chat APIs
     GET  /v1/responses/{response_id}     v1_response          OpenAI Responses API: stored answers
     DELETE /v1/responses/{response_id}   v1_delete_response   OpenAI Responses API: stored answers
-    POST /v1/messages           v1_messages           Anthropic Messages API
-    POST /v1/messages/count_tokens  v1_count_tokens   Anthropic Messages API
+    POST /v1/messages           v1_messages           chat: one path for the three chat APIs
+    POST /v1/messages/count_tokens  v1_count_tokens   chat: one path for the three chat APIs
     POST /tokenize              tokenize              tokenizer
     POST /detokenize            detokenize            tokenizer
     POST /v1/embeddings         v1_embeddings         embeddings and rerank
@@ -32,7 +33,8 @@ them and describes them in /openapi.json; tests/test_openapi.py holds this index
 
 A generating handler is parse -> generations -> `submit` -> `answer(request, tickets, wire)`:
 one answer loop for every API, streamed or whole, and one `Wire` object per wire format
-("answers"). Every request passes the middleware in `create_app`: request log, CORS preflight,
+("answers"); the three chat APIs share one handler path (`chat_answer`) fed by each API's
+translation. Every request passes the middleware in `create_app`: request log, CORS preflight,
 JSON errors, access (API keys, rate limits).
 """
 
@@ -40,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import codecs
 import dataclasses
 import fnmatch
 import hashlib
@@ -56,14 +56,12 @@ import sys
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from functools import cached_property
 from http import HTTPStatus
-from json.encoder import encode_basestring as encode_json_string
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,31 +77,47 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from backends.chat.plan import ChatPlan, ChatRequest, GrammarSpec, ToolUse
-from backends.chat.tools import Piece, ToolCall, ToolCallParser, argument_error
+from backends.chat.tools import ToolCall, argument_error
 from backends.choose import chat_encoder, load_backend, load_encoder, select_backend
 from backends.contract import (
-    MAX_LOGPROBS,
     Backend,
     ChatError,
     Grammar,
     GrammarError,
     LoadOptions,
     ModelLoadError,
-    Sampling,
-    StepLogprobs,
-    mean_logprob,
 )
 from backends.encoders.chat import POOLINGS, Refused
-from backends.encoders.embeddings import Encoder, EncoderInfo, InputTooLong, Item, Kind
+from backends.encoders.embeddings import Encoder, InputTooLong, Item, Kind
 from backends.files.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
+from backends.wire import anthropic, completions, openai_chat, responses
+from backends.wire.anthropic import COUNT_TOKENS_SCHEMA, MESSAGES_SCHEMA, anthropic_error
+from backends.wire.base import Context, Generation, Wire, combined, grammar_failed, token_string
+from backends.wire.chat import (
+    CHAT_DEFAULT_MAX_TOKENS,
+    ChatCall,
+    Reasoning,
+    chat_messages,
+    chat_tools,
+    first_tool_choice,
+    template_options,
+)
+from backends.wire.completions import COMPLETIONS_SCHEMA
+from backends.wire.encoders import EMBEDDINGS_SCHEMA, RERANK_SCHEMA, embedding_items, embeddings_body
+from backends.wire.errors import NATIVE_ERROR_TYPES, OPENAI_ERROR_TYPES, ApiError
+from backends.wire.native import GENERATE_SCHEMA, NativeWire, native_generation, native_params
+from backends.wire.openai import openai_generations, openai_params, response_grammar
+from backends.wire.openai_chat import CHAT_SCHEMA
+from backends.wire.responses import RESPONSES_SCHEMA
+from backends.wire.schema import MAX_IGNORED, ignored_paths, json_of, parse, without_nulls
+from backends.wire.store import ResponseStore, stored
+from backends.wire.tokenizer import DETOKENIZE_SCHEMA, TOKENIZE_SCHEMA, tokenize_params
 from backends.workers.encode import Busy, EncodeWorker, NotReady
 from backends.workers.engine import (
     MIN_QUEUE,
     Engine,
-    Event,
     NotAccepting,
     QueueFull,
-    Request,
     Summary,
     Ticket,
     next_events,
@@ -425,279 +439,10 @@ ARGUMENT_CHECKS: web.RequestKey[ArgumentChecks] = web.RequestKey("argument_check
 CACHE_NAMESPACE: web.RequestKey[str] = web.RequestKey("cache_namespace")
 
 
-# -- the native request schema -----------------------------------------------------------------
+# -- bodies: read within their time, parsed and checked off the loop when large -------------------
+# Each API's request schema and checker are in backends/wire/ (schema.py: `check`, `parse`).
 
 
-def closed(schema: dict) -> dict:
-    """`schema` as `check` enforces it, said in the schema itself: an object with properties
-    takes no field beyond them, at every depth (so /openapi.json publishes the same contract).
-    Marks `schema` in place and returns it."""
-    if "properties" in schema:
-        schema.setdefault("additionalProperties", False)
-        for value in schema["properties"].values():
-            closed(value)
-    if isinstance(schema.get("items"), dict):
-        closed(schema["items"])
-    for option in schema.get("anyOf", ()):
-        closed(option)
-    return schema
-
-
-def tolerant(schema: dict) -> dict:
-    """`schema` for a route whose clients add fields every month (OpenAI's and Anthropic's): a
-    field beyond an object's properties is ignored (and logged, `parse`), not refused, as vLLM,
-    llama.cpp and Ollama do. Nothing is marked: JSON Schema takes extra fields by default."""
-    return schema
-
-
-MAX_STOP = 4
-# Sampling beyond temperature and top_p, on both APIs (vLLM's names; the order they apply in:
-# backends.Sampling). Off by default.
-SAMPLING_PROPERTIES: dict[str, Any] = {
-    "top_k": {
-        "type": "integer",
-        "minimum": -1,
-        "default": 0,
-        "description": "keep the k most likely tokens (0 or -1: all)",
-    },
-    "min_p": {
-        "type": "number",
-        "minimum": 0,
-        "maximum": 1,
-        "default": 0.0,
-        "description": "drop tokens less likely than min_p times the most likely",
-    },
-    # Bounded where the logits stay finite: a logit divided by 1e-300 is inf, and its softmax NaN.
-    "repetition_penalty": {
-        "type": "number",
-        "minimum": 0.01,
-        "maximum": 10,
-        "default": 1.0,
-        "description": "transformers' repetition penalty over prompt and generated tokens (1: off)",
-    },
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0.0},
-    "logit_bias": {
-        "type": "object",
-        "propertyNames": {"pattern": "^[0-9]{1,9}$"},
-        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-        "maxProperties": 1024,
-        "default": {},
-        "description": "{token id: added to its logit}, -100 to 100",
-    },
-}
-# vLLM's field: requests share cached prompts only with requests of the same salt (and key).
-CACHE_SALT = {
-    "type": ["string", "null"],
-    "minLength": 1,
-    "maxLength": 256,
-    "default": None,
-    "description": "reuse cached prompts only of requests with this salt (and API key)",
-}
-GENERATE_SCHEMA: dict[str, Any] = closed(
-    {
-        "type": "object",
-        "required": ["prompt"],
-        "additionalProperties": False,
-        "properties": {
-            "prompt": {"type": "string", "minLength": 1},
-            "max_tokens": {"type": "integer", "minimum": 1, "default": 128},
-            "temperature": {"type": "number", "minimum": 0, "default": 0.0},
-            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
-            "stop": {
-                "anyOf": [
-                    {"type": "string", "minLength": 1, "maxLength": 256},
-                    {
-                        "type": "array",
-                        "maxItems": MAX_STOP,
-                        "items": {"type": "string", "minLength": 1, "maxLength": 256},
-                    },
-                ],
-                "default": [],
-            },
-            "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1, "default": None},
-            # Keep generating past end-of-text: benchmarks need a fixed token count.
-            "ignore_eos": {"type": "boolean", "default": False},
-            **SAMPLING_PROPERTIES,
-            "logprobs": {
-                "type": ["integer", "null"],
-                "minimum": 0,
-                "maximum": MAX_LOGPROBS,
-                "default": None,
-                "description": "report each generated token's logprob and this many most likely alternatives",
-            },
-            "json_schema": {
-                "type": ["object", "null"],
-                "default": None,
-                "description": (
-                    "constrain the text to JSON valid against this JSON Schema "
-                    '({} or {"type": "object"}: any JSON object)'
-                ),
-            },
-            "regex": {
-                "type": ["string", "null"],
-                "minLength": 1,
-                "maxLength": 4096,
-                "default": None,
-                "description": "constrain the text to match this regular expression",
-            },
-            "cache_salt": CACHE_SALT,
-            "adapter": {
-                "type": ["string", "null"],
-                "maxLength": 128,
-                "default": None,
-                "description": (
-                    'a LoRA adapter: a folder name in ADAPTERS_DIR; "" for the base model; absent or null: '
-                    "the default (ADAPTER_PATH)"
-                ),
-            },
-        },
-    }
-)
-
-
-# -- validation: the schema checker, bodies read off the loop ----------------------------------
-# `check` interprets the subset of JSON Schema the request schemas use, rather than jsonschema
-# (which the tests use to hold the published schemas to it, tests/test_wire.py and
-# test_openapi.py): its errors name the field as the APIs' error bodies do, it makes integral
-# floats integers where an integer is asked for, and a list of 500,000 token ids is checked at
-# once (`_plain_ints`), not item by item.
-
-
-class Invalid(Exception):
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-def _type_ok(value: Any, kind: str) -> bool:
-    if kind == "integer":  # 16.0 is an integer, as JSON Schema counts (clients that write floats send it)
-        return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}[kind])
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a == b and isinstance(a, bool) == isinstance(b, bool)  # True is not 1 here
-
-
-def check(value: Any, schema: dict, field: str, ignored: list[str] | None = None) -> Any:
-    """Validate against the small JSON Schema subset the request schemas use; returns the value
-    with integral floats made integers where an integer is asked for. A field beyond an object's
-    properties is refused where the object says `additionalProperties: false` (`closed`), else
-    left out of the value and its path added to `ignored`."""
-    if "anyOf" in schema:
-        errors = []
-        for option in schema["anyOf"]:
-            mine: list[str] = []  # an option that fails ignores nothing
-            try:
-                value = check(value, option, field, mine)
-            except Invalid as exc:
-                errors.append(exc)
-            else:
-                if ignored is not None:
-                    ignored += mine
-                return value
-        fitting = [
-            e
-            for e, option in zip(errors, schema["anyOf"], strict=False)
-            if "type" in option and _type_ok(value, option["type"])
-        ]
-        if len(fitting) == 1 and "x-error" not in schema:  # the value is of that option's kind: its error says most
-            raise fitting[0]
-        messages = [str(e) for e in errors]
-        raise Invalid(field, schema.get("x-error", " or ".join(messages) if len(messages) < 3 else messages[0]))
-    if "enum" in schema and not any(_same(value, allowed) for allowed in schema["enum"]):
-        if schema.get("x-unsupported"):
-            supported = [json.dumps(v) for v in schema["enum"] if v is not None]
-            only = f" (only {', '.join(supported)})" if supported else ""
-            raise Invalid(field, f"{field} is not supported by this server{only}")
-        raise Invalid(field, f"{field} must be one of {', '.join(json.dumps(v) for v in schema['enum'])}")
-    kinds = schema.get("type", [])
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    if kinds and not any(_type_ok(value, kind) for kind in kinds):
-        finite = " (finite)" if "number" in kinds else ""
-        raise Invalid(field, f"{field} must be {' or '.join(kinds)}{finite}")
-    if value is None:
-        return value
-    if isinstance(value, float) and "integer" in kinds and "number" not in kinds:
-        value = int(value)
-    if "minimum" in schema and value < schema["minimum"]:
-        raise Invalid(field, f"{field} must be >= {schema['minimum']}")
-    if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
-        raise Invalid(field, f"{field} must be > {schema['exclusiveMinimum']}")
-    if "maximum" in schema and value > schema["maximum"]:
-        raise Invalid(field, f"{field} must be <= {schema['maximum']}")
-    if isinstance(value, str):
-        if len(value) < schema.get("minLength", 0):
-            raise Invalid(field, f"{field} must not be empty")
-        if len(value) > schema.get("maxLength", math.inf):
-            raise Invalid(field, f"{field} must be at most {schema['maxLength']} characters")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise Invalid(field, f"{field} is not valid Unicode (a lone surrogate)") from None
-    if isinstance(value, list):
-        if len(value) < schema.get("minItems", 0):
-            raise Invalid(field, f"{field} must hold at least {schema['minItems']} item(s)")
-        if len(value) > schema.get("maxItems", math.inf):
-            raise Invalid(field, f"{field} may hold at most {schema['maxItems']} items")
-        if "items" not in schema:  # an enum's list, checked whole above
-            return value
-        if _plain_ints(value, schema["items"]):  # token ids: 500,000 of them are checked at once
-            return value
-        return [check(item, schema["items"], f"{field}[{i}]", ignored) for i, item in enumerate(value)]
-    if isinstance(value, dict) and "properties" in schema:
-
-        def path(name: str) -> str:
-            return name if field == "body" else f"{field}.{name}"
-
-        first = schema.get("x-check-first")  # the field that says what the object is (a content part's type)
-        if first in value:
-            check(value[first], schema["properties"][first], path(first), ignored)
-        for name in schema.get("required", []):
-            if name not in value:
-                raise Invalid(path(name), f"{path(name)} is required")
-        properties = schema["properties"]
-        unknown = [name for name in value if name not in properties]
-        if unknown and schema.get("additionalProperties") is False:
-            raise Invalid(path(unknown[0]), f"unknown field {path(unknown[0])!r}")
-        if unknown and ignored is not None:
-            ignored += (path(name) for name in unknown)
-        known = (name for name in value if name in properties)
-        return {name: check(value[name], properties[name], path(name), ignored) for name in known}
-    if isinstance(value, dict) and "additionalProperties" in schema:  # a map, such as logit_bias
-        pattern = re.compile(schema["propertyNames"]["pattern"])
-        if len(value) > schema.get("maxProperties", math.inf):
-            raise Invalid(field, f"{field} may hold at most {schema['maxProperties']} entries")
-        for name in value:
-            if not pattern.fullmatch(name):
-                raise Invalid(field, f"{field} keys must be token ids, not {name!r}")
-        item = schema["additionalProperties"]
-        return {name: check(value[name], item, f"{field}.{name}", ignored) for name in value}
-    return value
-
-
-def _plain_ints(value: list, items: dict) -> bool:
-    """Whether every item is an int (not a bool) that `items` (an integer schema with bounds at
-    most) accepts as it is: then nothing needs checking one by one."""
-    if set(items) - {"type", "minimum", "maximum", "description"} or items.get("type") != "integer" or not value:
-        return False
-    if not all(type(item) is int for item in value):
-        return False
-    return min(value) >= items.get("minimum", -math.inf) and max(value) <= items.get("maximum", math.inf)
-
-
-def with_defaults(body: dict, schema: dict) -> dict:
-    return {name: body.get(name, prop.get("default")) for name, prop in schema["properties"].items()}
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-MAX_JSON_DEPTH = 256  # nesting levels of a request body (a JSON Schema 200 levels deep still fits)
 OFF_LOOP_BYTES = 64 * 1024  # a body larger than this is parsed and validated on a pool, off the loop
 
 
@@ -732,72 +477,9 @@ async def read_raw(request: web.Request) -> bytes:
         ) from None
 
 
-def json_of(raw: bytes) -> Any:
-    deep = ApiError(400, f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of objects and arrays")
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    except RecursionError:  # deeper than the parser goes: past MAX_JSON_DEPTH anyway
-        raise deep from None
-    if too_deep(body):
-        raise deep
-    return body
-
-
-def too_deep(value: Any) -> bool:
-    """Whether objects and arrays nest past MAX_JSON_DEPTH (iteratively: the check must not
-    recurse itself)."""
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        item, depth = stack.pop()
-        for child in item.values() if isinstance(item, dict) else item:
-            if isinstance(child, (dict, list)):
-                if depth >= MAX_JSON_DEPTH:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
-
-def without_nulls(value: Any) -> Any:
-    """Objects without their null members, at any depth: OpenAI's clients send null for an
-    optional field they leave unset (and in messages OpenAI itself returned)."""
-    if isinstance(value, dict):
-        return {name: without_nulls(item) for name, item in value.items() if item is not None}
-    if isinstance(value, list):
-        return [without_nulls(item) for item in value]
-    return value
-
-
-def parse(body: Any, schema: dict, ignored: list[str] | None = None) -> dict:
-    """The validated parameters with defaults filled in, or a 422 naming the field. The paths of
-    the fields a `tolerant` schema ignored are added to `ignored`."""
-    try:
-        body = check(body, schema, "body", ignored)
-    except Invalid as exc:
-        raise ApiError(422, str(exc), field=exc.field) from None
-    return with_defaults(body, schema)
-
-
 # -- validation: a /v1 body's parameters, what was ignored, the server's defaults -----------------
 # What the OpenAI and Anthropic routes take (`tolerant` schemas): the fields they ignore go to
 # the request log line, and TEMPERATURE fills in for a request that sends none.
-
-
-MAX_IGNORED = 32  # field paths in a request's log line; a path's client-given names are cut short too
-
-
-def ignored_paths(paths: list[str]) -> list[str]:
-    """The fields a request's body carried that were ignored, once each (`messages[3].x` and
-    `messages[4].x` are `messages[].x`), as the request log line records them."""
-    names = dict.fromkeys(re.sub(r"\[\d+\]", "[]", path)[:128] for path in paths)
-    return list(names)[:MAX_IGNORED]
-
-
-def note_skipped(request: web.Request, types: list[str]) -> None:
-    """The types of the tools a request offered that nothing here can run, in its log line."""
-    if types:
-        request[LOG_FACTS]["tools_skipped"] = sorted({kind[:64] for kind in types})[:MAX_IGNORED]
 
 
 def with_temperature(request: web.Request, body: Any, params: dict, schema: dict) -> dict:
@@ -828,48 +510,6 @@ async def read_params(request: web.Request, schema: dict, after: Callable[[dict]
 # -- errors -----------------------------------------------------------------------------------
 
 
-class ApiError(Exception):
-    """An error answer. `json_errors` renders it in the shape of the route's API."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        field: str | None = None,
-        code: str | None = None,
-        retry_after: int | None = None,
-        headers: dict | None = None,
-        close: bool = False,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.field, self.code = status, message, field, code
-        self.close = close  # the connection cannot go on (a body left unread): closed after the answer
-        self.headers = {**({"Retry-After": str(retry_after)} if retry_after else {}), **(headers or {})}
-
-
-NATIVE_ERROR_TYPES = {
-    400: "invalid_json",
-    401: "unauthorized",
-    408: "request_timeout",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "body_too_large",
-    422: "invalid_request",
-    429: "rate_limited",
-    503: "unavailable",
-    504: "timeout",
-}
-OPENAI_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    408: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    401: "authentication_error",
-    429: "rate_limit_error",
-}
-
-
 def is_openai(request: web.Request) -> bool:
     """Whether errors come in OpenAI's shape: /v1, and the vLLM tokenizer routes."""
     return request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS
@@ -880,7 +520,7 @@ def error_payload(request: web.Request, error: ApiError) -> tuple[int, dict]:
     status = error.status
     if is_anthropic(request):
         status = 400 if status == 422 else status
-        return status, anthropic_error(request, status, error.message)
+        return status, anthropic_error(request.get(REQUEST_ID), status, error.message)
     if is_openai(request):
         status = 400 if status == 422 else status
         kind = OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -1245,54 +885,9 @@ async def adapters_info(backend: Backend) -> dict:
 # -- generations: one record a choice, tokenized, checked and submitted ------------------------
 
 
-@dataclass(frozen=True)
-class Generation:
-    prompt: str | list[int]  # text, or token ids (OpenAI's completions take both)
-    max_tokens: int  # 0 only with prompt_logprobs: the prompt is scored, nothing generated
-    max_tokens_given: bool  # False: a default, clipped to the context left instead of refused
-    sampling: Sampling
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # each generated token's logprob and this many alternatives
-    prompt_logprobs: int | None = None  # the same for the prompt (OpenAI's echo)
-    prompt_field: str = "prompt"  # the field a prompt too long for the context names
-    grammar: Grammar | None = None  # compiled; `submit` gives the sequence a matcher of its own
-    grammar_field: str | None = None  # the field that gave it (what a failing grammar's error names)
-    keep_tokens: tuple[tuple[int, str], ...] = ()  # tags the reply's text keeps (Request.keep_tokens)
-    thought: tuple[int, int, bool] | None = None  # a reasoning reply's tags (Request.thought)
-
-    def request(self, prompt_ids: list[int], max_tokens: int, **context: Any) -> Request:
-        """The engine's request for this generation: every field the two records share comes from
-        here (so a field added to both flows through), the tokenized prompt, the `max_tokens` the
-        limits left, and what the HTTP request adds (`context`: its time, adapter, namespace)."""
-        shared = {f.name: getattr(self, f.name) for f in fields(Request) if f.name in GENERATION_FIELDS}
-        return Request(**{**shared, "prompt_ids": prompt_ids, "max_tokens": max_tokens, **context})
-
-
-GENERATION_FIELDS = frozenset(f.name for f in fields(Generation))
-
-
-def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
-    return (stop,) if isinstance(stop, str) else tuple(stop or ())
-
-
-def sampling_of(params: dict, temperature: float, top_p: float, seed: int | None) -> Sampling:
-    return Sampling(
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        top_k=max(params["top_k"], 0),
-        min_p=params["min_p"],
-        repetition_penalty=params["repetition_penalty"],
-        presence_penalty=params["presence_penalty"],
-        frequency_penalty=params["frequency_penalty"],
-        logit_bias=tuple(sorted((int(token), float(bias)) for token, bias in params["logit_bias"].items())),
-    )
-
-
 # A request's first INLINE_ENCODE_CHARS characters of prompt text are tokenized on the loop, the
 # rest on the app's pool: a short prompt's encoding costs less than the hop to the pool and back
-# (BENCHMARKS.md, D-inline-encode). Per request, so many short prompts still go to the pool.
+# (docs/decisions.md, D-inline-encode). Per request, so many short prompts still go to the pool.
 INLINE_ENCODE_CHARS = 256
 
 
@@ -1571,68 +1166,6 @@ async def json_answer(request: web.Request, build: Callable[[], dict], heavy: bo
     return web.Response(text=text, content_type="application/json")
 
 
-@dataclass
-class Answer:
-    """One choice as it comes back: its text, its tokens' logprobs (both kept only for a whole
-    answer), its summary."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list[StepLogprobs] = field(default_factory=list)
-    summary: Summary | None = None
-
-
-class Wire:
-    """One API's wire format for one request. `add` takes each event in order; streaming, it
-    returns the text to send for it (keeping what state the format needs), between `opening()`
-    and `tail()`; whole, it keeps the event in `choices`, and `body()` builds the answer."""
-
-    content_type = "text/event-stream"
-
-    def __init__(self, request: web.Request, tickets: list[Ticket], streaming: bool):
-        self.request, self.tickets, self.streaming = request, tickets, streaming
-        self.backend: Backend = request.app[ENGINE].backend
-        self.choices = [Answer() for _ in tickets]
-
-    @property
-    def heavy(self) -> bool:
-        """Whether the whole body is worth building and encoding on a pool (logprobs)."""
-        return False
-
-    @property
-    def finished(self) -> bool:
-        return all(choice.summary is not None for choice in self.choices)
-
-    def summaries(self) -> list[Summary]:
-        return [choice.summary for choice in self.choices]
-
-    def add(self, index: int, event: Event) -> str:
-        choice = self.choices[index]
-        if isinstance(event, Summary):
-            choice.summary = event
-        elif not self.streaming:
-            (choice.text if isinstance(event, str) else choice.logprobs).append(event)
-        return self.chunk(index, event) if self.streaming else ""
-
-    def opening(self) -> str:
-        """What a stream starts with, sent with its headers."""
-        return ""
-
-    def keepalive(self) -> str:
-        """What a stream sends while it waits for its first token, so that clients and proxies
-        do not time out: an SSE comment line (NDJSON has none: the headers alone)."""
-        return ": keep-alive\n\n" if self.content_type == "text/event-stream" else ""
-
-    def chunk(self, index: int, event: Event) -> str:
-        raise NotImplementedError
-
-    def tail(self) -> str:
-        """What a stream ends with, once every choice has ended."""
-        return ""
-
-    def body(self) -> dict:
-        raise NotImplementedError
-
-
 async def answer(request: web.Request, tickets: list[Ticket], wire: Wire) -> web.StreamResponse:
     """Answer with the tickets' events in `wire`'s format, streamed or whole. Every ticket is
     cancelled on the way out (a no-op when finished; it stops the worker when the client went
@@ -1754,28 +1287,8 @@ def stalled(request: web.Request) -> None:
         request.transport.abort()
 
 
-def combined(summaries: list[Summary]) -> Summary:
-    """One summary for the request log and metrics: the choices' tokens added up."""
-    first = summaries[0]
-    if len(summaries) == 1:
-        return first
-    return dataclasses.replace(
-        first,
-        tokens_used=sum(s.tokens_used for s in summaries),
-        cached_tokens=sum(s.cached_tokens for s in summaries),
-        finish_reason=next(
-            (s.finish_reason for s in summaries if s.finish_reason not in ("stop", "length")), first.finish_reason
-        ),
-    )
-
-
 def note_summary(request: web.Request, summary: Summary) -> None:
     request[LOG_FACTS].update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason, summary=summary)
-
-
-def grammar_failed(summary: Summary) -> bool:
-    """The request's own grammar failed while generating: the client's input, not the server."""
-    return summary.finish_reason == "error" and summary.error_kind == "grammar"
 
 
 def raise_unfinished(request: web.Request, summary: Summary) -> None:
@@ -1795,102 +1308,12 @@ def raise_unfinished(request: web.Request, summary: Summary) -> None:
 # -- the native API: /generate, /generate/stream -----------------------------------------------
 
 
-def native_params(body: Any) -> tuple[Any, dict]:
-    return body, parse(body, GENERATE_SCHEMA)
-
-
-def native_generation(params: dict, body: dict, grammar: tuple[Grammar | None, str | None]) -> Generation:
-    return Generation(
-        prompt=params["prompt"],
-        max_tokens=params["max_tokens"],
-        max_tokens_given="max_tokens" in body,
-        sampling=sampling_of(params, params["temperature"], params["top_p"], params["seed"]),
-        stop=stop_tuple(params["stop"]),
-        ignore_eos=params["ignore_eos"],
-        logprobs=params["logprobs"],
-        grammar=grammar[0],
-        grammar_field=grammar[1],
-    )
-
-
-def summary_fields(request: web.Request, summary: Summary, backend: Backend) -> dict:
-    fields_ = {
-        "request_id": request[REQUEST_ID],
-        "tokens_used": summary.tokens_used,
-        "prompt_tokens": summary.prompt_tokens,
-        "cached_tokens": summary.cached_tokens,
-        "finish_reason": summary.finish_reason,
-        "model": backend.info.model,
-        "adapter": request[LOG_FACTS].get("adapter"),
-        "backend": backend.info.backend,
-        "timings": summary.timings(),
-    }
-    if summary.error:
-        fields_["error"] = {
-            "message": summary.error,
-            "type": "invalid_request" if grammar_failed(summary) else "server_error",
-        }
-    return fields_
-
-
-def native_logprobs(backend: Backend, scores: list[StepLogprobs]) -> list[dict]:
-    """The native shape: one entry a generated token, {id, token, logprob, top: [{id, token, logprob}]}."""
-
-    def entry(token: int, logprob: float) -> dict:
-        return {"id": token, "token": token_string(backend.token_bytes(token)), "logprob": logprob}
-
-    return [{**entry(s.token.token, s.token.logprob), "top": [entry(t, lp) for t, lp in s.token.top]} for s in scores]
-
-
-class NativeWire(Wire):
-    """/generate's body {text, ...summary}, and /generate/stream's NDJSON: `{"token": ...}` lines
-    as text is decoded, then one `{"done": true, ...summary}` line. With logprobs, each line
-    carries those of the tokens whose text it brings (a token that brings no text of its own,
-    such as end-of-text, comes in a line of its own before the end)."""
-
-    content_type = "application/x-ndjson"
-
-    def __init__(self, request: web.Request, tickets: list[Ticket], streaming: bool, params: dict):
-        super().__init__(request, tickets, streaming)
-        self.logprobs = params["logprobs"] is not None
-        self.pending: list[StepLogprobs] = []
-
-    @property
-    def heavy(self) -> bool:
-        return self.logprobs
-
-    def line(self, text: str) -> str:
-        if not self.logprobs:
-            # json.dumps({"token": text}, ensure_ascii=False), without building and walking a
-            # dict for every token (the encoder's own string escaping, the same bytes).
-            return '{"token": ' + encode_json_string(text) + "}\n"
-        out: dict[str, Any] = {"token": text, "logprobs": native_logprobs(self.backend, self.pending)}
-        self.pending.clear()
-        return json.dumps(out, ensure_ascii=False) + "\n"
-
-    def chunk(self, index: int, event: Event) -> str:
-        if isinstance(event, StepLogprobs):
-            self.pending.append(event)
-            return ""
-        if isinstance(event, str):
-            return self.line(event)
-        rest = self.line("") if self.pending else ""
-        return rest + json.dumps({"done": True, **summary_fields(self.request, event, self.backend)}) + "\n"
-
-    def body(self) -> dict:
-        (choice,) = self.choices
-        out = {"text": "".join(choice.text), **summary_fields(self.request, choice.summary, self.backend)}
-        if self.logprobs:
-            out["logprobs"] = native_logprobs(self.backend, choice.logprobs)
-        return out
-
-
 async def native_answer(request: web.Request, streaming: bool) -> web.StreamResponse:
     body, params = await read_body(request, native_params)
     params = with_temperature(request, body, params, GENERATE_SCHEMA)
     generation = native_generation(params, body, await native_constraint(request, params))
     tickets = await submit(request, [generation], params["adapter"], params["cache_salt"])
-    return await answer(request, tickets, NativeWire(request, tickets, streaming, params))
+    return await answer(request, tickets, NativeWire(wire_context(request), tickets, streaming, params))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -1899,255 +1322,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     return await native_answer(request, streaming=True)
-
-
-# -- OpenAI-compatible API: request schemas ----------------------------------------------------
-# The same worker, limits and log as the native routes; OpenAI's wire format and defaults.
-# Unset optional fields may come as null, and what a local server can ignore is accepted (user,
-# store, metadata, service_tier ...); a field that asks for what this server cannot do (audio, content
-# parts or modalities other than text, prediction, web_search_options, a completion's suffix) is a
-# 400 that names it (`x-unsupported`). Tools and response_format (text, json_object, json_schema)
-# are served. docs/api.md, "OpenAI-compatible API".
-
-MAX_CHOICES = 16  # n and best_of: each choice is a sequence of its own in the batch
-MAX_PROMPTS = 64  # prompts in one completions request (lm-eval sends a batch of them)
-
-
-def _unsupported(*allowed: Any) -> dict:
-    return {"enum": [None, *allowed], "x-unsupported": True}
-
-
-def _ignored(kind: str) -> dict:
-    return {"type": kind, "description": "accepted and ignored"}
-
-
-STOP_SCHEMA = GENERATE_SCHEMA["properties"]["stop"]
-OPENAI_COMMON = {
-    "model": {"type": "string"},
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1.0},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
-    "stop": STOP_SCHEMA,
-    "seed": GENERATE_SCHEMA["properties"]["seed"],
-    "stream": {"type": "boolean", "default": False},
-    "stream_options": {
-        "type": "object",
-        "properties": {
-            "include_usage": {"type": "boolean"},
-            "include_obfuscation": _ignored("boolean"),
-            "continuous_usage_stats": _unsupported(False),  # vLLM's usage in every chunk
-        },
-        "default": {},
-    },
-    "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "default": 1},
-    **SAMPLING_PROPERTIES,
-    "ignore_eos": GENERATE_SCHEMA["properties"]["ignore_eos"],  # vLLM's: benchmark clients send it
-    "cache_salt": CACHE_SALT,
-    "user": _ignored("string"),
-    "store": _ignored("boolean"),
-    "metadata": _ignored("object"),
-    "service_tier": _ignored("string"),
-    "prompt_cache_key": _ignored("string"),
-    "safety_identifier": _ignored("string"),
-}
-TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
-RESPONSE_FORMAT = {
-    "type": "object",
-    "required": ["type"],
-    "x-check-first": "type",
-    "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema"]},
-        "json_schema": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string"},
-                "description": {"type": "string"},
-                "schema": {"type": "object", "description": "a JSON Schema; absent: any JSON object"},
-                "strict": {"type": "boolean", "description": "accepted: the output always follows the schema"},
-            },
-        },
-    },
-}
-COMPLETIONS_SCHEMA: dict[str, Any] = tolerant(
-    {
-        "type": "object",
-        "required": ["prompt"],
-        "properties": {
-            **OPENAI_COMMON,
-            "prompt": {
-                "anyOf": [
-                    {"type": "string", "minLength": 1},
-                    {
-                        "type": "array",
-                        "minItems": 1,
-                        "maxItems": MAX_PROMPTS,
-                        "items": {"type": "string", "minLength": 1},
-                    },
-                    TOKEN_IDS,
-                    {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": TOKEN_IDS},
-                ],
-                "x-error": (
-                    "prompt must be a string, a list of token ids, or a list of up to "
-                    f"{MAX_PROMPTS} of either (none empty)"
-                ),
-            },
-            # OpenAI's default is 16, applied in v1_completions: a schema default here would count
-            # as asked for, and refuse a prompt that leaves less room instead of clipping to it.
-            # 0 scores the prompt alone (with echo).
-            "max_tokens": {"type": "integer", "minimum": 0},
-            "echo": {"type": "boolean", "default": False},
-            "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
-            "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
-            "suffix": _unsupported(""),
-            "response_format": RESPONSE_FORMAT,
-        },
-    }
-)
-CONTENT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"enum": ["text"], "x-unsupported": True}, "text": {"type": "string"}},
-    "x-check-first": "type",
-}
-FUNCTION_CALL = {
-    "type": "object",
-    "required": ["name"],
-    "properties": {
-        "name": {"type": "string"},
-        "arguments": {"type": "string", "description": "a JSON object, as text"},
-    },
-}
-CUSTOM_CALL = {  # a custom tool's call: its input as text
-    "type": "object",
-    "required": ["name", "input"],
-    "properties": {"name": {"type": "string"}, "input": {"type": "string"}},
-}
-TOOL_CALL = {  # a function's call, or a custom tool's (type "custom")
-    "type": "object",
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"enum": ["function", "custom"]},
-        "function": FUNCTION_CALL,
-        "custom": CUSTOM_CALL,
-    },
-}
-MESSAGE = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant", "tool", "function"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART}]},
-        "name": {"type": "string"},
-        "tool_calls": {"type": "array", "items": TOOL_CALL},
-        "tool_call_id": {"type": "string", "description": "a tool message: the call it answers"},
-        "function_call": FUNCTION_CALL,  # the deprecated single call of an assistant message
-        # What a reasoning server returns: clients send it back as it is (it is not rendered).
-        "reasoning_content": _ignored("string"),
-        # What OpenAI puts in the assistant messages it returns: clients send them back as they are.
-        "refusal": _ignored("string"),
-        "annotations": {"type": "array", "items": {}, "description": "accepted and ignored"},
-        "audio": _unsupported(),
-    },
-}
-FUNCTION = {
-    "type": "object",
-    "required": ["name"],
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 64},
-        "description": {"type": "string"},
-        "parameters": {"type": "object", "description": "a JSON Schema of the arguments; absent: any object"},
-        "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
-    },
-}
-# OpenAI's custom tool: its input is text, free or in a grammar of the client's (Lark or a
-# regex), which constrains it as a schema does a function's arguments (backends.chat.tools). Chat
-# nests the grammar (`format.grammar.syntax`), Responses does not (`format.syntax`).
-GRAMMAR = {
-    "type": "object",
-    "properties": {"syntax": {"enum": ["lark", "regex"]}, "definition": {"type": "string", "minLength": 1}},
-}
-CUSTOM_FORMAT = {
-    "type": "object",
-    "required": ["type"],
-    "x-check-first": "type",
-    "properties": {"type": {"enum": ["text", "grammar"]}, "grammar": GRAMMAR, **GRAMMAR["properties"]},
-}
-CUSTOM_TOOL = {
-    "type": "object",
-    "required": ["name"],
-    "properties": {
-        "name": FUNCTION["properties"]["name"],
-        "description": {"type": "string"},
-        "format": CUSTOM_FORMAT,
-    },
-}
-TOOL = {
-    "type": "object",
-    "required": ["type"],
-    "properties": {
-        "type": {"enum": ["function", "custom"], "x-unsupported": True},
-        "function": FUNCTION,
-        "custom": CUSTOM_TOOL,
-    },
-    "x-check-first": "type",
-}
-NAME_ONLY = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
-NAMED_TOOL = {
-    "type": "object",
-    "required": ["type"],
-    "properties": {"type": {"enum": ["function", "custom"]}, "function": NAME_ONLY, "custom": NAME_ONLY},
-}
-MAX_TOOLS = 128  # OpenAI's limit
-# A reasoning model's switches (backends.chat.plan.ChatRequest): vLLM's chat_template_kwargs and
-# thinking_token_budget, and OpenAI's reasoning_effort ("none": no thinking; a degree: a budget).
-REASONING_CONTROLS = {
-    "chat_template_kwargs": {"type": "object", "description": "what the chat template reads besides the messages"},
-    "reasoning_effort": {"type": "string", "description": '"none" asks a reasoning model not to think'},
-    "thinking_token_budget": {"type": "integer", "minimum": -1, "description": "tokens of reasoning (-1: no limit)"},
-}
-# An effort's thinking budget in tokens (None: no limit; "none": no thinking at all), for OpenAI's
-# reasoning_effort and reasoning.effort and Anthropic's output_config.effort. An effort not named
-# here sets no budget. Chosen for the small local models this server runs (an 8k context):
-# docs/api.md, "Reasoning".
-EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": None, "xhigh": None, "max": None}
-CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI has no default cap; a local server wants one
-CHAT_SCHEMA: dict[str, Any] = tolerant(
-    {
-        "type": "object",
-        "required": ["messages"],
-        "properties": {
-            **OPENAI_COMMON,
-            "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
-            "max_completion_tokens": {"type": "integer", "minimum": 1},
-            "logprobs": {"type": "boolean", "default": False},
-            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-            "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": TOOL},
-            "tool_choice": {
-                "anyOf": [{"enum": ["none", "auto", "required"]}, NAMED_TOOL],
-                "x-error": (
-                    'tool_choice must be "none", "auto", "required", {"type": "function", "function": {"name": ...}} '
-                    'or {"type": "custom", "custom": {"name": ...}}'
-                ),
-            },
-            "parallel_tool_calls": {"type": "boolean", "default": True},
-            # The deprecated forms of tools and tool_choice.
-            "functions": {"type": "array", "maxItems": MAX_TOOLS, "items": FUNCTION},
-            "function_call": {
-                "anyOf": [
-                    {"enum": ["none", "auto"]},
-                    {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
-                ],
-                "x-error": 'function_call must be "none", "auto" or {"name": ...}',
-            },
-            "response_format": RESPONSE_FORMAT,
-            "modalities": _unsupported(["text"]),
-            **REASONING_CONTROLS,
-            "audio": _unsupported(),
-            "prediction": _unsupported(),
-            "web_search_options": _unsupported(),
-        },
-    }
-)
 
 
 # -- OpenAI-compatible API: models, /v1/models -------------------------------------------------
@@ -2243,30 +1417,9 @@ def adapter_card(engine: Engine, base: str, facts: AdapterFacts) -> dict:
     }
 
 
-# -- OpenAI-compatible API: parameters, usage, logprobs, SSE -----------------------------------
-
-
-def openai_params(params: dict) -> dict:
-    """/v1 parameters' checks beyond the schema's."""
-    if params.get("top_logprobs") is not None and not params.get("logprobs"):
-        raise ApiError(400, "top_logprobs needs logprobs: true", field="top_logprobs")
-    return params
-
-
-def response_grammar(params: dict) -> tuple[GrammarSpec | None, str | None]:
-    """`response_format` as the grammar of the reply (json_object: any JSON object, or
-    json_schema), and the field it came from; (None, None) for text."""
-    response_format = params["response_format"]
-    if response_format is None or response_format["type"] == "text":
-        return None, None
-    if response_format["type"] == "json_object":
-        return GrammarSpec("json_object", ""), "response_format"
-    if "json_schema" not in response_format:
-        raise ApiError(
-            400, "response_format.json_schema is required with type json_schema", field="response_format.json_schema"
-        )
-    schema = response_format["json_schema"].get("schema", {"type": "object"})
-    return GrammarSpec("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
+# -- OpenAI-compatible API: /v1/completions ----------------------------------------------------
+# The same worker, limits and log as the native routes; OpenAI's wire format and defaults
+# (backends/wire/openai.py, completions.py). docs/api.md, "OpenAI-compatible API".
 
 
 async def grammar_options(request: web.Request, grammar: GrammarSpec | None, field: str | None, checks: dict) -> dict:
@@ -2275,27 +1428,6 @@ async def grammar_options(request: web.Request, grammar: GrammarSpec | None, fie
         return {}
     compiled, field = await compile_constraint(request, grammar.kind, grammar.spec, field, checks)
     return {"grammar": compiled, "grammar_field": field}
-
-
-def openai_generations(
-    params: dict, prompt: str | list[int], copies: int, max_tokens: int | None, default_max: int, **options
-) -> list[Generation]:
-    """`copies` generations of one prompt (the choices n or best_of); a seed gives each its own
-    (seed, seed + 1, ...): reproducible, yet not n copies of one text."""
-    seed = params["seed"]
-    return [
-        Generation(
-            prompt=prompt,
-            max_tokens=default_max if max_tokens is None else max_tokens,
-            max_tokens_given=max_tokens is not None,
-            sampling=sampling_of(
-                params, params["temperature"], params["top_p"], None if seed is None else (seed + i) % 2**63
-            ),
-            ignore_eos=params["ignore_eos"],
-            **options,
-        )
-        for i in range(copies)
-    ]
 
 
 def check_sequences(request: web.Request, gens: list[Generation]) -> None:
@@ -2309,452 +1441,35 @@ def check_sequences(request: web.Request, gens: list[Generation]) -> None:
         )
 
 
-def usage(summaries: list[Summary], prompts: int, reasoning: bool = False) -> dict:
-    """Token counts of a request: each prompt counted once (its `copies` choices share it),
-    every choice's tokens (and, for a chat with a model that thinks, its reasoning's)."""
-    copies = len(summaries) // prompts
-    prompt_summaries = summaries[::copies]
-    prompt_tokens = sum(s.prompt_tokens for s in prompt_summaries)
-    completion = sum(s.tokens_used for s in summaries)
-    counts = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompt_summaries)},
-    }
-    if reasoning:
-        counts["completion_tokens_details"] = {"reasoning_tokens": sum(s.reasoning_tokens for s in summaries)}
-    return counts
-
-
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def sse_error(request: web.Request, summary: Summary) -> str:
-    if grammar_failed(summary):  # the request's own grammar: its field, as a 400 would name it
-        return sse(
-            {
-                "error": {
-                    "message": summary.error,
-                    "type": "invalid_request_error",
-                    "param": request[LOG_FACTS].get("grammar"),
-                    "code": None,
-                }
-            }
-        )
-    return sse({"error": {"message": summary.error, "type": "server_error", "param": None, "code": None}})
-
-
-def response_head(name: str, kind: str) -> dict:
-    return {
-        "id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": name,
-    }
-
-
-# How OpenAI shows tokens: wire formatting, so here rather than in backends.
-
-
-def token_string(data: bytes) -> str:
-    """A token as text, as OpenAI shows it: the bytes of part of a character as `bytes:\\xNN`."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
-
-class TextOffsets:
-    """Where each token's text starts in the decoded text, token after token (from `start`): a
-    token holding the end of a split character starts where that character does."""
-
-    def __init__(self, start: int = 0):
-        self.at = start
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def __call__(self, pieces: list[bytes]) -> list[int]:
-        offsets = []
-        for data in pieces:
-            offsets.append(self.at)
-            self.at += len(self._decoder.decode(data))
-        return offsets
-
-
-class CompletionLogprobs:
-    """The legacy completions' logprobs of one choice ({tokens, token_logprobs, top_logprobs,
-    text_offset}), built as its tokens come: `top_logprobs` holds the `k` most likely tokens and
-    the chosen one (so up to k + 1, as OpenAI says); offsets count from the prompt's start."""
-
-    def __init__(self, backend: Backend, k: int, offset: int):
-        self.backend, self.k, self.offsets = backend, k, TextOffsets(offset)
-
-    def shape(self, entries: list[tuple[int, float | None, tuple]]) -> dict:
-        pieces = [self.backend.token_bytes(token) for token, _, _ in entries]
-        offsets = self.offsets(pieces)
-        tops = []
-        for (_, logprob, top), piece in zip(entries, pieces, strict=True):
-            if logprob is None:  # a prompt's first token: nothing predicts it
-                tops.append(None)
-                continue
-            alternatives = {token_string(self.backend.token_bytes(t)): lp for t, lp in top[: self.k]}
-            alternatives.setdefault(token_string(piece), logprob)
-            tops.append(alternatives)
-        return {
-            "tokens": [token_string(piece) for piece in pieces],
-            "token_logprobs": [logprob for _, logprob, _ in entries],
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    @staticmethod
-    def prompt_entries(prompt_ids: list[int], scores: list[StepLogprobs]) -> list[tuple[int, float | None, tuple]]:
-        scored = next((s.prompt for s in scores if s.prompt is not None), ())
-        return [(prompt_ids[0], None, ())] + [(t.token, t.logprob, t.top) for t in scored]
-
-    @staticmethod
-    def token_entries(scores: list[StepLogprobs]) -> list[tuple[int, float | None, tuple]]:
-        return [(s.token.token, s.token.logprob, s.token.top) for s in scores if s.token is not None]
-
-
-def chat_logprobs(backend: Backend, scores: list[StepLogprobs], k: int) -> dict:
-    """Chat's logprobs: {content: [{token, logprob, bytes, top_logprobs: [...]}], refusal: null}."""
-
-    def entry(token: int, logprob: float) -> dict:
-        piece = backend.token_bytes(token)
-        return {"token": token_string(piece), "logprob": logprob, "bytes": list(piece)}
-
-    content = [
-        {**entry(s.token.token, s.token.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.token.top[:k]]}
-        for s in scores
-        if s.token
-    ]
-    return {"content": content, "refusal": None}
-
-
-# -- OpenAI-compatible API: /v1/completions ----------------------------------------------------
-
-
-class CompletionsWire(Wire):
-    """/v1/completions: a `text_completion` body, or its SSE chunks then `[DONE]`. Choices come
-    `copies` (best_of) a prompt; a whole answer keeps each prompt's `n` best by mean logprob."""
-
-    def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, texts: list[str]):
-        super().__init__(request, tickets, params["stream"])
-        self.n, self.echo, self.k = params["n"], params["echo"], params["logprobs"]
-        self.copies = params["best_of"] or self.n
-        self.texts = texts  # the prompts as text, where echo shows them or logprobs count offsets from them
-        self.prompts = len(tickets) // self.copies
-        self.envelope = response_head(name, "text_completion")
-        self.include_usage = bool(params["stream_options"].get("include_usage"))
-        self.pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
-        self.echoed: set[int] = set()
-        self.shapers: dict[int, CompletionLogprobs] = {}  # a streamed choice's: its text offsets run on
-
-    @property
-    def heavy(self) -> bool:
-        return self.k is not None or self.copies > self.n
-
-    def shaper(self, prompt: int) -> CompletionLogprobs:
-        return CompletionLogprobs(self.backend, self.k, 0 if self.echo else len(self.texts[prompt]))
-
-    def sse_chunk(self, index: int, text: str, entries: list | None = None, finish: str | None = None) -> str:
-        logprobs = None
-        if self.k is not None and entries:
-            if index not in self.shapers:
-                self.shapers[index] = self.shaper(index // self.n)
-            logprobs = self.shapers[index].shape(entries)
-        payload = {
-            **self.envelope,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        }
-        return sse({**payload, "usage": None} if self.include_usage else payload)
-
-    def chunk(self, index: int, event: Event) -> str:
-        out = ""
-        if self.echo and index not in self.echoed:  # the prompt first, with its logprobs
-            self.echoed.add(index)
-            scores = [event] if isinstance(event, StepLogprobs) else []
-            prompt_ids = self.tickets[index].request.prompt_ids
-            out = self.sse_chunk(
-                index, self.texts[index // self.n], CompletionLogprobs.prompt_entries(prompt_ids, scores)
-            )
-        if isinstance(event, StepLogprobs):
-            self.pending[index].append(event)
-            return out
-        entries = CompletionLogprobs.token_entries(self.pending[index])
-        self.pending[index].clear()
-        if isinstance(event, str):
-            return out + self.sse_chunk(index, event, entries)
-        if event.finish_reason == "error":  # the SDKs raise on an error event
-            return out + sse_error(self.request, event)
-        return out + self.sse_chunk(index, "", entries, finish=event.finish_reason)
-
-    def tail(self) -> str:
-        end = ""
-        if self.include_usage:
-            end = sse({**self.envelope, "choices": [], "usage": usage(self.summaries(), self.prompts)})
-        return end + sse("[DONE]")
-
-    def body(self) -> dict:
-        choices = []
-        for p in range(self.prompts):
-            group = list(zip(self.tickets, self.choices, strict=True))[p * self.copies : (p + 1) * self.copies]
-            if self.copies > self.n:
-                group = sorted(group, key=lambda pair: mean_logprob(pair[1].logprobs), reverse=True)[: self.n]
-            for j, (ticket, choice) in enumerate(group):
-                text = "".join(choice.text)
-                logprobs = None
-                if self.k is not None:
-                    entries = CompletionLogprobs.token_entries(choice.logprobs)
-                    if self.echo:
-                        entries = (
-                            CompletionLogprobs.prompt_entries(ticket.request.prompt_ids, choice.logprobs) + entries
-                        )
-                    logprobs = self.shaper(p).shape(entries)
-                choices.append(
-                    {
-                        "index": p * self.n + j,
-                        "text": self.texts[p] + text if self.echo else text,
-                        "logprobs": logprobs,
-                        "finish_reason": choice.summary.finish_reason,
-                    }
-                )
-        return {**self.envelope, "choices": choices, "usage": usage(self.summaries(), self.prompts)}
-
-
 async def v1_completions(request: web.Request) -> web.StreamResponse:
-    params = await read_params(request, COMPLETIONS_SCHEMA, openai_params)
+    params = await read_params(request, completions.SCHEMA, openai_params)
     name, adapter = model_named(request, params["model"])
-    prompt = params["prompt"]
-    # One prompt or several; a prompt is text or token ids.
-    prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-    n, echo, k = params["n"], params["echo"], params["logprobs"]
-    best_of = params["best_of"] or n
-    if best_of < n:
-        raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", field="best_of")
-    if best_of > n and params["stream"]:
-        raise ApiError(400, "best_of cannot be streamed: the best choices are known only at the end", field="best_of")
-    if params["max_tokens"] == 0 and not echo:
-        raise ApiError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", field="max_tokens")
-    options = dict(
-        stop=stop_tuple(params["stop"]),
-        logprobs=k if k is not None else (0 if best_of > n else None),  # best_of ranks by logprob
-        prompt_logprobs=k if echo else None,
-        **await grammar_options(request, *response_grammar(params), params),
-    )
-    gens = [g for p in prompts for g in openai_generations(params, p, best_of, params["max_tokens"], 16, **options)]
+    completions.check(params)
+    gens = completions.generations(params, await grammar_options(request, *response_grammar(params), params))
     check_sequences(request, gens)
     tickets = await submit(request, gens, adapter, params["cache_salt"])
-    backend = request.app[ENGINE].backend
-    texts = [p if isinstance(p, str) else backend.decode(p) for p in prompts] if echo or k is not None else []
-    return await answer(request, tickets, CompletionsWire(request, tickets, params, name, texts))
+    texts = completions.texts(params, engine_ready(request).backend.decode)
+    return await answer(request, tickets, completions.Answer(wire_context(request), tickets, params, name, texts))
 
 
-# -- chat: each API's messages in one shared form -----------------------------------------------
-# The three chat APIs translate their requests onto one `ChatRequest` (messages as
-# `chat_messages` checks them, tools as `chat_tools` does, below); the backend answers with one
-# `ChatPlan` (backends.chat.plan): prompt, stops, grammar, kept tags, a parser per choice.
+# -- chat: one path for the three chat APIs -------------------------------------------------------
+# Chat completions, Responses and Messages each translate their request onto one `ChatCall`
+# (backends/wire/: openai_chat, responses, anthropic); the backend answers with one `ChatPlan`
+# (backends/chat/plan.py: prompt, stops, grammar, kept tags, a parser per choice); one path
+# submits it and answers through the API's Wire. Each API's module gives SCHEMA, check, translate
+# and Answer (its Wire).
 
 
-def chat_messages(params: dict) -> list[dict]:
-    """The request's messages as a `ChatRequest` holds them: content as text; an
-    assistant's `tool_calls` (or deprecated `function_call`) with arguments that parse to an
-    object; a `tool` result answering a call made before it. What does not hold is a 400 naming
-    the field."""
-    messages, calls = [], set()
-    for i, m in enumerate(params["messages"]):
-        content = m.get("content")
-        role = m["role"]
-        if content is None:
-            if role != "assistant":  # an assistant turn that only called tools has none
-                raise ApiError(400, f"messages[{i}].content is required", field=f"messages[{i}].content")
-            content = ""
-        message: dict[str, Any] = {
-            "role": "tool" if role == "function" else role,
-            "content": content if isinstance(content, str) else "".join(p["text"] for p in content),
-        }
-        tool_calls = m.get("tool_calls") or ([{"function": m["function_call"]}] if m.get("function_call") else [])
-        if tool_calls and role != "assistant":
-            raise ApiError(
-                400, f"messages[{i}].tool_calls is for assistant messages", field=f"messages[{i}].tool_calls"
-            )
-        if tool_calls:
-            message["tool_calls"] = []
-            for j, call in enumerate(tool_calls):
-                call = history_call(call, f"messages[{i}].tool_calls[{j}]")
-                where = f"messages[{i}].tool_calls[{j}].function.arguments"
-                try:
-                    arguments = json.loads(call["function"].get("arguments") or "{}")
-                except json.JSONDecodeError as exc:
-                    raise ApiError(400, f"{where} is not JSON: {exc}", field=where) from None
-                except RecursionError:  # text nested past the JSON depth any body may have
-                    raise ApiError(400, f"{where} is nested too deeply", field=where) from None
-                if not isinstance(arguments, dict):
-                    raise ApiError(400, f"{where} must be a JSON object", field=where)
-                if too_deep(arguments):  # the body's own bound, for the JSON inside its text
-                    raise ApiError(400, f"{where} is nested past {MAX_JSON_DEPTH} levels", field=where)
-                call_id = call.get("id") or f"call_{i}_{j}"
-                calls.add(call_id)
-                message["tool_calls"].append(
-                    {
-                        "id": call_id,
-                        "type": "function",
-                        "function": {**call["function"], "arguments": json.dumps(arguments)},
-                    }
-                )
-        if role in ("tool", "function"):
-            call_id = m.get("tool_call_id")
-            if role == "tool" and call_id is None:
-                raise ApiError(400, f"messages[{i}].tool_call_id is required", field=f"messages[{i}].tool_call_id")
-            if call_id is not None and call_id not in calls:
-                raise ApiError(
-                    400,
-                    f"messages[{i}].tool_call_id {call_id!r} answers no tool call made before it",
-                    field=f"messages[{i}].tool_call_id",
-                )
-            message.update({k: v for k, v in (("tool_call_id", call_id), ("name", m.get("name"))) if v is not None})
-        messages.append(message)
-    return messages
-
-
-def history_call(call: dict, where: str) -> dict:
-    """A call in the history as a function's: a custom tool's input as the one string argument
-    the prompt shows it taking (backends.chat.tools.as_function)."""
-    if call.get("type") == "custom" or ("custom" in call and "function" not in call):
-        if "custom" not in call:
-            raise ApiError(400, f"{where}.custom is required", field=f"{where}.custom")
-        arguments = json.dumps({"input": call["custom"]["input"]}, ensure_ascii=False)
-        return {**pick(call, "id"), "function": {"name": call["custom"]["name"], "arguments": arguments}}
-    if "function" not in call:
-        raise ApiError(400, f"{where}.function is required", field=f"{where}.function")
-    return call
-
-
-# -- chat: tools, reasoning switches, and the model's plan ---------------------------------------
-
-
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-
-
-def custom_tool(tool: dict, where: str, flat: bool) -> dict:
-    """A custom tool as ToolUse holds it: {name, description, custom: {syntax, definition}}
-    (syntax "text": free text). `flat`: the grammar's fields in `format` (Responses), else in
-    `format.grammar` (chat)."""
-    form = tool.get("format") or {"type": "text"}
-    spec = {"syntax": "text"}
-    if form["type"] == "grammar":
-        grammar, at = (form, f"{where}.format") if flat else (form.get("grammar"), f"{where}.format.grammar")
-        if grammar is None:
-            raise ApiError(400, f"{at} is required", field=at)
-        for key in ("syntax", "definition"):
-            if key not in grammar:
-                raise ApiError(400, f"{at}.{key} is required", field=f"{at}.{key}")
-        spec = {"syntax": grammar["syntax"], "definition": grammar["definition"]}
-    return {**pick(tool, "name", "description"), "custom": spec}
-
-
-def chat_tools(params: dict, flat: bool = False) -> ToolUse | None:
-    """`tools`/`tool_choice` (or the deprecated `functions`/`function_call`), checked. None where
-    nothing may be called: no tools, or tool_choice "none" (the tools are then not rendered
-    either, so the model has nothing to call; docs/api.md, "Tool calls")."""
-    if params["tools"] is not None and params["functions"] is not None:
-        raise ApiError(400, "give tools or functions, not both", field="functions")
-    if params["tool_choice"] is not None and params["function_call"] is not None:
-        raise ApiError(400, "give tool_choice or function_call, not both", field="function_call")
-    given = "tools" if params["functions"] is None else "functions"
-    tools = [tool_of(t, f"tools[{i}]", flat) for i, t in enumerate(params["tools"] or [])]
-    tools = tools or list(params["functions"] or [])
-    choice = params["tool_choice"] if params["function_call"] is None else params["function_call"]
-    choice_field = "tool_choice" if params["function_call"] is None else "function_call"
-    kind = None  # a named tool's kind: function or custom
-    if isinstance(choice, dict):
-        kind = "custom" if choice.get("type") == "custom" else "function"
-        named = choice.get(kind) or choice  # chat's {"type", kind: {"name"}}, or flat {"type", "name"}
-        if "name" not in named:
-            raise ApiError(400, f"{choice_field}.{kind}.name is required", field=f"{choice_field}.{kind}.name")
-        choice = named["name"]
-    names = [t["name"] for t in tools]
-    for i, name in enumerate(names):
-        # OpenAI's and Anthropic's rule (and '.', ':' that MCP names use): a name is written into
-        # the prompt and the call's JSON, so no tag or quote can hide in it.
-        if not TOOL_NAME.fullmatch(name):
-            inside = "custom" if "custom" in tools[i] else "function"
-            where = f"{given}[{i}].{inside}.name" if given == "tools" and not flat else f"{given}[{i}].name"
-            raise ApiError(400, f"{where} must be 1 to 64 of a-z, A-Z, 0-9, _, -, . or :", field=where)
-    if len(set(names)) < len(names):
-        raise ApiError(400, f"{given} names a function twice", field=given)
-    kinds = {t["name"]: "custom" if "custom" in t else "function" for t in tools}
-    if choice not in (None, "none", "auto", "required") and kinds.get(choice) != (kind or "function"):
-        which = f"{kind or 'function'} tools" if given == "tools" else given
-        raise ApiError(400, f"{choice_field} names {choice!r}, which is not one of the {which}", field=choice_field)
-    if choice == "required" and not tools:
-        raise ApiError(400, f'{choice_field} "required" needs {given}', field=choice_field)
-    if not tools or choice == "none":
-        return None
-    return ToolUse(
-        [t if "custom" in t else pick(t, "name", "description", "parameters") for t in tools],
-        choice or "auto",
-        # A named function is called once; function_call (deprecated) was always one call.
-        params["parallel_tool_calls"] and choice_field == "tool_choice" and choice in (None, "auto", "required"),
+def wire_context(request: web.Request) -> Context:
+    """What the wire formats read of this request (backends/wire/base.py)."""
+    return Context(
+        engine_ready(request).backend,
+        request[REQUEST_ID],
+        request[LOG_FACTS],
+        namespace=request.get(CACHE_NAMESPACE, ""),
+        on_call=request.get(ARGUMENT_CHECKS),
+        store=request.app[RESPONSES],
     )
-
-
-def tool_of(tool: dict, where: str, flat: bool) -> dict:
-    """One of `tools`: a function ({"function": ...}), or a custom tool ({"custom": ...})."""
-    if tool.get("type") == "custom" or ("custom" in tool and "function" not in tool):
-        if "custom" not in tool:
-            raise ApiError(400, f"{where}.custom is required", field=f"{where}.custom")
-        return custom_tool(tool["custom"], where if flat else f"{where}.custom", flat)
-    if "function" not in tool:
-        raise ApiError(400, f"{where}.function is required", field=f"{where}.function")
-    return tool["function"]
-
-
-def first_tool_choice(request: web.Request, use: ToolUse | None, messages: list[dict]) -> ToolUse | None:
-    """FIRST_TOOL_CHOICE=required: tool_choice auto made required where the model answers the
-    user, that is where a user message and no tool result follow the last assistant message. A
-    turn answering a tool result keeps auto, so an agent's loop can end; the log line says so."""
-    if use is None or use.choice != "auto" or not request.app[SETTINGS].forces_first_tool_call:
-        return use
-    since = []
-    for message in reversed(messages):
-        if message["role"] == "assistant":
-            break
-        since.append(message["role"])
-    if "user" not in since or "tool" in since:
-        return use
-    request[LOG_FACTS]["tool_choice"] = "required"
-    return dataclasses.replace(use, choice="required")
-
-
-def pick(mapping: dict, *keys: str) -> dict:
-    return {k: mapping[k] for k in keys if k in mapping}
-
-
-def template_options(
-    request: web.Request,
-    kwargs: dict | None,
-    thinking: bool | None = None,
-    effort: str | None = None,
-    budget: int | None = None,
-) -> dict:
-    """ChatRequest's reasoning fields: template_kwargs (CHAT_TEMPLATE_KWARGS, the request's over
-    them); thinking (off for effort "none"); and the thinking budget, the request's own (-1: no
-    limit), else its effort's (EFFORT_BUDGETS), else THINKING_BUDGET."""
-    settings = request.app[SETTINGS]
-    if effort is not None and thinking is None:
-        thinking = effort != "none"
-    if budget is None and effort in EFFORT_BUDGETS:
-        budget = -1 if EFFORT_BUDGETS[effort] is None else EFFORT_BUDGETS[effort]
-    if budget is None:
-        budget = settings.thinking_budget
-    return {
-        "template_kwargs": {**settings.template_kwargs, **(kwargs or {})},
-        "thinking": thinking,
-        "thinking_budget": None if budget < 0 else budget,
-    }
 
 
 def chat_plan(backend: Backend, chat: ChatRequest) -> ChatPlan:
@@ -2765,10 +1480,13 @@ def chat_plan(backend: Backend, chat: ChatRequest) -> ChatPlan:
         raise ApiError(400, str(exc), field="messages") from None
 
 
-def tools_or_format(use: ToolUse | None, format_type: str | None, field: str) -> None:
-    """A reply is its calls' grammar or a response format's, not both."""
-    if use is not None and format_type not in (None, "text"):
-        raise ApiError(400, f"{field} cannot be combined with tools here; give one or the other", field=field)
+def plan_of(request: web.Request, call: ChatCall) -> ChatPlan:
+    """A translated chat's plan: its tools' calls to be checked, FIRST_TOOL_CHOICE, the server's
+    template kwargs and thinking budget under the request's own."""
+    settings = request.app[SETTINGS]
+    use = first_tool_choice(call.tools, call.messages, settings.forces_first_tool_call, request[LOG_FACTS])
+    options = template_options(call.reasoning, settings.template_kwargs, settings.thinking_budget)
+    return chat_plan(engine_ready(request).backend, ChatRequest(call.messages, use, call.output, **options))
 
 
 class ArgumentChecks:
@@ -2796,19 +1514,11 @@ class ArgumentChecks:
             request.app[METRICS].invalid_arguments.inc(len(broken))
 
 
-def check_arguments(request: web.Request, use: ToolUse | None) -> ToolUse | None:
-    """`use`, its function tools' calls to be checked against their schemas (`ArgumentChecks`)."""
+def check_arguments(request: web.Request, use: ToolUse | None) -> None:
+    """`use`'s function tools' calls to be checked against their schemas (`ArgumentChecks`)."""
     schemas = {t["name"]: t["parameters"] for t in use.tools if t.get("parameters")} if use else {}
     if schemas:
         request[ARGUMENT_CHECKS] = ArgumentChecks(request, schemas)
-    return use
-
-
-def checked_parser(request: web.Request, plan: ChatPlan) -> ToolCallParser:
-    """A parser for one choice's text whose calls are checked (`ArgumentChecks`), if any may come."""
-    parser = plan.parser()
-    parser.on_call = request.get(ARGUMENT_CHECKS)
-    return parser
 
 
 async def settle_checks(request: web.Request) -> None:
@@ -2829,1115 +1539,39 @@ async def chat_options(
     return {"stop": stop + plan.stop, "keep_tokens": plan.keep_tokens, "thought": plan.thought, **grammar}
 
 
-# -- OpenAI-compatible API: /v1/chat/completions -----------------------------------------------
-
-
-class ChatWire(Wire):
-    """/v1/chat/completions: a `chat.completion` body, or `chat.completion.chunk`s (each choice's
-    role first) then `[DONE]`. Each choice's text goes through its plan's parser: content,
-    `reasoning_content` and `tool_calls` (a call streamed as its id and name, then its arguments)."""
-
-    def __init__(
-        self,
-        request: web.Request,
-        tickets: list[Ticket],
-        params: dict,
-        name: str,
-        k: int | None,
-        plan: ChatPlan,
-    ):
-        super().__init__(request, tickets, params["stream"])
-        self.k = k
-        self.envelope = response_head(name, "chat.completion.chunk" if self.streaming else "chat.completion")
-        self.include_usage = bool(params["stream_options"].get("include_usage"))
-        self.parser = lambda: checked_parser(request, plan)
-        self.thinks = plan.thought is not None  # usage then counts the reasoning's tokens
-        self.parsers = [self.parser() for _ in tickets]
-        self.calls = [0 for _ in tickets]  # tool calls streamed so far, per choice
-        self.pending: dict[int, list[StepLogprobs]] = {i: [] for i in range(len(tickets))}
-
-    @property
-    def heavy(self) -> bool:
-        return self.k is not None
-
-    def sse_chunk(self, index: int, delta: dict, finish: str | None = None) -> str:
-        logprobs = None
-        if self.k is not None and self.pending[index] and "tool_calls" not in delta:
-            logprobs = chat_logprobs(self.backend, self.pending[index], self.k)
-            self.pending[index].clear()
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        payload = {**self.envelope, "choices": [choice]}
-        return sse({**payload, "usage": None} if self.include_usage else payload)
-
-    def opening(self) -> str:
-        return "".join(self.sse_chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.tickets)))
-
-    def pieces(self, index: int, pieces: list[Piece]) -> str:
-        out = []
-        for piece in pieces:
-            if piece.kind == "call":  # its id, type and name first, then its arguments (or input)
-                at, self.calls[index] = self.calls[index], self.calls[index] + 1
-                kind, field, text = call_parts(piece.call)
-                head = {"index": at, "id": call_id(), "type": kind, kind: {"name": piece.call.name, field: ""}}
-                out.append(self.sse_chunk(index, {"tool_calls": [head]}))
-                out.append(self.sse_chunk(index, {"tool_calls": [{"index": at, kind: {field: text}}]}))
-            else:
-                out.append(
-                    self.sse_chunk(index, {"content" if piece.kind == "content" else "reasoning_content": piece.text})
-                )
-        return "".join(out)
-
-    def chunk(self, index: int, event: Event) -> str:
-        if isinstance(event, StepLogprobs):
-            self.pending[index].append(event)
-            return ""
-        if isinstance(event, str):
-            return self.pieces(index, self.parsers[index].feed(event))  # logprobs wait for text
-        if event.finish_reason == "error":  # the SDKs raise on an error event
-            return sse_error(self.request, event)
-        rest = self.pieces(index, self.parsers[index].finish())
-        return rest + self.sse_chunk(index, {}, finish=chat_finish(event, self.parsers[index]))
-
-    def tail(self) -> str:
-        end = (
-            sse({**self.envelope, "choices": [], "usage": usage(self.summaries(), 1, reasoning=self.thinks)})
-            if self.include_usage
-            else ""
-        )
-        return end + sse("[DONE]")
-
-    def body(self) -> dict:
-        choices = []
-        for i, choice in enumerate(self.choices):
-            parser = self.parser()
-            pieces = parser.feed("".join(choice.text)) + parser.finish()
-            content = "".join(p.text for p in pieces if p.kind == "content")
-            reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
-            calls = [chat_call(p.call) for p in pieces if p.kind == "call"]
-            message = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = calls
-            choices.append(
-                {
-                    "index": i,
-                    "message": message,
-                    "logprobs": chat_logprobs(self.backend, choice.logprobs, self.k) if self.k is not None else None,
-                    "finish_reason": chat_finish(choice.summary, parser),
-                }
-            )
-        return {**self.envelope, "choices": choices, "usage": usage(self.summaries(), 1, reasoning=self.thinks)}
-
-
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def call_parts(call: ToolCall) -> tuple[str, str, str]:
-    """A call's type on chat, the field of its text, and that text: a function's arguments or
-    a custom tool's input."""
-    return ("custom", "input", call.input) if call.custom else ("function", "arguments", call.arguments)
-
-
-def chat_call(call: ToolCall) -> dict:
-    kind, field, text = call_parts(call)
-    return {"id": call_id(), "type": kind, kind: {"name": call.name, field: text}}
-
-
-def chat_finish(summary: Summary, parser: ToolCallParser) -> str:
-    """ "tool_calls" for a reply that called and then ended as it chose to; a call cut short by
-    max_tokens is "length" (its part is dropped: never given out as a call)."""
-    return "tool_calls" if parser.calls and summary.finish_reason == "stop" else summary.finish_reason
+async def chat_answer(request: web.Request, api) -> web.StreamResponse:
+    """The one chat path: the API's body, its translation, the plan, the generations, the answer."""
+    params = await read_params(request, api.SCHEMA, api.check)
+    name, adapter = model_named(request, params["model"])
+    call = api.translate(params, wire_context(request))
+    check_arguments(request, call.tools)
+    plan = plan_of(request, call)
+    options = await chat_options(request, plan, call.stop, call.sampling["ignore_eos"], call.output_field)
+    gens = openai_generations(
+        call.sampling,
+        plan.prompt,
+        call.choices,
+        call.max_tokens,
+        CHAT_DEFAULT_MAX_TOKENS,
+        logprobs=call.logprobs,
+        prompt_field=call.prompt_field,
+        **options,
+    )
+    check_sequences(request, gens)
+    tickets = await submit(request, gens, adapter, params["cache_salt"])
+    return await answer(request, tickets, api.Answer(wire_context(request), tickets, call, name, plan))
 
 
 async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
-    params = await read_params(request, CHAT_SCHEMA, openai_params)
-    name, adapter = model_named(request, params["model"])
-    backend = engine_ready(request).backend
-    use = check_arguments(request, chat_tools(params))
-    messages = chat_messages(params)
-    use = first_tool_choice(request, use, messages)
-    tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
-    output, output_field = response_grammar(params)
-    options = template_options(
-        request,
-        params["chat_template_kwargs"],
-        effort=params["reasoning_effort"],
-        budget=params["thinking_token_budget"],
-    )
-    plan = chat_plan(backend, ChatRequest(messages, use, output, **options))
-    k = (params["top_logprobs"] or 0) if params["logprobs"] else None
-    options = await chat_options(request, plan, stop_tuple(params["stop"]), params["ignore_eos"], output_field)
-    options.update(logprobs=k, prompt_field="messages")
-    max_tokens = params["max_completion_tokens"] or params["max_tokens"]
-    gens = openai_generations(params, plan.prompt, params["n"], max_tokens, CHAT_DEFAULT_MAX_TOKENS, **options)
-    check_sequences(request, gens)
-    tickets = await submit(request, gens, adapter, params["cache_salt"])
-    return await answer(request, tickets, ChatWire(request, tickets, params, name, k, plan))
-
-
-# -- OpenAI Responses API: the request, as a chat ----------------------------------------------
-# OpenAI's newer API over the same answer loop: `input` (a string, or message, function_call and
-# function_call_output items) and `instructions` become chat messages; tools, tool_choice and
-# text.format work as on /v1/chat/completions. An answer is stored (`store`, the default) for a
-# later request's `previous_response_id` ("stored answers" below). docs/api.md, "Responses API".
-
-INPUT_PART = {
-    "type": "object",
-    "required": ["type"],
-    "x-check-first": "type",
-    "properties": {
-        "type": {"enum": ["input_text", "output_text", "text"], "x-unsupported": True},
-        "text": {"type": "string"},
-        "annotations": {"type": "array", "items": {}, "description": "accepted and ignored"},
-        "logprobs": {"type": "array", "items": {}, "description": "accepted and ignored"},
-    },
-}
-INPUT_ITEM = {
-    "type": "object",
-    "x-check-first": "type",
-    "properties": {
-        "type": {
-            "enum": [
-                "message",
-                "function_call",
-                "function_call_output",
-                "custom_tool_call",
-                "custom_tool_call_output",
-                "reasoning",
-            ],
-            "x-unsupported": True,
-        },
-        "role": {"enum": ["user", "system", "developer", "assistant"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": INPUT_PART}]},
-        "id": {"type": "string"},
-        "status": {"type": "string"},
-        "call_id": {"type": "string", "description": "function_call, function_call_output: the call"},
-        "name": {"type": "string", "description": "function_call: the function called"},
-        "arguments": {"type": "string", "description": "function_call: a JSON object, as text"},
-        "output": {"type": "string", "description": "function_call_output: what the function returned"},
-        "input": {"type": "string", "description": "custom_tool_call: the custom tool's input"},
-        "summary": {"type": "array", "items": {}, "description": "reasoning: accepted and ignored"},
-        "encrypted_content": _ignored("string"),
-    },
-}
-# The chat route's function, flat: {"type": "function", "name": ...}. A `namespace` (Codex's)
-# holds such functions, offered as they are; a hosted tool OpenAI runs itself (web_search,
-# file_search, ...) is skipped and logged, as llama.cpp does: nothing here can run it.
-FLAT_FUNCTION = {
-    "type": "object",
-    "required": ["type", "name"],
-    "x-check-first": "type",
-    "properties": {"type": {"enum": ["function"], "x-unsupported": True}, **FUNCTION["properties"]},
-}
-RESPONSE_TOOL = {
-    "type": "object",
-    "required": ["type"],
-    "x-check-first": "type",
-    "properties": {
-        "type": {"type": "string"},
-        **FUNCTION["properties"],
-        "format": {**CUSTOM_FORMAT, "description": "a custom tool's input: text, or a grammar's"},
-        "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": FLAT_FUNCTION, "description": "a namespace's"},
-    },
-}
-TEXT_FORMAT = {  # response_format, flat: {"type": "json_schema", "schema": ...}
-    "type": "object",
-    "required": ["type"],
-    "x-check-first": "type",
-    "properties": {
-        "type": RESPONSE_FORMAT["properties"]["type"],
-        **RESPONSE_FORMAT["properties"]["json_schema"]["properties"],
-    },
-}
-RESPONSES_SCHEMA: dict[str, Any] = tolerant(
-    {
-        "type": "object",
-        "required": ["input"],
-        "properties": {
-            "model": {"type": "string"},
-            "input": {
-                "anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": INPUT_ITEM}]
-            },
-            "instructions": {"type": "string"},
-            "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": RESPONSE_TOOL},
-            "tool_choice": {
-                "anyOf": [
-                    {"enum": ["none", "auto", "required"]},
-                    {
-                        "type": "object",
-                        "required": ["type", "name"],
-                        "properties": {"type": {"enum": ["function", "custom"]}, "name": {"type": "string"}},
-                    },
-                ],
-                "x-error": (
-                    'tool_choice must be "none", "auto", "required" or {"type": "function" or "custom", "name": ...}'
-                ),
-            },
-            "parallel_tool_calls": {"type": "boolean", "default": True},
-            "max_output_tokens": {"type": "integer", "minimum": 1},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1.0},
-            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
-            "seed": GENERATE_SCHEMA["properties"]["seed"],
-            **SAMPLING_PROPERTIES,
-            "text": {
-                "type": "object",
-                "properties": {"format": TEXT_FORMAT, "verbosity": _ignored("string")},
-                "default": {},
-            },
-            "stream": {"type": "boolean", "default": False},
-            "store": {"type": "boolean", "default": True, "description": "keep the answer (RESPONSES_STORE)"},
-            "previous_response_id": {
-                "type": "string",
-                "maxLength": 128,
-                "description": "a stored answer this one continues",
-            },
-            "truncation": {"enum": ["disabled"], "x-unsupported": True},
-            "reasoning": {
-                "type": "object",
-                "properties": {"effort": REASONING_CONTROLS["reasoning_effort"], "summary": _ignored("string")},
-            },
-            "chat_template_kwargs": REASONING_CONTROLS["chat_template_kwargs"],
-            "thinking_token_budget": REASONING_CONTROLS["thinking_token_budget"],
-            "include": {"type": "array", "items": {}, "description": "accepted and ignored"},
-            "metadata": _ignored("object"),
-            "user": _ignored("string"),
-            "service_tier": _ignored("string"),
-            "prompt_cache_key": _ignored("string"),
-            "safety_identifier": _ignored("string"),
-            "stream_options": _ignored("object"),
-            "background": _unsupported(False),
-            "conversation": _unsupported(),
-            "prompt": _unsupported(),
-            "top_logprobs": _unsupported(0),
-            "cache_salt": CACHE_SALT,
-        },
-    }
-)
-
-
-def responses_chat(params: dict) -> list[dict]:
-    """`instructions` and `input` as the chat messages `chat_messages` checks: function_call
-    items (consecutive ones together) as an assistant's tool_calls, function_call_output items
-    as tool results, reasoning items left out."""
-    messages = [{"role": "system", "content": params["instructions"]}] if params["instructions"] else []
-    items = [{"role": "user", "content": params["input"]}] if isinstance(params["input"], str) else params["input"]
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        needs = {
-            "message": ("role", "content"),
-            "function_call": ("call_id", "name", "arguments"),
-            "function_call_output": ("call_id", "output"),
-            "custom_tool_call": ("call_id", "name", "input"),
-            "custom_tool_call_output": ("call_id", "output"),
-            "reasoning": (),
-        }
-        for key in needs[kind]:
-            if key not in item:
-                raise ApiError(400, f"input[{i}].{key} is required", field=f"input[{i}].{key}")
-        if kind == "message":
-            content = item["content"]
-            text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
-            messages.append({"role": item["role"], "content": text})
-        elif kind in ("function_call", "custom_tool_call"):
-            if kind == "custom_tool_call":  # as chat_messages takes a custom tool's call
-                call = {
-                    "id": item["call_id"],
-                    "type": "custom",
-                    "custom": {"name": item["name"], "input": item["input"]},
-                }
-            else:
-                call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-    if not any(m["role"] not in ("system", "developer") for m in messages):
-        raise ApiError(400, "input holds no message to answer", field="input")
-    try:
-        return chat_messages({"messages": messages})
-    except ApiError as exc:  # name the field of this API: input[i], not messages[i]
-        raise ApiError(
-            400, exc.message.replace("messages[", "input["), field=(exc.field or "input").replace("messages[", "input[")
-        ) from None
-
-
-def responses_functions(request: web.Request, params: dict) -> list[dict]:
-    """The request's function and custom tools as chat_tools takes them, a namespace's functions
-    among them; the tools of other kinds (hosted ones) skipped, their types in the request log."""
-    functions, skipped = [], []
-    for i, tool in enumerate(params["tools"] or []):
-        if tool["type"] in ("function", "custom"):
-            if "name" not in tool:
-                raise ApiError(400, f"tools[{i}].name is required", field=f"tools[{i}].name")
-            functions.append(tool)
-        elif tool["type"] == "namespace":
-            functions += tool.get("tools") or []
-        else:
-            skipped.append(tool["type"])
-    note_skipped(request, skipped)
-    return [
-        {"type": "custom", "custom": pick(t, "name", "description", "format")}
-        if t["type"] == "custom"
-        else {"function": pick(t, "name", "description", "parameters")}
-        for t in functions
-    ]
-
-
-def responses_tools(request: web.Request, params: dict) -> ToolUse | None:
-    choice = params["tool_choice"]
-    return chat_tools(
-        {
-            "tools": responses_functions(request, params) or None,
-            "functions": None,
-            "tool_choice": choice,
-            "function_call": None,
-            "parallel_tool_calls": params["parallel_tool_calls"],
-        },
-        flat=True,
-    )
-
-
-def responses_format(params: dict, use: ToolUse | None) -> tuple[GrammarSpec | None, str | None]:
-    """`text.format` as the reply's grammar (json_object, json_schema) and its field; (None, None)
-    for text."""
-    text_format = (params["text"] or {}).get("format") or {"type": "text"}
-    tools_or_format(use, text_format["type"], "text.format")
-    if text_format["type"] == "json_object":
-        return GrammarSpec("json_object", ""), "text.format"
-    if text_format["type"] == "json_schema":
-        schema = json.dumps(text_format.get("schema", {"type": "object"}))
-        return GrammarSpec("json_schema", schema), "text.format.schema"
-    return None, None
-
-
-# -- OpenAI Responses API: /v1/responses --------------------------------------------------------
-
-
-# A call's output item as the Responses API streams it, by whether it is a custom tool's: its
-# type, its id's prefix, the field of its text, and its text's events (`.delta`, `.done`).
-CALL_ITEMS = {
-    False: ("function_call", "fc", "arguments", "response.function_call_arguments"),
-    True: ("custom_tool_call", "ctc", "input", "response.custom_tool_call_input"),
-}
-
-
-class ResponsesWire(Wire):
-    """A `response` object; streamed, its events (`response.created`, each output item's
-    `output_item.added`, text deltas or function-call arguments, `output_item.done`, then
-    `response.completed`, or `response.incomplete` at max_output_tokens), each with its
-    `sequence_number`. The items are built once, as the pieces come, for both."""
-
-    def __init__(self, request: web.Request, tickets: list[Ticket], params: dict, name: str, plan: ChatPlan):
-        super().__init__(request, tickets, params["stream"])
-        self.params = params
-        self.parser = checked_parser(request, plan)
-        self.response = {
-            "id": f"resp_{uuid.uuid4().hex}",
-            "object": "response",
-            "created_at": int(time.time()),
-            "model": name,
-            "instructions": params["instructions"],
-            "max_output_tokens": params["max_output_tokens"],
-            "parallel_tool_calls": params["parallel_tool_calls"],
-            "previous_response_id": params["previous_response_id"],
-            "store": params["store"],
-            "temperature": params["temperature"],
-            "top_p": params["top_p"],
-            "text": {"format": (params["text"] or {}).get("format") or {"type": "text"}},
-            "tool_choice": params["tool_choice"] or ("auto" if params["tools"] else "none"),
-            "tools": params["tools"] or [],
-            "truncation": "disabled",
-            "metadata": params["metadata"] or {},
-            "user": None,
-            "reasoning": {"effort": None, "summary": None},
-        }
-        self.output: list[dict] = []
-        self.open: dict | None = None  # the message item whose text is streaming
-        self.events = 0
-        self.thought = ""  # reasoning not given out yet
-        self.start()
-
-    def event(self, kind: str, **payload) -> str:
-        self.events += 1
-        body = {"type": kind, "sequence_number": self.events - 1, **payload}
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n" if self.streaming else ""
-
-    def snapshot(self, status: str, **more) -> dict:
-        return {
-            **self.response,
-            "status": status,
-            "output": self.output,
-            "error": None,
-            "incomplete_details": None,
-            "usage": None,
-            **more,
-        }
-
-    def opening(self) -> str:
-        return self.head
-
-    def start(self) -> None:
-        """The stream's first events, numbered first (the answer loop asks for the opening only
-        once the first events are in), with nothing in the output yet."""
-        head = self.snapshot("in_progress")
-        self.head = self.event("response.created", response=head) + self.event("response.in_progress", response=head)
-
-    def close_message(self) -> str:
-        item, self.open = self.open, None
-        if item is None:
-            return ""
-        at, part = len(self.output) - 1, item["content"][0]
-        item["status"] = "completed"
-        ids = {"item_id": item["id"], "output_index": at, "content_index": 0}
-        return (
-            self.event("response.output_text.done", **ids, text=part["text"], logprobs=[])
-            + self.event("response.content_part.done", **ids, part=part)
-            + self.event("response.output_item.done", output_index=at, item=item)
-        )
-
-    def add_item(self, item: dict) -> str:
-        out = self.close_message()
-        self.output.append(item)
-        return out + self.event(
-            "response.output_item.added",
-            output_index=len(self.output) - 1,
-            item=dict(item, **({"content": []} if item["type"] == "message" else {})),
-        )
-
-    def pieces(self, pieces: list[Piece], final: bool = False) -> str:
-        out = ""
-        for piece in pieces:
-            if piece.kind != "reasoning":
-                out += self.think()
-            if piece.kind == "content":
-                if self.open is None:
-                    item = {
-                        "type": "message",
-                        "id": f"msg_{uuid.uuid4().hex}",
-                        "status": "in_progress",
-                        "role": "assistant",
-                        "content": [],
-                    }
-                    out += self.add_item(item)
-                    self.open = item
-                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                    item["content"].append(part)
-                    ids = {"item_id": item["id"], "output_index": len(self.output) - 1, "content_index": 0}
-                    out += self.event("response.content_part.added", **ids, part=dict(part))
-                self.open["content"][0]["text"] += piece.text
-                ids = {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
-                out += self.event("response.output_text.delta", **ids, delta=piece.text, logprobs=[])
-            elif piece.kind == "reasoning":  # given out as one item once the thought ends
-                self.thought += piece.text
-                continue
-            else:  # a call: its item, then its text (a function's arguments, a custom tool's input)
-                call = piece.call
-                kind, prefix, field, stem = CALL_ITEMS[call.custom]
-                text = call.input if call.custom else call.arguments
-                item = {
-                    "type": kind,
-                    "id": f"{prefix}_{uuid.uuid4().hex}",
-                    "call_id": call_id(),
-                    "name": call.name,
-                    field: "",
-                    "status": "in_progress",
-                }
-                out += self.add_item(item)
-                at = len(self.output) - 1
-                item.update({field: text, "status": "completed"})
-                ids = {"item_id": item["id"], "output_index": at}
-                named = {} if call.custom else {"name": call.name}  # only a function's .done names it
-                out += self.event(f"{stem}.delta", **ids, delta=text)
-                out += self.event(f"{stem}.done", **ids, **named, **{field: text})
-                out += self.event("response.output_item.done", output_index=at, item=item)
-        return out + (self.think() if final else "")
-
-    def think(self) -> str:
-        """The reasoning so far as its output item (a reasoning model's <think> text)."""
-        if not self.thought:
-            return ""
-        content = [{"type": "reasoning_text", "text": self.thought}]
-        item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": content}
-        self.thought = ""
-        added = self.add_item(item)
-        return added + self.event("response.output_item.done", output_index=len(self.output) - 1, item=item)
-
-    def chunk(self, index: int, event: Event) -> str:
-        if isinstance(event, StepLogprobs):
-            return ""
-        if isinstance(event, str):
-            return self.pieces(self.parser.feed(event))
-        if event.finish_reason == "error" or event.finish_reason not in ("stop", "length"):
-            error = {
-                "code": "invalid_prompt" if grammar_failed(event) else "server_error",
-                "message": event.error or event.finish_reason,
-            }
-            return self.close_message() + self.event("response.failed", response=self.snapshot("failed", error=error))
-        out = self.pieces(self.parser.finish(), final=True) + self.close_message()
-        final = self.final(event)
-        self.keep(final)  # before the event goes: the client's next request may continue it
-        return out + self.event(f"response.{final['status']}", response=final)
-
-    def keep(self, final: dict) -> None:
-        """A finished answer into the store (`store`), with the conversation it ends."""
-        if self.params["store"]:
-            items = (
-                self.params["input"]
-                if isinstance(self.params["input"], list)
-                else [{"role": "user", "content": self.params["input"]}]
-            )
-            self.request.app[RESPONSES].put(self.request.get(CACHE_NAMESPACE, ""), final, [*items, *final["output"]])
-
-    def final(self, summary: Summary) -> dict:
-        incomplete = summary.finish_reason == "length"
-        return self.snapshot(
-            "incomplete" if incomplete else "completed",
-            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-            usage={
-                "input_tokens": summary.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": summary.cached_tokens},
-                "output_tokens": summary.tokens_used,
-                "output_tokens_details": {"reasoning_tokens": summary.reasoning_tokens},
-                "total_tokens": summary.prompt_tokens + summary.tokens_used,
-            },
-        )
-
-    def body(self) -> dict:
-        (choice,) = self.choices
-        self.pieces(self.parser.feed("".join(choice.text)) + self.parser.finish(), final=True)
-        self.close_message()
-        final = self.final(choice.summary)
-        self.keep(final)
-        return final
+    return await chat_answer(request, openai_chat)
 
 
 async def v1_responses(request: web.Request) -> web.StreamResponse:
-    params = await read_params(request, RESPONSES_SCHEMA)
-    name, adapter = model_named(request, params["model"])
-    if params["previous_response_id"] is not None:  # its conversation first (not its instructions)
-        before = stored(request, params["previous_response_id"], "previous_response_id")
-        given = params["input"] if isinstance(params["input"], list) else [{"role": "user", "content": params["input"]}]
-        params = {**params, "input": [*before.items, *given]}
-    backend = engine_ready(request).backend
-    use = check_arguments(request, responses_tools(request, params))
-    messages = responses_chat(params)
-    use = first_tool_choice(request, use, messages)
-    output, output_field = responses_format(params, use)
-    effort = (params["reasoning"] or {}).get("effort")
-    options = template_options(
-        request, params["chat_template_kwargs"], effort=effort, budget=params["thinking_token_budget"]
-    )
-    plan = chat_plan(backend, ChatRequest(messages, use, output, **options))
-    as_chat = {**params, "ignore_eos": False}  # the chat route's sampling fields
-    options = await chat_options(request, plan, (), False, output_field)
-    gens = openai_generations(
-        as_chat, plan.prompt, 1, params["max_output_tokens"], CHAT_DEFAULT_MAX_TOKENS, prompt_field="input", **options
-    )
-    tickets = await submit(request, gens, adapter, params["cache_salt"])
-    return await answer(request, tickets, ResponsesWire(request, tickets, params, name, plan))
-
-
-# -- OpenAI Responses API: stored answers, GET and DELETE /v1/responses/{id} ---------------------
-# With `store` (OpenAI's default) an answer is kept with the conversation it ends, so that a
-# request may continue it (`previous_response_id`) and a client may read or delete it. Bounded
-# (RESPONSES_STORE entries, RESPONSES_STORE_BYTES of JSON, least recently used out first) and in
-# memory only: a restart forgets them. Each API key sees only its own (its cache namespace).
-
-
-@dataclass
-class Stored:
-    response: dict  # the answer as it was given
-    items: list[dict]  # the conversation it ends: its input items (a continued one's too), then its output
-    size: int  # bytes of JSON, what the store counts
-
-
-class ResponseStore:
-    def __init__(self, entries: int, size: int):
-        self.entries, self.size = entries, size
-        self._kept: OrderedDict[tuple[str, str], Stored] = OrderedDict()
-        self._bytes = 0
-
-    def put(self, namespace: str, response: dict, items: list[dict]) -> None:
-        size = len(json.dumps([response, items]))
-        if self.entries <= 0 or size > self.size:
-            return
-        self._kept[namespace, response["id"]] = Stored(response, items, size)
-        self._bytes += size
-        while len(self._kept) > self.entries or self._bytes > self.size:
-            self._bytes -= self._kept.popitem(last=False)[1].size
-
-    def get(self, namespace: str, response_id: str) -> Stored | None:
-        found = self._kept.get((namespace, response_id))
-        if found is not None:
-            self._kept.move_to_end((namespace, response_id))
-        return found
-
-    def delete(self, namespace: str, response_id: str) -> bool:
-        found = self._kept.pop((namespace, response_id), None)
-        self._bytes -= found.size if found else 0
-        return found is not None
-
-
-def stored(request: web.Request, response_id: str, field: str | None = None) -> Stored:
-    """A stored answer of this request's key, or OpenAI's 404 for an id it does not know."""
-    found = request.app[RESPONSES].get(request.get(CACHE_NAMESPACE, ""), response_id)
-    if found is None:
-        kind = "Previous response" if field else "Response"
-        code = "previous_response_not_found" if field else None
-        raise ApiError(404, f"{kind} with id {response_id!r} not found.", field=field, code=code)
-    return found
-
-
-async def v1_response(request: web.Request) -> web.Response:
-    return web.json_response(stored(request, request.match_info["response_id"]).response)
-
-
-async def v1_delete_response(request: web.Request) -> web.Response:
-    response_id = request.match_info["response_id"]
-    stored(request, response_id)
-    request.app[RESPONSES].delete(request.get(CACHE_NAMESPACE, ""), response_id)
-    return web.json_response({"id": response_id, "object": "response", "deleted": True})
-
-
-# -- Anthropic Messages API: the request, as a chat; errors in its shape -----------------------
-# Anthropic's request and answer shapes over the same worker, limits and log; its SSE event
-# sequence when streamed; its error shape (`anthropic_error`). A key comes as `x-api-key` or as
-# `Authorization: Bearer`. Tools as on the chat route (`anthropic_tools`, `tool_use` blocks out);
-# what agents send (system turns anywhere, thinking, output_config) is taken; images, documents
-# or an assistant message last (a prefill) are a 400 naming the field. docs/api.md, "Anthropic".
-
-ANTHROPIC_PATHS = ("/v1/messages",)  # and what is under it
-TEXT_BLOCK = {
-    "type": "object",
-    "required": ["type", "text"],
-    "x-check-first": "type",
-    "properties": {
-        "type": {"enum": ["text"], "x-unsupported": True},
-        "text": {"type": "string"},
-        "cache_control": _ignored("object"),
-        "citations": {"type": ["array", "null"], "description": "accepted and ignored"},
-    },
-}
-# A message's blocks: text, and the tool calls (`tool_use`) and results (`tool_result`) of a
-# conversation with tools. Each type's own required fields are checked in `anthropic_chat`.
-CONTENT_BLOCK = {
-    "type": "object",
-    "required": ["type"],
-    "x-check-first": "type",
-    "properties": {
-        "type": {"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"], "x-unsupported": True},
-        "text": {"type": "string"},
-        # An earlier turn's thought, sent back: taken, not rendered (Anthropic's models drop it too).
-        "thinking": {"type": "string"},
-        "signature": {"type": "string", "description": "thinking: not checked (this server's, or another's)"},
-        "data": {"type": "string", "description": "redacted_thinking"},
-        "id": {"type": "string", "description": "tool_use: the call's id"},
-        "name": {"type": "string", "description": "tool_use: the tool called"},
-        "input": {"type": "object", "description": "tool_use: the call's arguments"},
-        "tool_use_id": {"type": "string", "description": "tool_result: the call it answers"},
-        "content": {
-            "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}],
-            "description": "tool_result: what the tool returned",
-        },
-        "is_error": {"type": "boolean", "description": "tool_result: the tool failed (said in its text)"},
-        "cache_control": _ignored("object"),
-        "citations": {"type": ["array", "null"], "description": "accepted and ignored"},
-    },
-}
-ANTHROPIC_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_BLOCK}]}
-ANTHROPIC_TOOL = {
-    "type": "object",
-    "required": ["name"],
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 64},
-        "description": {"type": "string"},
-        "input_schema": {"type": "object", "description": "a JSON Schema of the input"},
-        # Absent or "custom": the client's tool. Anthropic's server tools (web_search_20250305, ...)
-        # are skipped and logged: nothing here runs them (`anthropic_tools`).
-        "type": {"type": "string"},
-        "cache_control": _ignored("object"),
-        "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
-    },
-}
-ANTHROPIC_TOOL_CHOICE = {
-    "type": "object",
-    "required": ["type"],
-    "x-check-first": "type",
-    "properties": {
-        "type": {"enum": ["auto", "any", "tool", "none"]},
-        "name": {"type": "string"},
-        "disable_parallel_tool_use": {"type": "boolean"},
-    },
-}
-ANTHROPIC_INPUT = {
-    "model": {"type": "string"},
-    "messages": {
-        "type": "array",
-        "minItems": 1,
-        "items": {
-            "type": "object",
-            "required": ["role", "content"],
-            # A system turn mid-conversation (Claude Code's): rendered where the template allows.
-            "properties": {"role": {"enum": ["user", "assistant", "system"]}, "content": ANTHROPIC_CONTENT},
-        },
-    },
-    "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]},
-    "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": ANTHROPIC_TOOL},
-    "tool_choice": ANTHROPIC_TOOL_CHOICE,
-    # Extended thinking: a reasoning model thinks within budget_tokens (enabled), or as output_config's
-    # effort says (adaptive); a model that does not reason answers as without it.
-    "thinking": {
-        "type": "object",
-        "required": ["type"],
-        "x-check-first": "type",
-        "properties": {
-            "type": {"enum": ["enabled", "disabled", "adaptive"]},
-            "budget_tokens": {"type": "integer", "minimum": 0},
-        },
-    },
-}
-MESSAGES_SCHEMA: dict[str, Any] = tolerant(
-    {
-        "type": "object",
-        "required": ["model", "max_tokens", "messages"],
-        "properties": {
-            **ANTHROPIC_INPUT,
-            "max_tokens": {"type": "integer", "minimum": 1},
-            "stop_sequences": {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1}},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 1, "default": 1.0},
-            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
-            "top_k": {"type": "integer", "minimum": 0, "default": 0},
-            "stream": {"type": "boolean", "default": False},
-            "metadata": _ignored("object"),
-            "service_tier": _ignored("string"),
-            "cache_control": _ignored("object"),  # the prompt cache here is automatic
-            "inference_geo": _ignored("string"),
-            "user_profile_id": _ignored("string"),
-            "workspace_id": _ignored("string"),
-            "output_config": {
-                "type": "object",
-                "properties": {
-                    "effort": {"type": "string", "description": "a reasoning model's thinking budget (EFFORT_BUDGETS)"},
-                    # Structured output, as response_format's json_schema (Claude Code's title request).
-                    "format": {
-                        "type": "object",
-                        "required": ["type"],
-                        "x-check-first": "type",
-                        "properties": {"type": {"enum": ["json_schema"]}, "schema": {"type": "object"}},
-                    },
-                },
-            },
-            "cache_salt": CACHE_SALT,
-        },
-    }
-)
-COUNT_TOKENS_SCHEMA: dict[str, Any] = tolerant(
-    {"type": "object", "required": ["model", "messages"], "properties": ANTHROPIC_INPUT}
-)
-ANTHROPIC_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def is_anthropic(request: web.Request) -> bool:
-    return request.path.startswith(ANTHROPIC_PATHS)
-
-
-def anthropic_error(request: web.Request, status: int, message: str) -> dict:
-    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": request.get(REQUEST_ID)}
-
-
-def anthropic_text(content: str | list[dict]) -> str:
-    return content if isinstance(content, str) else "".join(block.get("text", "") for block in content)
-
-
-def anthropic_chat(params: dict) -> list[dict]:
-    """The request as OpenAI-shaped chat messages (what `chat_messages` checks and a
-    `ChatRequest` holds): an assistant's `tool_use` blocks as its tool_calls, a user's
-    `tool_result` blocks as tool messages before the rest of its text."""
-    messages = [{"role": "system", "content": anthropic_text(params["system"])}] if params["system"] else []
-    for i, m in enumerate(params["messages"]):
-        blocks = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]
-        for j, block in enumerate(blocks):
-            where = f"messages[{i}].content[{j}]"
-            needs = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
-            for key in needs.get(block["type"], ()):
-                if key not in block:
-                    raise ApiError(400, f"{where}.{key} is required", field=f"{where}.{key}")
-            calling = block["type"] in ("tool_use", "tool_result")
-            if calling and (block["type"] == "tool_use") != (m["role"] == "assistant"):
-                raise ApiError(400, f"{where}: a {block['type']} block is not for the {m['role']}", field=where)
-        text = "".join(b["text"] for b in blocks if b["type"] == "text")
-        results = [b for b in blocks if b["type"] == "tool_result"]
-        messages += [
-            {"role": "tool", "tool_call_id": b["tool_use_id"], "content": anthropic_text(b.get("content") or "")}
-            for b in results
-        ]
-        calls = [
-            {"id": b["id"], "function": {"name": b["name"], "arguments": json.dumps(b["input"])}}
-            for b in blocks
-            if b["type"] == "tool_use"
-        ]
-        if calls:
-            messages.append({"role": "assistant", "content": text, "tool_calls": calls})
-        elif text or not results:
-            messages.append({"role": m["role"], "content": text})
-    if params["messages"][-1]["role"] == "assistant":
-        field = f"messages[{len(params['messages']) - 1}]"
-        raise ApiError(400, f"{field}: a final assistant message (a prefill) is not supported", field=field)
-    return chat_messages({"messages": messages})
-
-
-def anthropic_tools(request: web.Request, params: dict) -> ToolUse | None:
-    """Anthropic's tools and tool_choice as the chat route's (auto, any: required, tool: named,
-    none: no tools at all); its server tools skipped, their types in the request log."""
-    choice = params["tool_choice"] or {"type": "auto"}
-    tools, skipped = [], []
-    for i, t in enumerate(params["tools"] or []):
-        if t.get("type", "custom") != "custom":
-            skipped.append(t["type"])
-        elif "input_schema" not in t:
-            raise ApiError(400, f"tools[{i}].input_schema is required", field=f"tools[{i}].input_schema")
-        else:
-            tools.append({"function": {"name": t["name"], **pick(t, "description"), "parameters": t["input_schema"]}})
-    note_skipped(request, skipped)
-    mapped = {"auto": "auto", "any": "required", "none": "none", "tool": {"function": {"name": choice.get("name")}}}
-    if choice["type"] == "tool" and choice.get("name") is None:
-        raise ApiError(400, "tool_choice.name is required with type tool", field="tool_choice.name")
-    return chat_tools(
-        {
-            "tools": tools or None,
-            "functions": None,
-            "tool_choice": mapped[choice["type"]] if tools or choice["type"] != "auto" else None,
-            "function_call": None,
-            "parallel_tool_calls": not choice.get("disable_parallel_tool_use", False),
-        },
-        flat=True,
-    )
-
-
-def anthropic_plan(request: web.Request, params: dict) -> ChatPlan:
-    """The request's chat plan: what /v1/messages generates from and count_tokens counts."""
-    backend = engine_ready(request).backend
-    use = check_arguments(request, anthropic_tools(request, params))
-    format = (params.get("output_config") or {}).get("format")
-    tools_or_format(use, format and "json_schema", "output_config.format")
-    schema = format and GrammarSpec("json_schema", json.dumps(format.get("schema", {"type": "object"})))
-    thinking = params.get("thinking") or {}
-    options = template_options(
-        request,
-        None,
-        None if not thinking else thinking["type"] != "disabled",
-        effort=(params.get("output_config") or {}).get("effort"),
-        budget=thinking.get("budget_tokens") if thinking.get("type") == "enabled" else None,
-    )
-    messages = anthropic_chat(params)
-    use = first_tool_choice(request, use, messages)
-    return chat_plan(backend, ChatRequest(messages, use, response_format=schema or None, **options))
-
-
-# -- Anthropic Messages API: /v1/messages, /v1/messages/count_tokens ----------------------------
-
-
-def anthropic_stop_reason(summary: Summary, stop_sequences: tuple[str, ...]) -> str:
-    if summary.finish_reason == "length":
-        return "max_tokens"
-    if summary.stop_sequence is not None and summary.stop_sequence in stop_sequences:
-        return "stop_sequence"
-    return "end_turn"  # end-of-text, or the chat format's own end of turn
-
-
-def anthropic_usage(summary: Summary) -> dict:
-    """Anthropic's counts: `input_tokens` are the prompt tokens computed, the cached ones apart."""
-    return {
-        "input_tokens": summary.prompt_tokens - summary.cached_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": summary.cached_tokens,
-        "output_tokens": summary.tokens_used,
-    }
-
-
-def sse_event(kind: str, payload: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
-
-
-class AnthropicWire(Wire):
-    """A `message` body; streamed, message_start, then each block's start, deltas and stop (a
-    text block at once without tools; with tools, blocks as the reply's text and calls come:
-    `tool_use` with its input as one `input_json_delta`), then message_delta (stop reason,
-    usage) and message_stop; a failure is an `error` event. A reasoning model's thought is a
-    `thinking` block (its text, then its signature) where the request asked for thinking, else
-    left out."""
-
-    def __init__(
-        self,
-        request: web.Request,
-        tickets: list[Ticket],
-        params: dict,
-        name: str,
-        stop: tuple[str, ...],
-        plan: ChatPlan,
-    ):
-        super().__init__(request, tickets, params["stream"])
-        self.stop_sequences = stop
-        self.message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name}
-        self.tools = plan.tool_names is not None
-        self.thinks = (params.get("thinking") or {}).get("type") in ("enabled", "adaptive")
-        self.thought = ""  # the open thinking block's text, for its signature
-        self.parser = lambda: checked_parser(request, plan)
-        self.stream_parser = self.parser()
-        self.blocks = 0  # blocks started
-        self.open: str | None = None  # the type of the block open now
-        # Made now, before any event: the answer loop asks for the opening with the first events.
-        prompt_tokens = len(self.tickets[0].request.prompt_ids)
-        usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
-        start = {**self.message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
-        later = self.tools or (self.thinks and plan.reasoning)  # the first block is the reply's own
-        self.head = sse_event("message_start", {"message": start}) + ("" if later else self.start_block("text"))
-
-    def opening(self) -> str:
-        return self.head
-
-    def keepalive(self) -> str:
-        return sse_event("ping", {})  # Anthropic's own keep-alive, after message_start
-
-    def start_block(self, kind: str, **fields) -> str:
-        out = self.stop_block()
-        block = {"type": kind, **fields, "input": {}} if kind == "tool_use" else {"type": kind, kind: ""}
-        out += sse_event("content_block_start", {"index": self.blocks, "content_block": block})
-        if self.blocks == 0:
-            out += sse_event("ping", {})
-        self.blocks, self.open = self.blocks + 1, kind
-        return out
-
-    def stop_block(self) -> str:
-        if self.open is None:
-            return ""
-        out = ""
-        if self.open == "thinking":  # its signature last, as Anthropic sends it
-            delta = {"type": "signature_delta", "signature": thought_signature(self.thought)}
-            out, self.thought = sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta}), ""
-        self.open = None
-        return out + sse_event("content_block_stop", {"index": self.blocks - 1})
-
-    def pieces(self, pieces: list[Piece]) -> str:
-        out = ""
-        for piece in pieces:
-            if piece.kind == "call":
-                out += self.start_block("tool_use", id=tool_use_id(), name=piece.call.name)
-                delta = {"type": "input_json_delta", "partial_json": piece.call.arguments}
-                out += sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
-                out += self.stop_block()
-            elif piece.kind == "reasoning" and piece.text and self.thinks:
-                if self.open != "thinking":
-                    out += self.start_block("thinking")
-                self.thought += piece.text
-                delta = {"type": "thinking_delta", "thinking": piece.text}
-                out += sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
-            elif piece.kind == "content" and piece.text:
-                if self.open != "text":
-                    out += self.start_block("text")
-                delta = {"type": "text_delta", "text": piece.text}
-                out += sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
-        return out
-
-    def chunk(self, index: int, item: Event) -> str:
-        if isinstance(item, StepLogprobs):
-            return ""
-        if isinstance(item, str):
-            return self.pieces(self.stream_parser.feed(item))
-        if item.finish_reason in ("error", "timeout"):
-            status = 400 if grammar_failed(item) else 504 if item.finish_reason == "timeout" else 500
-            return sse_event(
-                "error", {"error": anthropic_error(self.request, status, item.error or item.finish_reason)["error"]}
-            )
-        out = self.pieces(self.stream_parser.finish())
-        if self.blocks == 0:  # an empty reply: one empty text block, as without tools
-            out += self.start_block("text")
-        delta = self.stop_fields(item, self.stream_parser)
-        return (
-            out
-            + self.stop_block()
-            + sse_event("message_delta", {"delta": delta, "usage": anthropic_usage(item)})
-            + sse_event("message_stop", {})
-        )
-
-    def stop_fields(self, summary: Summary, parser: ToolCallParser) -> dict:
-        reason = anthropic_stop_reason(summary, self.stop_sequences)
-        if parser.calls and summary.finish_reason == "stop":
-            reason = "tool_use"
-        return {"stop_reason": reason, "stop_sequence": summary.stop_sequence if reason == "stop_sequence" else None}
-
-    def body(self) -> dict:
-        (choice,) = self.choices
-        parser = self.parser()
-        content = []
-        for piece in parser.feed("".join(choice.text)) + parser.finish():
-            if piece.kind == "call":
-                arguments = json.loads(piece.call.arguments)
-                content.append({"type": "tool_use", "id": tool_use_id(), "name": piece.call.name, "input": arguments})
-            elif piece.kind == "reasoning":
-                if not self.thinks or not piece.text:
-                    continue
-                if not content or content[-1]["type"] != "thinking":
-                    content.append({"type": "thinking", "thinking": "", "signature": ""})
-                content[-1]["thinking"] += piece.text
-            elif content and content[-1]["type"] == "text":
-                content[-1]["text"] += piece.text
-            else:
-                content.append({"type": "text", "text": piece.text})
-        for block in content:
-            if block["type"] == "thinking":
-                block["signature"] = thought_signature(block["thinking"])
-        return {
-            **self.message,
-            "content": content or [{"type": "text", "text": ""}],
-            **self.stop_fields(choice.summary, parser),
-            "usage": anthropic_usage(choice.summary),
-        }
-
-
-def tool_use_id() -> str:
-    return f"toolu_{uuid.uuid4().hex[:24]}"
-
-
-SIGNATURE_KEY = os.urandom(32)  # this process's: a thought's signature is not checked when it comes back
-
-
-def thought_signature(text: str) -> str:
-    """A thinking block's signature: this server's HMAC of its text (clients send it back as
-    they got it; nothing here depends on it)."""
-    return base64.b64encode(hmac.new(SIGNATURE_KEY, text.encode(), hashlib.sha256).digest()).decode()
+    return await chat_answer(request, responses)
 
 
 async def v1_messages(request: web.Request) -> web.StreamResponse:
-    params = await read_params(request, MESSAGES_SCHEMA)
-    name, adapter = model_named(request, params["model"])
-    plan = anthropic_plan(request, params)
-    stop = tuple(params["stop_sequences"] or ())
-    defaults = {key: schema["default"] for key, schema in SAMPLING_PROPERTIES.items()}
-    generation = Generation(
-        prompt=plan.prompt,
-        max_tokens=params["max_tokens"],
-        max_tokens_given=True,
-        sampling=sampling_of({**defaults, "top_k": params["top_k"]}, params["temperature"], params["top_p"], None),
-        prompt_field="messages",
-        **await chat_options(request, plan, stop, False, "output_config.format.schema"),
-    )
-    tickets = await submit(request, [generation], adapter, params["cache_salt"])
-    return await answer(request, tickets, AnthropicWire(request, tickets, params, name, stop, plan))
+    return await chat_answer(request, anthropic)
 
 
 async def v1_count_tokens(request: web.Request) -> web.Response:
@@ -3945,9 +1579,32 @@ async def v1_count_tokens(request: web.Request) -> web.Response:
     params = await read_params(request, COUNT_TOKENS_SCHEMA)
     model_named(request, params["model"])
     backend = engine_ready(request).backend
-    text = anthropic_plan(request, params).prompt
+    text = plan_of(request, anthropic.translate(params, wire_context(request))).prompt
     tokens = await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], backend.encode, text)
     return web.json_response({"input_tokens": len(tokens)})
+
+
+# -- OpenAI Responses API: stored answers, GET and DELETE /v1/responses/{id} ---------------------
+# backends/wire/store.py keeps them, bounded and in memory; each API key sees only its own.
+
+
+async def v1_response(request: web.Request) -> web.Response:
+    found = stored(request.app[RESPONSES], request.get(CACHE_NAMESPACE, ""), request.match_info["response_id"])
+    return web.json_response(found.response)
+
+
+async def v1_delete_response(request: web.Request) -> web.Response:
+    response_id, namespace = request.match_info["response_id"], request.get(CACHE_NAMESPACE, "")
+    stored(request.app[RESPONSES], namespace, response_id)
+    request.app[RESPONSES].delete(namespace, response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)  # and what is under it: errors in Anthropic's shape
+
+
+def is_anthropic(request: web.Request) -> bool:
+    return request.path.startswith(ANTHROPIC_PATHS)
 
 
 # -- tokenizer: /tokenize, /detokenize (vLLM's shapes) ------------------------------------------
@@ -3957,53 +1614,6 @@ async def v1_count_tokens(request: web.Request) -> web.Response:
 # OpenAI's shape, as vLLM's do.
 
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
-MAX_TOKENIZE_CHARS = 4_000_000  # a prompt's text: beyond any context window this server serves
-TOKENIZE_SCHEMA: dict[str, Any] = tolerant(
-    {
-        "type": "object",
-        "properties": {
-            "model": {"type": "string"},
-            "prompt": {"type": "string", "maxLength": MAX_TOKENIZE_CHARS},
-            "content": {
-                "type": "string",
-                "maxLength": MAX_TOKENIZE_CHARS,
-                "description": "llama.cpp's name for prompt",
-            },
-            "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
-            "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": TOOL, "description": "rendered with messages"},
-            **REASONING_CONTROLS,
-            "add_generation_prompt": {
-                "enum": [True],
-                "x-unsupported": True,
-                "default": True,
-                "description": "a chat is tokenized as generation sees it: with the assistant's turn opened",
-            },
-            "add_special_tokens": {
-                "enum": [False],
-                "x-unsupported": True,
-                "default": False,
-                "description": "this server's prompts get no special tokens added",
-            },
-            "return_token_strs": {"type": "boolean", "default": False},
-        },
-    }
-)
-DETOKENIZE_SCHEMA: dict[str, Any] = tolerant(
-    {
-        "type": "object",
-        "required": ["tokens"],
-        "properties": {"model": {"type": "string"}, "tokens": {**TOKEN_IDS, "minItems": 0}},
-    }
-)
-
-
-def tokenize_params(params: dict) -> dict:
-    given = [name for name in ("prompt", "content", "messages") if params[name] is not None]
-    if len(given) != 1:
-        raise ApiError(400, "give exactly one of prompt (or content) and messages", field="prompt")
-    if params["tools"] and params["messages"] is None:
-        raise ApiError(400, "tools are rendered with messages, not with a prompt", field="tools")
-    return params
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -4014,7 +1624,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if params["messages"] is not None:
         as_chat = {"tools": params["tools"], "functions": None, "tool_choice": None, "function_call": None}
         use = chat_tools({**as_chat, "parallel_tool_calls": True})  # as chat renders them with tool_choice auto
-        options = template_options(request, params["chat_template_kwargs"], effort=params["reasoning_effort"])
+        settings = request.app[SETTINGS]
+        reasoning = Reasoning(params["chat_template_kwargs"], None, params["reasoning_effort"])
+        options = template_options(reasoning, settings.template_kwargs, settings.thinking_budget)
         text = chat_plan(backend, ChatRequest(chat_messages(params), use, **options)).prompt
     else:
         text = params["prompt"] if params["prompt"] is not None else params["content"]
@@ -4046,59 +1658,6 @@ async def detokenize(request: web.Request) -> web.Response:
 # length (an error naming it, or cut with `truncate`), batched with other requests' inputs, and
 # share MAX_QUEUE, REQUEST_TIMEOUT, the keys and rate limits. OpenAI's embeddings shape; the
 # Cohere/Jina rerank shape llama.cpp and vLLM serve. docs/api.md, "Embeddings and rerank".
-
-MAX_INPUTS = 2048  # inputs of one embeddings request, documents of one rerank request (OpenAI's limit)
-MAX_INPUT_CHARS = 1_000_000  # a text's characters: far past any encoder's length
-TEXT_INPUT = {"type": "string", "maxLength": MAX_INPUT_CHARS}
-EMBED_TEXT = {**TEXT_INPUT, "minLength": 1}  # OpenAI refuses an empty input too
-TRUNCATE = {
-    "type": "boolean",
-    "description": "cut inputs longer than the model takes to its length (false: such an input is a 400)",
-}
-EMBEDDINGS_SCHEMA: dict[str, Any] = tolerant(
-    {
-        "type": "object",
-        "required": ["input"],
-        "properties": {
-            "input": {
-                "anyOf": [
-                    EMBED_TEXT,
-                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": EMBED_TEXT},
-                    {**TOKEN_IDS, "description": "one input's token ids, the embedding model's own, as it reads them"},
-                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": TOKEN_IDS},
-                ],
-                "x-error": f"input must be a string, a list of at most {MAX_INPUTS} strings, a list of token ids "
-                "or a list of such lists",
-            },
-            "model": {"type": "string"},
-            "encoding_format": {"enum": ["float", "base64"], "default": "float"},
-            "dimensions": {"type": "integer", "minimum": 1, "description": "cut each vector to its first dimensions"},
-            "truncate": {**TRUNCATE, "default": False},
-            "user": _ignored("string"),
-        },
-    }
-)
-RERANK_DOCUMENT = {
-    "anyOf": [
-        TEXT_INPUT,
-        {"type": "object", "required": ["text"], "properties": {"text": TEXT_INPUT}},
-    ],
-    "x-error": "a document must be a string or an object with a text",
-}
-RERANK_SCHEMA: dict[str, Any] = tolerant(
-    {
-        "type": "object",
-        "required": ["query", "documents"],
-        "properties": {
-            "query": TEXT_INPUT,
-            "documents": {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": RERANK_DOCUMENT},
-            "model": {"type": "string"},
-            "top_n": {"type": "integer", "minimum": 1, "description": "the best n only (default: all)"},
-            "return_documents": {"type": "boolean", "default": False},
-            "truncate": {**TRUNCATE, "default": True, "description": "cut each document to fit the model's length"},
-        },
-    }
-)
 
 
 def encoder_for(request: web.Request, kind: Kind, name: str | None) -> Encoder:
@@ -4159,48 +1718,6 @@ async def run_encoder(request: web.Request, kind: Kind, items: list[Item]) -> li
 
 async def off_loop(request: web.Request, fn: Callable[..., T], *args) -> T:
     return await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_POOL], fn, *args)
-
-
-def embedding_items(encoder: Encoder, given: Any, truncate: bool) -> list[Item]:
-    """A request's `input` as the encoder's items (on the pool: tokenizing 2048 texts takes a while)."""
-    if isinstance(given, str) or given and isinstance(given[0], int):
-        given = [given]
-    if isinstance(given[0], str):
-        try:
-            return encoder.tokenize(given, truncate)
-        except InputTooLong as exc:
-            raise ApiError(400, str(exc), field="input", code="context_length_exceeded") from None
-    limit, vocab = encoder.info.max_tokens, encoder.info.vocab_size
-    items = []
-    for index, ids in enumerate(given):
-        if max(ids) >= vocab:
-            raise ApiError(400, f"input[{index}] holds a token id outside the vocabulary (0 to {vocab - 1})", "input")
-        if len(ids) > limit and not truncate:
-            raise ApiError(400, str(InputTooLong(index, len(ids), limit)), "input", "context_length_exceeded")
-        items.append(Item(ids[:limit]))
-    return items
-
-
-def embeddings_body(rows: list, params: dict, info: EncoderInfo, name: str, tokens: int) -> bytes:
-    """The answer, on the pool: 2048 vectors of 1024 floats are megabytes of JSON."""
-    import numpy as np
-
-    vectors = np.stack(rows).astype(np.float32)
-    if params["dimensions"] is not None and params["dimensions"] < vectors.shape[1]:
-        vectors = vectors[:, : params["dimensions"]]
-        if info.normalize:  # a cut normalized vector is normalized again, as OpenAI's are
-            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    if params["encoding_format"] == "base64":  # little-endian float32, as OpenAI's SDKs decode it
-        data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
-    else:
-        data = vectors.tolist()
-    body = {
-        "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(data)],
-        "model": name,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
-    return json.dumps(body).encode()
 
 
 async def v1_embeddings(request: web.Request) -> web.Response:
@@ -4561,8 +2078,8 @@ OPENAI_ANSWERS = {"errors": (400, 401, 404, 413, 429, 500, 503, 504), "error": "
 ANTHROPIC_ANSWERS = {**OPENAI_ANSWERS, "error": "AnthropicError", "events": "AnthropicEvents"}
 TOKENIZER_ANSWERS = {"errors": (400, 401, 404, 413, 429, 503), "error": "OpenAIError"}
 IN_PROBES, IN_NATIVE, IN_MODELS = "probes and model facts", "the native API", "OpenAI-compatible API: models"
-IN_COMPLETIONS, IN_CHAT = "OpenAI-compatible API: /v1/completions", "OpenAI-compatible API: /v1/chat/completions"
-IN_RESPONSES, IN_MESSAGES, IN_TOKENIZER = "OpenAI Responses API", "Anthropic Messages API", "tokenizer"
+IN_COMPLETIONS, IN_CHAT = "OpenAI-compatible API: /v1/completions", "chat: one path for the three chat APIs"
+IN_RESPONSES, IN_MESSAGES, IN_TOKENIZER = IN_CHAT, IN_CHAT, "tokenizer"
 IN_STORED = "OpenAI Responses API: stored answers"
 IN_ENCODERS = "embeddings and rerank"
 ENCODER_ANSWERS = {"errors": (400, 401, 404, 413, 429, 500, 503, 504), "error": "OpenAIError"}
@@ -4836,7 +2353,7 @@ def runner_options(app: web.Application) -> dict[str, Any]:
 
 # Connections the kernel completes before the server accepts them: aiohttp's 128 overflowed while
 # the loop handed a step's stream ends over, and a dropped SYN is resent only after a second
-# (BENCHMARKS.md, D-backlog). uvicorn and gunicorn use 2048 too; the kernel caps it at somaxconn.
+# (docs/decisions.md, D-backlog). uvicorn and gunicorn use 2048 too; the kernel caps it at somaxconn.
 LISTEN_BACKLOG = 2048
 
 
@@ -4938,7 +2455,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(app: web.Application) -> int:
     """Serve `app` until SIGTERM or SIGINT; the exit status."""
     # The worker thread and the event loop share the GIL; a shorter switch interval than the
-    # default 5 ms hands it over sooner (measured within the spread: BENCHMARKS.md, D-switch-interval).
+    # default 5 ms hands it over sooner (measured within the spread: docs/decisions.md, D-switch-interval).
     sys.setswitchinterval(0.001)
     return asyncio.run(serve(app))
 

@@ -35,9 +35,9 @@ from backends.decoding.grammar import Grammars
 from backends.decoding.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.files.adapters import AdapterRegistry, block_count, find_adapter
 from backends.files.models import gguf_file, is_random
+from backends.torch import stored_model
 from backends.torch.logprobs import token_logprobs
 from backends.torch.lora import LoraHooks, torch_linears
-from backends.torch import stored_model
 from backends.torch.prompt_cache import PrefixCache
 from backends.torch.quant.blocks import file_kind
 from backends.torch.quant.make import quantize_linears
@@ -65,7 +65,7 @@ def cpu_has_bf16() -> bool:
 
 
 # On a CPU, bfloat16 pays only where decoding is memory-bound: below ~4M parameters the weights
-# sit in the caches and bfloat16 only adds conversions (BENCHMARKS.md, D-bf16-auto).
+# sit in the caches and bfloat16 only adds conversions (docs/decisions.md, D-bf16-auto).
 CPU_BF16_MIN_PARAMETERS = 4_000_000
 
 
@@ -283,11 +283,11 @@ class TorchBackend(TokenizerMethods):
                 "threads": torch.get_num_threads() if device == "cpu" else None,
             },
         )
-        # torch.compile pays on CUDA, at a startup cost (BENCHMARKS.md, D-compile-off).
+        # torch.compile pays on CUDA, at a startup cost (docs/decisions.md, D-compile-off).
         backend.max_batch = max_batch
         backend.compile = on_cuda if options.compile is None else options.compile
         # Drafts pay on the CPU (with block weights too: their verify pass is the compiled step's,
-        # BENCHMARKS.md, D-cpu-step); on CUDA a graphed step is cheaper than an eager verify pass.
+        # docs/decisions.md, D-cpu-step); on CUDA a graphed step is cheaper than an eager verify pass.
         default_drafts = 0 if on_cuda else DEFAULT_DRAFT_TOKENS
         backend.draft_tokens = applied_draft_tokens(options.prompt_lookup_tokens, default_drafts)
         if options.warmup:
@@ -391,7 +391,7 @@ class TorchBackend(TokenizerMethods):
         if self.device.type == "cpu":
             # Nothing is compiled or captured on the CPU: one short generation pages in every
             # weight (a mapped quantized file's too) and makes the kernels' first calls; the CUDA
-            # warm-up below made no first request faster here (BENCHMARKS.md, D-cpu-warmup).
+            # warm-up below made no first request faster here (docs/decisions.md, D-cpu-warmup).
             drive(decoder, [Sequence(0, prompt[:2], Sampling(), 2)])
             return
         # The same prompt twice: the second takes its prefix from the prompt cache and prefills
@@ -462,7 +462,7 @@ def budget_window(model, window: int, budget: int) -> int:
 # MAX_BATCH's default on CUDA: a row for every CUDA_ROW_TOKENS positions the KV pool holds, of
 # these (at most the largest, at least the first). The pool is paged (backends/kv_pages): rows
 # are only an upper bound, and admission waits for pages, so rows beyond what the pool holds
-# at full context cost nothing but their CUDA graphs (BENCHMARKS.md, D-cuda-rows).
+# at full context cost nothing but their CUDA graphs (docs/decisions.md, D-cuda-rows).
 CUDA_BATCHES = (64, 96, 128, 192, 256, 384, 512)
 CUDA_ROW_TOKENS = 512
 
