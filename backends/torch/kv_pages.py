@@ -36,7 +36,7 @@ import torch
 
 from backends.contract import KvCacheUsage
 
-PAGE = 16  # positions a page: the Triton decode kernel's column block (triton_decode.ATTENTION)
+PAGE = 16  # positions a page: the Triton decode kernel's column block (triton_attention.ATTENTION)
 
 
 def pages_for(columns: int) -> int:

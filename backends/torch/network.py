@@ -2,7 +2,7 @@
 over the weights as backends/torch/weights.py fuses them, and the forward passes over the paged
 KV cache (backends/kv_pages) that `Network` runs: prompt pieces (`prefill`, `padded_pass`), the
 decode step (`decode_step` in torch ops, `fused_step` with the Triton kernels of
-backends/triton_decode), a decode step with prompt pieces riding along (`mixed_step`, the CPU's)
+backends/torch/cuda/triton_*.py), a decode step with prompt pieces riding along (`mixed_step`, the CPU's)
 and the logits. When a pass is replayed from a CUDA graph is backends/torch_graphs'.
 
 One network for every family: what differs between them (the norm, a parallel or a sequential
@@ -58,19 +58,19 @@ def fused_available(weights: DecoderWeights, on_cuda_graphs: bool) -> bool:
     ):
         return False
     try:
-        from backends.torch.cuda import triton_decode
+        from backends.torch.cuda import triton_check
     except ImportError:
         log.warning("Triton is not installed: the CUDA decode step runs without its fused kernels")
         return False
     w = weights
-    return triton_decode.works(
+    return triton_check.works(
         w.device, w.embed.dtype, heads_of(arch), w.hidden, w.inner, arch.parallel, arch.qk_norm, arch.gated
     )
 
 
 def heads_of(arch: Architecture):
     """The attention's facts as the Triton kernels take them."""
-    from backends.torch.cuda.triton_decode import Heads
+    from backends.torch.cuda.triton_common import Heads
 
     return Heads(arch.heads, arch.kv_heads, arch.head_dim, arch.rotary_dim, arch.eps)
 
@@ -204,7 +204,7 @@ class Placement:
     """Where prefill pieces go: their rows [n], positions [n, length], the key span to attend
     over, and the mask (None: plain causal from position 0); with the Triton kernels, pieces
     after cached columns give their first positions and lengths [n] instead (`paged`), and
-    attend through the rows' page tables (`triton_decode.paged_prefill_attention`)."""
+    attend through the rows' page tables (`triton_prefill.paged_prefill_attention`)."""
 
     def __init__(self, rows, positions, span: int, mask, starts=None, lens=None):
         self.rows, self.positions, self.span, self.mask = rows, positions, span, mask
@@ -253,12 +253,12 @@ class Network:
         # torch.compile fuses each block's small kernels (norms, rotary, activations, residuals);
         # dynamic shapes: one compilation serves every batch and length bucket.
         self.layer = torch.compile(decode_block, dynamic=True, fullgraph=True) if compile else decode_block
-        # On CUDA the decode step puts Triton kernels between cuBLAS's GEMMs (backends/triton_decode),
+        # On CUDA the decode step puts Triton kernels between cuBLAS's GEMMs (backends/torch/cuda/triton_*.py),
         # adapters too; quantized weights take the step above.
         self.fused = fused_available(weights, use_graphs) if fused is None else fused
         self.heads = heads_of(weights.arch) if self.fused else None
         # On the CPU, an eager decode step without adapters runs as one compiled call
-        # (backends/torch/cpu/kernels.cpp; BENCHMARKS.md, D-cpu-step).
+        # (backends/torch/cpu/kernels.cpp; docs/decisions.md, D-cpu-step).
         quantized = any(isinstance(w, BlockWeight) for block in weights.layers for w in block)
         self.cpu_step = cpu_step.decode_step(weights, kv) if quantized and not use_graphs and not compile else None
         # Whether the prompt pieces of row i take the compiled step's AMX-BF16 tiles (`_cpu_pass`):
@@ -429,7 +429,7 @@ class Network:
         kernels = self.fused and (long_rope is None or all(long_rope))
         paged = kernels and placed.paged
         if kernels:
-            from backends.torch.cuda import triton_decode as fused
+            from backends.torch.cuda import triton_prefill
 
             token_rows, token_positions = placed.rows.repeat_interleave(length), placed.positions.reshape(-1)
             tables = (self.cos_long, self.sin_long) if long_rope else (self.cos, self.sin)
@@ -448,7 +448,7 @@ class Network:
             if lora is not None:
                 y = y + lora_product(h, *lora[0])
             if kernels:  # one kernel: rotary on q in place, k and v to the cache
-                fused.prefill_rotary(
+                triton_prefill.prefill_rotary(
                     y.view(n * length, -1),
                     *tables,
                     token_positions,
@@ -467,7 +467,7 @@ class Network:
                 rope_(k, cos, sin, shape.rotary_dim)
                 self.kv.write(layer, placed.rows[:, None], placed.positions, k, v)
             if paged:  # after cached columns: read through the page tables, its window in the kernel
-                attention = fused.paged_prefill_attention(
+                attention = triton_prefill.paged_prefill_attention(
                     y, self.kv.k[layer], self.kv.v[layer], self.kv.table, placed.rows, placed.starts, placed.lens,
                     self.heads, window=w.arch.windows[layer], reach=placed.span,
                 )  # fmt: skip
@@ -504,7 +504,7 @@ class Network:
     def logits(self, x: torch.Tensor, normalize=norm) -> torch.Tensor:
         """The raw logits over the whole model vocabulary (logprobs are taken over all of it;
         the choice of a token is limited to the ids the tokenizer can decode). `normalize`: the
-        final norm (the fused step passes its Triton kernel, `triton_decode.norm`)."""
+        final norm (the fused step passes its Triton kernel, `triton_ops.norm`)."""
         w = self.weights
         x = normalize(x, *w.final_norm, w.shape.eps, w.shape.rms_norm)
         return linear(x, *w.lm_head)
@@ -679,9 +679,9 @@ class Network:
 
     def fused_step(self, batch: int, lora: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step: cuBLAS for the GEMMs of a block (two for Phi, four for the others),
-        Triton for what lies between them (backends/triton_decode), and each row's adapter
+        Triton for what lies between them (backends/torch/cuda/triton_*.py), and each row's adapter
         product if `lora`."""
-        from backends.torch.cuda import triton_decode as fused
+        from backends.torch.cuda import triton_attention, triton_ops
 
         w = self.weights
         tokens, positions, active = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
@@ -690,12 +690,12 @@ class Network:
         arch, eps = w.arch, w.shape.eps
         for layer, block in enumerate(w.layers):
             lora = adapted.get(layer)
-            h = fused.norm(x, block.norm1_w, block.norm1_b, eps, arch.rms_norm)
+            h = triton_ops.norm(x, block.norm1_w, block.norm1_b, eps, arch.rms_norm)
             y = F.linear(h, block.w_in, block.b_in)
             if lora is not None:
                 y = y + lora_product(h, *lora[0])
             if arch.parallel:
-                mixed, xb = fused.attention(
+                mixed, xb = triton_attention.attention(
                     y,
                     self.cos,
                     self.sin,
@@ -713,7 +713,7 @@ class Network:
                 if lora is not None:
                     x = x + lora_product(mixed, *lora[1])
                 continue
-            attended = fused.attention(
+            attended = triton_attention.attention(
                 y,
                 self.cos,
                 self.sin,
@@ -730,15 +730,15 @@ class Network:
             x = torch.addmm(x if block.b_out is None else x + block.b_out, attended, block.w_out.t())
             if lora is not None:
                 x = x + lora_product(attended, *lora[1])
-            h = fused.norm(x, block.norm2_w, None, eps, rms=True)
+            h = triton_ops.norm(x, block.norm2_w, None, eps, rms=True)
             u = F.linear(h, block.w_up, block.b_up)
             if lora is not None:
                 u = u + lora_product(h, *lora[2])
-            g = fused.silu_mul(u, w.inner)
+            g = triton_ops.silu_mul(u, w.inner)
             x = torch.addmm(x if block.b_down is None else x + block.b_down, g, block.w_down.t())
             if lora is not None:
                 x = x + lora_product(g, *lora[3])
-        logits = self.logits(x, fused.norm)
+        logits = self.logits(x, triton_ops.norm)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
 
     def lora_layers(self, row_slots: torch.Tensor, prefill: bool = False) -> dict[int, list[tuple]]:

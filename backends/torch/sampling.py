@@ -131,10 +131,10 @@ def sample_on_device(
 ) -> torch.Tensor:
     """One token per row of `logits` [n, decodable]: filtered as `process` filters one row
     (`filtered`; a row's top_k 0, top_p above 1 or min_p 0 is off), then drawn from the row's seed
-    and offset (triton_decode.gumbel_argmax: the same seed and position give the same token in
+    and offset (triton_ops.gumbel_argmax: the same seed and position give the same token in
     any batch). No host wait: every step is a batched device op; `kmax` and the flags say which
     filters any row uses."""
-    from backends.torch.cuda.triton_decode import gumbel_argmax
+    from backends.torch.cuda.triton_ops import gumbel_argmax
 
     scores = filtered(
         logits.float(),

@@ -1,4 +1,4 @@
-"""The decode step's split attention kernel (backends/torch/cuda/triton_decode.py `_attention_split`, a head's
+"""The decode step's split attention kernel (backends/torch/cuda/triton_*.py `_attention_split`, a head's
 dims in two tiles) against its launch shapes and against the kernel before it (one tile padded to
 a power of two, masked loads), on a paged cache of Phi-2's, Phi-3-mini's and Qwen2.5-1.5B's heads
 (the models that take the per-head kernel): rows x columns as the server's steps see them. Prints
@@ -21,7 +21,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.cuda import triton_attention, triton_common  # noqa: E402
 from backends.torch.kv_pages import PAGE  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: TRITON_INTERPRET=1, agreement only
@@ -82,17 +82,17 @@ def _split_one_tile(
     pages = table_ptr + row * stride_table
     if split == 0:
         if head % GROUP == 0:
-            k = td._head(
+            k = triton_common._head(
                 base + Q_SIZE + kv_head * HEAD_DIM, d, d_ok, partner, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM
             ).to(dtype)
             at = cache + tl.load(pages + position // PAGE).to(tl.int64) * stride_page + (position % PAGE) * HEAD_DIM
             tl.store(k_ptr + at + d, k, mask=d_ok)
             v = tl.load(base + Q_SIZE + KV_SIZE + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
             tl.store(v_ptr + at + d, v, mask=d_ok)
-    splits = td._row_splits(live, first, fill, split_columns, SPLITS)
+    splits = triton_common._row_splits(live, first, fill, split_columns, SPLITS)
     if split < splits:  # past the row's splits: nothing to read, and `_attention_combine` reads no part
         q = (
-            td._head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+            triton_common._head(base + head * HEAD_DIM, d, d_ok, partner, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
             .to(dtype)
             .to(tl.float32)
         )
@@ -105,7 +105,7 @@ def _split_one_tile(
         for begin in range(start, end, BLOCK_N):
             offsets = begin + tl.arange(0, BLOCK_N)
             ok = offsets < end
-            keys, values = td._paged_columns(
+            keys, values = triton_common._paged_columns(
                 k_ptr, v_ptr, pages, cache, offsets, ok, d, d_ok, stride_page, HEAD_DIM, PAGE
             )
             scores = tl.where(ok, tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
@@ -121,7 +121,7 @@ def _split_one_tile(
         tl.store(out + D_PAD + 1, total)
 
 
-def setup(rows: int, columns: int, heads: td.Heads, dtype=torch.bfloat16):
+def setup(rows: int, columns: int, heads: triton_common.Heads, dtype=torch.bfloat16):
     """A Phi-2-like layer: a pool with every row's pages in a random order, each row at `columns`."""
     gen = torch.Generator(device=DEV).manual_seed(rows * 7 + columns)
     width = triton.cdiv(columns + 1, PAGE)
@@ -140,19 +140,31 @@ def setup(rows: int, columns: int, heads: td.Heads, dtype=torch.bfloat16):
     return y, cos, sin, positions, active, k, v, table
 
 
-def launcher(kernel, case, heads: td.Heads, block_n: int, warps: int):
+def launcher(kernel, case, heads: triton_common.Heads, block_n: int, warps: int):
     y, cos, sin, positions, active, k, v, table = case
     rows = y.shape[0]
-    splits = td.splits_for(rows, heads.heads, table.shape[1] * PAGE)
+    splits = triton_attention.splits_for(rows, heads.heads, table.shape[1] * PAGE)
     d_pad = triton.next_power_of_2(heads.head_dim)
     parts = torch.zeros(rows, heads.heads, splits, d_pad + 2, dtype=torch.float32, device=DEV)
     parts[..., d_pad] = float("-inf")  # splits past a row's own write nothing: they weigh nothing
-    fill = td.fill_splits(rows, heads.heads)
+    fill = triton_attention.fill_splits(rows, heads.heads)
     tiles = {}
-    if kernel is td._attention_split:
-        tiles = dict(zip(("D_LO", "D_HI"), td._tiles(heads.head_dim), strict=True))
-    args = (y, y.stride(0), cos, sin, cos.stride(0), positions, active, k, v, *td._paged(k, v, table, heads), parts)
-    args += (heads.head_dim**-0.5, 0, y, y, heads.eps, fill, td.ATTENTION["split_columns"])
+    if kernel is triton_attention._attention_split:
+        tiles = dict(zip(("D_LO", "D_HI"), triton_attention._tiles(heads.head_dim), strict=True))
+    args = (
+        y,
+        y.stride(0),
+        cos,
+        sin,
+        cos.stride(0),
+        positions,
+        active,
+        k,
+        v,
+        *triton_common._paged(k, v, table, heads),
+        parts,
+    )
+    args += (heads.head_dim**-0.5, 0, y, y, heads.eps, fill, triton_attention.ATTENTION["split_columns"])
 
     def run():
         kernel[(rows, heads.heads, splits)](
@@ -196,14 +208,17 @@ def main() -> int:
     if timed:
         print(f"device-to-device copy: {copy_bandwidth():.2f} TB/s (read + write)", flush=True)
     shapes = {
-        "phi-2": td.Heads(32, 32, 80, 32),
-        "phi-3-mini": td.Heads(32, 32, 96, 96),
-        "qwen2.5-1.5b": td.Heads(12, 2, 128, 128),  # 2 key-value heads: the per-head kernel too
+        "phi-2": triton_common.Heads(32, 32, 80, 32),
+        "phi-3-mini": triton_common.Heads(32, 32, 96, 96),
+        "qwen2.5-1.5b": triton_common.Heads(12, 2, 128, 128),  # 2 key-value heads: the per-head kernel too
     }
-    # The shipped kernel at the shipped launch shape (None: `td.attention_block` of the head's dims),
+    # The shipped kernel at the shipped launch shape (None: `triton_attention.attention_block` of the head's dims),
     # the one-tile kernel at 16 columns a step, as it shipped.
-    variants = [("shipped", td._attention_split, None, None), ("one tile (before)", _split_one_tile, 16, None)]
-    for name, kernel in (("two tiles", td._attention_split), ("one tile (before)", _split_one_tile)):
+    variants = [
+        ("shipped", triton_attention._attention_split, None, None),
+        ("one tile (before)", _split_one_tile, 16, None),
+    ]
+    for name, kernel in (("two tiles", triton_attention._attention_split), ("one tile (before)", _split_one_tile)):
         for block_n in (16, 32, 64):
             for warps in (1, 2, 4):
                 variants.append((name, kernel, block_n, warps))
@@ -218,8 +233,8 @@ def main() -> int:
             results = []
             reference = None
             for name, kernel, block_n, warps in variants:
-                warps = warps or td._attention_warps(rows)
-                block_n = block_n or td.attention_block(heads.head_dim)
+                warps = warps or triton_attention._attention_warps(rows)
+                block_n = block_n or triton_attention.attention_block(heads.head_dim)
                 try:
                     run, parts = launcher(kernel, case, heads, block_n, warps)
                     run()

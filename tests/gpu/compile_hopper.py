@@ -1,4 +1,4 @@
-"""Compile the paged attention kernels (backends/torch/cuda/triton_decode.py: the prefill one, whole and
+"""Compile the paged attention kernels (backends/torch/cuda/triton_*.py: the prefill one, whole and
 split with its combine, and the decode step's split attention, which share `_paged_columns`)
 for an H200 (sm_90) on a machine without a GPU: Triton's front end checks what its interpreter
 does not (a variable whose type differs between branches, for one), and the back end builds
@@ -21,7 +21,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from backends.torch.cuda import triton_decode  # noqa: E402
+from backends.torch import kv_pages  # noqa: E402
+from backends.torch.cuda import triton_attention, triton_prefill  # noqa: E402
 
 ARGUMENTS = {
     "q_ptr": "*{t}",
@@ -92,9 +93,9 @@ SPLIT_CONSTANTS = dict(
     HEAD_DIM=80,
     ROT=32,
     D_PAD=128,
-    D_LO=triton_decode._tiles(80)[0],
-    D_HI=triton_decode._tiles(80)[1],
-    BLOCK_N=triton_decode.attention_block(80),
+    D_LO=triton_attention._tiles(80)[0],
+    D_HI=triton_attention._tiles(80)[1],
+    BLOCK_N=triton_attention.attention_block(80),
     SPLITS=16,
     QK_NORM=False,
     PAGE=16,
@@ -114,8 +115,8 @@ def one_variant_for_every_length() -> None:
     from triton.backends.nvidia.compiler import CUDABackend
 
     for fn, names in (
-        (triton_decode._paged_prefill_attention, ("length", "window")),
-        (triton_decode._paged_prefill_combine, ("length",)),
+        (triton_prefill._paged_prefill_attention, ("length", "window")),
+        (triton_prefill._paged_prefill_combine, ("length",)),
     ):
         for name in names:
             param = next(p for p in fn.params if p.name == name)
@@ -127,29 +128,29 @@ def one_variant_for_every_length() -> None:
 
 def main() -> int:
     one_variant_for_every_length()
-    launch = triton_decode.PREFILL_ATTENTION
+    launch = triton_prefill.PREFILL_ATTENTION
     for element, constants in SHAPES:
         constants = {
             **constants,
             "BLOCK_M": launch["BLOCK_M"],
             "BLOCK_N": launch["BLOCK_N"],
-            "PAGE": triton_decode.PAGE,
+            "PAGE": kv_pages.PAGE,
         }
         signature = {name: kind.format(t=element) for name, kind in ARGUMENTS.items()}
         for splits in (1, 2, 4, 8, 16):  # every count `prefill_splits` may choose
             build(
-                triton_decode._paged_prefill_attention,
+                triton_prefill._paged_prefill_attention,
                 signature,
                 {**constants, "SPLITS": splits},
                 {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]},
             )
         combine = {name: kind.format(t=element) for name, kind in COMBINE_ARGUMENTS.items()}
         build(
-            triton_decode._paged_prefill_combine,
+            triton_prefill._paged_prefill_combine,
             combine,
             {"HEAD_DIM": constants["HEAD_DIM"], "D_PAD": constants["D_PAD"], "BLOCK_M": launch["BLOCK_M"], "SPLITS": 8},
         )
-    build(triton_decode._attention_split, SPLIT_ARGUMENTS, SPLIT_CONSTANTS)
+    build(triton_attention._attention_split, SPLIT_ARGUMENTS, SPLIT_CONSTANTS)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The decode step's attention kernels (backends/torch/cuda/triton_decode.py `attention`: `_attention_split`
+"""The decode step's attention kernels (backends/torch/cuda/triton_*.py `attention`: `_attention_split`
 or, for grouped heads, `_attention_split_grouped`, then `_attention_combine`) against a torch
 reference over the same paged cache: rows of different lengths, idle rows, a sliding window,
 Qwen3's q/k norms, a parallel (Phi) block's extra outputs, a table as wide as a long context's
@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.cuda import triton_attention, triton_common, triton_ops  # noqa: E402
 from backends.torch.kv_pages import PAGE  # noqa: E402
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,10 +99,10 @@ def case(name, heads, rows, lengths, width, dtype, window=None, qk_norm=False, p
     kernels = [("per query head", 10**9)] + ([("grouped", 1)] if heads.group > 1 else [])
     failures = 0
     for kernel, grouped_from in kernels:
-        td.GROUPED_FROM_KV_HEADS = grouped_from
+        triton_attention.GROUPED_FROM_KV_HEADS = grouped_from
         moved = [t.to(dev) if isinstance(t, torch.Tensor) else t for t in (y, cos, sin, positions, active)]
         k, v = k_cache.to(dev), v_cache.to(dev)
-        got = td.attention(
+        got = triton_attention.attention(
             *moved,
             k,
             v,
@@ -137,7 +137,7 @@ def case(name, heads, rows, lengths, width, dtype, window=None, qk_norm=False, p
 
 
 def norm_case(n: int, rms: bool, dtype, with_bias: bool = True) -> int:
-    """`td.norm` of rows with an offset (LayerNorm must center them) against the torch step's."""
+    """`triton_ops.norm` of rows with an offset (LayerNorm must center them) against the torch step's."""
     from backends.torch.network import norm
 
     torch.manual_seed(n)
@@ -146,7 +146,7 @@ def norm_case(n: int, rms: bool, dtype, with_bias: bool = True) -> int:
     bias = None if rms or not with_bias else (0.5 * torch.randn(n, device=dev)).to(dtype)
     eps = 1e-6 if rms else 1e-5
     want = norm(x, weight, bias, eps, rms).float()
-    got = td.norm(x, weight, bias, eps, rms).float()
+    got = triton_ops.norm(x, weight, bias, eps, rms).float()
     error = ((got - want).abs() / want.abs().clamp(min=1)).max().item()
     ok = error <= (1e-5 if dtype == torch.float32 else 1e-2)
     name = f"{'RMSNorm' if rms else 'LayerNorm'} of {n}{'' if bias is not None or rms else ', no bias'}"
@@ -155,10 +155,10 @@ def norm_case(n: int, rms: bool, dtype, with_bias: bool = True) -> int:
 
 
 def main() -> int:
-    gqa = td.Heads(8, 2, 32, 16)
-    mha = td.Heads(4, 4, 32, 32)
-    phi = td.Heads(4, 4, 80, 32)  # Phi-2's head: two tiles, 64 + 16, partial rotary
-    odd = td.Heads(4, 2, 112, 112)  # 64 + 48 of a 64 tile: the second tile's loads masked
+    gqa = triton_common.Heads(8, 2, 32, 16)
+    mha = triton_common.Heads(4, 4, 32, 32)
+    phi = triton_common.Heads(4, 4, 80, 32)  # Phi-2's head: two tiles, 64 + 16, partial rotary
+    odd = triton_common.Heads(4, 2, 112, 112)  # 64 + 48 of a 64 tile: the second tile's loads masked
     dtypes = [torch.float32] + ([torch.bfloat16] if dev == "cuda" else [])
     failures = 0
     for dtype in dtypes:

@@ -1,6 +1,6 @@
 """The CUDA path's Triton kernels on a CPU, under Triton's interpreter: each against the torch
 code it replaces, on the tiny model and a tiny checkpoint of each other family, in float32. For
-working on backends/torch/cuda/triton_decode.py without a GPU; tests/gpu/check.py and kernels.py are the
+working on backends/torch/cuda/triton_*.py without a GPU; tests/gpu/check.py and kernels.py are the
 measurements on one.
 
     python3 -m pip install --target /tmp/triton-interp triton==3.6.0 "numpy<2.3"
@@ -62,13 +62,13 @@ def decode(decoder, backend, samplings, adapters=(None,) * 4, tokens: int = 16) 
 
 
 def main() -> int:
-    torch.cuda.synchronize = lambda *args: None  # triton_decode.works() waits for the device
-    from backends.torch.cuda import triton_decode
+    torch.cuda.synchronize = lambda *args: None  # triton_check.works() waits for the device
+    from backends.torch.cuda import triton_attention
     from backends.torch.tiny import TINY_FAMILIES, write_tiny_family
 
     # The interpreter runs every program in numpy: few splits still combine. A split per 16
     # columns gives the rows of a step split counts of their own (by their lengths).
-    triton_decode.ATTENTION.update(max_splits=3, split_columns=16)
+    triton_attention.ATTENTION.update(max_splits=3, split_columns=16)
 
     root = Path(tempfile.mkdtemp(prefix="families-"))
     tiny = load_backend("torch", LoadOptions(model="tiny", device="cpu", dtype="float32", warmup=False))
@@ -93,12 +93,12 @@ def check_model(name: str, model: str, root: Path) -> None:
     from benchmarks.adapters import write_random_adapters
 
     w = backend.decoder_weights
-    from backends.torch.cuda import triton_decode
+    from backends.torch.cuda import triton_check
 
     arch = w.arch
     check(
         f"{name}: the kernels run for the model's shapes",
-        triton_decode.works(
+        triton_check.works(
             w.device,
             w.embed.dtype,
             torch_model.heads_of(arch),

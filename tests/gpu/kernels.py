@@ -1,4 +1,4 @@
-"""The Triton kernels (backends/torch/cuda/triton_decode.py) on a CUDA machine: greedy ids against the
+"""The Triton kernels (backends/torch/cuda/triton_*.py) on a CUDA machine: greedy ids against the
 unfused step, the attention kernels' launch shapes against the unfused attention, the whole
 decode step against the eager and compiled unfused steps, and prefill timing, in the same run
 as the memory bandwidth.
@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from backends.choose import load_backend  # noqa: E402
 from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
-from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.cuda import triton_attention, triton_common  # noqa: E402
 from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 RESULTS: dict = {}
@@ -75,7 +75,7 @@ def attention_case(rows: int, context: int, layers: int, device: str = "cuda", d
     """Phi-2's decode attention at `rows` x `context`, `layers` deep: (reference, kernel), each
     a function over the layers returning the last layer's attention output [rows, hidden].
     reference is the unfused step's attention (rotary, cache writes, baddbmm, masked softmax,
-    bmm over the power-of-two span) on contiguous caches; kernel is td.attention (split,
+    bmm over the power-of-two span) on contiguous caches; kernel is triton_attention.attention (split,
     combine) on a paged copy of the same caches, one table row of consecutive pages a row."""
     from backends.torch.cuda.graphs import MIN_LENGTH_BUCKET
     from backends.torch.kv_pages import PAGE
@@ -109,7 +109,7 @@ def attention_case(rows: int, context: int, layers: int, device: str = "cuda", d
     every = torch.arange(rows, device=device)
     bias = torch.zeros(rows * heads, 1, span, device=device, dtype=dtype)
     bias[..., context + 1 :] = float("-inf")
-    heads_arg = td.Heads(heads, heads, head_dim, rot)
+    heads_arg = triton_common.Heads(heads, heads, head_dim, rot)
 
     def reference():
         for k_cache, v_cache in contiguous:
@@ -129,7 +129,7 @@ def attention_case(rows: int, context: int, layers: int, device: str = "cuda", d
 
     def kernel():
         for k_cache, v_cache in caches:
-            mixed, _ = td.attention(
+            mixed, _ = triton_attention.attention(
                 y, cos, sin, positions, active, k_cache, v_cache, table, heads_arg, x=x, b_out=b_out, inner=inner
             )
         return mixed[:, :hidden]
@@ -138,9 +138,9 @@ def attention_case(rows: int, context: int, layers: int, device: str = "cuda", d
 
 
 def attention_sweep() -> list[dict]:
-    """td.attention's launch shapes (split, combine) against the unfused step's attention, 8
+    """triton_attention.attention's launch shapes (split, combine) against the unfused step's attention, 8
     layers in turn, each shape's output checked against the reference's."""
-    defaults = dict(td.ATTENTION)
+    defaults = dict(triton_attention.ATTENTION)
     rows_out = []
     configs = [dict(BLOCK_N=bn, num_warps=wp, work=2048) for bn in (16, 32) for wp in (1, 2)] + [
         dict(BLOCK_N=16, num_warps=None, work=2048)
@@ -161,7 +161,7 @@ def attention_sweep() -> list[dict]:
             }
         )
         for config in configs:
-            td.ATTENTION.update(config)
+            triton_attention.ATTENTION.update(config)
             try:
                 error = (kernel().float() - expected).abs().max().item()
                 seconds = graph_time(kernel) / layers
@@ -172,7 +172,7 @@ def attention_sweep() -> list[dict]:
                         "kernel": json.dumps(config),
                         "us": seconds * 1e6,
                         "TB_s": nbytes / seconds / 1e12,
-                        "splits": td.splits_for(rows, heads, context + 1),
+                        "splits": triton_attention.splits_for(rows, heads, context + 1),
                         "max_error": error,
                     }
                 )
@@ -187,7 +187,7 @@ def attention_sweep() -> list[dict]:
                 )
         reference = kernel = None  # their caches freed before empty_cache
         torch.cuda.empty_cache()
-    td.ATTENTION.update(defaults)
+    triton_attention.ATTENTION.update(defaults)
     return rows_out
 
 
@@ -456,7 +456,13 @@ def main() -> int:
                 say(row)
             if RESULTS["attention"]:
                 RESULTS["attention_best"] = best_attention(RESULTS["attention"])
-                say("least total time:", RESULTS["attention_best"], "(the steps use the defaults:", td.ATTENTION, ")")
+                say(
+                    "least total time:",
+                    RESULTS["attention_best"],
+                    "(the steps use the defaults:",
+                    triton_attention.ATTENTION,
+                    ")",
+                )
         if wanted("profile"):
             RESULTS["profiles"] = [section("profile", lambda: profile(backend, b, True)) for b in (1, 64)]
             for p in RESULTS["profiles"]:

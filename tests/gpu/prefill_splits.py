@@ -1,4 +1,4 @@
-"""The paged prefill attention kernel split across programs (backends/torch/cuda/triton_decode.py,
+"""The paged prefill attention kernel split across programs (backends/torch/cuda/triton_*.py,
 `paged_prefill_attention(..., splits=)`), against a torch reference, and timed by splits on a GPU.
 
     python3 -P tests/gpu/prefill_splits.py                  # a GPU: float32 and bfloat16, timed
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.cuda import triton_common, triton_prefill  # noqa: E402
 
 PAGE = 16
 dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,14 +68,16 @@ def case(dtype, heads, pieces, length, window=None, splits_list=(1, 2, 4, 16), w
     for splits in splits_list:
 
         def run(splits=splits):
-            return td.paged_prefill_attention(q, k, v, table, slots, starts, lens, heads, window=window, splits=splits)
+            return triton_prefill.paged_prefill_attention(
+                q, k, v, table, slots, starts, lens, heads, window=window, splits=splits
+            )
 
         got = run().float()
         err = float((got - ref).abs().max())
         us = graph_us(run) if time_it else 0
         out[splits] = (round(err, 6), us)
-    blocks = triton.cdiv(length, td.PREFILL_ATTENTION["BLOCK_M"])
-    auto = td.prefill_splits(n * heads.heads * blocks, max(s + length for s, _ in pieces))
+    blocks = triton.cdiv(length, triton_prefill.PREFILL_ATTENTION["BLOCK_M"])
+    auto = triton_prefill.prefill_splits(n * heads.heads * blocks, max(s + length for s, _ in pieces))
     print(
         str(dtype)[6:],
         heads.heads,
@@ -92,9 +94,9 @@ def case(dtype, heads, pieces, length, window=None, splits_list=(1, 2, 4, 16), w
     return out
 
 
-phi = td.Heads(32, 32, 80, 32)
-gqa = td.Heads(8, 2, 64, 64)
-llama = td.Heads(32, 8, 64, 64)  # Llama-3.2-1B
+phi = triton_common.Heads(32, 32, 80, 32)
+gqa = triton_common.Heads(8, 2, 64, 64)
+llama = triton_common.Heads(32, 8, 64, 64)  # Llama-3.2-1B
 for dtype in (torch.float32, torch.bfloat16) if dev == "cuda" else (torch.float32,):
     timing = dtype == torch.bfloat16  # float32 on a GPU is for parity runs only
     case(dtype, phi, [(1043, 1)], 16, time_it=timing)

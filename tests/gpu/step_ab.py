@@ -1,12 +1,12 @@
-r"""The decoder's graphed decode step with this tree's `triton_decode.attention` against other
-versions of it (each a copy of backends/torch/cuda/triton_decode.py in abtest/, named by its file), alternating,
+r"""The decoder's graphed decode step with this tree's `triton_attention.attention` against other
+versions of it (each a copy of backends/torch/cuda/triton_*.py in abtest/, named by its file), alternating,
 in one process: rows x columns per shape, random bfloat16 weights, each step's time from 100
 graph replays.
 
-    git show REV:backends/torch/cuda/triton_decode.py > abtest/old.py
+    git show REV:backends/torch/cuda/triton_*.py > abtest/old.py
     STEP_CASES=64x300,256x300 python3 -P tests/gpu/step_ab.py [random:phi-2 ...]
 
-The decoder calls `triton_decode.attention` through the module at capture, so each decoder
+The decoder calls `triton_attention.attention` through the module at capture, so each decoder
 built after the swap captures that tree's kernels; everything else is this tree's.
 """
 
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from backends.choose import load_backend  # noqa: E402
 from backends.contract import LoadOptions, Sampling, Sequence  # noqa: E402
-from backends.torch.cuda import triton_decode as td  # noqa: E402
+from backends.torch.cuda import triton_attention  # noqa: E402
 from backends.torch.decoder import BatchedDecoder  # noqa: E402
 
 CASES = [
@@ -79,17 +79,17 @@ def release() -> None:
 
 def main() -> int:
     shapes = sys.argv[1:] or ["random:phi-2", "random:phi-3-mini", "random:qwen2.5-1.5b"]
-    trees = {**load_variants(), "new": td.attention}
+    trees = {**load_variants(), "new": triton_attention.attention}
     for shape in shapes:
         backend = load_backend("torch", LoadOptions(model=shape, device=DEVICE, dtype=DTYPE, warmup=False))
         weights = backend.decoder_weights
         for rows, columns in CASES:
             times = {name: [] for name in trees}
             for name in [*trees, *trees]:
-                td.attention = trees[name]
+                triton_attention.attention = trees[name]
                 times[name].append(step_ms(weights, rows, columns))
                 release()
-            td.attention = trees["new"]
+            triton_attention.attention = trees["new"]
             said = "  ".join(f"{name} " + ", ".join(f"{ms:.3f}" for ms in got) + " ms" for name, got in times.items())
             print(f"{shape} {rows} rows x {columns} columns: {said}", flush=True)
         del backend, weights
