@@ -1,4 +1,4 @@
-"""`bench.py --embeddings`: /v1/embeddings beside the chat model (BENCHMARKS.md, D-embeddings).
+"""`bench.py --embeddings`: /v1/embeddings beside the chat model (docs/decisions.md, D-embeddings).
 
 A server is spawned with EMBEDDING_MODEL (default: all-MiniLM-L6-v2 from its wheel) and the
 chat model of PHI2_MODEL (default: bench.py's). Measured, over HTTP:

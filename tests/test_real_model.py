@@ -333,7 +333,7 @@ def q5_0_copy(source: Path, out: Path) -> Path:
 
 def test_a_file_of_types_the_kernels_do_not_multiply_serves_in_q8_0_blocks(tmp_path, monkeypatch):
     """A file mostly of Q5_0 (or K-quant) matrices is served in Q8_0 blocks by default, not as
-    float32 (BENCHMARKS.md, D-k-quants), and its logits are the file's: against the same file
+    float32 (docs/decisions.md, D-k-quants), and its logits are the file's: against the same file
     dequantized, within Q8_0's error at the end of each chat prompt (measured 1.6-5.8% on
     SmolLM2; a matrix in the wrong order or scale gives ~100%), the dequantized top token among
     the served top 3 (greedy text is no test here: this copy's first answer token is a near-tie,

@@ -124,7 +124,7 @@ async def test_overload_gets_503_with_retry_after_at_once(make_client, backend):
 
 async def test_default_queue_holds_twice_the_batch(make_client, backend):
     # MAX_QUEUE's default: a burst of twice MAX_BATCH clients is taken in (the batch's rows busy,
-    # as many again waiting), the next gets 503 (BENCHMARKS.md, D-queue).
+    # as many again waiting), the next gets 503 (docs/decisions.md, D-queue).
     gate = Gate(after=1)
     # 33 rows: a queue of 66 is past the least (64), and the 100 requests are as many as the test
     # client's connections.

@@ -18,7 +18,7 @@ from backends.contract import ModelLoadError, Sequence
 
 # Draft tokens a step verifies by default where drafts pay: one sequence decoding on a CPU, whose
 # step streams every weight for one token, so up to 3 more tokens in the same pass cost little. On
-# CUDA a graphed step is cheaper than an eager verify pass: 0 (BENCHMARKS.md, D-draft-tokens).
+# CUDA a graphed step is cheaper than an eager verify pass: 0 (docs/decisions.md, D-draft-tokens).
 DEFAULT_DRAFT_TOKENS = 3
 MAX_DRAFT_TOKENS = 32  # a verify pass is a prefill of this many tokens at most
 
@@ -34,7 +34,7 @@ def applied_draft_tokens(requested: int, default: int) -> int:
 
 MAX_NGRAM = 3  # the longest n-gram looked up
 # The shortest: one shared token alone (a space, a comma) predicts little, and a draft the model
-# rejects costs a verify pass that is slower than a decode step (BENCHMARKS.md, D-draft-tokens).
+# rejects costs a verify pass that is slower than a decode step (docs/decisions.md, D-draft-tokens).
 MIN_NGRAM = 2
 
 

@@ -2,7 +2,7 @@
 
 llguidance (MIT, no dependencies) turns a grammar into a mask over the vocabulary, token by
 token. It was measured against xgrammar and outlines-core on a Phi-2-sized byte-level BPE
-vocabulary (BENCHMARKS.md, D-llguidance): it compiled schemas fastest, fills a mask in well under
+vocabulary (docs/decisions.md, D-llguidance): it compiled schemas fastest, fills a mask in well under
 a millisecond a token, bounds pathological schemas with its own limits (a huge enum included), and
 names what is wrong with an invalid schema.
 

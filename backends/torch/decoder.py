@@ -70,11 +70,11 @@ log = logging.getLogger("phi2_server.torch_decoder")
 # A prompt with this many tokens to compute takes the CPU's AMX-BF16 tiles for them, where the
 # CPU has them (cpu_kernels.cpp, `bf16_product`): from about here a piece's products cost less
 # there than the exact int8 ones, which a shorter one (a chat's next turn after its cached
-# history) keeps. benchmarks/block_products.py, BENCHMARKS.md (D-prompt-tiles).
+# history) keeps. benchmarks/block_products.py, docs/decisions.md (D-prompt-tiles).
 PROMPT_TILES_FROM = 32
 # Prompt tokens a CPU step takes while no row decodes (64 while some do, so that they wait at
 # most that): bigger eager passes cost less a token. A 1,000-token prompt's first token on
-# SmolLM2, in bfloat16: 1.52 s in pieces of 64, 0.65 s in pieces of 256 (BENCHMARKS.md, D-alone-chunk).
+# SmolLM2, in bfloat16: 1.52 s in pieces of 64, 0.65 s in pieces of 256 (docs/decisions.md, D-alone-chunk).
 CPU_ALONE_CHUNK = 256
 
 

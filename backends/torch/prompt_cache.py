@@ -65,7 +65,7 @@ class PrefixCache:
         # or was used while one. An entry goes stale when its node is used again, gets children
         # or leaves the tree; stale entries are skipped when popped, and the heap is rebuilt from
         # the tree once they are most of it; a walk of the tree for its leaves at every store
-        # stalled every stream when many sequences ended together (BENCHMARKS.md, D-evict-heap).
+        # stalled every stream when many sequences ended together (docs/decisions.md, D-evict-heap).
         self._candidates: list[tuple[int, int, Node]] = []
         self._order = itertools.count()
         self._rebuild_at = 64

@@ -5,7 +5,7 @@ Each thread has an OpenMP team of its own, and OpenMP's threads spin while they 
 (GOMP's default, which a decode step's hundreds of small parallel regions need to be fast).
 With more threads than cores, the spinning teams take each other's cores: on 2 vCPUs, 8
 SmolLM2 streams beside embedding batches fell from 22.4 to 2.5 tok/s each, their p99 gap from
-91 to 1,161 ms (BENCHMARKS.md, D-cpu-share). So while the encoder runs a forward, the decode
+91 to 1,161 ms (docs/decisions.md, D-cpu-share). So while the encoder runs a forward, the decode
 steps use the cores it leaves (at least one), and the encoder starts a forward only once the
 step under way has given its extra cores back: never more threads than cores. A step waits for
 nothing; a forward waits for at most the step under way.

@@ -7,7 +7,7 @@ The worker takes inputs in arrival order, several requests' together, into forwa
 between forwards the cores go back to whoever needs them. On a CPU it runs with `threads` torch
 threads of its own (OpenMP's pool is per calling thread), and while a forward runs the decode
 steps use the cores it leaves (backends.workers.cores: never more threads than cores);
-BENCHMARKS.md (D-embeddings) measures the decode gap of 8 streams beside a long batch.
+docs/decisions.md (D-embeddings) measures the decode gap of 8 streams beside a long batch.
 
 Without an embedding model of its own, the worker embeds with the chat model
 (`backends.encoders.chat`): `chat` builds that encoder once the chat model has loaded.

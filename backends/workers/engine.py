@@ -145,7 +145,7 @@ class Inbox:
 
     What an asyncio.Queue would do, with less work per event: a list and, while its handler
     waits, one future. At hundreds of streams the event loop's work per token is what bounds
-    throughput (BENCHMARKS.md, D-event-batches)."""
+    throughput (docs/decisions.md, D-event-batches)."""
 
     __slots__ = ("_items", "_waiter")
 
@@ -234,7 +234,7 @@ class Courier:
     all of them as soon as it is done. With a few streams every flush goes out at once; with
     hundreds, when the event loop rather than the model sets the pace, each write carries the
     tokens of several steps instead of the loop falling further behind with a write per token
-    (BENCHMARKS.md, D-event-batches)."""
+    (docs/decisions.md, D-event-batches)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -498,11 +498,11 @@ class Engine:
             # The decoder exists before the first request is accepted (its prompt cache is reported).
             self.max_batch = self.max_batch or self.backend.max_batch  # 0: the backend's default
             # 0: twice what a batch holds, at least 64: a burst the batch takes in at its next step
-            # fits, and as many again waiting for rows, not 503s (BENCHMARKS.md, D-queue).
+            # fits, and as many again waiting for rows, not 503s (docs/decisions.md, D-queue).
             self.max_queue = self.max_queue or max(MIN_QUEUE, 2 * self.max_batch)
             self._decoder = self._new_decoder(self.backend)
             # What loading made lives as long as the process: frozen, a full collection does not walk
-            # it and stop every stream (BENCHMARKS.md, D-gc-freeze); vLLM freezes its startup objects.
+            # it and stop every stream (docs/decisions.md, D-gc-freeze); vLLM freezes its startup objects.
             gc.collect()
             gc.freeze()
         except BaseException as exc:  # reported through /health and the startup error

@@ -2,7 +2,7 @@
 backends/torch/cpu/kernels.cpp) and the whole decode step in one call (backends/torch/cpu/step.h).
 
 A decode step of a small model in torch's operators is mostly their launches (~200 a block,
-6,600-9,000 a SmolLM2 step) and its float32 weights' bytes (BENCHMARKS.md, D-cpu-step). llama.cpp
+6,600-9,000 a SmolLM2 step) and its float32 weights' bytes (docs/decisions.md, D-cpu-step). llama.cpp
 runs the same step as one C++ loop over 4- or 8-bit blocks. These kernels do that inside this
 server: compiled once per machine with g++ (-O3 -march=native: AVX2, and
 AVX512-VNNI where the CPU has it), kept in torch's extension folder (TORCH_EXTENSIONS_DIR, by

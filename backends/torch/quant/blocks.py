@@ -230,7 +230,7 @@ def _phi2_matrices(reader, config: dict) -> dict[str, BlockWeight]:
 # quantized again from its dequantized values, as PHI2_QUANTIZE=q8_0 quantizes a float
 # checkpoint. SmolLM2 in Q4_K_M: perplexity 22.395 against 22.316 dequantized (llama.cpp's on the
 # file 22.402), decode 120.9 tok/s against float32's 21.5, what such a file was served as before
-# (BENCHMARKS.md, D-k-quants).
+# (docs/decisions.md, D-k-quants).
 REQUANTIZED = {6, 7, 10, 11, 12, 13, 14}
 KIND_RULE = 2  # the rule of `file_kind`, kept with its answer: an answer by another is read again
 
@@ -268,7 +268,7 @@ def rehome(weights: list[BlockWeight]) -> None:
     """Pack the blocks sixteen rows at a time (`BlockWeight.pack`) into one anonymous mapping backed
     by transparent huge pages, where the system offers them (Linux, THP `madvise` or `always`): a
     decode step reads every block once, and on 4 KB pages, in a VM, its page walks cost a third of
-    a SmolLM2 step (BENCHMARKS.md, D-cpu-step). Elsewhere, or if the mapping fails, they are
+    a SmolLM2 step (docs/decisions.md, D-cpu-step). Elsewhere, or if the mapping fails, they are
     packed where they are."""
     import mmap
 

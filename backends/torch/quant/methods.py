@@ -108,12 +108,12 @@ class Int8Weight(QuantizedWeight):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         # torch's int8pack kernel on the CPU; on CUDA it is far slower than bfloat16, so the weight
-        # is dequantized there (BENCHMARKS.md, D-int8-cuda).
+        # is dequantized there (docs/decisions.md, D-int8-cuda).
         if self.on_cuda:
             return F.linear(x, self.qweight.to(x.dtype)) * self.scales
         if x.dtype == torch.float32:
             # int8pack's float32 kernel is slower than float32 weights, its bfloat16 one far faster:
-            # a float32 model multiplies in bfloat16 too (BENCHMARKS.md, D-int8-bf16-act).
+            # a float32 model multiplies in bfloat16 too (docs/decisions.md, D-int8-bf16-act).
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales.to(torch.bfloat16))
             return y.float()
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -168,7 +168,7 @@ class Int8DynamicWeight(QuantizedWeight):
     llama.cpp's Q8_0 dot products do. fbgemm's dynamic int8 linear quantizes its input on the
     fly, multiplies in integers (AVX2 `vpmaddubsw`, VNNI where present) and scales back to
     float32. `reduce_range` keeps the activations to 7 bits, so that AVX2's 16-bit pairwise
-    sums cannot saturate. Measured against weight-only int8 and float32 (BENCHMARKS.md, D-w8a8);
+    sums cannot saturate. Measured against weight-only int8 and float32 (docs/decisions.md, D-w8a8);
     it needs no bfloat16 (the activations are float32 whatever the model's dtype).
 
     fbgemm takes one range for all the rows of a call (a decode step's sequences, a prefill
@@ -201,7 +201,7 @@ class Int8DynamicWeight(QuantizedWeight):
         self._range_row[0, 0] = 1.0
         # The weight's row sums, from its packed form: a row of ones quantizes exactly (to 127 at a
         # scale of 1/127), so this product is the sum; summing the mapped file was slow
-        # (BENCHMARKS.md, D-row-sums).
+        # (docs/decisions.md, D-row-sums).
         self._row_sums = torch.ops.quantized.linear_dynamic(torch.ones(1, self.in_features), self.packed, True)[0]
 
     def state(self) -> dict:
@@ -240,7 +240,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 
 
 # One row in bfloat16 (a decode step alone) on the CPU: ATen's own GEMV (oneDNN off) can stream
-# faster than oneDNN's, which wins from 4 rows (BENCHMARKS.md, D-onednn-gemv). Which is faster for
+# faster than oneDNN's, which wins from 4 rows (docs/decisions.md, D-onednn-gemv). Which is faster for
 # one row depends on the CPU, so it is measured once per dtype on the first such product. The
 # switch is torch's process-wide oneDNN flag, held off only around the product (under a lock):
 # while serving, the worker thread is the only one that multiplies.
@@ -280,7 +280,7 @@ def best_time(fn, repeats: int = 3) -> float:
 
 
 # A decode step on the CPU multiplies a few rows (one a sequence) by each weight; with some BLAS
-# x @ W.T is far slower for 2-8 rows than W @ x.T, the same product (BENCHMARKS.md, D-skinny-rows).
+# x @ W.T is far slower for 2-8 rows than W @ x.T, the same product (docs/decisions.md, D-skinny-rows).
 # Which is faster depends on the CPU and the BLAS, so it is measured once per (rows, dtype) on the
 # first such product, and that one is used from then on.
 SKINNY_ROWS = 16

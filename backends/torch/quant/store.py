@@ -116,7 +116,7 @@ def decoder_parts(saved: dict) -> tuple[list[dict], QuantizedWeight | None, int]
     """The decoder's block fields, its quantized output head (or None) and the full model's
     parameter count, from the stored file (`load`)."""
     # Layers in parallel: w8a8's weights are packed again for fbgemm, one thread a matrix (in one
-    # thread most of a start: BENCHMARKS.md, D-w8a8-threads); the other kinds are views of the file.
+    # thread most of a start: docs/decisions.md, D-w8a8-threads); the other kinds are views of the file.
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         blocks = list(pool.map(lambda layer: {name: _unpack(value) for name, value in layer.items()}, saved["blocks"]))
     head = _unpack(saved["head"]) if saved.get("head") is not None else None
