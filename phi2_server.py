@@ -1288,7 +1288,14 @@ def stalled(request: web.Request) -> None:
 
 
 def note_summary(request: web.Request, summary: Summary) -> None:
-    request[LOG_FACTS].update(tokens_used=summary.tokens_used, finish_reason=summary.finish_reason, summary=summary)
+    """The request log line's counts: tokens made, the prompt's and how many of them were cached."""
+    request[LOG_FACTS].update(
+        tokens_used=summary.tokens_used,
+        prompt_tokens=summary.prompt_tokens,
+        cached_tokens=summary.cached_tokens,
+        finish_reason=summary.finish_reason,
+        summary=summary,
+    )
 
 
 def raise_unfinished(request: web.Request, summary: Summary) -> None:
@@ -1373,27 +1380,24 @@ async def v1_models(request: web.Request) -> web.Response:
     again for each listing), with its config's facts (as vLLM lists LoRA modules: parent, root)."""
     engine = engine_ready(request)
     names = served_names(request)
-    cards = [model_card(engine, name) for name in names]
+    embeds = chat_embeds(request)
+    cards = [chat_card(engine, name, embeds) for name in names]
     facts = await available_adapters(engine.backend)
     cards += [adapter_card(engine, names[0], adapter) for adapter in facts]
     for kind, encoder in request.app[ENCODER].encoders.items():  # EMBEDDING_MODEL, RERANK_MODEL
-        if of_chat_model(encoder):  # the chat model's cards say it embeds too
-            cards[: len(names)] = [{**card, "tasks": ["chat", "embedding"]} for card in cards[: len(names)]]
-        else:
+        if not of_chat_model(encoder):
             cards.append({**model_card(engine, encoder_names(request, encoder)[0]), "task": kind})
     return web.json_response({"object": "list", "data": cards})
 
 
 async def v1_model(request: web.Request) -> web.Response:
     engine = engine_ready(request)
-    embeds = False
     for kind, encoder in request.app[ENCODER].encoders.items():
-        embeds = embeds or of_chat_model(encoder)
         if not of_chat_model(encoder) and request.match_info["model"] in encoder_names(request, encoder):
             return web.json_response({**model_card(engine, request.match_info["model"]), "task": kind})
     name, adapter = model_named(request, request.match_info["model"])
     if not adapter:
-        return web.json_response({**model_card(engine, name), **({"tasks": ["chat", "embedding"]} if embeds else {})})
+        return web.json_response(chat_card(engine, name, chat_embeds(request)))
     facts = await available_adapters(engine.backend)
     found = next((f for f in facts if f.name == adapter), None)
     if found is None:
@@ -1408,9 +1412,29 @@ def model_card(engine: Engine, name: str) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "phi2-server"}
 
 
+def chat_embeds(request: web.Request) -> bool:
+    """Whether the chat model answers /v1/embeddings (no EMBEDDING_MODEL: the chat model's encoder)."""
+    return any(of_chat_model(encoder) for encoder in request.app[ENCODER].encoders.values())
+
+
+def chat_card(engine: Engine, name: str, embeds: bool = False) -> dict:
+    """The chat model's card: its context window under the names clients read (llama.cpp's and
+    Ollama's `context_length`, vLLM's `max_model_len`, agents' `context_window`) and what it does."""
+    backend = engine.backend
+    context = backend.info.context_length
+    card = {
+        **model_card(engine, name),
+        "context_length": context,
+        "max_model_len": context,
+        "context_window": context,
+        "capabilities": {"chat": True, "tools": True, "reasoning": backend.reasons(), "embeddings": embeds},
+    }
+    return {**card, "tasks": ["chat", "embedding"]} if embeds else card
+
+
 def adapter_card(engine: Engine, base: str, facts: AdapterFacts) -> dict:
     return {
-        **model_card(engine, f"{base}:{facts.name}"),
+        **chat_card(engine, f"{base}:{facts.name}"),
         "parent": base,
         "root": facts.path,
         "adapter": facts.describe(),

@@ -309,6 +309,11 @@ class Backend(Protocol):
         vocabulary may be larger; its extra ids are never generated)."""
         ...
 
+    def reasons(self) -> bool:
+        """Whether the model writes a thought first (<think> tags in its vocabulary): /v1/models
+        says so among its capabilities."""
+        ...
+
     def chat_plan(self, chat: ChatRequest) -> ChatPlan:
         """One chat as this model serves it (backends.chat.plan), for every chat API alike: the
         prompt its chat template renders (tools in it, or the default tools block where it knows

@@ -4,7 +4,7 @@
 this machine decodes: a test that needs a generation in flight (to time it out, disconnect it,
 fill every slot, signal the server under it) holds it there instead of guessing that N tokens
 take longer than its next few lines. `FailingBackend` breaks its decoder after some steps.
-Both wrap the real tiny-model backends and honour the same contract (backends/__init__.py).
+Both wrap the real tiny-model backends and honour the same contract (backends/contract.py).
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class WrappedBackend:
 
     def chat_plan(self, chat):
         return self.inner.chat_plan(chat)
+
+    def reasons(self):
+        return self.inner.reasons()
 
     def detokenizer(self):
         return self.inner.detokenizer()

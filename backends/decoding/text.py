@@ -92,6 +92,9 @@ class TokenizerMethods:
     def chat_plan(self, chat: ChatRequest) -> ChatPlan:
         return self.text.chat.plan(chat)
 
+    def reasons(self) -> bool:
+        return self.text.chat.reasoning
+
 
 class KeepTokens:
     """A detokenizer that keeps some special tokens' text (tags: `ChatPlan.keep_tokens`), which

@@ -38,6 +38,20 @@ TEXT_BLOCK = {
 }
 
 
+# What a tool returned (`tool_result.content`): text, and whatever else an agent's tools give back
+# (images, documents, Claude Code's `tool_reference` from its tool search). The model reads text:
+# each other block becomes a line saying what it was (`result_text`).
+RESULT_BLOCK = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"type": "string", "description": "text; any other type is named in the text instead"},
+        "text": {"type": "string"},
+        "tool_name": {"type": "string", "description": "tool_reference: the tool a tool search found (now rendered)"},
+    },
+}
+
+
 # A message's blocks: text, and the tool calls (`tool_use`) and results (`tool_result`) of a
 # conversation with tools. Each type's own required fields are checked in `anthropic_chat`.
 CONTENT_BLOCK = {
@@ -56,7 +70,7 @@ CONTENT_BLOCK = {
         "input": {"type": "object", "description": "tool_use: the call's arguments"},
         "tool_use_id": {"type": "string", "description": "tool_result: the call it answers"},
         "content": {
-            "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}],
+            "anyOf": [{"type": "string"}, {"type": "array", "items": RESULT_BLOCK}],
             "description": "tool_result: what the tool returned",
         },
         "is_error": {"type": "boolean", "description": "tool_result: the tool failed (said in its text)"},
@@ -81,6 +95,10 @@ ANTHROPIC_TOOL = {
         "type": {"type": "string"},
         "cache_control": _ignored("object"),
         "strict": {"type": "boolean", "description": "accepted: a call always follows its schema"},
+        "defer_loading": {
+            "type": "boolean",
+            "description": "rendered only once a tool_result's tool_reference names it (an agent's tool search)",
+        },
     },
 }
 
@@ -177,6 +195,54 @@ def anthropic_text(content: str | list[dict]) -> str:
     return content if isinstance(content, str) else "".join(block.get("text", "") for block in content)
 
 
+def result_text(content: str | list[dict]) -> str:
+    """A tool_result's content as the text a text-only model reads: text blocks as they are, a
+    `tool_reference` as the tool it loaded, any other block (an image, a document) as a line
+    saying what was left out."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        kind = block["type"]
+        if kind == "text":
+            parts.append(block.get("text", ""))
+        elif kind == "tool_reference":
+            parts.append(f"[tool loaded: {block.get('tool_name', '')}]")
+        else:
+            parts.append(f"[{kind} omitted: this model reads text only]")
+    return "\n".join(part for part in parts if part)
+
+
+def referenced_tools(params: dict) -> set[str]:
+    """The tools a conversation's tool results named (`tool_reference`): a tool search found them."""
+    names = set()
+    for message in params["messages"]:
+        for block in message["content"] if isinstance(message["content"], list) else ():
+            if block["type"] == "tool_result" and isinstance(block.get("content"), list):
+                names.update(b.get("tool_name") for b in block["content"] if b["type"] == "tool_reference")
+    return names
+
+
+# Claude Code's first system block: `x-anthropic-billing-header: cc_version=2.1.197.1c0;
+# cc_entrypoint=sdk-cli;`, whose suffix differs between sessions. It is for Anthropic's billing,
+# not the model; at the prompt's start it left no two sessions a shared prefix to cache.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def without_billing_header(system: str | list[dict] | None, facts: dict) -> str | list[dict] | None:
+    """`system` without Claude Code's billing header block (the request log says it was dropped)."""
+    if isinstance(system, list):
+        kept = [b for b in system if not b.get("text", "").lstrip().startswith(BILLING_HEADER)]
+        if len(kept) < len(system):
+            facts["dropped"] = ["system billing header"]
+        return kept or None
+    if isinstance(system, str) and system.lstrip().startswith(BILLING_HEADER):
+        first, _, rest = system.lstrip().partition("\n")
+        facts["dropped"] = ["system billing header"]
+        return rest or None
+    return system
+
+
 def anthropic_chat(params: dict) -> list[dict]:
     """The request as OpenAI-shaped chat messages (what `chat_messages` checks and a
     `ChatRequest` holds): an assistant's `tool_use` blocks as its tool_calls, a user's
@@ -196,7 +262,7 @@ def anthropic_chat(params: dict) -> list[dict]:
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
         results = [b for b in blocks if b["type"] == "tool_result"]
         messages += [
-            {"role": "tool", "tool_call_id": b["tool_use_id"], "content": anthropic_text(b.get("content") or "")}
+            {"role": "tool", "tool_call_id": b["tool_use_id"], "content": result_text(b.get("content") or "")}
             for b in results
         ]
         calls = [
@@ -219,7 +285,10 @@ def anthropic_tools(ctx: Context, params: dict) -> ToolUse | None:
     none: no tools at all); its server tools skipped, their types in the request log."""
     choice = params["tool_choice"] or {"type": "auto"}
     tools, skipped = [], []
+    found = referenced_tools(params)
     for i, t in enumerate(params["tools"] or []):
+        if t.get("defer_loading") and t["name"] not in found:
+            continue  # not rendered until a tool search names it
         if t.get("type", "custom") != "custom":
             skipped.append(t["type"])
         elif "input_schema" not in t:
@@ -417,6 +486,7 @@ def thought_signature(text: str) -> str:
 def translate(params: dict, ctx: Context) -> ChatCall:
     """The request as the shared chat form (what /v1/messages generates from and count_tokens
     counts): tools, output_config's format and effort, thinking, the messages."""
+    params = {**params, "system": without_billing_header(params["system"], ctx.facts)}
     use = anthropic_tools(ctx, params)
     format = (params.get("output_config") or {}).get("format")
     tools_or_format(use, format and "json_schema", "output_config.format")
