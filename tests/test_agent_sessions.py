@@ -47,15 +47,16 @@ async def test_models_give_the_context_window_and_capabilities(client, backend):
 
 
 async def test_two_sessions_differing_only_in_the_billing_header_share_their_prefix(client, backend, log_dir):
-    """Claude Code's first system block changes between sessions (`.1c0`, `.e84`): it is left out
-    of the prompt, so the second session's prompt is the first's and comes from the cache."""
+    """Claude Code's first system block changes between sessions (`.1c0`, `.e84`): that part is
+    dropped, so the second session's prompt is the first's and comes from the cache."""
     counts = []
     for suffix in ("1c0", "e84"):
         body = messages_body([billing(suffix), {"type": "text", "text": SYSTEM}])
         counts.append((await (await client.post("/v1/messages/count_tokens", json=body)).json())["input_tokens"])
-    plain = messages_body([{"type": "text", "text": SYSTEM}])
+    fixed = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197; cc_entrypoint=sdk-cli;"}
+    plain = messages_body([fixed, {"type": "text", "text": SYSTEM}])
     without = (await (await client.post("/v1/messages/count_tokens", json=plain)).json())["input_tokens"]
-    assert counts[0] == counts[1] == without  # the header reaches no prompt
+    assert counts[0] == counts[1] == without  # the header reaches the prompt without its session's part
 
     usages = []
     for suffix in ("1c0", "e84"):
@@ -71,7 +72,7 @@ async def test_two_sessions_differing_only_in_the_billing_header_share_their_pre
     await wait_until(lambda: len([line for line in read_log(log_dir) if line["path"] == "/v1/messages"]) == 2)
     lines = read_log(log_dir)
     sent = [line for line in lines if line["path"] == "/v1/messages"]
-    assert all(line["dropped"] == ["system billing header"] for line in sent)
+    assert all(line["normalized"] == ["system billing header"] for line in sent)
     assert sent[1]["cached_tokens"] == usages[1]["cache_read_input_tokens"]
     assert sent[1]["prompt_tokens"] == prompt
 

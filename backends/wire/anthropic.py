@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import uuid
 from typing import Any
 
@@ -224,23 +225,25 @@ def referenced_tools(params: dict) -> set[str]:
 
 
 # Claude Code's first system block: `x-anthropic-billing-header: cc_version=2.1.197.1c0;
-# cc_entrypoint=sdk-cli;`, whose suffix differs between sessions. It is for Anthropic's billing,
-# not the model; at the prompt's start it left no two sessions a shared prefix to cache.
-BILLING_HEADER = "x-anthropic-billing-header:"
+# cc_entrypoint=sdk-cli;`, whose version's last part (`.1c0`, `.e84`) differs between sessions. At the
+# prompt's start it left no two sessions a shared prefix to cache: that part is dropped, so sessions of
+# one Claude Code version send the same text (the model reads the same header, less three characters).
+BILLING_HEADER = re.compile(r"(x-anthropic-billing-header:[^\n]*?cc_version=\d+\.\d+\.\d+)\.[0-9A-Za-z]+;")
 
 
-def without_billing_header(system: str | list[dict] | None, facts: dict) -> str | list[dict] | None:
-    """`system` without Claude Code's billing header block (the request log says it was dropped)."""
+def normalized_billing_header(system: str | list[dict] | None, facts: dict) -> str | list[dict] | None:
+    """`system` with Claude Code's billing header made the same for every session (the request
+    log says it was)."""
+
+    def same(text: str) -> str:
+        fixed, changed = BILLING_HEADER.subn(r"\1;", text, count=1)
+        if changed:
+            facts["normalized"] = ["system billing header"]
+        return fixed
+
     if isinstance(system, list):
-        kept = [b for b in system if not b.get("text", "").lstrip().startswith(BILLING_HEADER)]
-        if len(kept) < len(system):
-            facts["dropped"] = ["system billing header"]
-        return kept or None
-    if isinstance(system, str) and system.lstrip().startswith(BILLING_HEADER):
-        first, _, rest = system.lstrip().partition("\n")
-        facts["dropped"] = ["system billing header"]
-        return rest or None
-    return system
+        return [{**b, "text": same(b["text"])} if "text" in b else b for b in system]
+    return same(system) if isinstance(system, str) else system
 
 
 def anthropic_chat(params: dict) -> list[dict]:
@@ -486,7 +489,7 @@ def thought_signature(text: str) -> str:
 def translate(params: dict, ctx: Context) -> ChatCall:
     """The request as the shared chat form (what /v1/messages generates from and count_tokens
     counts): tools, output_config's format and effort, thinking, the messages."""
-    params = {**params, "system": without_billing_header(params["system"], ctx.facts)}
+    params = {**params, "system": normalized_billing_header(params["system"], ctx.facts)}
     use = anthropic_tools(ctx, params)
     format = (params.get("output_config") or {}).get("format")
     tools_or_format(use, format and "json_schema", "output_config.format")
