@@ -1119,10 +1119,11 @@ async def compile_constraint(
         )
     backend = engine_ready(request).backend
     request[LOG_FACTS]["grammar"] = field
-    grammar = backend.cached_constraint(kind, spec)
+    owner = request.get(CACHE_NAMESPACE, "")  # an API key's grammars are its own (issue 65)
+    grammar = backend.cached_constraint(kind, spec, owner)
     if grammar is not None:
         return grammar, field
-    work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec)
+    work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec, owner)
     if work is None:
         raise ApiError(
             503,

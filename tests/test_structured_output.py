@@ -312,11 +312,11 @@ async def test_a_compile_past_the_time_limit_is_refused(make_client, backend, mo
     release = threading.Event()
 
     class SlowGrammars(WrappedBackend):
-        def constraint(self, kind, spec):
+        def constraint(self, kind, spec, owner=""):
             release.wait(60)
-            return self.inner.constraint(kind, spec)
+            return self.inner.constraint(kind, spec, owner)
 
-        def cached_constraint(self, kind, spec):
+        def cached_constraint(self, kind, spec, owner=""):
             return None  # as if never compiled: the compile is what is held
 
     monkeypatch.setattr(phi2_server, "GRAMMAR_TIMEOUT_S", 0.05)
