@@ -122,6 +122,7 @@ from backends.workers.engine import (
     Ticket,
     next_events,
 )
+from backends.workers.faults import FaultLog
 
 VERSION = "0.9.0"
 log = logging.getLogger("phi2_server")
@@ -430,6 +431,7 @@ OPENAPI: web.AppKey[dict] = web.AppKey("openapi")
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")
 ENCODER: web.AppKey[EncodeWorker] = web.AppKey("encoder")  # EMBEDDING_MODEL and RERANK_MODEL's worker
 ENCODER_LOADER: web.AppKey[Callable[[], dict] | None] = web.AppKey("encoder_loader")  # None: no encoder set
+FAULTS: web.AppKey[FaultLog] = web.AppKey("faults")  # the server process's only (main)
 LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
@@ -597,6 +599,8 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
     request[RECEIVED_AT] = started
     given = request.headers.get("X-Request-Id", "")
     request[REQUEST_ID] = given if REQUEST_ID_FORMAT.fullmatch(given) else uuid.uuid4().hex
+    if faults := request.app.get(FAULTS):  # the ids a fault's stack dump names (backends.workers.faults)
+        faults.started(request[REQUEST_ID])
     facts: dict[str, Any] = {}
     request[LOG_FACTS] = facts
     status = 500
@@ -618,6 +622,8 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
         status = 499  # client closed the connection (nginx's convention)
         raise
     finally:
+        if faults:
+            faults.ended(request[REQUEST_ID])
         if facts.pop("client_closed", False):
             status = 499
         if facts.pop("delivered", False) and status == 499:  # closed after the stream's last event
@@ -2482,7 +2488,13 @@ def run(app: web.Application) -> int:
     # The worker thread and the event loop share the GIL; a shorter switch interval than the
     # default 5 ms hands it over sooner (measured within the spread: docs/decisions.md, D-switch-interval).
     sys.setswitchinterval(0.001)
-    return asyncio.run(serve(app))
+    app[FAULTS] = faults = FaultLog(app[SETTINGS].log_dir)
+    if faults.previous:
+        log.warning("the last server process ended without shutting down (%s): %s", *faults.previous)
+    try:
+        return asyncio.run(serve(app))
+    finally:
+        faults.close()
 
 
 if __name__ == "__main__":

@@ -259,3 +259,35 @@ def test_a_catastrophic_pattern_ends_the_argument_check(pattern):
     keyed = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}, "additionalProperties": False}
     assert argument_error(keyed, json.dumps({"a" * 60 + "b": 1})) is None
     assert "is not of type" in argument_error(keyed, json.dumps({"aa": "x"}))
+
+
+def test_a_process_that_dies_says_why_and_what_it_was_serving(tiny_path, tmp_path):
+    """A fault in native code: fault.log has every thread's stack and the request ids in flight,
+    and the next start sets it aside and says so."""
+    import signal
+
+    from test_shutdown import server_process
+
+    log_dir = tmp_path / "logs"
+    with server_process(tiny_path, log_dir, "torch", grace=0.2) as (process, port):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = json.dumps({"prompt": "Once upon", "max_tokens": 40, "ignore_eos": True})
+        connection.request("POST", "/generate/stream", body=body, headers={"X-Request-Id": "the-held-one"})
+        response = connection.getresponse()
+        assert "token" in json.loads(response.readline())  # held at the gate after its first token
+        head = (log_dir / "fault.log").read_bytes()[:4096].decode()
+        assert "the-held-one" in head
+        process.send_signal(signal.SIGSEGV)
+        assert process.wait(60) == -signal.SIGSEGV
+    written = (log_dir / "fault.log").read_text()
+    assert "requests in flight: the-held-one" in written
+    assert "Segmentation fault" in written and "Thread 0x" in written and "File " in written
+    with server_process(tiny_path, log_dir, "torch", grace=0.2) as (process, port):
+        kept = list(log_dir.glob("fault-*.log"))
+        assert len(kept) == 1 and "the-held-one" in kept[0].read_text()
+        assert "requests in flight:" in (log_dir / "fault.log").read_text()  # this process's, none yet
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        said = process.stdout.read().decode()
+    assert "ended without shutting down" in said and "the-held-one" in said
+    assert not (log_dir / "fault.log").exists()  # a clean exit leaves none
