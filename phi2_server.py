@@ -1508,7 +1508,7 @@ def chat_plan(backend: Backend, chat: ChatRequest) -> ChatPlan:
     try:
         return backend.chat_plan(chat)
     except ChatError as exc:
-        raise ApiError(400, str(exc), field="messages") from None
+        raise ApiError(400, str(exc), field=exc.field) from None
 
 
 def plan_of(request: web.Request, call: ChatCall) -> ChatPlan:
