@@ -90,7 +90,7 @@ from backends.contract import (
 from backends.encoders.chat import POOLINGS, Refused
 from backends.encoders.embeddings import Encoder, InputTooLong, Item, Kind
 from backends.files.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
-from backends.wire import anthropic, completions, openai_chat, responses
+from backends.wire import anthropic, bodies, completions, openai_chat, responses
 from backends.wire.anthropic import COUNT_TOKENS_SCHEMA, MESSAGES_SCHEMA, anthropic_error
 from backends.wire.base import Context, Generation, Wire, combined, grammar_failed, token_string
 from backends.wire.chat import (
@@ -464,11 +464,22 @@ async def read_body(request: web.Request, validate: Callable[[Any], T]) -> T:
 
 async def read_raw(request: web.Request) -> bytes:
     """The body's bytes, within BODY_TIMEOUT: a client that stops sending mid-body is answered
-    408 and its connection closed, not waited for."""
+    408 and its connection closed, not waited for. A compressed body is inflated on a pool, in
+    bounded pieces, and refused past MAX_BODY_BYTES (backends.wire.bodies)."""
     timeout = request.app[SETTINGS].body_timeout
     try:
         async with asyncio.timeout(timeout or None):
-            return await request.read()  # raises 413 past MAX_BODY_BYTES
+            raw = await request.read()  # raises 413 past MAX_BODY_BYTES (as sent: runner_options)
+        if encoding := request.headers.get("Content-Encoding", ""):
+            limit = request.app[SETTINGS].max_body_bytes
+            pool = request.app[TOKENIZER_POOL]
+            raw = await asyncio.get_running_loop().run_in_executor(pool, bodies.decoded, raw, encoding, limit)
+        return raw
+    except bodies.TooLarge:
+        limit = request.app[SETTINGS].max_body_bytes
+        raise ApiError(413, f"the request body decompresses past MAX_BODY_BYTES ({limit} bytes)", close=True) from None
+    except bodies.Unreadable as exc:
+        raise ApiError(415 if exc.unsupported else 400, f"the request body cannot be read: {exc}", close=True) from None
     except TimeoutError:
         raise ApiError(
             408, f"the request body did not arrive within BODY_TIMEOUT ({timeout:g} s)", close=True
@@ -2375,6 +2386,7 @@ def runner_options(app: web.Application) -> dict[str, Any]:
     access_log_class = type("AppProtocolErrorLog", (ProtocolErrorLog,), {"app": app})
     return {
         "handler_cancellation": True,
+        "auto_decompress": False,  # read_raw inflates a body off the loop, bounded (issue 65)
         "keepalive_timeout": app[SETTINGS].idle_timeout,  # also bounds a connection that never completes its headers
         "access_log_class": access_log_class,
         "access_log": HTTP_LOG,

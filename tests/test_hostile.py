@@ -291,3 +291,63 @@ def test_a_process_that_dies_says_why_and_what_it_was_serving(tiny_path, tmp_pat
         said = process.stdout.read().decode()
     assert "ended without shutting down" in said and "the-held-one" in said
     assert not (log_dir / "fault.log").exists()  # a clean exit leaves none
+
+
+def gzip_bomb(megabytes: int) -> bytes:
+    """A gzip body of ~1 KB a MB of JSON it inflates to."""
+    import zlib
+
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    parts = [packer.compress(b'{"prompt": "')]
+    parts += [packer.compress(b"a" * (1 << 20)) for _ in range(megabytes)]
+    return b"".join([*parts, packer.compress(b'"}'), packer.flush()])
+
+
+def test_gzip_bombs_are_a_413_and_stall_nothing(hostile_server):
+    """Four bodies of 1 GiB of JSON, gzipped to ~1 MB each: aiohttp inflated them on the loop (and
+    drained them after the 413), 6-9 s of /health's time; each is now refused at MAX_BODY_BYTES."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    process, port = hostile_server
+    bomb = gzip_bomb(1024)
+    assert len(bomb) <= 1 << 20  # within MAX_BODY_BYTES as sent
+
+    def send(_) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        connection.request("POST", "/generate", body=bomb, headers=headers)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+
+    before = neighbour(port)
+    with watched(process, port), ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(send, range(4)))
+    for status, answer in answers:
+        assert status == 413 and "decompresses past MAX_BODY_BYTES" in answer["error"]["message"], answer
+    assert neighbour(port) == before
+
+
+def test_compressed_bodies_are_read_within_the_limit():
+    import gzip
+    import zlib
+
+    from backends.wire.bodies import TooLarge, Unreadable, decoded
+
+    body = json.dumps({"prompt": "x" * 1000}).encode()
+    assert decoded(gzip.compress(body), "gzip", len(body)) == body
+    assert decoded(gzip.compress(body[:10]) + gzip.compress(body[10:]), "x-gzip", len(body)) == body  # two members
+    assert decoded(zlib.compress(body), "deflate", len(body)) == body
+    raw = zlib.compressobj(6, zlib.DEFLATED, -15)
+    assert decoded(raw.compress(body) + raw.flush(), "Deflate", len(body)) == body  # raw deflate, as some send
+    assert decoded(body, "identity", len(body)) == body
+    with pytest.raises(TooLarge):
+        decoded(gzip.compress(body), "gzip", len(body) - 1)
+    with pytest.raises(TooLarge):
+        decoded(gzip_bomb(64), "gzip", 1 << 20)
+    with pytest.raises(Unreadable, match="not gzip"):
+        decoded(b"not gzip at all", "gzip", 1 << 20)
+    with pytest.raises(Unreadable, match="ends before"):
+        decoded(gzip.compress(body)[:-20], "gzip", 1 << 20)
+    with pytest.raises(Unreadable, match="not supported") as refused:
+        decoded(body, "br", 1 << 20)
+    assert refused.value.unsupported
