@@ -39,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
 
 from backends.chat.tools import COMPACT_JSON, Trigger
 from backends.contract import GrammarError
@@ -538,6 +539,12 @@ def build(tokenizer: llguidance.LLTokenizer, vocab: int, kind: str, spec: str):
             text = llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
         elif kind == "regex":
             text = llguidance.LLMatcher.grammar_from_regex(spec)
+        elif kind == "lark":  # backends.wire.constraints: a client's grammar, GBNF (made Lark) or Lark
+            try:
+                lark = any_to_lark(spec)
+            except Exception as exc:  # llguidance's converter raises plain Exceptions (and may recurse)
+                raise GrammarError(f"neither GBNF nor Lark: {reason(str(exc))}") from None
+            text = llguidance.LLMatcher.grammar_from_lark(lark)
         elif kind == "tool_calls":  # backends.chat.tools: Lark text, and a trigger if lazy
             tool_spec = json.loads(spec)
             for custom in tool_spec.get("custom", ()):  # a client's grammar alone: its error names its tool
