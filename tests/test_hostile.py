@@ -351,3 +351,18 @@ def test_compressed_bodies_are_read_within_the_limit():
     with pytest.raises(Unreadable, match="not supported") as refused:
         decoded(body, "br", 1 << 20)
     assert refused.value.unsupported
+
+
+async def test_namespaces_of_many_functions_are_refused_before_the_compiler(client):
+    """128 namespaces of 128 functions each reached the grammar compiler: 16,384 functions."""
+    namespaces = [  # within MAX_BODY_BYTES: ~560 KB
+        {"type": "namespace", "name": f"n{i}", "tools": [{"type": "function", "name": f"f{i}_{j}"} for j in range(128)]}
+        for i in range(128)
+    ]
+    body = {"input": "Hi", "max_output_tokens": 4, "tools": namespaces, "tool_choice": "required"}
+    response = await client.post("/v1/responses", json=body)
+    answer = await response.json()
+    assert response.status == 400 and answer["error"]["param"] == "tools", answer
+    assert "16384" in answer["error"]["message"]
+    few = {**body, "tools": [{**namespaces[0], "tools": namespaces[0]["tools"][:2]}]}
+    assert (await client.post("/v1/responses", json=few)).status == 200
