@@ -6,6 +6,7 @@ stays the same; then the process must still be alive.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -351,6 +352,37 @@ def test_compressed_bodies_are_read_within_the_limit():
     with pytest.raises(Unreadable, match="not supported") as refused:
         decoded(body, "br", 1 << 20)
     assert refused.value.unsupported
+
+
+@pytest.mark.parametrize("runtime", ["torch", "mlx"])
+async def test_a_small_encode_request_is_not_stuck_behind_a_large_one(runtime, tmp_path):
+    """A one-input rerank queued behind a 160-input one runs in the first forward: the worker takes
+    an input of each waiting request a round (issue 65: it waited 15 s, in arrival order). The
+    rerank's pairs are the tokenizer's own: the query tokenized once."""
+    from backends.choose import load_encoder
+    from backends.torch.tiny import write_tiny_reranker
+    from backends.workers.encode import EncodeWorker
+
+    reranker = load_encoder(runtime, "rerank", str(write_tiny_reranker(tmp_path / "reranker")), "cpu")
+    documents = [f"document {i} about the sea and its depth" for i in range(160)]
+    large = reranker.pairs("where is the sea?", documents, False)
+    assert [item.ids for item in large] == [
+        item.ids for item in reranker._pairs_one_by_one("where is the sea?", documents, False)
+    ]
+    width = max(len(item.ids) for item in large)
+    worker = EncodeWorker(lambda: {"rerank": reranker}, lambda: 8, batch_tokens=8 * width, threads=1)
+    finished = []
+    big = worker.submit("rerank", large)
+    small = worker.submit("rerank", reranker.pairs("a question", ["an answer"], False))
+    big.future.add_done_callback(lambda _: finished.append("large"))
+    small.future.add_done_callback(lambda _: finished.append("small"))
+    worker.start()
+    try:
+        scores = await asyncio.wait_for(asyncio.gather(big.future, small.future), 300)
+    finally:
+        worker.stop(30)
+    assert finished == ["small", "large"] and len(scores[0]) == 160
+    assert worker.stats["rerank"].forwards >= 160 // 8  # the large one took its many forwards
 
 
 async def test_namespaces_of_many_functions_are_refused_before_the_compiler(client):
