@@ -1632,7 +1632,7 @@ async def v1_count_tokens(request: web.Request) -> web.Response:
 
 async def v1_response(request: web.Request) -> web.Response:
     found = stored(request.app[RESPONSES], request.get(CACHE_NAMESPACE, ""), request.match_info["response_id"])
-    return web.json_response(found.response)
+    return web.Response(body=found.response_json, content_type="application/json")  # as kept
 
 
 async def v1_delete_response(request: web.Request) -> web.Response:

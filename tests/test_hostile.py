@@ -398,3 +398,38 @@ async def test_namespaces_of_many_functions_are_refused_before_the_compiler(clie
     assert "16384" in answer["error"]["message"]
     few = {**body, "tools": [{**namespaces[0], "tools": namespaces[0]["tools"][:2]}]}
     assert (await client.post("/v1/responses", json=few)).status == 200
+
+
+def test_the_responses_store_counts_what_it_holds_and_shares_it_between_keys():
+    """What the store holds in memory is within its byte limit (it held ~17 times the JSON it
+    counted), and one key's answers never push out another's while it holds more."""
+    import gc
+    import tracemalloc
+
+    from backends.wire.store import ResponseStore
+
+    def answer(i: int, key: str) -> tuple[dict, list[dict]]:
+        items = [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"{key}{i} " * 20}]}
+        ] * 40
+        return {"id": f"resp_{key}{i}", "object": "response", "output": items[:1]}, items
+
+    store = ResponseStore(entries=10_000, size=1 << 20)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(200):
+        store.put("a", *answer(i, "a"))
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert store.held <= 1 << 20 and held <= 1.2 * store.held, (held, store.held)
+    assert store.get("a", "resp_a199").items == answer(199, "a")[1]  # as it was kept
+    for i in range(5):
+        store.put("b", *answer(i, "b"))
+    for i in range(200, 400):  # key a sends on: it loses its own oldest, never b's
+        store.put("a", *answer(i, "a"))
+    assert all(store.get("b", f"resp_b{i}") is not None for i in range(5))
+    assert store.get("a", "resp_a200") is None and store.get("a", "resp_a399") is not None
+    assert store.held <= 1 << 20
+    assert store.get("b", "resp_a399") is None  # a key sees only its own
+    assert store.delete("b", "resp_b0") and store.get("b", "resp_b0") is None
