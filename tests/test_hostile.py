@@ -245,6 +245,10 @@ def test_a_crashing_compile_is_refused_and_its_child_replaced(grammars):
         grammars.compile("json_schema", json.dumps(ref_chain(3000)), "k3")
     assert grammars.compile("json_schema", json.dumps(ref_chain(100)), "k3").size > 0  # a new child
     assert grammars._guard.started == started + 1
+    with pytest.raises(GrammarError, match="did not compile within"):  # no time at all: its child is ended
+        grammars.compile("regex", "[a-z]{5}@[0-9]{3}", "k3", timeout=0)
+    assert grammars.compile("regex", "[a-z]{5}@[0-9]{3}", "k3").size > 0  # not remembered: time may be the load's
+    assert grammars._guard.started == started + 2
 
 
 @pytest.mark.parametrize("pattern", [r"^(a|a)*$", r"^(a|aa)+$"])

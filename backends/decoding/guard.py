@@ -76,7 +76,8 @@ class CompileGuard:
             if child is not None:
                 child.kill()
             child = None
-            self._refuse(digest, str(exc))
+            if exc.remember:  # a crash or memory: the same again; a time limit may be the machine's load
+                self._refuse(digest, str(exc))
             raise GrammarError(str(exc)) from None
         finally:
             self._idle.put(child)
@@ -114,6 +115,10 @@ class Unavailable(RuntimeError):
 
 class _Died(Exception):
     """The child failed: its grammar is refused with this reason."""
+
+    def __init__(self, message: str, remember: bool = True):
+        super().__init__(message)
+        self.remember = remember
 
 
 class _Child:
@@ -153,7 +158,7 @@ class _Child:
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise _Died(f"the grammar did not compile within {timeout:.0f} s")
+                raise _Died(f"the grammar did not compile within {timeout:.0f} s", remember=False)
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 raise self._death(timeout)
