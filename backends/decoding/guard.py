@@ -193,7 +193,8 @@ class _Child:
 
 
 def _allocated() -> Callable[[], int]:
-    """A reader of the bytes malloc holds (glibc's mallinfo2), else of the peak resident size."""
+    """A reader of the bytes malloc holds (glibc's mallinfo2), else of the resident size (psutil:
+    macOS, musl), which counts pages rather than allocations but grows with them."""
     path = ctypes.util.find_library("c")
     libc = ctypes.CDLL(path) if path else None
     if libc is not None and hasattr(libc, "mallinfo2"):
@@ -204,8 +205,10 @@ def _allocated() -> Callable[[], int]:
 
         libc.mallinfo2.restype = Info
         return lambda: (lambda m: m.uordblks + m.hblkhd)(libc.mallinfo2())
-    scale = 1 if sys.platform == "darwin" else 1024
-    return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    import psutil
+
+    process = psutil.Process()
+    return lambda: process.memory_info().rss
 
 
 def _child() -> None:
