@@ -90,7 +90,7 @@ from backends.contract import (
 from backends.encoders.chat import POOLINGS, Refused
 from backends.encoders.embeddings import Encoder, InputTooLong, Item, Kind
 from backends.files.adapters import Adapter, AdapterError, AdapterFacts, UnknownAdapter
-from backends.wire import anthropic, completions, openai_chat, responses
+from backends.wire import anthropic, bodies, completions, openai_chat, responses
 from backends.wire.anthropic import COUNT_TOKENS_SCHEMA, MESSAGES_SCHEMA, anthropic_error
 from backends.wire.base import Context, Generation, Wire, combined, grammar_failed, token_string
 from backends.wire.chat import (
@@ -122,6 +122,7 @@ from backends.workers.engine import (
     Ticket,
     next_events,
 )
+from backends.workers.faults import FaultLog
 
 VERSION = "0.9.0"
 log = logging.getLogger("phi2_server")
@@ -430,6 +431,7 @@ OPENAPI: web.AppKey[dict] = web.AppKey("openapi")
 RESPONSES: web.AppKey[ResponseStore] = web.AppKey("responses")
 ENCODER: web.AppKey[EncodeWorker] = web.AppKey("encoder")  # EMBEDDING_MODEL and RERANK_MODEL's worker
 ENCODER_LOADER: web.AppKey[Callable[[], dict] | None] = web.AppKey("encoder_loader")  # None: no encoder set
+FAULTS: web.AppKey[FaultLog] = web.AppKey("faults")  # the server process's only (main)
 LOG_FACTS: web.RequestKey[dict[str, Any]] = web.RequestKey("log_facts")
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id")
 REQUEST_ID_FORMAT = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed only if it is this tame
@@ -462,11 +464,22 @@ async def read_body(request: web.Request, validate: Callable[[Any], T]) -> T:
 
 async def read_raw(request: web.Request) -> bytes:
     """The body's bytes, within BODY_TIMEOUT: a client that stops sending mid-body is answered
-    408 and its connection closed, not waited for."""
+    408 and its connection closed, not waited for. A compressed body is inflated on a pool, in
+    bounded pieces, and refused past MAX_BODY_BYTES (backends.wire.bodies)."""
     timeout = request.app[SETTINGS].body_timeout
     try:
         async with asyncio.timeout(timeout or None):
-            return await request.read()  # raises 413 past MAX_BODY_BYTES
+            raw = await request.read()  # raises 413 past MAX_BODY_BYTES (as sent: runner_options)
+        if encoding := request.headers.get("Content-Encoding", ""):
+            limit = request.app[SETTINGS].max_body_bytes
+            pool = request.app[TOKENIZER_POOL]
+            raw = await asyncio.get_running_loop().run_in_executor(pool, bodies.decoded, raw, encoding, limit)
+        return raw
+    except bodies.TooLarge:
+        limit = request.app[SETTINGS].max_body_bytes
+        raise ApiError(413, f"the request body decompresses past MAX_BODY_BYTES ({limit} bytes)", close=True) from None
+    except bodies.Unreadable as exc:
+        raise ApiError(415 if exc.unsupported else 400, f"the request body cannot be read: {exc}", close=True) from None
     except TimeoutError:
         raise ApiError(
             408, f"the request body did not arrive within BODY_TIMEOUT ({timeout:g} s)", close=True
@@ -597,6 +610,8 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
     request[RECEIVED_AT] = started
     given = request.headers.get("X-Request-Id", "")
     request[REQUEST_ID] = given if REQUEST_ID_FORMAT.fullmatch(given) else uuid.uuid4().hex
+    if faults := request.app.get(FAULTS):  # the ids a fault's stack dump names (backends.workers.faults)
+        faults.started(request[REQUEST_ID])
     facts: dict[str, Any] = {}
     request[LOG_FACTS] = facts
     status = 500
@@ -618,6 +633,8 @@ async def request_log(request: web.Request, handler) -> web.StreamResponse:
         status = 499  # client closed the connection (nginx's convention)
         raise
     finally:
+        if faults:
+            faults.ended(request[REQUEST_ID])
         if facts.pop("client_closed", False):
             status = 499
         if facts.pop("delivered", False) and status == 499:  # closed after the stream's last event
@@ -1119,10 +1136,11 @@ async def compile_constraint(
         )
     backend = engine_ready(request).backend
     request[LOG_FACTS]["grammar"] = field
-    grammar = backend.cached_constraint(kind, spec)
+    owner = request.get(CACHE_NAMESPACE, "")  # an API key's grammars are its own (issue 65)
+    grammar = backend.cached_constraint(kind, spec, owner)
     if grammar is not None:
         return grammar, field
-    work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec)
+    work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec, owner)
     if work is None:
         raise ApiError(
             503,
@@ -1501,7 +1519,7 @@ def chat_plan(backend: Backend, chat: ChatRequest) -> ChatPlan:
     try:
         return backend.chat_plan(chat)
     except ChatError as exc:
-        raise ApiError(400, str(exc), field="messages") from None
+        raise ApiError(400, str(exc), field=exc.field) from None
 
 
 def plan_of(request: web.Request, call: ChatCall) -> ChatPlan:
@@ -1614,7 +1632,7 @@ async def v1_count_tokens(request: web.Request) -> web.Response:
 
 async def v1_response(request: web.Request) -> web.Response:
     found = stored(request.app[RESPONSES], request.get(CACHE_NAMESPACE, ""), request.match_info["response_id"])
-    return web.json_response(found.response)
+    return web.Response(body=found.response_json, content_type="application/json")  # as kept
 
 
 async def v1_delete_response(request: web.Request) -> web.Response:
@@ -2368,6 +2386,7 @@ def runner_options(app: web.Application) -> dict[str, Any]:
     access_log_class = type("AppProtocolErrorLog", (ProtocolErrorLog,), {"app": app})
     return {
         "handler_cancellation": True,
+        "auto_decompress": False,  # read_raw inflates a body off the loop, bounded (issue 65)
         "keepalive_timeout": app[SETTINGS].idle_timeout,  # also bounds a connection that never completes its headers
         "access_log_class": access_log_class,
         "access_log": HTTP_LOG,
@@ -2481,7 +2500,13 @@ def run(app: web.Application) -> int:
     # The worker thread and the event loop share the GIL; a shorter switch interval than the
     # default 5 ms hands it over sooner (measured within the spread: docs/decisions.md, D-switch-interval).
     sys.setswitchinterval(0.001)
-    return asyncio.run(serve(app))
+    app[FAULTS] = faults = FaultLog(app[SETTINGS].log_dir)
+    if faults.previous:
+        log.warning("the last server process ended without shutting down (%s): %s", *faults.previous)
+    try:
+        return asyncio.run(serve(app))
+    finally:
+        faults.close()
 
 
 if __name__ == "__main__":

@@ -325,14 +325,15 @@ class Backend(Protocol):
     # one sequence decodes (backends.decoding.drafts; 0: off).
     draft_tokens: int
 
-    def constraint(self, kind: str, spec: str) -> Grammar:
+    def constraint(self, kind: str, spec: str, owner: str = "") -> Grammar:
         """A grammar for this model's tokenizer: kind `json_schema` (spec: the schema as JSON),
         `json_object` (any JSON object), `regex` or `tool_calls` (spec: a ChatPlan's grammar).
-        Compiled once (cached); GrammarError if not.
+        Compiled once (cached for `owner`, an API key); GrammarError if not, or if compiling it
+        crashes, runs out of time or memory (backends.decoding.guard).
         Slow for a large grammar (seconds): call it on a pool, never on the event loop."""
         ...
 
-    def cached_constraint(self, kind: str, spec: str) -> Grammar | None:
+    def cached_constraint(self, kind: str, spec: str, owner: str = "") -> Grammar | None:
         """The grammar if `constraint` compiled it before and still holds it, else None; cheap."""
         ...
 

@@ -10,7 +10,11 @@ class ModelLoadError(RuntimeError):
 
 class ChatError(ValueError):
     """A chat the model's template cannot render (its own raise_exception, or a template variable
-    a request may not set); the message says which."""
+    a request may not set); the message says which, `field` the request's field to name."""
+
+    def __init__(self, message: str, field: str = "messages"):
+        super().__init__(message)
+        self.field = field
 
 
 class GrammarError(ValueError):

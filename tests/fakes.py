@@ -36,11 +36,11 @@ class WrappedBackend:
     def token_bytes(self, token_id):
         return self.inner.token_bytes(token_id)
 
-    def constraint(self, kind, spec):
-        return self.inner.constraint(kind, spec)
+    def constraint(self, kind, spec, owner=""):
+        return self.inner.constraint(kind, spec, owner)
 
-    def cached_constraint(self, kind, spec):
-        return self.inner.cached_constraint(kind, spec)
+    def cached_constraint(self, kind, spec, owner=""):
+        return self.inner.cached_constraint(kind, spec, owner)
 
     @property
     def vocab_size(self):

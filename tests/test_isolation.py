@@ -165,12 +165,12 @@ class HeldCompiles(WrappedBackend):
         self.release = release
         self.started = 0
 
-    def constraint(self, kind, spec):
+    def constraint(self, kind, spec, owner=""):
         self.started += 1
         self.release.wait(60)
-        return self.inner.constraint(kind, spec)
+        return self.inner.constraint(kind, spec, owner)
 
-    def cached_constraint(self, kind, spec):
+    def cached_constraint(self, kind, spec, owner=""):
         return None
 
 

@@ -312,11 +312,11 @@ async def test_a_compile_past_the_time_limit_is_refused(make_client, backend, mo
     release = threading.Event()
 
     class SlowGrammars(WrappedBackend):
-        def constraint(self, kind, spec):
+        def constraint(self, kind, spec, owner=""):
             release.wait(60)
-            return self.inner.constraint(kind, spec)
+            return self.inner.constraint(kind, spec, owner)
 
-        def cached_constraint(self, kind, spec):
+        def cached_constraint(self, kind, spec, owner=""):
             return None  # as if never compiled: the compile is what is held
 
     monkeypatch.setattr(phi2_server, "GRAMMAR_TIMEOUT_S", 0.05)
@@ -329,3 +329,44 @@ async def test_a_compile_past_the_time_limit_is_refused(make_client, backend, mo
         assert (await client.get("/health")).status == 200
     finally:
         release.set()
+
+
+# vLLM's and llama.cpp's constraint fields on the OpenAI routes (issue 65): honoured, one a request.
+OTHER_CONSTRAINTS = [
+    ({"guided_choice": ["yes", "no", "a b#c"]}, lambda text: text in ("yes", "no", "a b#c")),
+    ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+    ({"guided_json": SCHEMAS["enum"]}, lambda text: jsonschema.validate(json.loads(text), SCHEMAS["enum"]) is None),
+    ({"guided_json": json.dumps(SCHEMAS["enum"])}, lambda text: json.loads(text)["size"] == "L"),
+    ({"json_schema": SCHEMAS["enum"]}, lambda text: jsonschema.validate(json.loads(text), SCHEMAS["enum"]) is None),
+    ({"grammar": 'root ::= "yes" | "no" | [0-9]+'}, lambda text: re.fullmatch("yes|no|[0-9]+", text)),
+    ({"guided_grammar": 'start: "x" NUM\nNUM: /[0-9]{2}/'}, lambda text: re.fullmatch("x[0-9]{2}", text)),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_vllm_and_llama_cpp_constraint_fields_are_honoured(client, path):
+    prompt = {"prompt": "Answer:"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    for fields, follows in OTHER_CONSTRAINTS:
+        body = {**prompt, "max_tokens": 60, "temperature": 1, "seed": 3, **fields}
+        response = await client.post(path, json=body)
+        answer = await response.json()
+        assert response.status == 200, (fields, answer)
+        choice = answer["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert follows(text), (fields, text)
+
+
+async def test_constraint_fields_that_cannot_be_used_are_a_400_naming_them(client):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra, field in [
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, "guided_json"),
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "[a&&b]"}, "guided_regex"),
+        ({"guided_json": {"type": "object"}, "tools": [tool], "tool_choice": "required"}, "guided_json"),
+    ]:
+        response = await client.post("/v1/chat/completions", json={**chat, **extra})
+        answer = await response.json()
+        assert response.status == 400 and answer["error"]["param"] == field, (extra, answer)

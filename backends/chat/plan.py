@@ -116,7 +116,8 @@ class ChatFormat:
         # apply_chat_template's own parameters (tokenize, chat_template, add_generation_prompt, ...):
         # names a request's chat_template_kwargs may not set, only the template's variables.
         parameters = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
-        self.reserved = frozenset(parameters | {"messages"})  # what transformers names the conversation inside
+        # and the names transformers' renderer takes its own arguments by (issue 65: a 500 before)
+        self.reserved = frozenset(parameters | {"messages", "conversation", "conversations", "self"})
         vocab = tokenizer.get_vocab()
         self.reasoning = tools.THINK_OPEN in vocab and tools.THINK_CLOSE in vocab
         self.tool_tokens = self._tool_tokens()
@@ -127,7 +128,10 @@ class ChatFormat:
         use = chat.tools
         kwargs = dict(chat.template_kwargs)
         if taken := sorted(self.reserved & set(kwargs)):
-            raise ChatError(f"chat_template_kwargs may not set {', '.join(taken)}: the server renders the chat")
+            raise ChatError(
+                f"chat_template_kwargs may not set {', '.join(taken)}: the server renders the chat",
+                "chat_template_kwargs",
+            )
         if chat.thinking is not None:
             kwargs.setdefault("enable_thinking", chat.thinking)
         thinking = kwargs.get("enable_thinking")  # asked for, or not, or None: the template's default
@@ -214,6 +218,11 @@ class ChatFormat:
                 return rendered(folded), ()
         except TemplateError as exc:  # the template's own refusal (or what a variable made of it)
             raise ChatError(f"the model's chat template refused this chat: {str(exc)[:300]}") from None
+        except (TypeError, ValueError) as exc:  # a variable of the request's the template cannot take
+            if not kwargs:
+                raise
+            message = f"the model's chat template cannot take these chat_template_kwargs: {str(exc)[:300]}"
+            raise ChatError(message, "chat_template_kwargs") from None
 
     def single_token(self, text: str) -> int | None:
         ids = self.tokenizer.encode(text, add_special_tokens=False)

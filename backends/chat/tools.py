@@ -38,11 +38,18 @@ prompt shows such a tool as a function taking one string, its grammar in its des
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jsonschema
+import jsonschema._keywords
+import jsonschema._legacy_keywords
+import jsonschema._utils
 import llguidance
+import regex
 
 # The system block for a chat template that knows no tools (and for Phi-2's dialogue format):
 # Hermes-style calls, the most common form, said in few tokens (a small model's context is short).
@@ -522,17 +529,58 @@ def custom_lark(syntax: str, definition: str) -> str:
     return f"start: /{llguidance.regex_to_lark(definition, '')}/\n"
 
 
+PATTERN_SECONDS = 0.25  # the pattern matching one call's check may do, all its patterns together
+
+
+class PatternTimeout(Exception):
+    """A call's patterns took longer than PATTERN_SECONDS to match: left unchecked."""
+
+
+class _Patterns:
+    """`re` as jsonschema's keywords see it (pattern, patternProperties, additionalProperties,
+    unevaluatedProperties: all call `re.search`). Within `argument_error`, a client's pattern is
+    matched by `regex`, which drops the GIL and stops at the check's deadline (Python's `re`
+    backtracks exponentially on `^(a+)+$` holding the GIL); elsewhere it is `re` itself."""
+
+    def __init__(self):
+        self.local = threading.local()
+
+    def search(self, pattern, string, flags=0):
+        deadline = getattr(self.local, "deadline", None)
+        if deadline is None:
+            return re.search(pattern, string, flags)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PatternTimeout
+        try:
+            return regex.search(pattern, string, flags, timeout=left)
+        except TimeoutError:
+            raise PatternTimeout from None
+
+    def __getattr__(self, name):
+        return getattr(re, name)
+
+
+PATTERNS = _Patterns()
+for _module in (jsonschema._keywords, jsonschema._utils, jsonschema._legacy_keywords):
+    _module.re = PATTERNS  # jsonschema 4.26's keywords search patterns through their module's `re`
+
+
 def argument_error(schema: dict, arguments: str) -> str | None:
     """Why a call's arguments break its tool's full JSON Schema (the grammar held them to a lenient
     form of it: `CALL_JSON`), or None. Formats are checked where jsonschema knows them; a schema
     jsonschema cannot read (or a `$ref` it cannot resolve: nothing is fetched) is no error of the
-    call's. Seconds for a huge schema: callers run it on a pool."""
+    call's, nor are patterns that take longer than PATTERN_SECONDS to match (`_Patterns`).
+    Seconds for a huge schema: callers run it on a pool."""
+    PATTERNS.local.deadline = time.monotonic() + PATTERN_SECONDS
     try:
         validator = jsonschema.validators.validator_for(schema)
         errors = validator(schema, format_checker=validator.FORMAT_CHECKER).iter_errors(json.loads(arguments))
         error = jsonschema.exceptions.best_match(errors)
-    except Exception:  # the schema's own fault (SchemaError, Unresolvable, ...): nothing to say of the call
+    except Exception:  # the schema's own fault (SchemaError, Unresolvable, ...), or PatternTimeout
         return None
+    finally:
+        PATTERNS.local.deadline = None
     return None if error is None else f"{error.json_path}: {error.message}"[:300]
 
 

@@ -22,28 +22,33 @@ What a grammar costs is paid when it is compiled, never on the generation thread
   (`Matcher.error`, llguidance's reason without its state dump), allows every token from then on
   so the batch's step goes on as usual, and the engine ends that sequence with the error.
 
-Each compiled grammar is cached per tokenizer (least recently used out first), within
-GRAMMAR_CACHE entries and GRAMMAR_CACHE_TEXT characters of grammar text: a grammar's memory
-(its lexer above all) grows with its text.
+Each compiled grammar is cached per tokenizer and API key (least recently used out first),
+within GRAMMAR_CACHE entries and GRAMMAR_CACHE_BYTES of what they hold, as measured where the
+grammar was vetted (backends.decoding.guard): a 20-character regex can hold 150 MB.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.hf
 import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
 
 from backends.chat.tools import COMPACT_JSON, Trigger
 from backends.contract import GrammarError
 
 GRAMMAR_CACHE = 256  # compiled grammars kept per tokenizer
-GRAMMAR_CACHE_TEXT = 1_000_000  # characters of grammar text they may hold together (a 3,000-property schema: ~90k)
+GRAMMAR_CACHE_BYTES = 512 << 20  # the bytes they may hold together (a 3,000-property schema: ~10 MB)
+COMPILE_S = 5.0  # a grammar's compile in the guard's child, at most (then the server's own, as long)
+VET_STACK = 1 << 20  # the guard child's compile thread (backends.decoding.guard): a chain of ~300 levels fits
+GRAMMAR_STACK = 256 << 20  # the server's compile threads (address space; pages are used as touched)
 # Compact JSON (", " and ": ", no other whitespace): a model cannot pad the output with
 # whitespace until max_tokens, and the text reads as usual.
 JSON_OPTIONS = COMPACT_JSON
@@ -56,7 +61,9 @@ LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 _masks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
 # Rows advanced together (a batch of constrained rows) fill their masks on llguidance's own
-# threads, in one call.
+# threads, in one call; their stacks as large as a Python thread's, 8 times the guard's child's
+# (backends.decoding.guard.VET_STACK), not Rust's 2 MiB.
+os.environ.setdefault("RUST_MIN_STACK", str(8 << 20))
 _rows = llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
 
 
@@ -84,7 +91,7 @@ class Grammar:
         self._first_mask = first_mask
         self._lock = threading.Lock()  # copies are taken from any thread; the prototype never moves
         self.vocab = vocab
-        self.size = size  # characters of grammar text: what the cache counts
+        self.size = size  # the bytes it holds (measured by the guard; else its text's length): what the cache counts
         self.trigger = trigger
         self._tokenizer = tokenizer
 
@@ -393,98 +400,192 @@ class ThinkingMatcher:
 class Grammars:
     """The grammars of one tokenizer, compiled on demand and cached. `compile` is slow for a
     large grammar (seconds) and thread-safe: callers run it on a pool of their own, never on the
-    event loop or the generation thread."""
+    event loop or the generation thread. With a `guard` (backends.decoding.guard), each grammar
+    is vetted in a child process first, which also measures the bytes it holds.
 
-    def __init__(self, hf_tokenizer, vocab: int):
+    The cache is bounded by those bytes: GRAMMAR_CACHE_BYTES in all, and a quarter of it for
+    one owner (the API key: a key's grammars are its own, so no key learns from a hit what
+    another compiled, nor evicts more than its share of another's)."""
+
+    def __init__(self, hf_tokenizer, vocab: int, guard: Callable[[dict], object] | None = None):
         self._hf_tokenizer = hf_tokenizer
         self.vocab = vocab  # the model's: masks cover every logit
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._guard_factory = guard
+        self._guard = None
+        self._cache: OrderedDict[tuple[str, str, str], Grammar | ThinkingGrammar] = OrderedDict()
         self._cached_size = 0
+        self._owned: dict[str, int] = {}  # bytes cached per owner
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the tokenizer, built on first use (a third of a second for Phi-2's)."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab)
+                spec = tokenizer_spec(self._hf_tokenizer, self.vocab)
+                self._tokenizer = llguidance.LLTokenizer(spec["json"], n_vocab=spec["vocab"], eos_token=spec["eos"])
+                if self._guard_factory is not None:
+                    self._guard = self._guard_factory(spec)
             return self._tokenizer
 
-    def cached(self, kind: str, spec: str) -> Grammar | None:
+    def cached(self, kind: str, spec: str, owner: str = "") -> Grammar | None:
         """The grammar if it is compiled already (cheap: callers ask before queueing a compile)."""
         with self._lock:
-            grammar = self._cache.get((kind, spec))
+            grammar = self._cache.get((owner, kind, spec))
             if grammar is not None:
-                self._cache.move_to_end((kind, spec))
+                self._cache.move_to_end((owner, kind, spec))
             return grammar
 
-    def compile(self, kind: str, spec: str) -> Grammar:
-        grammar = self.cached(kind, spec)
+    def compile(self, kind: str, spec: str, owner: str = "", timeout: float = COMPILE_S) -> Grammar:
+        grammar = self.cached(kind, spec, owner)
         if grammar is not None:
             return grammar
-        grammar = self._compile(kind, spec)
+        grammar = self._compile(kind, spec, owner, timeout)
         with self._lock:
-            if (kind, spec) not in self._cache:
-                self._cache[(kind, spec)] = grammar
+            key = (owner, kind, spec)
+            if key not in self._cache:
+                self._cache[key] = grammar
                 self._cached_size += grammar.size
-            while len(self._cache) > GRAMMAR_CACHE or (self._cached_size > GRAMMAR_CACHE_TEXT and len(self._cache) > 1):
-                _, evicted = self._cache.popitem(last=False)
-                self._cached_size -= evicted.size
+                self._owned[owner] = self._owned.get(owner, 0) + grammar.size
+            self._evict(owner)
         return grammar
 
-    def _compile(self, kind: str, spec: str) -> Grammar | ThinkingGrammar:
+    def _evict(self, owner: str) -> None:
+        """The owner's least recently used out while it holds over its share, then anyone's
+        while the whole holds too much (the newest entry stays: it is in use)."""
+        share = max(GRAMMAR_CACHE_BYTES // 4, 1)
+        mine = [key for key in self._cache if key[0] == owner]
+        while self._owned.get(owner, 0) > share and len(mine) > 1:
+            self._drop(mine.pop(0))
+        while len(self._cache) > 1 and (len(self._cache) > GRAMMAR_CACHE or self._cached_size > GRAMMAR_CACHE_BYTES):
+            self._drop(next(iter(self._cache)))
+
+    def _drop(self, key: tuple[str, str, str]) -> None:
+        evicted = self._cache.pop(key)
+        self._cached_size -= evicted.size
+        self._owned[key[0]] -= evicted.size
+        if not self._owned[key[0]]:
+            del self._owned[key[0]]
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_size
+
+    def _compile(self, kind: str, spec: str, owner: str, timeout: float) -> Grammar | ThinkingGrammar:
         if kind == "thinking":  # backends.chat.plan: a reasoning reply's plan, over its inner grammar
             plan = json.loads(spec)
-            inner = self.compile(*plan["inner"]) if plan["inner"] else None
+            inner = self.compile(*plan["inner"], owner, timeout) if plan["inner"] else None
             return ThinkingGrammar(inner, self.vocab, plan, len(spec))
-        trigger = None
-        try:
-            if kind == "json_schema":
-                json.loads(spec)  # its own error names the position
-                text = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
-            elif kind == "json_object":
-                text = llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
-            elif kind == "regex":
-                text = llguidance.LLMatcher.grammar_from_regex(spec)
-            elif kind == "tool_calls":  # backends.chat.tools: Lark text, and a trigger if lazy
-                tool_spec = json.loads(spec)
-                for custom in tool_spec.get("custom", ()):  # a client's grammar alone: its error names its tool
-                    error = llguidance.LLMatcher.validate_grammar(
-                        llguidance.LLMatcher.grammar_from_lark(custom["lark"]), self.tokenizer, limits=LIMITS
-                    )
-                    if error and not error.startswith("WARNING"):
-                        raise GrammarError(f"custom tool {custom['tool']!r}'s grammar: {reason(error)}")
-                text = tool_spec["lark"]
-                trigger = (
-                    Trigger(**{k: tuple(v) for k, v in tool_spec["trigger"].items()}) if tool_spec["trigger"] else None
-                )
-            else:
-                raise GrammarError(f"unknown grammar kind {kind!r}")
-        except (ValueError, TypeError) as exc:
-            raise GrammarError(str(exc)) from None
-        prototype = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=LIMITS)
-        first_mask = self._probe(prototype)
-        return Grammar(prototype, first_mask, self.vocab, len(text), trigger, self.tokenizer)
+        tokenizer = self.tokenizer
+        held = self._guard.check(kind, spec, timeout) if self._guard is not None else None
+        prototype, first_mask, text, trigger = on_big_stack(build, tokenizer, self.vocab, kind, spec)
+        return Grammar(prototype, first_mask, self.vocab, held if held is not None else len(text), trigger, tokenizer)
 
-    def _probe(self, prototype: llguidance.LLMatcher) -> np.ndarray:
-        """The grammar's first mask, once it is known to allow some token and to survive taking
-        one (on a copy): most grammars that break do so there, and are refused at compile time."""
-        words = np.zeros((self.vocab + 31) // 32, dtype=np.int32)
-        prototype.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        if prototype.is_error():
-            raise GrammarError(reason(prototype.get_error()))
-        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
-        eos = self.tokenizer.eos_token
-        first = next((int(t) for t in allowed if t != eos), None)
-        if first is None:
-            if prototype.is_accepting():
-                return words  # only the empty text matches: end-of-text at once
-            raise GrammarError("the grammar allows no text at all")
-        probe = prototype.deep_copy()
-        after = np.zeros_like(words)
-        if probe.consume_token(first):
-            probe.unsafe_compute_mask_ptr(after.ctypes.data, after.nbytes)
-        if probe.is_error():
-            raise GrammarError(reason(probe.get_error()))
-        return words
+    def close(self) -> None:
+        """Ends the guard's children (they end by themselves with the process too)."""
+        if self._guard is not None:
+            self._guard.close()
+
+
+def on_big_stack(fn: Callable, *args):
+    """fn(*args) on a thread of its own with GRAMMAR_STACK bytes of stack (llguidance recurses on
+    the native stack; a Python thread's default is 8 MiB on Linux, 512 KiB for others' threads on
+    macOS). A thread a compile is nothing beside the compile."""
+    result: list = []
+
+    def run():
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as exc:  # re-raised on the caller's thread
+            result.append((False, exc))
+
+    with _stack_lock:
+        previous = threading.stack_size(GRAMMAR_STACK)
+        try:
+            thread = threading.Thread(target=run, name="grammar-build", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
+_stack_lock = threading.Lock()
+
+
+def tokenizer_spec(hf_tokenizer, vocab: int) -> dict:
+    """What llguidance's LLTokenizer is made from: the fast tokenizer's JSON (as llguidance.hf
+    makes it, without importing transformers where the guard's child rebuilds it), the vocabulary
+    and end-of-text."""
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return {"json": backend.to_str(), "vocab": vocab, "eos": hf_tokenizer.eos_token_id}
+
+
+def build(tokenizer: llguidance.LLTokenizer, vocab: int, kind: str, spec: str):
+    """A grammar built: (llguidance's matcher, its first mask, its grammar text, a trigger or
+    None). The same steps in the server and in the guard's child."""
+    trigger = None
+    try:
+        if kind == "json_schema":
+            json.loads(spec)  # its own error names the position
+            text = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+        elif kind == "json_object":
+            text = llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
+        elif kind == "regex":
+            text = llguidance.LLMatcher.grammar_from_regex(spec)
+        elif kind == "lark":  # backends.wire.constraints: a client's grammar, GBNF (made Lark) or Lark
+            try:
+                lark = any_to_lark(spec)
+            except Exception as exc:  # llguidance's converter raises plain Exceptions (and may recurse)
+                raise GrammarError(f"neither GBNF nor Lark: {reason(str(exc))}") from None
+            text = llguidance.LLMatcher.grammar_from_lark(lark)
+        elif kind == "tool_calls":  # backends.chat.tools: Lark text, and a trigger if lazy
+            tool_spec = json.loads(spec)
+            for custom in tool_spec.get("custom", ()):  # a client's grammar alone: its error names its tool
+                error = llguidance.LLMatcher.validate_grammar(
+                    llguidance.LLMatcher.grammar_from_lark(custom["lark"]), tokenizer, limits=LIMITS
+                )
+                if error and not error.startswith("WARNING"):
+                    raise GrammarError(f"custom tool {custom['tool']!r}'s grammar: {reason(error)}")
+            text = tool_spec["lark"]
+            trigger = (
+                Trigger(**{k: tuple(v) for k, v in tool_spec["trigger"].items()}) if tool_spec["trigger"] else None
+            )
+        else:
+            raise GrammarError(f"unknown grammar kind {kind!r}")
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, GrammarError):
+            raise
+        raise GrammarError(str(exc)) from None
+    prototype = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=LIMITS)
+    first_mask = _probe(tokenizer, vocab, prototype)
+    return prototype, first_mask, text, trigger
+
+
+def _probe(tokenizer: llguidance.LLTokenizer, vocab: int, prototype: llguidance.LLMatcher) -> np.ndarray:
+    """The grammar's first mask, once it is known to allow some token and to survive taking
+    one (on a copy): most grammars that break do so there, and are refused at compile time."""
+    words = np.zeros((vocab + 31) // 32, dtype=np.int32)
+    prototype.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    if prototype.is_error():
+        raise GrammarError(reason(prototype.get_error()))
+    allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+    eos = tokenizer.eos_token
+    first = next((int(t) for t in allowed if t != eos), None)
+    if first is None:
+        if prototype.is_accepting():
+            return words  # only the empty text matches: end-of-text at once
+        raise GrammarError("the grammar allows no text at all")
+    probe = prototype.deep_copy()
+    after = np.zeros_like(words)
+    if probe.consume_token(first):
+        probe.unsafe_compute_mask_ptr(after.ctypes.data, after.nbytes)
+    if probe.is_error():
+        raise GrammarError(reason(probe.get_error()))
+    return words

@@ -79,11 +79,11 @@ class TokenizerMethods:
     def token_bytes(self, token_id: int) -> bytes:
         return self.text.token_bytes(token_id)
 
-    def constraint(self, kind: str, spec: str):
-        return self.grammars.compile(kind, spec)
+    def constraint(self, kind: str, spec: str, owner: str = ""):
+        return self.grammars.compile(kind, spec, owner)
 
-    def cached_constraint(self, kind: str, spec: str):
-        return self.grammars.cached(kind, spec)
+    def cached_constraint(self, kind: str, spec: str, owner: str = ""):
+        return self.grammars.cached(kind, spec, owner)
 
     @property
     def vocab_size(self) -> int:

@@ -38,6 +38,7 @@ from backends.contract import (
 )
 from backends.decoding.drafts import DEFAULT_DRAFT_TOKENS, applied_draft_tokens, speculates
 from backends.decoding.grammar import Grammars
+from backends.decoding.guard import CompileGuard
 from backends.decoding.text import TokenizerMethods, TokenizerText
 from backends.files.adapters import AdapterRegistry, find_adapter
 from backends.files.models import gguf_file, is_random
@@ -125,7 +126,7 @@ class MlxBackend(TokenizerMethods):
         # Phi-2's model vocabulary exceeds its tokenizer's: the ids past it decode to nothing and
         # are never chosen (the samplers' rule, as on Torch); logprobs still cover them.
         self.decodable = self.text.vocab_size
-        self.grammars = Grammars(hf, self._model_vocab())
+        self.grammars = Grammars(hf, self._model_vocab(), guard=CompileGuard)
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> MlxBackend:

@@ -32,6 +32,7 @@ from backends.contract import (
 )
 from backends.decoding.drafts import DEFAULT_DRAFT_TOKENS, PromptLookup, applied_draft_tokens, speculates
 from backends.decoding.grammar import Grammars
+from backends.decoding.guard import CompileGuard
 from backends.decoding.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.files.adapters import AdapterRegistry, block_count, find_adapter
 from backends.files.models import gguf_file, is_random
@@ -149,7 +150,7 @@ class TorchBackend(TokenizerMethods):
         # Phi-2's model vocabulary (51200) is larger than its tokenizer's: those ids decode to
         # nothing, so they are never sampled (the same rule as the MLX runtime).
         self.undecodable_from = self.text.vocab_size
-        self.grammars = Grammars(tokenizer, int(model.config.vocab_size))
+        self.grammars = Grammars(tokenizer, int(model.config.vocab_size), guard=CompileGuard)
         self._fast_decoder = None  # kept: its CUDA graphs took seconds to capture
         self._fast_decoder_owner: threading.Thread | None = None
         self.max_batch = 1

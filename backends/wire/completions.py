@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backends.contract import StepLogprobs, mean_logprob
+from backends.wire import constraints
 from backends.wire.base import Context, Generation, Wire, stop_tuple
 from backends.wire.errors import ApiError
 from backends.wire.openai import (
@@ -59,6 +60,7 @@ COMPLETIONS_SCHEMA: dict[str, Any] = tolerant(
             "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
             "suffix": _unsupported(""),
             "response_format": RESPONSE_FORMAT,
+            **constraints.FIELDS,  # vLLM's guided_* and llama.cpp's json_schema, grammar
         },
     }
 )

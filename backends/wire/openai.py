@@ -13,6 +13,7 @@ from typing import Any
 
 from backends.chat.plan import GrammarSpec
 from backends.contract import Backend, StepLogprobs
+from backends.wire import constraints
 from backends.wire.base import Generation, grammar_failed, sampling_of, token_string
 from backends.wire.errors import ApiError
 from backends.wire.native import CACHE_SALT, GENERATE_SCHEMA, SAMPLING_PROPERTIES
@@ -95,6 +96,17 @@ def openai_params(params: dict) -> dict:
 
 
 def response_grammar(params: dict) -> tuple[GrammarSpec | None, str | None]:
+    """The reply's grammar and the field it came from: `response_format`'s, or vLLM's and
+    llama.cpp's constraint fields' (backends.wire.constraints); (None, None) for none."""
+    grammar, field = format_grammar(params)
+    try:
+        other, other_field = constraints.constraint(params, field)
+    except constraints.Refused as exc:
+        raise ApiError(400, str(exc), field=exc.field) from None
+    return (other, other_field) if other else (grammar, field)
+
+
+def format_grammar(params: dict) -> tuple[GrammarSpec | None, str | None]:
     """`response_format` as the grammar of the reply (json_object: any JSON object, or
     json_schema), and the field it came from; (None, None) for text."""
     response_format = params["response_format"]

@@ -8,6 +8,7 @@ from typing import Any
 from backends.chat.plan import ChatPlan
 from backends.chat.tools import Piece
 from backends.contract import MAX_LOGPROBS, StepLogprobs
+from backends.wire import constraints
 from backends.wire.base import Context, Wire, stop_tuple
 from backends.wire.chat import (
     FUNCTION,
@@ -70,6 +71,7 @@ CHAT_SCHEMA: dict[str, Any] = tolerant(
                 "x-error": 'function_call must be "none", "auto" or {"name": ...}',
             },
             "response_format": RESPONSE_FORMAT,
+            **constraints.FIELDS,  # vLLM's guided_* and llama.cpp's json_schema, grammar
             "modalities": _unsupported(["text"]),
             **REASONING_CONTROLS,
             "audio": _unsupported(),
@@ -183,8 +185,8 @@ def translate(params: dict, ctx: Context) -> ChatCall:
     response_format, reasoning switches, n choices, logprobs."""
     use = chat_tools(params)
     messages = chat_messages(params)
-    tools_or_format(use, (params["response_format"] or {}).get("type"), "response_format")
     output, output_field = response_grammar(params)
+    tools_or_format(use, output and output.kind, output_field or "response_format")
     return ChatCall(
         params,
         messages,

@@ -241,6 +241,10 @@ def responses_functions(ctx: Context, params: dict) -> list[dict]:
         else:
             skipped.append(tool["type"])
     ctx.note_skipped(skipped)
+    if len(functions) > MAX_TOOLS:  # namespaces' functions count too (128 of 128: 16,384 reached the compiler)
+        raise ApiError(
+            400, f"at most {MAX_TOOLS} functions in all, namespaces' included: {len(functions)}", field="tools"
+        )
     return [
         {"type": "custom", "custom": pick(t, "name", "description", "format")}
         if t["type"] == "custom"

@@ -2,8 +2,10 @@
 generation worker, so an embedding batch never sits between two decode steps.
 
 Handlers `submit()` a request's inputs (tokenized, sorted longest first) and await its `Job`.
-The worker takes inputs in arrival order, several requests' together, into forwards of at most
-`batch_tokens` padded positions (and `MAX_ROWS` inputs): one forward's time is bounded, and
+The worker takes the waiting requests' inputs in turns, an input of each request a round, into
+forwards of at most `batch_tokens` padded positions (and `MAX_ROWS` inputs), so a one-input
+request goes into the next forward however large the batch queued before it (issue 65: it
+waited 15 s behind a 160-input request, in arrival order). One forward's time is bounded, and
 between forwards the cores go back to whoever needs them. On a CPU it runs with `threads` torch
 threads of its own (OpenMP's pool is per calling thread), and while a forward runs the decode
 steps use the cores it leaves (backends.workers.cores: never more threads than cores);
@@ -64,6 +66,7 @@ class Job:
         self.future: asyncio.Future = loop.create_future()
         self.cancelled = False
         self.waits = True  # counted in `waiting` until its first input runs or it is dropped
+        self.taken = 0  # inputs handed to forwards so far (items[:taken])
 
     def cancel(self) -> None:
         """The client left or the request timed out: its inputs still waiting are dropped."""
@@ -95,7 +98,7 @@ class EncodeWorker:
         self._load = load
         self._max_waiting = max_waiting
         self._cond = threading.Condition()
-        self._queue: deque[tuple[Job, int]] = deque()  # (job, position in job.items)
+        self._queue: deque[Job] = deque()  # jobs with inputs not yet taken, in turn order
         self._jobs_waiting = 0
         self._stopped = False
         self._thread = threading.Thread(target=self._main, name="encode-worker", daemon=True)
@@ -139,7 +142,8 @@ class EncodeWorker:
             if self._jobs_waiting >= self._max_waiting():
                 raise Busy(f"all {self._max_waiting()} queue slots are taken")
             self._jobs_waiting += 1
-            self._queue.extend((job, position) for position in range(len(items)))
+            if items:
+                self._queue.append(job)
             self._cond.notify()
         return job
 
@@ -185,34 +189,51 @@ class EncodeWorker:
             self._run(batch)
 
     def _next_batch(self) -> list[tuple[Job, int]] | None:
-        """The next forward's inputs: of one kind, in arrival order, within the budget."""
+        """The next forward's inputs: of one kind, an input of each waiting request a round
+        (the request served first last time goes last), within the budget."""
         with self._cond:
             while True:
-                while self._queue and self._queue[0][0].cancelled:
-                    self._drop(self._queue.popleft()[0])
+                self._prune()
                 if self._queue or self._stopped:
                     break
                 self._cond.wait()
             if self._stopped:
-                for job, _ in self._queue:
+                for job in self._queue:
                     job.cancelled = True
                 self._queue.clear()
                 return None
-            kind = self._queue[0][0].kind
+            kind = self._queue[0].kind
             batch: list[tuple[Job, int]] = []
             width = 0
-            while self._queue and len(batch) < MAX_ROWS:
-                job, position = self._queue[0]
-                if job.cancelled:
-                    self._drop(self._queue.popleft()[0])
-                    continue
-                wider = max(width, len(job.items[position].ids))
-                if job.kind != kind or (batch and wider * (len(batch) + 1) > self.batch_tokens):
+            while (took := len(batch)) < MAX_ROWS:
+                for job in self._queue:
+                    if job.kind != kind or job.cancelled or job.taken == len(job.items):
+                        continue
+                    wider = max(width, len(job.items[job.taken].ids))
+                    if len(batch) == MAX_ROWS or (batch and wider * (len(batch) + 1) > self.batch_tokens):
+                        return self._taken(batch)
+                    batch.append((job, job.taken))
+                    job.taken += 1
+                    width = wider
+                    self._drop(job)  # its first input runs: it waits no longer
+                if len(batch) == took:
                     break
-                batch.append(self._queue.popleft())
-                width = wider
-                self._drop(job)  # its first input runs: it waits no longer
-            return batch
+            return self._taken(batch)
+
+    def _taken(self, batch: list[tuple[Job, int]]) -> list[tuple[Job, int]]:
+        """The queue after a batch is taken (under the lock): the first job served goes last."""
+        if self._queue and batch and self._queue[0] is batch[0][0]:
+            self._queue.rotate(-1)
+        self._prune()
+        return batch
+
+    def _prune(self) -> None:
+        """Jobs cancelled or with every input taken leave the queue (under the lock)."""
+        if any(job.cancelled or job.taken == len(job.items) for job in self._queue):
+            for job in self._queue:
+                if job.cancelled:
+                    self._drop(job)
+            self._queue = deque(job for job in self._queue if not job.cancelled and job.taken < len(job.items))
 
     def _drop(self, job: Job) -> None:
         """`job` no longer waits: an input of it runs, or it was cancelled (under the lock)."""
