@@ -1008,5 +1008,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Step>(m, "Step", pybind11::module_local())  // builds for other targets load beside it (tests)
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool, bool, bool, int64_t>())
       .def("add_block", &Step::add_block)
+      .def("set_parts", &Step::set_parts)
       .def("forward", &Step::forward);
 }

@@ -33,11 +33,11 @@
 namespace {
 
 template <class F, int... ks>
-inline void static_for_impl(F& f, std::integer_sequence<int, ks...>) {
+__attribute__((always_inline)) inline void static_for_impl(F& f, std::integer_sequence<int, ks...>) {
   (f(std::integral_constant<int, ks>{}), ...);
 }
 template <int N, class F>
-inline void static_for(F& f) {  // f(0), f(1), ... f(N - 1), each index a constant
+__attribute__((always_inline)) inline void static_for(F& f) {  // f(0), f(1), ... f(N - 1), each index a constant
   static_for_impl(f, std::make_integer_sequence<int, N>{});
 }
 
@@ -398,7 +398,7 @@ inline void kdot(const uint8_t* rec, int64_t nsb, const KActs& a, int64_t row, i
       I pa[R], pb[R], ta[R], tb[R];
       for (int r = 0; r < R; r++) pa[r] = pb[r] = ta[r] = tb[r] = V::zero_i();
       const int64_t A = blk + (L::K ? 2 * c : 0), B = A + (L::K ? 1 : 0);
-      auto piece = [&](auto kc) {
+      auto piece = [&](auto kc) __attribute__((always_inline)) {
         constexpr int k = decltype(kc)::value;
         const I nib = V::load(re + (c * L::P + k) * 64 + 4 * lane0);
         I wa = V::and_(nib, low), wb = V::and_(V::template shift<-4>(nib), low);
