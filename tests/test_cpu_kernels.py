@@ -217,6 +217,31 @@ def test_block_weights_serve_batched_as_alone(family_paths, method, simd_target)
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
 
 
+def test_a_fused_matrix_of_two_block_types_runs_in_the_compiled_step(family_paths):
+    """A Q4_K_M file's q and k are Q4_K, its v Q6_K: their fused matrix is a product a type
+    (StackedBlocks, the step's Linear::parts). The compiled step gives what the products one by
+    one (torch's operators between them) give, and runs of one type stay one matrix."""
+    backend = load_backend(
+        "torch", LoadOptions(model=str(family_paths["llama"]), dtype="float32", quantize="q8_0", warmup=False)
+    )
+    weights = backend.decoder_weights
+    block = weights.layers[0]
+    raw, width, q_rows = block.w_in.rows(), block.w_in.in_features, weights.heads * weights.head_dim
+    q8 = KINDS["q8_0"]
+    kv = BlockWeight.quantize(BlockWeight(raw[q_rows:], q8, width).dequantize(), "q4_1")
+    halves = [BlockWeight(raw[: q_rows // 2], q8, width), BlockWeight(raw[q_rows // 2 : q_rows], q8, width)]
+    stacked = BlockWeight.stack_rows([*halves, kv])
+    assert isinstance(stacked, StackedBlocks) and [p.name for p in stacked.parts] == ["q8_0", "q4_1"]
+    assert stacked.out_features == block.w_in.out_features
+    weights.layers[0] = block._replace(w_in=stacked)
+    compiled = BatchedDecoder(weights, 1)
+    assert compiled.network.cpu_step is not None
+    operators = BatchedDecoder(weights, 1)
+    operators.network.cpu_step = None
+    got, expected = compiled.logits_after(PROMPT), operators.logits_after(PROMPT)
+    assert float((got - expected).norm() / expected.norm()) < 1e-4
+
+
 def wide_window_checkpoint(path, tokenizer_from, head_dim: int = 32):
     """A Mistral of `head_dim` (32: the attention tiles' unit; 80: Phi-2's, padded to 96) with a
     sliding window of 24: random weights, the tiny tokenizer."""

@@ -241,7 +241,7 @@ class TorchBackend(TokenizerMethods):
 
             kernels()  # built now, or a clear startup error
         from_file = source and method in STORED_METHODS and not restored and not direct
-        file_blocks = block_source(source, model, method) if from_file else None
+        file_blocks = block_source(source, model, method, not options.quantize) if from_file else None
         # adapters: unmerged
         quantized = backend.quantize(method, stored_blocks, stored_head, file_blocks) if method else []
         if method in STORED_METHODS and device == "cpu":
@@ -589,11 +589,14 @@ def random_model(path: Path, dtype: torch.dtype, device: str):
     return model.eval()
 
 
-def block_source(file: Path, model, method: str) -> dict:
-    """The GGUF file's matrices stored in a block type the kernels multiply, as stored."""
+def block_source(file: Path, model, method: str, every: bool) -> dict:
+    """The GGUF file's matrices as stored: `every` type the kernels multiply (the file's own
+    blocks served), else those in `method`'s block type and the head's (PHI2_QUANTIZE)."""
     from backends.torch.quant.blocks import file_matrices
+    from backends.torch.weights import HEAD_METHODS
 
-    return file_matrices(file, model)
+    kinds = {method, HEAD_METHODS.get(method, method)}
+    return {name: weight for name, weight in file_matrices(file, model).items() if every or weight.name in kinds}
 
 
 def restore_quantized(path: Path, file: Path, dtype: torch.dtype, device: str):

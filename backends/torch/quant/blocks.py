@@ -12,6 +12,7 @@ quantizer does (`BlockWeight.quantize`). Rows stack (q, k, v into one matrix) an
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 import torch
@@ -157,8 +158,9 @@ class BlockWeight(QuantizedWeight):
     def stack_rows(parts: list[BlockWeight]) -> BlockWeight | StackedBlocks:
         """[a; b; ...]: one product for matrices over the same input (of one block type; else a
         product each, `StackedBlocks`)."""
-        if len({p.ggml_type for p in parts}) > 1:
-            return StackedBlocks(parts)
+        if len({p.ggml_type for p in parts}) > 1:  # each run of one type one matrix: [q; k] and v
+            runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.ggml_type)]
+            return StackedBlocks([BlockWeight.stack_rows(run) if len(run) > 1 else run[0] for run in runs])
         return BlockWeight(torch.cat([p.rows() for p in parts]), parts[0].ggml_type, parts[0].in_features)
 
     @staticmethod
