@@ -217,7 +217,7 @@ def test_block_weights_serve_batched_as_alone(family_paths, method, simd_target)
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
 
 
-def test_a_fused_matrix_of_two_block_types_runs_in_the_compiled_step(family_paths):
+def test_a_fused_matrix_of_two_block_types_runs_in_the_compiled_step(family_paths, simd_target):
     """A Q4_K_M file's q and k are Q4_K, its v Q6_K: their fused matrix is a product a type
     (StackedBlocks, the step's Linear::parts). The compiled step gives what the products one by
     one (torch's operators between them) give, and runs of one type stay one matrix."""
