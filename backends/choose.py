@@ -33,13 +33,14 @@ def select_backend(
     return "torch"
 
 
-def resolve_model(spec: str) -> Path:
+def resolve_model(spec: str, weights: bool = True) -> Path:
     """PHI2_MODEL as a local checkpoint directory (backends/files/models.py), the checkpoints it
-    needs made with torch (backends/torch/checkpoints.py; a Mac's requirements have torch too)."""
+    needs made with torch (backends/torch/checkpoints.py; a Mac's requirements have torch too);
+    a GGUF file's float weights unless `weights` is False."""
     from backends.files import models
     from backends.torch.checkpoints import MAKERS
 
-    return models.resolve_model(spec, MAKERS)
+    return models.resolve_model(spec, MAKERS, weights)
 
 
 def resolve_folder(spec: str, setting: str) -> Path:
@@ -52,7 +53,7 @@ def resolve_folder(spec: str, setting: str) -> Path:
 
 def load_backend(name: str, options: LoadOptions) -> Backend:
     """Load the model with the named runtime ('mlx' or 'torch'). Blocking: minutes for Phi-2."""
-    path = resolve_model(options.model)
+    path = resolve_model(options.model, weights=name != "torch")  # Torch asks for a GGUF's floats itself
     if name == "mlx":
         try:
             from backends.mlx.runtime import MlxBackend

@@ -24,7 +24,7 @@ from backends.torch.cpu.kernels import kernels
 from backends.torch.cpu.step import decode_step
 from backends.torch.decoder import PROMPT_TILES_FROM, BatchedDecoder
 from backends.torch.network import Network
-from backends.torch.quant.blocks import KINDS, BlockWeight
+from backends.torch.quant.blocks import KINDS, BlockWeight, StackedBlocks
 from backends.torch.tiny import write_tiny_family
 
 gguf = pytest.importorskip("gguf")
@@ -125,8 +125,14 @@ def test_rows_stack_and_columns_join_by_their_bytes():
     c = BlockWeight.quantize(weights(64, 64, 3), "q4_1")
     joined = BlockWeight.join_columns([a, c])
     assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), c.dequantize()], dim=1))
+    other = BlockWeight.quantize(weights(32, 128), "q8_0")
+    mixed = BlockWeight.stack_rows([a, other])  # of two types: a product each, side by side
+    assert isinstance(mixed, StackedBlocks) and mixed.out_features == 96
+    assert torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), other.dequantize()]))
+    x = torch.randn(3, 128)
+    assert torch.equal(mixed.linear(x), torch.cat([a.linear(x), other.linear(x)], dim=1))
     with pytest.raises(ValueError, match="different block types"):
-        BlockWeight.stack_rows([a, BlockWeight.quantize(weights(32, 128), "q8_0")])
+        BlockWeight.join_columns([a, BlockWeight.quantize(weights(64, 128), "q8_0")])
 
 
 def test_a_width_that_is_not_whole_blocks_is_refused():
@@ -209,6 +215,31 @@ def test_block_weights_serve_batched_as_alone(family_paths, method, simd_target)
     together = drive(decoder, sequences, arrive_at={3: 5, 4: 2}).ids
     for sequence in sequences:
         assert together[sequence.id] == drive(BatchedDecoder(weights, 1), [sequence]).ids[sequence.id]
+
+
+def test_a_fused_matrix_of_two_block_types_runs_in_the_compiled_step(family_paths, simd_target):
+    """A Q4_K_M file's q and k are Q4_K, its v Q6_K: their fused matrix is a product a type
+    (StackedBlocks, the step's Linear::parts). The compiled step gives what the products one by
+    one (torch's operators between them) give, and runs of one type stay one matrix."""
+    backend = load_backend(
+        "torch", LoadOptions(model=str(family_paths["llama"]), dtype="float32", quantize="q8_0", warmup=False)
+    )
+    weights = backend.decoder_weights
+    block = weights.layers[0]
+    raw, width, q_rows = block.w_in.rows(), block.w_in.in_features, weights.heads * weights.head_dim
+    q8 = KINDS["q8_0"]
+    kv = BlockWeight.quantize(BlockWeight(raw[q_rows:], q8, width).dequantize(), "q4_1")
+    halves = [BlockWeight(raw[: q_rows // 2], q8, width), BlockWeight(raw[q_rows // 2 : q_rows], q8, width)]
+    stacked = BlockWeight.stack_rows([*halves, kv])
+    assert isinstance(stacked, StackedBlocks) and [p.name for p in stacked.parts] == ["q8_0", "q4_1"]
+    assert stacked.out_features == block.w_in.out_features
+    weights.layers[0] = block._replace(w_in=stacked)
+    compiled = BatchedDecoder(weights, 1)
+    assert compiled.network.cpu_step is not None
+    operators = BatchedDecoder(weights, 1)
+    operators.network.cpu_step = None
+    got, expected = compiled.logits_after(PROMPT), operators.logits_after(PROMPT)
+    assert float((got - expected).norm() / expected.norm()) < 1e-4
 
 
 def wide_window_checkpoint(path, tokenizer_from, head_dim: int = 32):
@@ -406,15 +437,16 @@ def test_every_simd_path_computes_the_same_products(march):
     ("types", "kind"),
     [
         (["Q4_1", "Q4_1", "Q8_0"], "q4_1"),  # SmolLM2's file: its own blocks
-        (["Q4_K", "Q4_K", "Q6_K"], "q8_0"),  # Q4_K_M: quantized again into Q8_0 blocks
-        (["Q5_0", "Q5_0", "Q8_0"], "q8_0"),
+        (["Q4_K", "Q4_K", "Q6_K"], "q4_k"),  # Q4_K_M: its own blocks too (cpu_kquants.h)
+        (["Q5_0", "Q5_0", "Q8_0"], "q5_0"),
+        (["Q3_K", "Q3_K", "Q8_0"], "q8_0"),  # mostly a type the kernels do not multiply: Q8_0
         (["Q4_K", "Q4_0", "Q4_0"], "q4_0"),  # mostly a type the kernels multiply: that one
         (["F16", "F32"], None),  # floats: served as float
     ],
 )
 def test_a_files_matrices_choose_the_block_type_it_is_served_in(tmp_path, types, kind):
     """Its most common type where the kernels multiply it; Q8_0 blocks where most matrices are
-    in a quantized type they do not (K-quants, Q5); float where none is quantized. The answer is
+    in a quantized type they do not (Q2_K, Q3_K); float where none is quantized. The answer is
     kept beside the converted checkpoint, under the rule that gave it."""
     import gguf
 

@@ -303,56 +303,52 @@ def test_forced_tool_call_has_valid_arguments(server):
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
 
 
-def q5_0_copy(source: Path, out: Path) -> Path:
-    """The file with its Q4_1 matrices requantized to Q5_0, a type the CPU kernels do not multiply
-    (as a K-quant file's are; gguf-py quantizes Q5_0, not the K-quants), everything else as it is."""
-    import gguf
-    import numpy as np
-    from gguf import quants
-
-    reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        sub_type = field.types[-1] if len(field.types) > 1 else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
-    q4_1, q5_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q5_0
-    for tensor in reader.tensors:
-        data = np.asarray(tensor.data)
-        if tensor.tensor_type == q4_1:
-            writer.add_tensor(tensor.name, quants.quantize(quants.dequantize(data, q4_1), q5_0), raw_dtype=q5_0)
-        else:
-            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
-def test_a_file_of_types_the_kernels_do_not_multiply_serves_in_q8_0_blocks(tmp_path, monkeypatch):
-    """A file mostly of Q5_0 (or K-quant) matrices is served in Q8_0 blocks by default, not as
-    float32 (docs/decisions.md, D-k-quants), and its logits are the file's: against the same file
-    dequantized, within Q8_0's error at the end of each chat prompt (measured 1.6-5.8% on
-    SmolLM2; a matrix in the wrong order or scale gives ~100%), the dequantized top token among
-    the served top 3 (greedy text is no test here: this copy's first answer token is a near-tie,
-    0.006 apart in float32)."""
+def test_a_k_quant_file_serves_its_blocks_as_stored(tmp_path, monkeypatch):
+    """SmolLM2 in Q4_K_M's types (tests/kquant_files.py: Q4_K and Q6_K for ffn_down, Q5_0 where a
+    row is not whole 256-value super-blocks, the embedding in Q8_0) is served as its file stores
+    it, built from the file (no float checkpoint written), and its logits are the same values'
+    in float32 (the file written as F32) within the int8 activations' error; over HTTP, the same
+    greedy answer. The next start maps what the first one stored, and computes the same."""
     import torch
+    from kquant_files import k_quant_copy
 
     from backends.torch.decoder import BatchedDecoder
 
     monkeypatch.setenv("PHI2_CACHE_DIR", str(tmp_path / "cache"))
-    file = q5_0_copy(FILE, tmp_path / "SmolLM2-Q5_0.gguf")
+    floats = tmp_path / "SmolLM2-F32.gguf"
+    file = k_quant_copy(FILE, tmp_path / "SmolLM2-Q4_K_M.gguf", floats)
     served = load_backend("torch", LoadOptions(model=str(file), dtype="float32", warmup=False))
-    assert served.info.quantization["method"] == "ggml-blocks"
-    assert served.info.quantization["types"] == ["q8_0"]
-    floats = load_backend("torch", LoadOptions(model=str(file), dtype="float32", quantize="none", warmup=False))
-    assert floats.info.quantization is None
+    types = {"method": "ggml-blocks", "types": ["q4_k", "q5_0", "q6_k", "q8_0"], "bits": 4, "group_size": 32}
+    assert served.info.quantization == types
+    assert not list(resolve_model(str(file), weights=False).glob("*.safetensors"))  # no float detour
+    tensor_bytes = sum(t.n_bytes for t in __import__("gguf").GGUFReader(str(file)).tensors)
+    assert abs(served.info.extra["weight_bytes"] / tensor_bytes - 1) < 0.05
+    reference = load_backend("torch", LoadOptions(model=str(floats), dtype="float32", warmup=False))
+    assert reference.info.quantization is None
+    backends = (served, reference)
     for prompt in PROMPTS:
         ids = served.text.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
         )
-        got, expected = (BatchedDecoder(b.decoder_weights, 1).logits_after(ids, None)[:49152] for b in (served, floats))
-        assert (got - expected).norm() / expected.norm() < 0.1, prompt
+        got, expected = (BatchedDecoder(b.decoder_weights, 1).logits_after(ids, None)[:49152] for b in backends)
+        # the int8 activations' error: the demo's own Q4_1 blocks against their values in F32 give
+        # 1.1-4.1% on these prompts (and the first one's top two 0.006 apart); a wrong layout ~100%
+        assert (got - expected).norm() / expected.norm() < 0.08, prompt
         assert int(expected.argmax()) in torch.topk(got, 3).indices.tolist(), prompt
+    again = load_backend("torch", LoadOptions(model=str(file), dtype="float32", warmup=False))
+    ids = served.text.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, return_dict=False
+    )
+    assert torch.equal(*(BatchedDecoder(b.decoder_weights, 1).logits_after(ids, None) for b in (served, again)))
+    answers = []
+    for backend in (served, reference):
+        settings = Settings(log_dir=str(tmp_path / "logs"), model="smollm2")
+        live = LiveServer(create_app(settings, load=lambda b=backend: b))
+        try:
+            body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 12, "temperature": 0}
+            status, answer = post(live, "/v1/chat/completions", body)
+            assert status == 200, answer
+            answers.append(answer["choices"][0]["message"]["content"])
+        finally:
+            live.close()
+    assert answers[0] == answers[1] and answers[0], answers  # this copy's answer, right or not

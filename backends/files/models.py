@@ -13,11 +13,13 @@ import json
 import logging
 import os
 import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from backends.contract import ModelLoadError
+from backends.files import gguf_phi2, gguf_shell, gguf_tensors
 
 log = logging.getLogger("phi2_server.model_files")
 
@@ -141,7 +143,9 @@ def is_random(spec: str) -> bool:
     return spec.startswith(RANDOM_PREFIX)
 
 
-def resolve_model(spec: str, make: Makers) -> Path:
+def resolve_model(spec: str, make: Makers, weights: bool = True) -> Path:
+    """The checkpoint folder PHI2_MODEL names; for a GGUF file, its converted folder (with float
+    weights unless `weights` is False: the Torch runtime asks for them where it needs them)."""
     if spec == TINY_SPEC:
         path = tiny_dir()
         if not (path / "config.json").is_file():
@@ -154,12 +158,12 @@ def resolve_model(spec: str, make: Makers) -> Path:
     if spec.endswith(GGUF_SUFFIX) or path.is_file():
         if not path.is_file():
             raise ModelLoadError(f"PHI2_MODEL={spec!r}: no such GGUF file; {HINT}")
-        return converted_gguf(path, spec, make)
+        return converted_gguf(path, spec, make, weights)
     if path.is_dir() and not (path / "config.json").is_file() and (files := sorted(path.glob(f"*{GGUF_SUFFIX}"))):
         if len(files) > 1:
             names = ", ".join(f.name for f in files)
             raise ModelLoadError(f"PHI2_MODEL={spec!r} holds {len(files)} GGUF files ({names}): name one of them")
-        return converted_gguf(files[0], spec, make)
+        return converted_gguf(files[0], spec, make, weights)
     if path.is_dir() or spec.startswith((".", "/", "~")):
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"PHI2_MODEL={spec!r} is not a loadable checkpoint directory (no config.json); {HINT}")
@@ -281,9 +285,11 @@ def demo_gguf() -> Path | None:
     return file if file.is_file() else None
 
 
-def converted_gguf(file: Path, spec: str, make: Makers) -> Path:
+def converted_gguf(file: Path, spec: str, make: Makers, weights: bool = True) -> Path:
     """The checkpoint directory converted from a GGUF file: converted at the first start, found
-    at the next ones.
+    at the next ones. Its config and tokenizer come from the file's metadata (gguf_shell.py);
+    its float weights (`make.gguf`: transformers' dequantizing reader) only where `weights` asks
+    for them, once: the CPU serves the file's blocks from the file (backends/torch/gguf_direct.py).
 
     It is keyed by the file's resolved path, size and modification time, as stored quantized
     weights are (backends/torch/quant/store.py): hashing the file would read gigabytes at every start,
@@ -303,14 +309,22 @@ def converted_gguf(file: Path, spec: str, make: Makers) -> Path:
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_root() / "gguf" / f"{file.stem}-{digest}"
-    if (folder / "config.json").is_file():
+    if (folder / "config.json").is_file() and (not weights or _has_weights(folder)):
         return folder
     architecture = check_gguf(file, spec)
     temporary = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     try:
         log.info("converting %s into %s (once: the next start loads that folder)", file, folder)
-        make.gguf(file, temporary, spec, architecture)
+        if weights or architecture == gguf_phi2.ARCHITECTURE:
+            make.gguf(file, temporary, spec, architecture)
+        else:
+            gguf_shell.write(file, temporary)
         top_level_rope(temporary / "config.json")
+        if (folder / "config.json").is_file():  # the shell is there: the weights join it
+            for part in temporary.iterdir():
+                if part.name.endswith(WEIGHT_FILES):
+                    os.replace(part, folder / part.name)
+            return folder
         try:
             os.replace(temporary, folder)
         except OSError:
@@ -332,29 +346,42 @@ def converted_gguf(file: Path, spec: str, make: Makers) -> Path:
     return folder
 
 
+WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(part.name.endswith(WEIGHT_FILES) for part in folder.iterdir())
+
+
 def check_gguf(file: Path, spec: str) -> str:
     """The file's architecture; a ModelLoadError naming what the file holds that is not served:
     its architecture, or a tensor type. Reads the header only."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
-    try:
-        reader = GGUFReader(file)
-    except (ValueError, OSError) as exc:
+    try:  # the header alone (gguf's reader parses every vocabulary entry: 33 s for Qwen2.5's)
+        header = gguf_tensors.read(file)
+    except (ValueError, OSError, KeyError, struct.error, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"PHI2_MODEL={spec!r} is not a readable GGUF file ({exc})") from exc
-    field = reader.get_field("general.architecture")
-    architecture = field.contents() if field is not None else None
+    architecture = header.architecture
     if architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"PHI2_MODEL={spec!r}: GGUF architecture {architecture!r} is not served "
             f"(served: {', '.join(GGUF_ARCHITECTURES)})"
         )
-    types = sorted({tensor.tensor_type.name for tensor in reader.tensors} - set(GGUF_TYPES))
+    types = sorted({_type_name(GGMLQuantizationType, t.ggml_type) for t in header.tensors} - set(GGUF_TYPES))
     if types:
         raise ModelLoadError(
             f"PHI2_MODEL={spec!r}: GGUF tensor type {', '.join(types)} is not supported "
             f"(supported: {', '.join(GGUF_TYPES)})"
         )
     return architecture
+
+
+def _type_name(types, kind: int) -> str:
+    try:
+        return types(kind).name
+    except ValueError:
+        return f"type {kind}"
 
 
 def top_level_rope(config_file: Path) -> None:

@@ -25,7 +25,7 @@ from backends.torch.cpu import step as cpu_step
 from backends.torch.cuda.graphs import PREFILL_LENGTHS, padded_rows
 from backends.torch.kv_pages import PAGE, PagedKV
 from backends.torch.lora import FusedLoraSlots
-from backends.torch.quant.blocks import BlockWeight
+from backends.torch.quant.blocks import BlockWeight, StackedBlocks
 from backends.torch.quant.methods import QuantizedWeight, linear
 from backends.torch.weights import Block, DecoderWeights, Shape
 
@@ -259,7 +259,7 @@ class Network:
         self.heads = heads_of(weights.arch) if self.fused else None
         # On the CPU, an eager decode step without adapters runs as one compiled call
         # (backends/torch/cpu/kernels.cpp; docs/decisions.md, D-cpu-step).
-        quantized = any(isinstance(w, BlockWeight) for block in weights.layers for w in block)
+        quantized = any(isinstance(w, (BlockWeight, StackedBlocks)) for block in weights.layers for w in block)
         self.cpu_step = cpu_step.decode_step(weights, kv) if quantized and not use_graphs and not compile else None
         # Whether the prompt pieces of row i take the compiled step's AMX-BF16 tiles (`_cpu_pass`):
         # the decoder's rule (torch_decoder.PROMPT_TILES_FROM); none until it says.

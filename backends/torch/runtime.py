@@ -35,14 +35,14 @@ from backends.decoding.grammar import Grammars
 from backends.decoding.guard import CompileGuard
 from backends.decoding.text import StreamDetokenizer, TokenizerMethods, TokenizerText
 from backends.files.adapters import AdapterRegistry, block_count, find_adapter
-from backends.files.models import gguf_file, is_random
-from backends.torch import stored_model
+from backends.files.models import converted_gguf, gguf_file, is_random
+from backends.torch import gguf_direct, stored_model
 from backends.torch.logprobs import token_logprobs
 from backends.torch.lora import LoraHooks, torch_linears
 from backends.torch.prompt_cache import PrefixCache
 from backends.torch.quant.blocks import file_kind
 from backends.torch.quant.make import quantize_linears
-from backends.torch.quant.methods import BLOCK_METHODS, QuantizedWeight, describe, parse_method
+from backends.torch.quant.methods import STORED_METHODS, QuantizedWeight, describe, parse_method
 from backends.torch.sampling import TokenChooser, verify_draft
 
 log = logging.getLogger("phi2_server.torch")
@@ -176,7 +176,7 @@ class TorchBackend(TokenizerMethods):
         transformers_logging.disable_progress_bar()  # the server log is for the server
         try:
             # Block-quantized weights multiply float32 activations (backends/torch/cpu/kernels.cpp).
-            requested = "float32" if method in BLOCK_METHODS and options.dtype == "auto" else options.dtype
+            requested = "float32" if method in STORED_METHODS and options.dtype == "auto" else options.dtype
             dtype = pick_dtype(requested, device, lambda: count_parameters(path))
             store = quantized_store(path, options, method, dtype, device)
             restored = restore_quantized(path, store, dtype, device) if store and store.exists() else None
@@ -187,13 +187,20 @@ class TorchBackend(TokenizerMethods):
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(path)
+            direct = None  # a GGUF file's model built from the file (backends/torch/gguf_direct.py)
             if restored:
                 model, stored_blocks, stored_head, parameters, _ = restored
             elif is_random(options.model):
                 model = random_model(path, dtype, device)
+            elif gguf_direct.applies(source, method, device, options.quantize):
+                model, stored_blocks, stored_head, parameters = direct = gguf_direct.load(source, path, method)
             else:
                 from transformers import AutoModelForCausalLM
 
+                if source:  # the file's float weights, converted once
+                    from backends.torch.checkpoints import MAKERS
+
+                    path = converted_gguf(source, options.model, MAKERS, weights=True)
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(
@@ -210,7 +217,7 @@ class TorchBackend(TokenizerMethods):
             max_loaded=options.max_adapters,
         )
         registry.load_default()
-        if not restored:
+        if not restored and not direct:
             parameters, stored_blocks, stored_head = sum(p.numel() for p in model.parameters()), None, None
         on_cuda = device.startswith("cuda")
         if options.max_batch:
@@ -230,18 +237,18 @@ class TorchBackend(TokenizerMethods):
         )
         backend = cls(model, tokenizer, info)
         backend.adapters, backend.max_adapters = registry, max(options.max_adapters, 1)
-        if method in BLOCK_METHODS:
+        if method in STORED_METHODS:
             from backends.torch.cpu.kernels import kernels
 
             kernels()  # built now, or a clear startup error
-        from_file = source and method in BLOCK_METHODS and not restored
-        file_blocks = block_source(source, model, method) if from_file else None
+        from_file = source and method in STORED_METHODS and not restored and not direct
+        file_blocks = block_source(source, model, method, not options.quantize) if from_file else None
         # adapters: unmerged
         quantized = backend.quantize(method, stored_blocks, stored_head, file_blocks) if method else []
-        if method in BLOCK_METHODS and device == "cpu":
-            from backends.torch.quant.blocks import BlockWeight, rehome
+        if method in STORED_METHODS and device == "cpu":
+            from backends.torch.quant.blocks import rehome
 
-            rehome([weight for weight in quantized if isinstance(weight, BlockWeight)])
+            rehome(quantized)
         measured = None
         if (
             options.speed_check
@@ -254,7 +261,9 @@ class TorchBackend(TokenizerMethods):
 
             # a requested method against the float default, on this CPU (quant_check.py)
             float_dtype = pick_dtype("auto", device, lambda: parameters)
-            measured = check(method, quantized, torch.float32 if method in BLOCK_METHODS else dtype, float_dtype)
+            measured = check(method, quantized, torch.float32 if method in STORED_METHODS else dtype, float_dtype)
+        if method in STORED_METHODS and device == "cpu" and not restored:
+            _give_back_freed()
         if store and not restored:
             from backends.torch.quant import store as quant_store
 
@@ -262,6 +271,9 @@ class TorchBackend(TokenizerMethods):
             shell = stored_model.describe(model, tokenizer) if device == "cpu" else None
             quant_store.save(store, model, weights.layers, weights.quantized_head, parameters, shell)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(q.nbytes for q in quantized)
+        embed = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "blocks", None)
+        if embed is not None and embed is not backend.decoder_weights.quantized_head:  # its file's blocks
+            weight_bytes += embed.nbytes
         if on_cuda:
             # The KV pool, allocated whole by the decoder (graphs hold its address): measured
             # now, before the graphs and the warm-up take their share of the free memory.
@@ -532,6 +544,17 @@ def _load_safetensors(path: Path) -> dict:
     return load_file(str(path))
 
 
+def _give_back_freed() -> None:
+    """Return the memory the load freed (rows as stored, once packed) to the system: glibc keeps
+    freed heap pages for reuse (1.6 GB of them after a 1.5B K-quant file's first start)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def meta_model(path: Path, dtype: torch.dtype):
     """The architecture in `path`/config.json on the meta device: shapes, no memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -567,13 +590,14 @@ def random_model(path: Path, dtype: torch.dtype, device: str):
     return model.eval()
 
 
-def block_source(file: Path, model, method: str) -> dict:
-    """The GGUF file's matrices stored in `method`'s block type (and the head's), as stored."""
+def block_source(file: Path, model, method: str, every: bool) -> dict:
+    """The GGUF file's matrices as stored: `every` type the kernels multiply (the file's own
+    blocks served), else those in `method`'s block type and the head's (PHI2_QUANTIZE)."""
     from backends.torch.quant.blocks import file_matrices
     from backends.torch.weights import HEAD_METHODS
 
     kinds = {method, HEAD_METHODS.get(method, method)}
-    return {name: weight for name, weight in file_matrices(file, model).items() if weight.name in kinds}
+    return {name: weight for name, weight in file_matrices(file, model).items() if every or weight.name in kinds}
 
 
 def restore_quantized(path: Path, file: Path, dtype: torch.dtype, device: str):
@@ -594,6 +618,8 @@ def restore_quantized(path: Path, file: Path, dtype: torch.dtype, device: str):
         else:
             model = meta_model(path, dtype)
             blocks, head, parameters = quant_store.restore(saved, model)
+        if (embed := quant_store.embedding(saved, head)) is not None:  # its file's blocks (RowLookup)
+            model.model.embed_tokens.blocks = embed
     except (OSError, RuntimeError, ValueError, KeyError, AttributeError, pickle.UnpicklingError) as exc:
         log.warning("stored quantized weights %s did not load (%s): quantizing again", file, exc)
         return None

@@ -80,8 +80,8 @@ class Shape(NamedTuple):
 # beside int8 blocks is much of a step's read; weight-only int8 keeps its head faithful
 # (BENCHMARKS.md, decisions). llama.cpp's block types: the head in Q8_0 (a GGUF file's own, where
 # it stores one in a block type), as its quantizer keeps the output head at higher precision.
-QUANTIZED_HEAD_METHODS = ("w8a8", "q8_0", "q4_0", "q4_1")
-HEAD_METHODS = {"q4_0": "q8_0", "q4_1": "q8_0"}
+QUANTIZED_HEAD_METHODS = ("w8a8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+HEAD_METHODS = dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"), "q8_0")
 
 
 class DecoderWeights:
@@ -106,6 +106,10 @@ class DecoderWeights:
         self.context = context
         self.hidden, self.heads, self.head_dim, self.inner = arch.hidden, arch.heads, arch.head_dim, arch.inner
         self.embed = inner.embed_tokens.weight
+        if (blocks_embed := getattr(inner.embed_tokens, "blocks", None)) is not None:  # its file's blocks
+            from backends.torch.quant.blocks import RowLookup
+
+            self.embed = RowLookup(blocks_embed)
         final = inner.final_layernorm if arch.family == "phi" else inner.norm
         self.final_norm = (final.weight, getattr(final, "bias", None))
         self.lm_head = (head or model.lm_head.weight, getattr(model.lm_head, "bias", None))
@@ -218,9 +222,9 @@ class DecoderWeights:
         from backends.torch.quant.blocks import BlockWeight
 
         parts = [stored.get(module_names[module] + ".weight") for module in self.parts[index][name]]
-        if any(part is None for part in parts) or len({part.ggml_type for part in parts}) != 1:
-            return None
         columns = self.arch.parallel and name == "w_out"
+        if any(part is None for part in parts) or (columns and len({part.ggml_type for part in parts}) != 1):
+            return None
         return (BlockWeight.join_columns if columns else BlockWeight.stack_rows)(parts)
 
     def _head_from_file(self, model, stored: dict) -> QuantizedWeight | None:

@@ -809,30 +809,57 @@ void dequantize_row(const uint8_t* w, int kind, int64_t in, float* out) {
 
 }  // namespace
 
+#include "kquants.h"
+
 // x [rows, in] float32 times the transpose of w (out_features rows of `kind` blocks): [rows, out].
 constexpr int64_t PACKED = 100;  // a kind + PACKED: the sixteen-row records
+
+// A row's bytes as stored, and its values a block (K-quants: 256), for every type served.
+inline int64_t row_bytes_of(int64_t kind, int64_t in_features) {
+  if (is_kquant(kind)) {
+    TORCH_CHECK(in_features % kq_values(kind) == 0, "rows of ", in_features, " values are not whole blocks");
+    return in_features / kq_values(kind) * kq_file_bytes(kind);
+  }
+  return in_features / QK * block_bytes((int)kind);
+}
+inline int64_t group_bytes_of(int64_t kind, int64_t in_features) {
+  return is_kquant(kind) ? in_features / kq_values(kind) * kq_record_bytes(kind) : in_features / QK * record_bytes((int)kind);
+}
 
 torch::Tensor pack(torch::Tensor raw, int64_t kind, int64_t in_features) {
   TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) % GROUP == 0);
   const int64_t nb = in_features / QK, groups = raw.size(0) / GROUP, row_bytes = raw.size(1);
-  TORCH_CHECK(row_bytes == nb * block_bytes(kind), "raw's row size");
-  auto out = torch::empty({groups, nb * record_bytes(kind)}, raw.options());
+  TORCH_CHECK(row_bytes == row_bytes_of(kind, in_features), "raw's row size");
+  auto out = torch::empty({groups, group_bytes_of(kind, in_features)}, raw.options());
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
+  const bool k = is_kquant(kind);
+  const auto kpack = k ? kfunctions(kind).pack : nullptr;
+  const int64_t nsb = k ? in_features / kq_values(kind) : 0;
   at::parallel_for(0, groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g++) pack_group(rp + GROUP * g * row_bytes, row_bytes, (int)kind, nb, op + g * out.size(1));
+    for (int64_t g = begin; g < end; g++) {
+      if (k) kpack(rp + GROUP * g * row_bytes, row_bytes, nsb, op + g * out.size(1));
+      else pack_group(rp + GROUP * g * row_bytes, row_bytes, (int)kind, nb, op + g * out.size(1));
+    }
   });
   return out;
 }
 
 torch::Tensor unpack(torch::Tensor packed, int64_t kind, int64_t in_features) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous());
-  const int64_t nb = in_features / QK, groups = packed.size(0), row_bytes = nb * block_bytes(kind);
+  const int64_t nb = in_features / QK, groups = packed.size(0), row_bytes = row_bytes_of(kind, in_features);
+  TORCH_CHECK(packed.size(1) == group_bytes_of(kind, in_features), "packed's record size");
   auto raw = torch::empty({GROUP * groups, row_bytes}, packed.options());
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   uint8_t* rp = raw.data_ptr<uint8_t>();
+  const bool k = is_kquant(kind);
+  const auto kunpack = k ? kfunctions(kind).unpack : nullptr;
+  const int64_t nsb = k ? in_features / kq_values(kind) : 0;
   at::parallel_for(0, groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g++) unpack_group(pp + g * packed.size(1), (int)kind, nb, row_bytes, rp + GROUP * g * row_bytes);
+    for (int64_t g = begin; g < end; g++) {
+      if (k) kunpack(pp + g * packed.size(1), nsb, row_bytes, rp + GROUP * g * row_bytes);
+      else unpack_group(pp + g * packed.size(1), (int)kind, nb, row_bytes, rp + GROUP * g * row_bytes);
+    }
   });
   return raw;
 }
@@ -847,9 +874,12 @@ bool prompt_tiles() {
 #endif
 }
 
+torch::Tensor kmm(torch::Tensor x, torch::Tensor w, int64_t kind, bool packed, int64_t in_features);
+
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_features, int64_t prompt_from) {
   const bool packed = kind >= PACKED;  // sixteen-row records [out / 16, records], else rows [out, blocks]
   if (packed) kind -= PACKED;
+  if (is_kquant(kind)) return kmm(x, w, kind, packed, in_features);
   TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, "unsupported block type ", kind);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == in_features, "x: float32 [rows, in]");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 blocks or records");
@@ -877,16 +907,75 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t in_feat
   return y;
 }
 
+// The K-quants' and Q5's products (kquants.h): rows as stored are packed for the call (a
+// matrix whose rows are not a multiple of 16 stays as stored; the last group is padded with
+// zero rows, which are zero weights in every type).
+torch::Tensor kmm(torch::Tensor x, torch::Tensor w, int64_t kind, bool packed, int64_t in_features) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == in_features, "x: float32 [rows, in]");
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 blocks or records");
+  TORCH_CHECK(w.size(1) == (packed ? group_bytes_of(kind, in_features) : row_bytes_of(kind, in_features)), "w's row size");
+  x = x.contiguous();
+  int64_t out_features = (packed ? GROUP : 1) * w.size(0);
+  torch::Tensor records = w;
+  if (!packed) {
+    const int64_t padded = (out_features + GROUP - 1) / GROUP * GROUP;
+    torch::Tensor rows = padded == out_features ? w : torch::cat({w, torch::zeros({padded - out_features, w.size(1)}, w.options())});
+    records = pack(rows, kind, in_features);
+  }
+  const int64_t rows = x.size(0), computed = GROUP * records.size(0);
+  auto y = torch::empty({rows, computed}, x.options());
+  if (rows) kfunctions(kind).product(x.data_ptr<float>(), rows, in_features, records.data_ptr<uint8_t>(), computed, y.data_ptr<float>());
+  return computed == out_features ? y : y.narrow(1, 0, out_features).contiguous();
+}
+
 // The weight's rows in float32 [out, in].
 torch::Tensor dequantize(torch::Tensor w, int64_t kind, int64_t in_features) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 blocks [out, bytes]");
-  TORCH_CHECK(in_features % QK == 0 && w.size(1) == in_features / QK * block_bytes(kind), "w's row size");
+  TORCH_CHECK(w.size(1) == row_bytes_of(kind, in_features), "w's row size");
   const int64_t out_features = w.size(0), row_bytes = w.size(1);
   auto y = torch::empty({out_features, in_features}, torch::kFloat32);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const auto kdeq = is_kquant(kind) ? kfunctions(kind).dequantize : nullptr;
   at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; o++) dequantize_row(wp + o * row_bytes, (int)kind, in_features, yp + o * in_features);
+    for (int64_t o = begin; o < end; o++) {
+      if (kdeq) kdeq(wp + o * row_bytes, in_features, yp + o * in_features);
+      else dequantize_row(wp + o * row_bytes, (int)kind, in_features, yp + o * in_features);
+    }
+  });
+  return y;
+}
+
+// Rows `ids` of w (as stored, or sixteen-row records: kind + PACKED) in float32 [n, in]: a
+// quantized token embedding's lookup, with no float copy of the vocabulary.
+torch::Tensor embed(torch::Tensor w, int64_t kind, int64_t in_features, torch::Tensor ids) {
+  const bool packed = kind >= PACKED;
+  if (packed) kind -= PACKED;
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "w: uint8 blocks or records");
+  ids = ids.to(torch::kLong).contiguous().view(-1);
+  const int64_t n = ids.size(0), row_bytes = row_bytes_of(kind, in_features);
+  const int64_t vocab = packed ? GROUP * w.size(0) : w.size(0);
+  auto y = torch::empty({n, in_features}, torch::kFloat32);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; r++) TORCH_CHECK(ip[r] >= 0 && ip[r] < vocab, "token id ", ip[r], " out of range");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const auto kdeq = is_kquant(kind) ? kfunctions(kind).dequantize : nullptr;
+  const auto kunpack = is_kquant(kind) ? kfunctions(kind).unpack : nullptr;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> group(packed ? GROUP * row_bytes : 0);
+    for (int64_t r = begin; r < end; r++) {
+      const int64_t id = ip[r];
+      const uint8_t* row = wp + id * row_bytes;
+      if (packed) {  // the id's group back to rows as stored
+        const uint8_t* rec = wp + id / GROUP * w.size(1);
+        if (kunpack) kunpack(rec, in_features / kq_values(kind), row_bytes, group.data());
+        else unpack_group(rec, (int)kind, in_features / QK, row_bytes, group.data());
+        row = group.data() + id % GROUP * row_bytes;
+      }
+      if (kdeq) kdeq(row, in_features, yp + r * in_features);
+      else dequantize_row(row, (int)kind, in_features, yp + r * in_features);
+    }
   });
   return y;
 }
@@ -914,9 +1003,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "raw GGUF rows to sixteen-row records");
   m.def("unpack", &unpack, "sixteen-row records to raw GGUF rows");
   m.def("dequantize", &dequantize, "block-quantized rows to float32");
+  m.def("embed", &embed, "rows of a block-quantized matrix (as stored or packed) in float32");
   m.def("simd", &simd, "the SIMD path compiled");
   pybind11::class_<Step>(m, "Step", pybind11::module_local())  // builds for other targets load beside it (tests)
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool, bool, bool, int64_t>())
       .def("add_block", &Step::add_block)
+      .def("set_parts", &Step::set_parts)
       .def("forward", &Step::forward);
 }

@@ -30,7 +30,7 @@ from backends.contract import ModelLoadError
 log = logging.getLogger("phi2.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-SOURCES = [SOURCE, Path(__file__).with_name("step.h")]  # the second is included by the first
+SOURCES = [SOURCE, Path(__file__).with_name("kquants.h"), Path(__file__).with_name("step.h")]  # the headers: included
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]  # errno-free: expf vectorizes (libmvec)
 
 _lock = threading.Lock()

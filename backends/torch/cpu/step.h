@@ -19,10 +19,20 @@ struct Linear {
   torch::Tensor w, b;  // b undefined: no bias
   int64_t kind = -1;   // -1: float32 [out, in]; else a block type
   int64_t in = 0;
+  // rows stacked from matrices of different block types (Step::set_parts), in place of w
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> part_kinds;
 
   // rows from `prompt_from` on: a prompt piece's tokens (mm)
   torch::Tensor operator()(const torch::Tensor& x, int64_t prompt_from) const {
-    torch::Tensor y = kind < 0 ? at::linear(x, w) : mm(x, w, kind, in, prompt_from);
+    torch::Tensor y;
+    if (!parts.empty()) {
+      std::vector<torch::Tensor> ys;
+      for (size_t i = 0; i < parts.size(); i++) ys.push_back(mm(x, parts[i], part_kinds[i], in, prompt_from));
+      y = torch::cat(ys, 1);
+    } else {
+      y = kind < 0 ? at::linear(x, w) : mm(x, w, kind, in, prompt_from);
+    }
     if (b.defined()) y.add_(b);
     return y;
   }
@@ -273,6 +283,16 @@ class Step {
     b.k_norm = maybe(k_norm);
     b.window = window;
     blocks_.push_back(b);
+  }
+
+  // Block `layer`'s matrix `which` (0 in, 1 out, 2 up, 3 down) as rows of matrices in different
+  // block types, stacked (torch/quant/blocks.py: StackedBlocks): a product each, side by side.
+  void set_parts(int64_t layer, int64_t which, std::vector<torch::Tensor> ws, std::vector<int64_t> kinds) {
+    TORCH_CHECK(layer < (int64_t)blocks_.size() && which >= 0 && which < 4 && ws.size() == kinds.size());
+    Block& b = blocks_[layer];
+    Linear& l = which == 0 ? b.in : which == 1 ? b.out : which == 2 ? b.up : b.down;
+    l.parts = ws;
+    l.part_kinds = kinds;
   }
 
   // x [n, hidden] float32: the embeddings of n tokens, through every block. Token i sits at

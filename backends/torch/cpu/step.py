@@ -10,7 +10,7 @@ import torch
 from backends.errors import ModelLoadError
 from backends.files.architecture import GELU_TANH
 from backends.torch.cpu.kernels import kernels
-from backends.torch.quant.blocks import BlockWeight
+from backends.torch.quant.blocks import BlockWeight, StackedBlocks
 
 log = logging.getLogger("phi2.cpu_kernels")
 
@@ -22,7 +22,8 @@ def decode_step(weights, kv):
     if weights.device.type != "cpu" or weights.embed.dtype != torch.float32 or kv.dtype != torch.float32:
         return None
     matrices = [getattr(block, name) for block in weights.layers for name in block.matrices()]
-    plain = (isinstance(m, BlockWeight) or (isinstance(m, torch.Tensor) and m.dtype == torch.float32) for m in matrices)
+    blocks = (BlockWeight, StackedBlocks)
+    plain = (isinstance(m, blocks) or (isinstance(m, torch.Tensor) and m.dtype == torch.float32) for m in matrices)
     if not all(plain):
         return None
     try:
@@ -47,6 +48,8 @@ def decode_step(weights, kv):
     )
 
     def matrix(m):
+        if isinstance(m, StackedBlocks):  # its first part here, all of them by set_parts below
+            return m.parts[0].operand
         return m.operand if isinstance(m, BlockWeight) else (m.detach(), -1)
 
     for layer, block in enumerate(weights.layers):
@@ -69,6 +72,9 @@ def decode_step(weights, kv):
             _plain(block.k_norm),
             arch.windows[layer] or 0,
         )
+        for which, name in enumerate(("w_in", "w_out", "w_up", "w_down")):
+            if isinstance(m := getattr(block, name), StackedBlocks):
+                step.set_parts(layer, which, *map(list, zip(*(part.operand for part in m.parts), strict=True)))
     return step
 
 

@@ -12,6 +12,7 @@ quantizer does (`BlockWeight.quantize`). Rows stack (q, k, v into one matrix) an
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 import torch
@@ -21,9 +22,16 @@ from backends.files import gguf_phi2
 from backends.torch.quant.methods import QuantizedWeight
 
 # GGUF / ggml type ids, and each block's bytes.
-KINDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
-NAMES = {kind: name for name, kind in KINDS.items()}
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+KINDS = {"q4_0": 2, "q4_1": 3, "q8_0": 8}  # what BlockWeight.quantize writes (PHI2_QUANTIZE)
+# A GGUF file's types served as stored (backends/cpu_kquants.h): the K-quants and 5-bit blocks.
+STORED_KINDS = {**KINDS, "q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+NAMES = {kind: name for name, kind in STORED_KINDS.items()}
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 6: 22, 7: 24, 12: 144, 13: 176, 14: 210}
+BLOCK_VALUES = {kind: 256 if kind >= 12 else 32 for kind in BLOCK_BYTES}
+# bytes of a sixteen-row record a block (torch/cpu/kernels.cpp, kquants.h): the 6-bit scales of
+# Q4_K and Q5_K kept a byte each, Q4_0 with a minimum slot its blocks do not hold
+RECORD_BYTES = {8: 544, 2: 320, 3: 320, 6: 352, 7: 384, 12: 2368, 13: 2880, 14: 3360}
+BITS = {8: 8, 2: 4, 3: 4, 6: 5, 7: 5, 12: 4, 13: 5, 14: 6}
 PACKED = 100  # a kind + PACKED: cpu_kernels.cpp's sixteen-row records
 GROUP = 16  # rows a record interleaves
 QK = 32
@@ -35,7 +43,7 @@ class BlockWeight(QuantizedWeight):
     group_size, on_cuda = QK, False
 
     def __init__(self, raw: torch.Tensor, kind: int, in_features: int):
-        if in_features % QK or raw.shape[1] != in_features // QK * BLOCK_BYTES[kind]:
+        if in_features % BLOCK_VALUES[kind] or raw.shape[1] != in_features // BLOCK_VALUES[kind] * BLOCK_BYTES[kind]:
             raise ValueError(f"{NAMES[kind]} rows of {raw.shape[1]} bytes do not hold {in_features} channels")
         self.raw, self.ggml_type = raw.contiguous(), kind
         self.out_features, self.in_features = raw.shape[0], in_features
@@ -65,8 +73,8 @@ class BlockWeight(QuantizedWeight):
         """Its bytes once packed (Q4_0's records hold a minimum slot its blocks do not)."""
         if self.out_features % GROUP:
             return self.nbytes
-        record = GROUP * QK + 2 * GROUP if self.ggml_type == KINDS["q8_0"] else GROUP * (QK // 2) + 4 * GROUP
-        return self.out_features // GROUP * self.in_features // QK * record
+        kind = self.ggml_type
+        return self.out_features // GROUP * self.in_features // BLOCK_VALUES[kind] * RECORD_BYTES[kind]
 
     @property
     def operand(self) -> tuple[torch.Tensor, int]:
@@ -90,7 +98,7 @@ class BlockWeight(QuantizedWeight):
 
     @property
     def bits(self) -> int:
-        return 8 if self.ggml_type == KINDS["q8_0"] else 4
+        return BITS[self.ggml_type]
 
     @property
     def name(self) -> str:
@@ -147,9 +155,12 @@ class BlockWeight(QuantizedWeight):
         return BlockWeight(raw, KINDS[name], in_features)
 
     @staticmethod
-    def stack_rows(parts: list[BlockWeight]) -> BlockWeight:
-        """[a; b; ...]: one product for matrices over the same input."""
-        _same_kind(parts)
+    def stack_rows(parts: list[BlockWeight]) -> BlockWeight | StackedBlocks:
+        """[a; b; ...]: one product for matrices over the same input (of one block type; else a
+        product each, `StackedBlocks`)."""
+        if len({p.ggml_type for p in parts}) > 1:  # each run of one type one matrix: [q; k] and v
+            runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.ggml_type)]
+            return StackedBlocks([BlockWeight.stack_rows(run) if len(run) > 1 else run[0] for run in runs])
         return BlockWeight(torch.cat([p.rows() for p in parts]), parts[0].ggml_type, parts[0].in_features)
 
     @staticmethod
@@ -158,6 +169,77 @@ class BlockWeight(QuantizedWeight):
         _same_kind(parts)
         raw = torch.cat([p.rows() for p in parts], dim=1)
         return BlockWeight(raw, parts[0].ggml_type, sum(p.in_features for p in parts))
+
+
+class StackedBlocks(QuantizedWeight):
+    """Matrices over one input stacked by rows, in block types that differ (a Q4_K_M file's q
+    and k in Q4_K, its v in Q6_K): a product each, their outputs side by side. The compiled
+    step takes the parts as one Linear (cpu_step.h's `Linear::parts`)."""
+
+    group_size, on_cuda = QK, False
+
+    def __init__(self, parts: list[BlockWeight]):
+        self.parts = [q for p in parts for q in (p.parts if isinstance(p, StackedBlocks) else [p])]
+        self.in_features = self.parts[0].in_features
+        self.out_features = sum(p.out_features for p in self.parts)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p._product(x) for p in self.parts], dim=-1)
+
+    def prompt_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.prompt_product(x) for p in self.parts], dim=-1)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def bits(self) -> int:
+        return min(p.bits for p in self.parts)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.parts]
+
+    def state(self) -> dict:
+        return {"kind": type(self).__name__, "parts": [p.state() for p in self.parts]}
+
+    def _restore(self, state: dict) -> None:
+        parts = []
+        for part in state["parts"]:
+            parts.append(object.__new__(BlockWeight))
+            parts[-1]._restore({key: value for key, value in part.items() if key != "kind"})
+        self.__init__(parts)
+
+
+class RowLookup:
+    """A token embedding kept in its file's block type (`embed[ids]`, as a float tensor is
+    indexed): the rows asked for are dequantized, and no float copy of the vocabulary is made
+    (Qwen2.5's 151,936 x 1,536 would be 0.93 GB in float32). `weight` may be the output head's
+    own blocks (tied embeddings), packed for its products: a lookup reads the row's group."""
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def __init__(self, weight: BlockWeight):
+        self.weight = weight
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        from backends.torch.cpu.kernels import kernels
+
+        ids = torch.as_tensor(ids)
+        rows = kernels().embed(*self.weight.operand, self.weight.in_features, ids.reshape(-1))
+        return rows.view(*ids.shape, self.weight.in_features)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.weight.out_features, self.weight.in_features))
+
+    def data_ptr(self) -> int:
+        return self.weight.operand[0].data_ptr()
 
 
 def _same_kind(parts: list[BlockWeight]) -> None:
@@ -188,7 +270,7 @@ def file_matrices(file, model) -> dict[str, BlockWeight]:
     rows are put back in transformers' order (its reader un-permutes llama.cpp's rotary layout
     the same way, on whole rows)."""
     from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     reader = GGUFReader(str(file))
     config = model.config.to_dict()
@@ -196,7 +278,7 @@ def file_matrices(file, model) -> dict[str, BlockWeight]:
     if architecture == gguf_phi2.ARCHITECTURE:
         return _phi2_matrices(reader, config)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
-    names = get_gguf_hf_weights_map(model, processor)
+    names = gguf_names(model, processor)
     found = {}
     for tensor in reader.tensors:
         kind = int(tensor.tensor_type)
@@ -208,6 +290,28 @@ def file_matrices(file, model) -> dict[str, BlockWeight]:
         matrix = torch.from_numpy(np.array(rows))  # a copy: the mapped file is read-only
         found[names[tensor.name]] = BlockWeight(matrix, kind, int(tensor.shape[0]))
     return found
+
+
+def gguf_names(model, processor) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name, as transformers' get_gguf_hf_weights_map
+    maps them for a causal LM's own state dict. That function builds gguf's name map again for
+    every submodule it recurses into (397 times for SmolLM2: a minute on 2 cores); the model's
+    top-level names are all the decoder families have, so the map is built once here."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    config = model.config
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == config.model_type)
+    name_map = get_tensor_name_map(arch, config.num_hidden_layers)
+    names = {}
+    for hf_name in model.state_dict():
+        hf_name = processor.preprocess_name(hf_name)
+        stem, dot, suffix = hf_name.rpartition(".") if hf_name.endswith((".weight", ".bias")) else (hf_name, "", "")
+        gguf_name = name_map.get_name(stem)
+        if gguf_name is None:
+            processor.perform_fallback_tensor_mapping(names, dot + suffix, "", hf_name)
+        else:
+            names[gguf_name + dot + suffix] = hf_name
+    return names
 
 
 def _phi2_matrices(reader, config: dict) -> dict[str, BlockWeight]:
@@ -225,18 +329,16 @@ def _phi2_matrices(reader, config: dict) -> dict[str, BlockWeight]:
     return found
 
 
-# Quantized types these kernels do not multiply (Q5_0, Q5_1, the K-quants Q2_K to Q6_K): a file
-# mostly of them (Q4_K_M, the most common GGUF download) is served in Q8_0 blocks, each matrix
-# quantized again from its dequantized values, as PHI2_QUANTIZE=q8_0 quantizes a float
-# checkpoint. SmolLM2 in Q4_K_M: perplexity 22.395 against 22.316 dequantized (llama.cpp's on the
-# file 22.402), decode 120.9 tok/s against float32's 21.5, what such a file was served as before
-# (docs/decisions.md, D-k-quants).
-REQUANTIZED = {6, 7, 10, 11, 12, 13, 14}
-KIND_RULE = 2  # the rule of `file_kind`, kept with its answer: an answer by another is read again
+# Quantized types these kernels do not multiply (Q2_K, Q3_K): a file mostly of them is served in
+# Q8_0 blocks, each matrix quantized again from its dequantized values, as PHI2_QUANTIZE=q8_0
+# quantizes a float checkpoint. Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 are served as stored (issue 67;
+# before, they were re-coded into Q8_0 blocks too: docs/decisions.md, D-k-quants).
+REQUANTIZED = {10, 11}
+KIND_RULE = 3  # the rule of `file_kind`, kept with its answer: an answer by another is read again
 
 
 def file_kind(file, folder=None) -> str | None:
-    """The block type to serve the file in: the one most of its matrices are stored in (KINDS),
+    """The block type to serve the file in: the one most of its matrices are stored in (STORED_KINDS),
     q8_0 where most are in REQUANTIZED's types, or None (a float file: it is served as
     float32). Reading a GGUF file's header parses its whole vocabulary (1-2 s for SmolLM2's):
     the answer is kept in `folder` (the file's converted checkpoint, keyed by the file) for the
@@ -249,9 +351,9 @@ def file_kind(file, folder=None) -> str | None:
         answer = json.loads(kept.read_text())
         if answer.get("rule") == KIND_RULE:
             return answer["type"]
-    from gguf import GGUFReader
+    from backends.files import gguf_tensors  # the header only (gguf's reader parses the whole vocabulary)
 
-    counts = Counter(int(t.tensor_type) for t in GGUFReader(str(file)).tensors if len(t.shape) == 2)
+    counts = Counter(t.ggml_type for t in gguf_tensors.read(file).tensors if len(t.shape) == 2)
     blocks = {kind: count for kind, count in counts.items() if kind in BLOCK_BYTES}
     requantized = sum(count for kind, count in counts.items() if kind in REQUANTIZED)
     if requantized > sum(blocks.values()):
@@ -264,7 +366,7 @@ def file_kind(file, folder=None) -> str | None:
     return kind
 
 
-def rehome(weights: list[BlockWeight]) -> None:
+def rehome(weights: list) -> None:
     """Pack the blocks sixteen rows at a time (`BlockWeight.pack`) into one anonymous mapping backed
     by transparent huge pages, where the system offers them (Linux, THP `madvise` or `always`): a
     decode step reads every block once, and on 4 KB pages, in a VM, its page walks cost a third of
@@ -272,6 +374,8 @@ def rehome(weights: list[BlockWeight]) -> None:
     packed where they are."""
     import mmap
 
+    flat = [part for w in weights for part in (w.parts if isinstance(w, StackedBlocks) else [w])]
+    weights = list({id(w): w for w in flat if isinstance(w, BlockWeight)}.values())  # a tied head once
     if not weights:
         return
     region = None
@@ -298,8 +402,24 @@ def rehome(weights: list[BlockWeight]) -> None:
 
     for weight in weights:
         if weight.packed is not None:  # restored packed, from a stored file's mapping
-            weight.packed = into(weight.packed)
+            mapped, weight.packed = weight.packed, into(weight.packed)
+            _drop_pages(mapped)
         elif weight.out_features % GROUP:
             weight.raw = into(weight.raw)
         else:
             weight.pack(into)
+
+
+def _drop_pages(mapped: torch.Tensor) -> None:
+    """A stored file's mapped tensor, copied onto huge pages, out of this process's resident
+    memory: the copy read every page, and the mapping stays while its other tensors (norms,
+    biases) live, so the file's bytes would count twice. Its whole pages are dropped
+    (MADV_DONTNEED: a private mapping nobody wrote reads the file again if touched)."""
+    import ctypes
+    import mmap
+
+    start, end = mapped.data_ptr(), mapped.data_ptr() + mapped.nbytes
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first and hasattr(mmap, "MADV_DONTNEED"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)

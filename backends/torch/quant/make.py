@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch.quant.blocks import BlockWeight
-from backends.torch.quant.methods import BLOCK_METHODS, Int4Weight, Int8DynamicWeight, Int8Weight, QuantizedWeight
+from backends.torch.quant.blocks import KINDS, BlockWeight
+from backends.torch.quant.methods import STORED_METHODS, Int4Weight, Int8DynamicWeight, Int8Weight, QuantizedWeight
 
 
 def quantize_weight(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    if method in BLOCK_METHODS:
-        return BlockWeight.quantize(weight, method)
+    if method in STORED_METHODS:  # a file's K-quant or 5-bit kind: a matrix it holds in no such type in Q8_0
+        return BlockWeight.quantize(weight, method if method in KINDS else "q8_0")
     return {"int8": Int8Weight, "int4": Int4Weight, "w8a8": Int8DynamicWeight}[method](weight)
 
 

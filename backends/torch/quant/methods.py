@@ -33,6 +33,8 @@ from backends.contract import ModelLoadError
 METHODS = ("int8", "int4", "w8a8", "q8_0", "q4_0", "q4_1")
 # llama.cpp's block types, on this server's own CPU kernels (backends/torch/quant/blocks.py).
 BLOCK_METHODS = ("q8_0", "q4_0", "q4_1")
+# and the types a GGUF file's blocks are served in as stored (its own, never PHI2_QUANTIZE's)
+STORED_METHODS = (*BLOCK_METHODS, "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 INT4_GROUP_SIZES = (128, 64, 32)
 
@@ -298,8 +300,8 @@ def _weight_first(rows: int, weight: torch.Tensor) -> bool:
 def describe(method: str, weights: list[QuantizedWeight]) -> dict:
     """/model/info's `quantization`."""
     group_sizes = sorted({w.group_size for w in weights if w.group_size})
-    if method in BLOCK_METHODS or method == "gguf":
-        kinds = sorted({w.name for w in weights if hasattr(w, "ggml_type")})
+    if method in STORED_METHODS or method == "gguf":
+        kinds = sorted({name for w in weights for name in getattr(w, "names", [getattr(w, "name", None)]) if name})
         return {"method": "ggml-blocks", "types": kinds, "bits": min(w.bits for w in weights), "group_size": 32}
     return {
         "method": "torch-w8a8-fbgemm" if method == "w8a8" else f"torch-{method}-weight-only",

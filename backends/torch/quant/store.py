@@ -34,7 +34,7 @@ from backends.torch.quant.methods import QuantizedWeight
 
 log = logging.getLogger("phi2.quant_store")
 
-FORMAT = 5  # bump when what is stored, or how the decoder reads it, changes
+FORMAT = 6  # bump when what is stored, or how the decoder reads it, changes
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -71,6 +71,8 @@ def save(
     layers = [{name: _pack(value) for name, value in block._asdict().items()} for block in blocks]
     saved = {"format": FORMAT, "parameters": parameters, "state": model.state_dict(), "blocks": layers, "shell": shell}
     saved["head"] = _pack(head) if head is not None else None
+    embed = getattr(model.model.embed_tokens, "blocks", None)  # a GGUF file's embedding in its blocks
+    saved["embed"] = _pack(embed) if embed is not None else None
     temporary = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
@@ -121,6 +123,19 @@ def decoder_parts(saved: dict) -> tuple[list[dict], QuantizedWeight | None, int]
         blocks = list(pool.map(lambda layer: {name: _unpack(value) for name, value in layer.items()}, saved["blocks"]))
     head = _unpack(saved["head"]) if saved.get("head") is not None else None
     return blocks, head, saved["parameters"]
+
+
+def embedding(saved: dict, head: QuantizedWeight | None) -> QuantizedWeight | None:
+    """The token embedding's blocks where they were stored (torch/quant/blocks.py: RowLookup), or None: the
+    head's own object where they are its bytes (tied), so they are packed and held once."""
+    embed = _unpack(saved["embed"]) if saved.get("embed") is not None else None
+    if embed is not None and head is not None and embed.state().keys() == head.state().keys():
+        if all(
+            not isinstance(a, torch.Tensor) or a.data_ptr() == b.data_ptr()
+            for a, b in zip(embed.state().values(), head.state().values(), strict=True)
+        ):
+            return head
+    return embed
 
 
 def _pack(value):

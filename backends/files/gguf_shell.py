@@ -1,0 +1,68 @@
+"""A GGUF file's config and tokenizer as a checkpoint folder, from the file's metadata alone.
+
+transformers' GGUF config reader (`load_gguf_checkpoint`) parses every metadata array with gguf's
+reader: 33 s for Qwen2.5's 151,936-token vocabulary and merges on 2 cores, before a weight is
+read. Its own fast reader (`read_gguf_metadata`, which its tokenizer path uses) reads the same
+header in 0.3 s; the config is made from it by transformers' own name map (`GGUF_CONFIG_MAPPING`),
+as `load_gguf_checkpoint` makes it, for the architectures served (backends/files/models.py's
+GGUF_ARCHITECTURES; Phi-2's files are converted by backends/torch/checkpoints.py). The weights are not
+written: the CPU serves the file's own blocks from the file (backends/torch/gguf_direct.py), and
+a runtime that needs float weights asks for them (files/models.converted_gguf(weights=True)).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def config_dict(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """transformers' config fields for a file with this metadata, as load_gguf_checkpoint reads them."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    architecture = metadata["general.architecture"]
+    # llama.cpp writes Mistral as llama; transformers tells them apart by the model's name
+    served = "mistral" if architecture == "llama" and metadata.get("general.name") == "mistral" else architecture
+    config = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    config.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(served, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {}))
+    for key, value in metadata.items():
+        prefix, _, rest = key.replace(architecture, served).partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if renamed is None or renamed == -1:
+            continue
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, served)
+        config[renamed] = value
+    if "vocab_size" not in config:  # the reader counts an array it does not read
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        config["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    return config
+
+
+def write(file: Path, folder: Path) -> str:
+    """config.json, generation_config.json and the tokenizer's files for `file` into `folder`;
+    returns the file's GGUF architecture."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    metadata, tensor_names = read_gguf_metadata(str(file))
+    config = AutoConfig.for_model(**config_dict(metadata, tensor_names))
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.dtype = "float32"
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
+    # the class AutoTokenizer picks for the model type; its own GGUF path reads the vocabulary
+    name = TOKENIZER_MAPPING_NAMES.get(config.model_type) or "TokenizersBackend"
+    tokenizer = tokenizer_class_from_name(name).from_pretrained(str(file.parent), gguf_file=file.name)
+    tokenizer.save_pretrained(folder)
+    return metadata["general.architecture"]
+
+
+def same_config(a: Path, b: Path) -> bool:
+    """Whether two config.json files say the same (for the tests: the shell against transformers')."""
+    ignore = ("transformers_version",)
+    load = [{k: v for k, v in json.loads(p.read_text()).items() if k not in ignore} for p in (a, b)]
+    return load[0] == load[1]
