@@ -156,8 +156,9 @@ def write_tiny_checkpoint(path: str | Path) -> Path:
 # picked to reach that family's own code: grouped key-value heads, a llama3-scaled rotary, tied
 # embeddings, q/k/v biases (Qwen2), a sliding window on some layers or all, q/k norms and a head
 # wider than hidden/heads (Qwen3), fused qkv and gate_up Linears, a partial rotary and longrope
-# factors whose long half starts inside the context (Phi-3). Windows and longrope's switch are
-# short, so short prompts cross them.
+# factors whose long half starts inside the context (Phi-3); Gemma 3's five local layers to one
+# global (two rotary bases), a score scale other than head_dim's and a logit cap; SmolLM3's NoPE
+# layer (one in four). Windows and longrope's switch are short, so short prompts cross them.
 FAMILY_COMMON = dict(
     vocab_size=MODEL_VOCAB,
     hidden_size=64,
@@ -204,7 +205,22 @@ TINY_FAMILIES = {
             },
         ),
     ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+        ),
+    ),
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=4)),
 }
+# Gemma starts its norms' weights at zeros (it multiplies by 1 + w): perturbed, so that the
+# checks see the offset. (The other families' norms start at ones, a weight the tests read too.)
+NOISY_NORMS = ("gemma3_text",)
 
 
 def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path) -> Path:
@@ -225,6 +241,11 @@ def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path)
     )
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config).eval()
+    if family in NOISY_NORMS:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "norm" in name:
+                    parameter.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

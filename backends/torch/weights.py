@@ -53,8 +53,10 @@ class Block(NamedTuple):
     b_up: torch.Tensor | None = None
     w_down: torch.Tensor | None = None
     b_down: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm weights over a head of q, and of k
+    q_norm: torch.Tensor | None = None  # Qwen3, Gemma 3: RMSNorm weights over a head of q, and of k
     k_norm: torch.Tensor | None = None
+    attention_out_norm: torch.Tensor | None = None  # Gemma 3: RMSNorm of the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # and of the MLP's, before each joins the residual
 
     def matrices(self) -> list[str]:
         return [name for name in ("w_in", "w_out", "w_up", "w_down") if getattr(self, name) is not None]
@@ -75,6 +77,9 @@ class Shape(NamedTuple):
     gated: bool
     activation: object
 
+
+# The layout's names of the norms on a block's outputs (Gemma 3), in `Block`'s order.
+OUTPUT_NORMS = ("attention_out_norm", "mlp_out_norm")
 
 # The methods whose output head is quantized too. w8a8 is the CPU's fast choice: a float32 head
 # beside int8 blocks is much of a step's read; weight-only int8 keeps its head faithful
@@ -111,7 +116,7 @@ class DecoderWeights:
 
             self.embed = RowLookup(blocks_embed)
         final = inner.final_layernorm if arch.family == "phi" else inner.norm
-        self.final_norm = (final.weight, getattr(final, "bias", None))
+        self.final_norm = (self.norm_weight(final.weight), getattr(final, "bias", None))
         self.lm_head = (head or model.lm_head.weight, getattr(model.lm_head, "bias", None))
         self.activation = activation(arch.activation)
         self.shape = Shape(
@@ -160,18 +165,19 @@ class DecoderWeights:
         w_up, b_up = fuse_rows(up)
         down = find(names["down"])
         self.parts.append({"w_in": attention_in, "w_out": [o], "w_up": up, "w_down": [down]})
-        norm2 = layer.post_attention_layernorm
+        norm2 = find(names.get("norm2", "post_attention_layernorm"))
         attention = layer.self_attn
-        q_norm = attention.q_norm.weight if arch.qk_norm else None
-        k_norm = attention.k_norm.weight if arch.qk_norm else None
+        q_norm = self.norm_weight(attention.q_norm.weight, arch.score_scale) if arch.qk_norm else None
+        k_norm = self.norm_weight(attention.k_norm.weight) if arch.qk_norm else None
+        after = [self.norm_weight(find(names[n]).weight) if n in names else None for n in OUTPUT_NORMS]
         return Block(
-            norm1.weight,
+            self.norm_weight(norm1.weight),
             getattr(norm1, "bias", None),
             w_in,
             b_in,
             o.weight,
             o.bias,
-            norm2.weight,
+            self.norm_weight(norm2.weight),
             getattr(norm2, "bias", None),
             w_up,
             b_up,
@@ -179,7 +185,21 @@ class DecoderWeights:
             down.bias,
             q_norm,
             k_norm,
+            *after,
         )
+
+    def norm_weight(self, weight: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """An RMSNorm's weight as the passes multiply by it: Gemma's 1 + w (a copy, computed in
+        float32 as Gemma does; the model's own stays w), and q's norm times the scores' scale
+        where it is not head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar: rotary is linear, so
+        scaling q before it scales the scores)."""
+        offset = self.arch.norm_offset
+        if not offset and scale is None:
+            return weight
+        w = weight.float() + offset
+        if scale is not None:
+            w = w * (scale * self.arch.head_dim**0.5)
+        return w.to(weight.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -235,7 +255,13 @@ class DecoderWeights:
     def quantized_head(self) -> QuantizedWeight | None:
         return self.lm_head[0] if isinstance(self.lm_head[0], QuantizedWeight) else None
 
-    def rotary_tables(self, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_tables(self, length: int, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{rope kind: its table} for the kinds the layers use (`Architecture.rope_kinds`; Gemma 3
+        asks its rotary module for each layer type's, the others have one, "default")."""
+        kinds = sorted({kind for kind in self.arch.rope_kinds if kind is not None})
+        return {kind: self.rotary_table(length, dtype, kind) for kind in kinds}
+
+    def rotary_table(self, length: int, dtype, kind: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for positions 0..length-1 (see `rope_`), from the model's own
         rotary module (so every scaling transformers knows is applied as it applies it), in
         float32 then cast, as transformers does.
@@ -257,7 +283,8 @@ class DecoderWeights:
         cos_parts, sin_parts = [], []
         with torch.no_grad():
             for start, end in zip(cuts, cuts[1:], strict=False):
-                cos, sin = rotary(x, torch.arange(start, end, device=device)[None])
+                positions = torch.arange(start, end, device=device)[None]
+                cos, sin = rotary(x, positions) if kind == "default" else rotary(x, positions, kind)
                 cos_parts.append(cos[0].float())
                 sin_parts.append(sin[0].float())
         return self._table(torch.cat(cos_parts), torch.cat(sin_parts), length, dtype)
