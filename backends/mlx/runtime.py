@@ -18,7 +18,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.utils import quantize_model
 
@@ -142,7 +148,10 @@ class MlxBackend(TokenizerMethods):
                 config = json.loads((path / "config.json").read_text())
             else:
                 # lazy where the file's blocks may replace the float matrices: those are never read
-                model, tokenizer, config = mlx_load(str(path), return_config=True, lazy=source is not None)
+                overrides = published_rope_fields(json.loads((path / "config.json").read_text()))
+                model, tokenizer, config = mlx_load(
+                    str(path), model_config=overrides, return_config=True, lazy=source is not None
+                )
                 if source is not None:
                     kept = keep_file_blocks(model, source, config)
                     mx.eval(model.parameters())
@@ -237,7 +246,7 @@ class MlxBackend(TokenizerMethods):
     ) -> LookupGeneration | None:
         """A sequence's generation with prompt-lookup drafts, if it takes them (None: it does not,
         or its cache cannot drop rejected positions)."""
-        if not (self.draft_tokens and speculates(sequence) and can_trim_prompt_cache(cache)):
+        if not (self.draft_tokens and speculates(sequence) and drops_rejected(cache)):
             return None
         offset = self.router.offset(slot)
         return LookupGeneration(
@@ -354,6 +363,40 @@ def _quantization(config: dict) -> dict | None:
 
 # Entries of a prompt cache: the byte budget is what bounds it; this only bounds the trie's size.
 PROMPT_CACHE_ENTRIES = 256
+
+
+def drops_rejected(cache: list) -> bool:
+    """Whether a draft's rejected positions can always be trimmed off this cache: not where a
+    layer keeps a sliding window (Gemma 3's RotatingKVCache), which mlx-lm trims only until it
+    first fills (then `trim_prompt_cache` does nothing, and the rejected keys stayed)."""
+    return can_trim_prompt_cache(cache) and not any(isinstance(c, RotatingKVCache) for c in cache)
+
+
+def published_rope_fields(config: dict) -> dict:
+    """The rotary fields of a config.json as mlx-lm's models read them (rope_theta, rope_scaling;
+    Gemma 3's rope_local_base_freq and sliding_window_pattern), where transformers 5 wrote them
+    as `rope_parameters` and `layer_types` instead (a checkpoint it saved): mlx-lm would take its
+    defaults (SmolLM3's rope_theta 10,000 for 2,000,000). Empty where the published fields are there."""
+    rope = config.get("rope_parameters")
+    if "rope_theta" in config or not isinstance(rope, dict):
+        return {}
+    fields = {}
+    if isinstance(rope.get("full_attention"), dict):  # Gemma 3: {layer type: its parameters}
+        local = rope.get("sliding_attention") or {}
+        if "rope_theta" in local:
+            fields["rope_local_base_freq"] = local["rope_theta"]
+        rope = rope["full_attention"]
+        types = config.get("layer_types") or []
+        if "full_attention" in types and "sliding_window_pattern" not in config:
+            pattern = types.index("full_attention") + 1
+            if all((kind == "full_attention") == ((i + 1) % pattern == 0) for i, kind in enumerate(types)):
+                fields["sliding_window_pattern"] = pattern
+    if "rope_theta" in rope:
+        fields["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+        fields["rope_scaling"] = {**scaling, "type": rope["rope_type"]}  # (older models read "type")
+    return fields
 
 
 class PromptReuse:
@@ -533,7 +576,7 @@ class BatchDecoder:
         self.logprobs: dict[int, StepLogprobs] = {}
         self._solo: _Solo | None = None
         # Whether a sequence alone may take drafts: its cache must drop rejected positions.
-        self._drafts = backend.draft_tokens > 0 and can_trim_prompt_cache(make_prompt_cache(backend.model))
+        self._drafts = backend.draft_tokens > 0 and drops_rejected(make_prompt_cache(backend.model))
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self._prompts.usage()

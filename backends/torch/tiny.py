@@ -157,7 +157,7 @@ def write_tiny_checkpoint(path: str | Path) -> Path:
 # embeddings, q/k/v biases (Qwen2), a sliding window on some layers or all, q/k norms and a head
 # wider than hidden/heads (Qwen3), fused qkv and gate_up Linears, a partial rotary and longrope
 # factors whose long half starts inside the context (Phi-3); Gemma 3's five local layers to one
-# global (two rotary bases), a score scale other than head_dim's and a logit cap; SmolLM3's NoPE
+# global (two rotary bases), a score scale other than head_dim's; SmolLM3's NoPE
 # layer (one in four). Windows and longrope's switch are short, so short prompts cross them.
 FAMILY_COMMON = dict(
     vocab_size=MODEL_VOCAB,
@@ -213,7 +213,6 @@ TINY_FAMILIES = {
             head_dim=32,
             sliding_window=16,
             query_pre_attn_scalar=24,
-            final_logit_softcapping=30.0,
         ),
     ),
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=4)),
