@@ -127,7 +127,7 @@ class MlxBackend(TokenizerMethods):
         self.adapters = adapters
         self.max_adapters = max(max_adapters, 1)  # distinct adapters a batch decodes at once
         self.router = router
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | self.text.turn_end_ids()
         self._skipped = frozenset(hf.all_special_ids) | frozenset(range(len(hf), self._model_vocab()))
         # Phi-2's model vocabulary exceeds its tokenizer's: the ids past it decode to nothing and
         # are never chosen (the samplers' rule, as on Torch); logprobs still cover them.

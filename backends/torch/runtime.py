@@ -146,7 +146,7 @@ class TorchBackend(TokenizerMethods):
         self.text = TokenizerText(tokenizer)
         self.info = info
         self.device = torch.device(info.device)
-        self.eos_token_ids = end_of_text_ids(model, tokenizer)
+        self.eos_token_ids = end_of_text_ids(model, tokenizer) | self.text.turn_end_ids()
         # Phi-2's model vocabulary (51200) is larger than its tokenizer's: those ids decode to
         # nothing, so they are never sampled (the same rule as the MLX runtime).
         self.undecodable_from = self.text.vocab_size

@@ -371,11 +371,38 @@ def tool_reply(format: str, reply) -> str:
     return "; ".join(json.dumps({"name": name, "parameters": arguments}) for name, arguments in reply)
 
 
+def memorize_replies(config, pairs: list[tuple[list[int], list[int]]], pad_id: int):
+    """A model of `config` trained until it has memorized each (prompt, reply) pair's reply."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same sums in the same order on every run
+    try:
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(config)
+        width = max(len(p) + len(r) for p, r in pairs)
+        inputs = torch.full((len(pairs), width), pad_id)
+        labels = torch.full((len(pairs), width), -100)  # only the replies are learned
+        for row, (prompt, reply) in enumerate(pairs):
+            inputs[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+            labels[row, len(prompt) : len(prompt) + len(reply)] = torch.tensor(reply)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+        model.train()
+        for _ in range(TOOLS_TRAIN_STEPS):
+            loss = model(input_ids=inputs, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return model.eval()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def write_tiny_tools(path: str | Path, format: str) -> Path:
     """A tiny model of TOOL_FAMILIES[format] that has memorized TOOL_DIALOGUES, written to `path`."""
-    import torch
     import transformers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     config_class, template, end, special, plain = TOOL_FAMILIES[format]
     path = Path(path)
@@ -408,27 +435,7 @@ def write_tiny_tools(path: str | Path, format: str) -> Path:
         **settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32"
     )
     config.initializer_range = 0.02
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same sums in the same order on every run
-    try:
-        torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(config)
-        width = max(len(p) + len(r) for p, r in pairs)
-        inputs = torch.full((len(pairs), width), eos_id)
-        labels = torch.full((len(pairs), width), -100)  # only the replies are learned
-        for row, (prompt, reply) in enumerate(pairs):
-            inputs[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
-            labels[row, len(prompt) : len(prompt) + len(reply)] = torch.tensor(reply)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
-        model.train()
-        for _ in range(TOOLS_TRAIN_STEPS):
-            loss = model(input_ids=inputs, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        model.eval()
-    finally:
-        torch.set_num_threads(threads)
+    model = memorize_replies(config, pairs, eos_id)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     # mlx-lm reads rope_theta at the top level, where transformers 5 writes null (see above).
@@ -488,6 +495,79 @@ def write_tiny_reranker(path: str | Path) -> Path:
     )
     torch.manual_seed(SEED)
     model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# Gemma 3's chat template as google/gemma-3-*-it publish it: no system role (a system turn's text
+# opens the first user turn), "model" for the assistant, <end_of_turn> closing each turn.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    '{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = "" -%}'
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    '{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}{%- endif -%}'
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}"
+    "{{ raise_exception(\"Invalid content type\") }}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
+)
+# Tiny chat models of a family's own template and special tokens, memorized on CHAT_DIALOGUES:
+# family -> (chat template, bos, eos (the config's only end of text), special tokens).
+CHAT_FAMILIES = {
+    "gemma3_text": (GEMMA3_TEMPLATE, "<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>", "<start_of_image>"]),
+}
+CHAT_DIALOGUES = [
+    (
+        [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "Say hello."}],
+        "Hello! How can I help you today?",
+    ),
+    ([{"role": "user", "content": "What is two plus two?"}], "Four."),
+]
+
+
+def write_tiny_chat(path: str | Path, family: str) -> Path:
+    """A tiny model of `family` (TINY_FAMILIES' shape) with its chat template and special tokens
+    (CHAT_FAMILIES) that has memorized CHAT_DIALOGUES' replies, each closed as its template closes
+    a turn (Gemma: <end_of_turn>, which the config does not name as an end of text)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    template, bos, eos, special = CHAT_FAMILIES[family]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(),
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=EOS_TOKEN,
+        additional_special_tokens=special,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = template
+    pairs = []
+    for messages, reply in CHAT_DIALOGUES:
+        rendered = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": reply}], tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert rendered.startswith(prompt)
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        start = len(tokenizer.encode(prompt, add_special_tokens=False))
+        pairs.append((ids[:start], ids[start:]))  # the reply and how the template closes its turn
+    config_class, options = TINY_FAMILIES[family]
+    eos_id, bos_id = tokenizer.convert_tokens_to_ids(eos), tokenizer.convert_tokens_to_ids(bos)
+    config = getattr(transformers, config_class)(
+        **{**FAMILY_COMMON, **options}, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id
+    )
+    config.initializer_range = 0.02
+    model = memorize_replies(config, pairs, eos_id)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
