@@ -91,6 +91,22 @@ def test_logits_equal_transformers_at_every_step(family_backend, length):
             assert abs(logprob - float(reference[token])) <= 1e-5 * scale
 
 
+def test_a_final_logit_cap_is_applied(family_paths, tiny_path, tmp_path):
+    """Gemma 3's config may cap its logits (cap * tanh(logits / cap)); the published ones do not,
+    so the tiny family has none, and this variant does."""
+    path = write_tiny_family(tmp_path / "capped", "gemma3_text", tiny_path, final_logit_softcapping=3.0)
+    backend = load_backend("torch", LoadOptions(model=str(path), dtype="float32", warmup=False))
+    assert backend.decoder_weights.arch.logit_softcap == 3.0
+    prompt = prompt_of(20)
+    expected_ids, expected_logits = reference_steps(backend, prompt, 20)
+    assert float(expected_logits[0].abs().max()) <= 3.0
+    first = BatchedDecoder(backend.decoder_weights, 1).logits_after(prompt)
+    assert float((first - expected_logits[0]).abs().max()) <= 1e-5
+    assert (
+        drive(BatchedDecoder(backend.decoder_weights, 1), [Sequence(1, prompt, Sampling(), 20)]).ids[1] == expected_ids
+    )
+
+
 def test_batched_equals_alone(family_backend, reach_groups):
     # 150 tokens: a row past 128 columns beside shorter ones, which attend in another group
     # (`_reach_groups`); windows and longrope's switch lie inside both.

@@ -222,9 +222,9 @@ TINY_FAMILIES = {
 NOISY_NORMS = ("gemma3_text",)
 
 
-def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path) -> Path:
-    """A tiny checkpoint of `family` (TINY_FAMILIES) with random weights and the tiny
-    checkpoint's tokenizer (from `tokenizer_from`), written to `path`."""
+def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path, **overrides) -> Path:
+    """A tiny checkpoint of `family` (TINY_FAMILIES, with `overrides` of its config) with random
+    weights and the tiny checkpoint's tokenizer (from `tokenizer_from`), written to `path`."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -234,7 +234,7 @@ def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config_class, options = TINY_FAMILIES[family]
-    settings = {**FAMILY_COMMON, **options}
+    settings = {**FAMILY_COMMON, **options, **overrides}
     config = getattr(transformers, config_class)(
         **settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32"
     )
