@@ -260,11 +260,11 @@ def random_architecture_dir(spec: str, make: Makers) -> Path:
 # GGUF files (llama.cpp's format). transformers reads them (through the `gguf` package) into a
 # float32 model: weights are dequantized for now. The converted checkpoint is written once.
 GGUF_SUFFIX = ".gguf"
-GGUF_FORMAT = 1  # bump when what converted_gguf writes changes, so old folders are not reused
+GGUF_FORMAT = 2  # bump when what converted_gguf writes changes, so old folders are not reused
 # GGUF's architecture names whose transformers model_type the general decoder serves
 # (backends/files/architecture.py; llama.cpp writes Mistral as llama).
 # Phi-2's own files (phi2) are converted by backends/files/gguf_phi2.py: transformers' reader refuses them.
-GGUF_ARCHITECTURES = ("llama", "phi2", "phi3", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("gemma3", "llama", "phi2", "phi3", "qwen2", "qwen3")
 # The tensor types gguf dequantizes that GGUF files in use carry: float, the legacy quants, K-quants.
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -351,6 +351,32 @@ WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
 
 def _has_weights(folder: Path) -> bool:
     return any(part.name.endswith(WEIGHT_FILES) for part in folder.iterdir())
+
+
+def llama_cpp_rules(architecture: str, fields: dict, config: dict) -> dict:
+    """What a GGUF file leaves to llama.cpp's own rules (src/llama-model.cpp) and transformers'
+    reader would take its defaults for, as config fields to set: Gemma 3's score scale (1/sqrt of
+    the head's size; the 62-layer 27B: hidden / heads) where transformers assumes 256, its
+    global layers' linear rope scaling (4B and up: factor 8), the local layers' base and a logit
+    cap where the file names them. `fields`: the file's metadata, {key: value}."""
+    if architecture != "gemma3":
+        return {}
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    rules = {"query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 else config["head_dim"]}
+    rope = {
+        kind: dict(parameters or {"rope_type": "default"})
+        for kind, parameters in (config.get("rope_parameters") or {}).items()
+    }
+    full = rope.setdefault("full_attention", {"rope_type": "default"})
+    full.setdefault("rope_theta", fields.get("gemma3.rope.freq_base", 1_000_000.0))
+    if fields.get("gemma3.rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=float(fields["gemma3.rope.scaling.factor"]))
+    local = rope.setdefault("sliding_attention", {"rope_type": "default"})
+    local["rope_theta"] = fields.get("gemma3.rope.freq_base_swa", 10_000.0)
+    rules["rope_parameters"] = rope
+    if "gemma3.final_logit_softcapping" in fields:
+        rules["final_logit_softcapping"] = fields["gemma3.final_logit_softcapping"]
+    return rules
 
 
 def check_gguf(file: Path, spec: str) -> str:
