@@ -260,7 +260,7 @@ def random_architecture_dir(spec: str, make: Makers) -> Path:
 # GGUF files (llama.cpp's format). transformers reads them (through the `gguf` package) into a
 # float32 model: weights are dequantized for now. The converted checkpoint is written once.
 GGUF_SUFFIX = ".gguf"
-GGUF_FORMAT = 2  # bump when what converted_gguf writes changes, so old folders are not reused
+GGUF_FORMAT = 1  # bump when what converted_gguf writes changes, so old folders are not reused
 # GGUF's architecture names whose transformers model_type the general decoder serves
 # (backends/files/architecture.py; llama.cpp writes Mistral as llama).
 # Phi-2's own files (phi2) are converted by backends/files/gguf_phi2.py: transformers' reader refuses them.
