@@ -654,6 +654,7 @@ class SingleSequenceDecoder:
         self.logprobs: dict[int, StepLogprobs] = {}
         reusable = all(type(layer) is DynamicLayer for layer in backend.new_cache().layers)
         self.prompts = PrefixCache(prompt_cache_bytes if reusable else 0)
+        self._reusable = reusable
         # Prompt-lookup drafts need a cache that can drop the positions of rejected ones: plain
         # layers (a sliding window's or a linear attention's state cannot be cut back).
         self._draft_tokens = backend.draft_tokens if reusable else 0
@@ -741,7 +742,9 @@ class SingleSequenceDecoder:
 
     def _remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
-            if len(self._ids) > len(self._sequence.prompt_ids):  # its prefill completed
+            # its prefill completed, and its cache is plain keys and values (Qwen3.5's linear
+            # attention layers keep a state, which this cache does not store)
+            if self._reusable and len(self._ids) > len(self._sequence.prompt_ids):
                 self._store()
             self._sequence = None
             self._cache = None
