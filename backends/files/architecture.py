@@ -62,7 +62,40 @@ LAYOUTS["gemma3_text"] = {
     "attention_out_norm": "post_attention_layernorm",
     "mlp_out_norm": "post_feedforward_layernorm",
 }
-QK_NORM_FAMILIES = ("qwen3", "gemma3_text")
+# Qwen3.5's hybrid stack: attention layers (their q_proj rows each head's query, then its output
+# gate) and Gated DeltaNet layers, whose Linears are these.
+LAYOUTS["qwen3_5_text"] = {
+    **LAYOUTS["llama"],
+    "delta_in": ["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a"],
+    "delta_out": "linear_attn.out_proj",
+}
+QK_NORM_FAMILIES = ("qwen3", "gemma3_text", "qwen3_5_text")
+OFFSET_NORM_FAMILIES = ("gemma3_text", "qwen3_5_text")  # RMSNorm x * (1 + w)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A Gated DeltaNet layer's shape (Qwen3.5's linear attention, backends/torch/hybrid.py)."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    kernel: int  # the short causal convolution's width over q, k and v
+
+    @property
+    def key_size(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.v_heads * self.v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_size + self.value_size
+
+
 GATED_ACTIVATIONS = ("silu", "swish")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -92,6 +125,14 @@ class Architecture:
     embed_scale: float | None = None  # the embedding's rows times this (Gemma: sqrt(hidden))
     score_scale: float | None = None  # attention scores times this, where not head_dim ** -0.5 (Gemma 3)
     logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 3 where set)
+    # per layer: "attention", or "delta" (Qwen3.5's Gated DeltaNet: a state per sequence, `delta`)
+    mixers: tuple[str, ...] = ()
+    delta: Delta | None = None
+    attention_gate: bool = False  # attention's output times sigmoid(a gate q_proj gives per head) (Qwen3.5)
+
+    @property
+    def hybrid(self) -> bool:
+        return "delta" in self.mixers
 
     @property
     def q_size(self) -> int:
@@ -120,6 +161,13 @@ class Architecture:
         factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
         phi = family == "phi"
         gemma = family == "gemma3_text"
+        qwen35 = family == "qwen3_5_text"
+        layers = config.num_hidden_layers
+        mixers = (
+            tuple("delta" if kind == "linear_attention" else "attention" for kind in config.layer_types[:layers])
+            if qwen35
+            else ("attention",) * layers
+        )
         scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
         return cls(
             family=family,
@@ -139,10 +187,21 @@ class Architecture:
             windows=sliding_windows(config),
             layout=LAYOUTS[family],
             rope_kinds=rope_kinds(config),
-            norm_offset=1.0 if gemma else 0.0,
+            norm_offset=1.0 if family in OFFSET_NORM_FAMILIES else 0.0,
             embed_scale=config.hidden_size**0.5 if gemma else None,
             score_scale=scalar**-0.5 if scalar and scalar != head_dim else None,
             logit_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+            mixers=mixers,
+            delta=Delta(
+                config.linear_num_key_heads,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+                config.linear_conv_kernel_dim,
+            )
+            if qwen35
+            else None,
+            attention_gate=qwen35,
         )
 
 
@@ -159,6 +218,8 @@ def rope_kinds(config) -> tuple[str | None, ...]:
         return tuple(config.layer_types[:layers])
     if config.model_type == "smollm3":
         return tuple("default" if use else None for use in config.no_rope_layers[:layers])
+    if config.model_type == "qwen3_5_text":  # its linear-attention layers have no rotary
+        return tuple("default" if kind != "linear_attention" else None for kind in config.layer_types[:layers])
     return ("default",) * layers
 
 

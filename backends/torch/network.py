@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from backends.files.architecture import GELU_TANH, Architecture
 from backends.torch.cpu import step as cpu_step
 from backends.torch.cuda.graphs import PREFILL_LENGTHS, padded_rows
+from backends.torch.hybrid import RowStates, decode_mix, piece_mix
 from backends.torch.kv_pages import PAGE, PagedKV
 from backends.torch.lora import FusedLoraSlots
 from backends.torch.quant.blocks import BlockWeight, StackedBlocks
@@ -121,6 +122,15 @@ def split_heads(y: torch.Tensor, shape: Shape, q_norm=None, k_norm=None):
     return q, k, v
 
 
+def output_gate(attention, y, shape: Shape):
+    """Qwen3.5's gated attention: the output times sigmoid of each head's gate (the rows of y
+    after q, k and v, `DecoderWeights._block`)."""
+    if not shape.attention_gate:
+        return attention
+    start = shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
+    return attention * torch.sigmoid(y[..., start : start + shape.heads * shape.head_dim])
+
+
 def mlp_and_residual(x, attention, y, block: Block, shape: Shape, lora):
     """After attention: the block's output added to the residual x. Parallel: one GEMM over
     [attention, act(fc1)]; sequential: the output projection, then the second norm and the MLP."""
@@ -176,7 +186,7 @@ def decode_block(
     v_pool[:, page, offset] = v.transpose(0, 1)
     gather = gather or (lambda pages: (k_pool.index_select(1, pages), v_pool.index_select(1, pages)))
     attention = grouped_decode_attention(q, gather, table, bias, shape, groups)
-    return mlp_and_residual(x, attention, y, block, shape, lora)
+    return mlp_and_residual(x, output_gate(attention, y, shape), y, block, shape, lora)
 
 
 def grouped_decode_attention(q, gather, table, bias, shape: Shape, groups=None) -> torch.Tensor:
@@ -224,9 +234,10 @@ class Placement:
     after cached columns give their first positions and lengths [n] instead (`paged`), and
     attend through the rows' page tables (`triton_prefill.paged_prefill_attention`)."""
 
-    def __init__(self, rows, positions, span: int, mask, starts=None, lens=None):
+    def __init__(self, rows, positions, span: int, mask, starts=None, lens=None, pieces=()):
         self.rows, self.positions, self.span, self.mask = rows, positions, span, mask
         self.starts, self.lens = starts, lens
+        self.pieces = pieces  # (row, length, first position) of each, for layers with a state (Qwen3.5)
 
     @property
     def paged(self) -> bool:
@@ -266,6 +277,8 @@ class Network:
         self.tables = weights.rotary_tables(context + 1, self.dtype)
         self.rope_kinds = weights.arch.rope_kinds
         self.cos, self.sin = self.tables.get("default", next(iter(self.tables.values()), (None, None)))
+        # Qwen3.5's linear-attention layers: each row's state (backends/torch/hybrid.py)
+        self.states = RowStates(weights.arch, rows, self.device, self.dtype) if weights.arch.hybrid else None
         scale = weights.arch.embed_scale
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=self.dtype, device=self.device)
         # longrope: a prompt longer than its original length is prefilled with the long factors.
@@ -284,9 +297,8 @@ class Network:
         # On the CPU, an eager decode step without adapters runs as one compiled call
         # (backends/torch/cpu/kernels.cpp; docs/decisions.md, D-cpu-step).
         quantized = any(isinstance(w, (BlockWeight, StackedBlocks)) for block in weights.layers for w in block)
-        self.cpu_step = (
-            cpu_step.decode_step(weights, kv, self.tables) if quantized and not use_graphs and not compile else None
-        )
+        stepped = quantized and not use_graphs and not compile and not weights.arch.hybrid  # (hybrid: torch ops)
+        self.cpu_step = cpu_step.decode_step(weights, kv, self.tables) if stepped else None
         self.cpu_tables = cpu_step.rotary_stack(self.tables) if self.device.type == "cpu" else None
         # Whether the prompt pieces of row i take the compiled step's AMX-BF16 tiles (`_cpu_pass`):
         # the decoder's rule (torch_decoder.PROMPT_TILES_FROM); none until it says.
@@ -361,7 +373,8 @@ class Network:
         if mask is not None and self.fused:  # the paged kernel's, where `_prefill_layers` takes it
             starts = torch.tensor([start for _, _, start in parts], device=self.device)
             lens = torch.tensor([len(ids) for _, ids, _ in parts], device=self.device)
-        placed = Placement(rows, positions, span, mask, starts, lens)
+        pieces = [(row, len(ids), start) for row, ids, start in parts]
+        placed = Placement(rows, positions, span, mask, starts, lens, pieces)
         x = self.embed(tokens)  # [n, length, hidden]
         adapted = (
             self.lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
@@ -469,6 +482,9 @@ class Network:
                 turns = [(cos, sin)] * len(turns)
         masks = {}  # window -> the attention mask of its layers (None: plain causal)
         for layer, block in enumerate(w.layers):
+            if w.arch.mixers[layer] == "delta":
+                x = self._delta_pieces(x, layer, block, placed.pieces)
+                continue
             lora = adapted.get(layer)
             h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
             y = linear(h, block.w_in, block.b_in)
@@ -500,7 +516,7 @@ class Network:
                 )  # fmt: skip
             else:
                 attention = self._gathered_attention(layer, q, placed, masks)
-            x = mlp_and_residual(x, attention, y, block, shape, lora)
+            x = mlp_and_residual(x, output_gate(attention, y, shape), y, block, shape, lora)
         return x
 
     def _gathered_attention(self, layer: int, q: torch.Tensor, placed: Placement, masks: dict) -> torch.Tensor:
@@ -579,6 +595,9 @@ class Network:
         plain = not self.use_graphs and self.layer is decode_block
         groups = groups if plain else None
         for layer, block in enumerate(w.layers):
+            if w.arch.mixers[layer] == "delta":
+                x = self._delta_decode(x, layer, block, rows, self.inputs[2, :batch])
+                continue
             bias = biases[w.arch.windows[layer]]
             x = self.layer(
                 x,
@@ -597,6 +616,25 @@ class Network:
             )
         logits = self.logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
+
+    def _delta_decode(self, x, layer: int, block: Block, rows, active) -> torch.Tensor:
+        """A linear-attention layer (Qwen3.5) for decode rows: its state instead of the KV pages."""
+        shape = self.shape
+        h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+        mixed = decode_mix(h, block, self.states, layer, rows, active, self.weights.arch.delta, shape.eps)
+        return mlp_and_residual(x, mixed, None, block, shape._replace(attention_gate=False), None)
+
+    def _delta_pieces(self, x, layer: int, block: Block, pieces) -> torch.Tensor:
+        """A linear-attention layer (Qwen3.5) for prompt pieces: x [n, length, hidden] padded,
+        `pieces` each (row, length, first position); each piece from its row's state, in turn."""
+        shape = self.shape
+        h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+        mixed = h.new_zeros(*h.shape[:-1], self.weights.arch.delta.value_size)
+        for r, (row, length, start) in enumerate(pieces):
+            mixed[r, :length] = piece_mix(
+                h[r, :length], block, self.states, layer, row, start, self.weights.arch.delta, shape.eps
+            )
+        return mlp_and_residual(x, mixed, None, block, shape._replace(attention_gate=False), None)
 
     def _cpu_pass(self, tokens, positions, owners, advance, cos=None, sin=None, *, prompt_from: int) -> torch.Tensor:
         """The compiled CPU pass (cpu_kernels.cpp's `Step.forward`): the last hidden states of
@@ -694,6 +732,15 @@ class Network:
             bounds.append((end, end + len(piece)))
             end += len(piece)
         for layer, block in enumerate(w.layers):
+            if w.arch.mixers[layer] == "delta":  # decode rows as a step's, then each piece from its row's state
+                rows_x = self._delta_decode(x[:batch], layer, block, rows, self.inputs[2, :batch]) if batch else x[:0]
+                spans = [(row, hi - lo, start) for (row, _, start), (lo, hi) in zip(pieces, bounds, strict=True)]
+                parts_x = [
+                    self._delta_pieces(x[None, lo:hi], layer, block, [span])[0]
+                    for span, (lo, hi) in zip(spans, bounds, strict=True)
+                ]
+                x = torch.cat([rows_x, *parts_x])
+                continue
             h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
             y = linear(h, block.w_in, block.b_in)
             q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [b + tokens, heads, head_dim]
@@ -708,7 +755,7 @@ class Network:
                 gather = partial(self.kv.gathered, layer)
                 bias = biases[w.arch.windows[layer]]
                 parts.insert(0, grouped_decode_attention(q[:batch], gather, self.kv.table, bias, shape, groups))
-            x = mlp_and_residual(x, torch.cat(parts), y, block, shape, None)
+            x = mlp_and_residual(x, output_gate(torch.cat(parts), y, shape), y, block, shape, None)
         last = torch.tensor([hi - 1 for _, hi in bounds], device=self.device)
         piece_logits = self.logits(x[last])
         if not batch:

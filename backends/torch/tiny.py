@@ -217,9 +217,26 @@ TINY_FAMILIES = {
     ),
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=4)),
 }
+# Hybrid stacks, apart: test_families' checks assume attention on every layer (adapters, graphs).
+# Qwen3.5: three Gated DeltaNet layers to one attention layer, grouped key heads in the former
+# (2 key heads to 4 value heads), a gated attention with a quarter of its head turned.
+HYBRID_FAMILIES = {
+    "qwen3_5_text": (
+        "Qwen3_5TextConfig",
+        dict(
+            num_hidden_layers=8,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
 # Gemma starts its norms' weights at zeros (it multiplies by 1 + w): perturbed, so that the
 # checks see the offset. (The other families' norms start at ones, a weight the tests read too.)
-NOISY_NORMS = ("gemma3_text",)
+NOISY_NORMS = ("gemma3_text", "qwen3_5_text")
 
 
 def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path, **overrides) -> Path:
@@ -233,7 +250,7 @@ def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path,
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config_class, options = TINY_FAMILIES[family]
+    config_class, options = {**TINY_FAMILIES, **HYBRID_FAMILIES}[family]
     settings = {**FAMILY_COMMON, **options, **overrides}
     config = getattr(transformers, config_class)(
         **settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32"

@@ -57,6 +57,13 @@ class Block(NamedTuple):
     k_norm: torch.Tensor | None = None
     attention_out_norm: torch.Tensor | None = None  # Gemma 3: RMSNorm of the attention's output
     mlp_out_norm: torch.Tensor | None = None  # and of the MLP's, before each joins the residual
+    # Qwen3.5's Gated DeltaNet layers (backends/torch/hybrid.py): `w_in` is [qkv; z; b; a], `w_out`
+    # out_proj; the convolution's weights [conv_dim, kernel], the decay's A_log and dt_bias, and
+    # the gated RMSNorm's weight over a value head.
+    conv: torch.Tensor | None = None
+    a_log: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    mix_norm: torch.Tensor | None = None
 
     def matrices(self) -> list[str]:
         return [name for name in ("w_in", "w_out", "w_up", "w_down") if getattr(self, name) is not None]
@@ -76,6 +83,7 @@ class Shape(NamedTuple):
     parallel: bool
     gated: bool
     activation: object
+    attention_gate: bool = False  # Qwen3.5: attention's output times sigmoid(the gate after q, k, v)
 
 
 # The layout's names of the norms on a block's outputs (Gemma 3), in `Block`'s order.
@@ -131,6 +139,7 @@ class DecoderWeights:
             arch.parallel,
             arch.gated,
             self.activation,
+            arch.attention_gate,
         )
         # Each block's fused matrices' own Linears, in order (rows; Phi's w_out: columns), which a
         # GGUF file's stored blocks are found by (`quantize`'s `stored`).
@@ -139,15 +148,15 @@ class DecoderWeights:
             self.layers = [Block(**fields) for fields in blocks]
         else:
             with torch.no_grad():
-                self.layers = [self._block(layer) for layer in inner.layers]
+                self.layers = [self._block(layer, arch.mixers[i] == "delta") for i, layer in enumerate(inner.layers)]
         self.lora_matrices = lora_matrices(arch)
 
-    def _block(self, layer) -> Block:
+    def _block(self, layer, delta: bool = False) -> Block:
         arch, find = self.arch, layer.get_submodule
         names = arch.layout
         if "qkv" in names:
             attention_in = [find(names["qkv"])]
-        else:
+        elif not delta:
             attention_in = [find(names["q"]), find(names["k"]), find(names["v"])]
         norm1 = layer.input_layernorm
         if arch.parallel:  # [q; k; v; fc1] over LN(x), [o | fc2] into the residual
@@ -159,16 +168,35 @@ class DecoderWeights:
             o.weight, fc2.weight = _param(w_out[:, : o.in_features]), _param(w_out[:, o.in_features :])
             b_out = _sum_bias(o.bias, fc2.bias)
             return Block(norm1.weight, getattr(norm1, "bias", None), w_in, b_in, w_out, b_out)
-        w_in, b_in = fuse_rows(attention_in)
-        o = find(names["o"])
+        if delta:  # Qwen3.5's linear attention: its four input Linears fused, out_proj
+            attention_in = [find(name) for name in names["delta_in"]]
+            w_in, b_in = fuse_rows(attention_in)
+            o = find(names["delta_out"])
+        elif arch.attention_gate:
+            # q_proj's rows are each head's query then its gate: [q; k; v; gate] (a copy, so that
+            # transformers' own q_proj keeps its order), the gate past what split_heads reads.
+            q, k, v = attention_in
+            if q.bias is not None:
+                raise ValueError("Qwen3.5 attention with biases")
+            pairs = q.weight.view(arch.heads, 2, arch.head_dim, -1)
+            query, gate = pairs[:, 0].reshape(arch.q_size, -1), pairs[:, 1].reshape(arch.q_size, -1)
+            w_in, b_in = torch.cat([query, k.weight, v.weight, gate]), None
+            o = find(names["o"])
+        else:
+            w_in, b_in = fuse_rows(attention_in)
+            o = find(names["o"])
         up = [find(names["gate_up"])] if "gate_up" in names else [find(names["gate"]), find(names["up"])]
         w_up, b_up = fuse_rows(up)
         down = find(names["down"])
         self.parts.append({"w_in": attention_in, "w_out": [o], "w_up": up, "w_down": [down]})
         norm2 = find(names.get("norm2", "post_attention_layernorm"))
-        attention = layer.self_attn
-        q_norm = self.norm_weight(attention.q_norm.weight, arch.score_scale) if arch.qk_norm else None
-        k_norm = self.norm_weight(attention.k_norm.weight) if arch.qk_norm else None
+        attention = layer.linear_attn if delta else layer.self_attn
+        heads_normed = arch.qk_norm and not delta
+        q_norm = self.norm_weight(attention.q_norm.weight, arch.score_scale) if heads_normed else None
+        k_norm = self.norm_weight(attention.k_norm.weight) if heads_normed else None
+        mix = (
+            (attention.conv1d.weight[:, 0], attention.A_log, attention.dt_bias, attention.norm.weight) if delta else ()
+        )
         after = [self.norm_weight(find(names[n]).weight) if n in names else None for n in OUTPUT_NORMS]
         return Block(
             self.norm_weight(norm1.weight),
@@ -186,6 +214,7 @@ class DecoderWeights:
             q_norm,
             k_norm,
             *after,
+            *mix,
         )
 
     def norm_weight(self, weight: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -351,7 +380,9 @@ def _sum_bias(a, b):
 def lora_matrices(arch: Architecture) -> list[FusedMatrix]:
     """Where each adaptable module (by the name mlx-lm gives it) sits in a block's fused matrices,
     in `Block.matrices()` order: the rows of the matrix's input it reads, and the columns of its
-    output it writes."""
+    output it writes. (None for Qwen3.5's hybrid stack, whose blocks differ: not adapted yet.)"""
+    if arch.hybrid:
+        return []
     names, h, q, kv, inner = arch.layout, arch.hidden, arch.q_size, arch.kv_size, arch.inner
     qkv = q + 2 * kv
     if "qkv" in names:
