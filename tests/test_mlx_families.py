@@ -1,4 +1,4 @@
-"""The MLX runtime (mlx-lm's own models) on the tiny checkpoints of the families (backends/tiny.py),
+"""The MLX runtime (mlx-lm's own models) on the tiny checkpoints of the families (backends/torch/tiny.py),
 against transformers' forward as test_families holds the Torch decoder to it: float32 logits at
 the prompt and at each of 20 greedy steps, batched equals alone, a prompt-cache hit equals a cold
 run.
@@ -22,7 +22,7 @@ from backends.torch.tiny import write_tiny_family
 
 pytest.importorskip("mlx_lm")
 
-MLX_FAMILIES = ["gemma3_text", "smollm3", "llama", "qwen3"]
+MLX_FAMILIES = ["gemma3_text", "smollm3", "qwen3_5_text", "llama", "qwen3"]
 
 
 @pytest.fixture(scope="module", params=MLX_FAMILIES)
@@ -63,7 +63,8 @@ def test_batched_equals_alone(pair):
 @pytest.mark.parametrize("batch", [1, 4], ids=["alone", "batched"])
 def test_a_prompt_cache_hit_equals_a_cold_run(pair, batch):
     """A chat's next turn: the first prompt, its reply and more. (Gemma 3's local layers keep
-    mlx-lm's RotatingKVCache, which cannot be cut back: an entry serves prompts that extend it.)"""
+    mlx-lm's RotatingKVCache, and Qwen3.5's linear layers a state, neither of which can be cut
+    back: an entry serves prompts that extend it.)"""
     _, mlx_backend = pair
     first = prompt_of(40)
     warm = mlx_backend.decoder(batch, prompt_cache_bytes=1 << 24)

@@ -372,15 +372,22 @@ def drops_rejected(cache: list) -> bool:
     return can_trim_prompt_cache(cache) and not any(isinstance(c, RotatingKVCache) for c in cache)
 
 
+# transformers' text-only model types whose mlx-lm model is the multimodal one's (which reads a
+# config without text_config as the text model's own).
+MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
+
+
 def published_rope_fields(config: dict) -> dict:
     """The rotary fields of a config.json as mlx-lm's models read them (rope_theta, rope_scaling;
     Gemma 3's rope_local_base_freq and sliding_window_pattern), where transformers 5 wrote them
     as `rope_parameters` and `layer_types` instead (a checkpoint it saved): mlx-lm would take its
     defaults (SmolLM3's rope_theta 10,000 for 2,000,000). Empty where the published fields are there."""
+    fields = {}
+    if config.get("model_type") in MLX_MODEL_TYPES:  # a text-only model type mlx-lm knows by another name
+        fields["model_type"] = MLX_MODEL_TYPES[config["model_type"]]
     rope = config.get("rope_parameters")
     if "rope_theta" in config or not isinstance(rope, dict):
-        return {}
-    fields = {}
+        return fields
     if isinstance(rope.get("full_attention"), dict):  # Gemma 3: {layer type: its parameters}
         local = rope.get("sliding_attention") or {}
         if "rope_theta" in local:
@@ -519,8 +526,11 @@ class SingleSequenceDecoder:
             if len(self._ids) > len(
                 self._sequence.prompt_ids
             ):  # its prefill completed; generate_step fed every token it gave
-                held = self._cache[0].offset
-                self._prompts.store(self._ids[:held], self._cache, prompt_cache_namespace(self._sequence))
+                # the positions the cache holds, as a KV layer counts them (Qwen3.5's linear
+                # layers keep a state, no count: the entry serves prompts that extend all of it)
+                held = next((c.offset for c in self._cache if hasattr(c, "offset")), None)
+                if held is not None:
+                    self._prompts.store(self._ids[:held], self._cache, prompt_cache_namespace(self._sequence))
             self._bank.release(self._slot)
             self._sequence = None
             self._slot = None
