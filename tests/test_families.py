@@ -55,7 +55,7 @@ def reference_steps(backend, prompt: list[int], steps: int) -> tuple[list[int], 
     cache (as its generation steps run)."""
     from transformers import DynamicCache
 
-    model, decodable = backend.model, backend.decoder_weights.decodable
+    model, decodable = backend.model, backend.undecodable_from
     cache = DynamicCache(config=model.config)
     ids, logits = [], []
     with torch.inference_mode():

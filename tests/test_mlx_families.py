@@ -22,7 +22,7 @@ from backends.torch.tiny import write_tiny_family
 
 pytest.importorskip("mlx_lm")
 
-MLX_FAMILIES = ["gemma3_text", "smollm3", "qwen3_5_text", "llama", "qwen3"]
+MLX_FAMILIES = ["gemma3_text", "gemma4_text", "smollm3", "qwen3_5_text", "llama", "qwen3"]
 
 
 @pytest.fixture(scope="module", params=MLX_FAMILIES)

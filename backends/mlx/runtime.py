@@ -378,11 +378,20 @@ MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
 
 
 def published_rope_fields(config: dict) -> dict:
-    """The rotary fields of a config.json as mlx-lm's models read them (rope_theta, rope_scaling;
-    Gemma 3's rope_local_base_freq and sliding_window_pattern), where transformers 5 wrote them
-    as `rope_parameters` and `layer_types` instead (a checkpoint it saved): mlx-lm would take its
-    defaults (SmolLM3's rope_theta 10,000 for 2,000,000). Empty where the published fields are there."""
+    """The fields of a config.json as mlx-lm's models read them (rope_theta, rope_scaling; Gemma
+    3's rope_local_base_freq and sliding_window_pattern; Gemma 4's global_head_dim; a model type
+    by mlx-lm's name), where transformers 5 wrote them otherwise (`rope_parameters`,
+    `layer_types`, `per_layer_config`: a checkpoint it saved): mlx-lm would take its defaults
+    (SmolLM3's rope_theta 10,000 for 2,000,000). Empty where the published fields are there."""
     fields = {}
+    per_layer = config.get("per_layer_config") or {}
+    if "global_head_dim" not in config and per_layer:  # Gemma 4: its global layers' head, per layer
+        types = config.get("layer_types") or []
+        dims = {
+            per_layer[i].get("head_dim") for i in per_layer if int(i) < len(types) and types[int(i)] == "full_attention"
+        }
+        if len(dims) == 1 and None not in dims:
+            fields["global_head_dim"] = dims.pop()
     if config.get("model_type") in MLX_MODEL_TYPES:  # a text-only model type mlx-lm knows by another name
         fields["model_type"] = MLX_MODEL_TYPES[config["model_type"]]
     rope = config.get("rope_parameters")

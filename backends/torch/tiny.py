@@ -234,6 +234,25 @@ HYBRID_FAMILIES = {
         ),
     ),
 }
+# Families served one sequence at a time on Torch (transformers' forward; MLX batches them).
+# Gemma 4 (E2B/E4B's text): wider global heads with a quarter turned, the last layers reading the
+# keys and values of earlier ones (KV shared across layers), per-layer embeddings.
+SEQUENTIAL_FAMILIES = {
+    "gemma4_text": (
+        "Gemma4TextConfig",
+        dict(
+            num_hidden_layers=6,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            num_key_value_heads=1,
+            head_dim=32,
+            global_head_dim=64,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=MODEL_VOCAB,
+            num_kv_shared_layers=2,
+            sliding_window=16,
+        ),
+    ),
+}
 # Gemma starts its norms' weights at zeros (it multiplies by 1 + w): perturbed, so that the
 # checks see the offset. (The other families' norms start at ones, a weight the tests read too.)
 NOISY_NORMS = ("gemma3_text", "qwen3_5_text")
@@ -250,7 +269,7 @@ def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path,
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config_class, options = {**TINY_FAMILIES, **HYBRID_FAMILIES}[family]
+    config_class, options = {**TINY_FAMILIES, **HYBRID_FAMILIES, **SEQUENTIAL_FAMILIES}[family]
     settings = {**FAMILY_COMMON, **options, **overrides}
     config = getattr(transformers, config_class)(
         **settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32"
