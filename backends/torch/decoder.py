@@ -48,7 +48,6 @@ from backends.contract import (
 from backends.decoding.drafts import PromptLookup, speculates
 from backends.decoding.grammar import advance_together
 from backends.torch.cuda.graphs import BATCH_BUCKETS, MIN_LENGTH_BUCKET, Graphs, bucket, length_buckets
-from backends.torch.hybrid import RowStates
 from backends.torch.kv_pages import PAGE, PagedKV, RowPages
 from backends.torch.logprobs import token_logprobs
 from backends.torch.network import Network, decode_attention, norm  # noqa: F401 (re-exported: benchmarks/, tests/)
@@ -262,13 +261,8 @@ class BatchedDecoder:
         self.device = weights.device
         self.capacity = max_batch
         self.adapter_slots = adapter_slots
-        if weights.arch.hybrid:
-            # Qwen3.5's linear-attention states (backends/torch/hybrid.py): not kept at page
-            # boundaries, so no stored prefix serves a prompt; a rejected draft token has already
-            # changed them; and the graphs and fused kernels know attention layers only.
+        if weights.arch.hybrid:  # Qwen3.5's states rule these out (backends/torch/hybrid.py says why)
             prompt_cache_bytes, draft_tokens, cuda_graphs, prefill_graphs, fused = 0, 0, False, False, False
-            if kv_cache_bytes is not None:  # the rows' states come out of the KV budget
-                kv_cache_bytes -= RowStates.bytes_for(weights.arch, max_batch, weights.embed.dtype)
         self.draft_tokens = draft_tokens
         self.context = min(weights.context, context or weights.context)
         on_cuda = self.device.type == "cuda"
@@ -550,9 +544,7 @@ class BatchedDecoder:
         holes = sorted(i for i in freed if i < kept)
         movers = [i for i in range(kept, len(self.rows)) if i not in freed]  # as many as the holes
         self.kv.release(sorted(freed))  # what the cache keeps stays held
-        self.kv.move(holes, movers)  # their pages stay where they are: only the table rows move
-        if self.network.states is not None:  # a linear-attention state is the row's own: it moves
-            self.network.states.move(holes, movers)
+        self.network.move_rows(holes, movers)  # their pages stay where they are: only the table rows move
         for hole, mover in zip(holes, movers, strict=True):
             self.rows[hole] = self.rows[mover]
             self.row_of[self.rows[hole].sequence.id] = hole

@@ -46,10 +46,18 @@ class RowStates:
 
     @staticmethod
     def bytes_for(arch, rows: int, dtype) -> int:
-        """What `RowStates(arch, rows, ...)` holds: the KV budget pays for it first."""
+        """What `RowStates(arch, rows, ...)` holds."""
         delta, layers = arch.delta, arch.mixers.count("delta")
         conv = delta.conv_dim * (delta.kernel - 1) * torch.empty(0, dtype=dtype).element_size()
         return layers * (rows + 1) * (conv + delta.v_heads * delta.k_dim * delta.v_dim * 4)
+
+    @staticmethod
+    def budget_left(weights, rows: int, kv_cache_bytes: int | None) -> int | None:
+        """The KV budget (None: unbounded) less the rows' states, which it pays for first (the
+        same budget for any other model)."""
+        if kv_cache_bytes is None or not weights.arch.hybrid:
+            return None
+        return kv_cache_bytes - RowStates.bytes_for(weights.arch, rows, weights.embed.dtype)
 
     def reset(self, row: int) -> None:
         self.conv[:, row].zero_()

@@ -565,6 +565,46 @@ class Network:
         rows = {kind: (c[positions][..., None, :], s[positions][..., None, :]) for kind, (c, s) in self.tables.items()}
         return [rows[kind] if kind is not None else (None, None) for kind in self.rope_kinds]
 
+    # -- linear-attention layers (Qwen3.5) and row moves -------------------------------------------
+
+    def move_rows(self, targets: list[int], sources: list[int]) -> None:
+        """Rows `sources` become rows `targets` (the decoder keeps its rows packed): their page
+        tables move, and a linear-attention layer's state, each row's own (backends/torch/hybrid.py)."""
+        self.kv.move(targets, sources)
+        if self.states is not None:
+            self.states.move(targets, sources)
+
+    def _delta_decode(self, x, layer: int, block: Block, rows, active) -> torch.Tensor:
+        """A linear-attention layer (Qwen3.5) for decode rows: its state instead of the KV pages."""
+        shape = self.shape
+        h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+        mixed = decode_mix(h, block, self.states, layer, rows, active, self.weights.arch.delta, shape.eps)
+        return mlp_and_residual(x, mixed, None, block, shape._replace(attention_gate=False), None)
+
+    def _delta_pieces(self, x, layer: int, block: Block, pieces) -> torch.Tensor:
+        """A linear-attention layer (Qwen3.5) for prompt pieces: x [n, length, hidden] padded,
+        `pieces` each (row, length, first position); each piece from its row's state, in turn."""
+        shape = self.shape
+        h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+        mixed = h.new_zeros(*h.shape[:-1], self.weights.arch.delta.value_size)
+        for r, (row, length, start) in enumerate(pieces):
+            mixed[r, :length] = piece_mix(
+                h[r, :length], block, self.states, layer, row, start, self.weights.arch.delta, shape.eps
+            )
+        return mlp_and_residual(x, mixed, None, block, shape._replace(attention_gate=False), None)
+
+    def _delta_mixed(self, x, layer: int, block: Block, batch: int, pieces, bounds) -> torch.Tensor:
+        """A linear-attention layer for a mixed step's tokens (`mixed_step`): its decode rows
+        as a step's, then each piece from its row's state."""
+        rows = torch.arange(batch, device=self.device)
+        rows_x = self._delta_decode(x[:batch], layer, block, rows, self.inputs[2, :batch]) if batch else x[:0]
+        spans = [(row, hi - lo, start) for (row, _, start), (lo, hi) in zip(pieces, bounds, strict=True)]
+        parts = [
+            self._delta_pieces(x[None, lo:hi], layer, block, [span])[0]
+            for span, (lo, hi) in zip(spans, bounds, strict=True)
+        ]
+        return torch.cat([rows_x, *parts])
+
     # -- the decode step ----------------------------------------------------------------------------
 
     def grouped(self) -> bool:
@@ -616,25 +656,6 @@ class Network:
             )
         logits = self.logits(x)
         return logits, logits[:, : w.decodable].argmax(dim=-1)
-
-    def _delta_decode(self, x, layer: int, block: Block, rows, active) -> torch.Tensor:
-        """A linear-attention layer (Qwen3.5) for decode rows: its state instead of the KV pages."""
-        shape = self.shape
-        h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
-        mixed = decode_mix(h, block, self.states, layer, rows, active, self.weights.arch.delta, shape.eps)
-        return mlp_and_residual(x, mixed, None, block, shape._replace(attention_gate=False), None)
-
-    def _delta_pieces(self, x, layer: int, block: Block, pieces) -> torch.Tensor:
-        """A linear-attention layer (Qwen3.5) for prompt pieces: x [n, length, hidden] padded,
-        `pieces` each (row, length, first position); each piece from its row's state, in turn."""
-        shape = self.shape
-        h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
-        mixed = h.new_zeros(*h.shape[:-1], self.weights.arch.delta.value_size)
-        for r, (row, length, start) in enumerate(pieces):
-            mixed[r, :length] = piece_mix(
-                h[r, :length], block, self.states, layer, row, start, self.weights.arch.delta, shape.eps
-            )
-        return mlp_and_residual(x, mixed, None, block, shape._replace(attention_gate=False), None)
 
     def _cpu_pass(self, tokens, positions, owners, advance, cos=None, sin=None, *, prompt_from: int) -> torch.Tensor:
         """The compiled CPU pass (cpu_kernels.cpp's `Step.forward`): the last hidden states of
@@ -732,14 +753,8 @@ class Network:
             bounds.append((end, end + len(piece)))
             end += len(piece)
         for layer, block in enumerate(w.layers):
-            if w.arch.mixers[layer] == "delta":  # decode rows as a step's, then each piece from its row's state
-                rows_x = self._delta_decode(x[:batch], layer, block, rows, self.inputs[2, :batch]) if batch else x[:0]
-                spans = [(row, hi - lo, start) for (row, _, start), (lo, hi) in zip(pieces, bounds, strict=True)]
-                parts_x = [
-                    self._delta_pieces(x[None, lo:hi], layer, block, [span])[0]
-                    for span, (lo, hi) in zip(spans, bounds, strict=True)
-                ]
-                x = torch.cat([rows_x, *parts_x])
+            if w.arch.mixers[layer] == "delta":
+                x = self._delta_mixed(x, layer, block, batch, pieces, bounds)
                 continue
             h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
             y = linear(h, block.w_in, block.b_in)
