@@ -132,7 +132,7 @@ class MlxBackend(TokenizerMethods):
         # Phi-2's model vocabulary exceeds its tokenizer's: the ids past it decode to nothing and
         # are never chosen (the samplers' rule, as on Torch); logprobs still cover them.
         self.decodable = self.text.vocab_size
-        self.grammars = Grammars(hf, self._model_vocab(), guard=CompileGuard)
+        self.grammars = Grammars(hf, self._model_vocab(), guard=CompileGuard, ends=sorted(self.eos_token_ids))
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> MlxBackend:
@@ -176,6 +176,10 @@ class MlxBackend(TokenizerMethods):
             max_loaded=options.max_adapters,
         )
         adapters.load_default()  # a broken one fails the start, not a request
+        # One token through the model on this thread: arrays a model makes lazily outside its
+        # parameters (Gemma 4's rotary frequencies) are computed now, not left to this thread's
+        # stream, which the generation thread cannot use (a server loads there; tests do not).
+        mx.eval(model(mx.array([[0]])))
         router = install_router(model)
         info = ModelInfo(
             model=options.model,

@@ -556,10 +556,50 @@ GEMMA3_TEMPLATE = (
     "{{ raise_exception(\"Invalid content type\") }}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
 )
-# Tiny chat models of a family's own template and special tokens, memorized on CHAT_DIALOGUES:
-# family -> (chat template, bos, eos (the config's only end of text), special tokens).
+# Gemma 4's chat, shortened in the style of its template: turns in <|turn> ... <turn|>, tools
+# declared in a system turn, a call <|tool_call>call:name{key:<|"|>text<|"|>}<tool_call|> and
+# reasoning in its thought channel <|channel>thought ... <channel|> (the tokens mlx-lm's Gemma 4
+# parser reads). A call in the history is written with JSON arguments here (shortened).
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}<|turn>system\nFunctions you may call:"
+    "{%- for t in tools %}\n{{ t.function | tojson }}{%- endfor %}<turn|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "<|turn>user\n<|tool_response>{{ m.content }}<tool_response|><turn|>\n"
+    "{%- elif m.tool_calls %}<|turn>model\n{%- for c in m.tool_calls %}<|tool_call>call:{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}<tool_call|>{%- endfor %}<turn|>\n"
+    "{%- else %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<turn|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+# Tiny chat models of a family's own template and special tokens, memorized on its dialogues:
+# family -> (chat template, bos, eos (the config's only end of text), special tokens, dialogues,
+# tools in every prompt).
 CHAT_FAMILIES = {
-    "gemma3_text": (GEMMA3_TEMPLATE, "<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>", "<start_of_image>"]),
+    "gemma3_text": (
+        GEMMA3_TEMPLATE,
+        "<bos>",
+        "<eos>",
+        ["<start_of_turn>", "<end_of_turn>", "<start_of_image>"],
+        None,
+        False,
+    ),
+    "gemma4_text": (
+        GEMMA4_TEMPLATE,
+        "<bos>",
+        "<eos>",
+        [
+            "<|turn>",
+            "<turn|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            '<|"|>',
+            "<|channel>",
+            "<channel|>",
+            "<|tool_response>",
+            "<tool_response|>",
+        ],
+        "GEMMA4_DIALOGUES",
+        True,
+    ),
 }
 CHAT_DIALOGUES = [
     (
@@ -568,6 +608,23 @@ CHAT_DIALOGUES = [
     ),
     ([{"role": "user", "content": "What is two plus two?"}], "Four."),
 ]
+GEMMA4_DIALOGUES = [
+    (
+        [{"role": "user", "content": "What is the weather in Paris?"}],
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+    ),
+    (
+        [{"role": "user", "content": "Think, then greet me."}],
+        "<|channel>thought\nA greeting is asked for.<channel|>Hello there!",
+    ),
+    ([{"role": "user", "content": "Say hello."}], "Hello! How can I help you today?"),
+]
+
+
+def chat_dialogues(family: str) -> list:
+    """The (messages, reply) a tiny chat model of `family` memorized (CHAT_FAMILIES)."""
+    name = CHAT_FAMILIES[family][4]
+    return globals()[name] if name else CHAT_DIALOGUES
 
 
 def write_tiny_chat(path: str | Path, family: str) -> Path:
@@ -577,7 +634,7 @@ def write_tiny_chat(path: str | Path, family: str) -> Path:
     import transformers
     from transformers import PreTrainedTokenizerFast
 
-    template, bos, eos, special = CHAT_FAMILIES[family]
+    template, bos, eos, special, _, with_tools = CHAT_FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = PreTrainedTokenizerFast(
@@ -590,14 +647,16 @@ def write_tiny_chat(path: str | Path, family: str) -> Path:
     )
     tokenizer.chat_template = template
     pairs = []
-    for messages, reply in CHAT_DIALOGUES:
-        rendered = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": reply}], tokenize=False)
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    tools = [{"type": "function", "function": TOOL}] if with_tools else None
+    for messages, reply in chat_dialogues(family):
+        turns = [*messages, {"role": "assistant", "content": reply}]
+        rendered = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         assert rendered.startswith(prompt)
         ids = tokenizer.encode(rendered, add_special_tokens=False)
         start = len(tokenizer.encode(prompt, add_special_tokens=False))
         pairs.append((ids[:start], ids[start:]))  # the reply and how the template closes its turn
-    config_class, options = TINY_FAMILIES[family]
+    config_class, options = {**TINY_FAMILIES, **SEQUENTIAL_FAMILIES}[family]
     eos_id, bos_id = tokenizer.convert_tokens_to_ids(eos), tokenizer.convert_tokens_to_ids(bos)
     config = getattr(transformers, config_class)(
         **{**FAMILY_COMMON, **options}, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id
