@@ -124,7 +124,7 @@ class DecoderWeights:
 
             self.embed = RowLookup(blocks_embed)
         final = inner.final_layernorm if arch.family == "phi" else inner.norm
-        self.final_norm = (self.norm_weight(final.weight), getattr(final, "bias", None))
+        self.final_norm = (norm_weight(self.arch, final.weight), getattr(final, "bias", None))
         self.lm_head = (head or model.lm_head.weight, getattr(model.lm_head, "bias", None))
         self.activation = activation(arch.activation)
         self.shape = Shape(
@@ -192,20 +192,20 @@ class DecoderWeights:
         norm2 = find(names.get("norm2", "post_attention_layernorm"))
         attention = layer.linear_attn if delta else layer.self_attn
         heads_normed = arch.qk_norm and not delta
-        q_norm = self.norm_weight(attention.q_norm.weight, arch.score_scale) if heads_normed else None
-        k_norm = self.norm_weight(attention.k_norm.weight) if heads_normed else None
+        q_norm = norm_weight(self.arch, attention.q_norm.weight, arch.score_scale) if heads_normed else None
+        k_norm = norm_weight(self.arch, attention.k_norm.weight) if heads_normed else None
         mix = (
             (attention.conv1d.weight[:, 0], attention.A_log, attention.dt_bias, attention.norm.weight) if delta else ()
         )
-        after = [self.norm_weight(find(names[n]).weight) if n in names else None for n in OUTPUT_NORMS]
+        after = [norm_weight(self.arch, find(names[n]).weight) if n in names else None for n in OUTPUT_NORMS]
         return Block(
-            self.norm_weight(norm1.weight),
+            norm_weight(self.arch, norm1.weight),
             getattr(norm1, "bias", None),
             w_in,
             b_in,
             o.weight,
             o.bias,
-            self.norm_weight(norm2.weight),
+            norm_weight(self.arch, norm2.weight),
             getattr(norm2, "bias", None),
             w_up,
             b_up,
@@ -216,19 +216,6 @@ class DecoderWeights:
             *after,
             *mix,
         )
-
-    def norm_weight(self, weight: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """An RMSNorm's weight as the passes multiply by it: Gemma's 1 + w (a copy, computed in
-        float32 as Gemma does; the model's own stays w), and q's norm times the scores' scale
-        where it is not head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar: rotary is linear, so
-        scaling q before it scales the scores)."""
-        offset = self.arch.norm_offset
-        if not offset and scale is None:
-            return weight
-        w = weight.float() + offset
-        if scale is not None:
-            w = w * (scale * self.arch.head_dim**0.5)
-        return w.to(weight.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -346,6 +333,19 @@ class DecoderWeights:
         half = cos.shape[-1] // 2
         sign = torch.cat((-torch.ones(half), torch.ones(half))).to(cos.device)
         return cos.to(dtype), (sin * sign).to(dtype)
+
+
+def norm_weight(arch: Architecture, weight: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """An RMSNorm's weight as the passes multiply by it: Gemma's 1 + w (a copy, computed in float32
+    as Gemma does; the model's own stays w), and q's norm times the scores' scale where it is not
+    head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar: rotary is linear, so scaling q before it
+    scales the scores)."""
+    if not arch.norm_offset and scale is None:
+        return weight
+    w = weight.float() + arch.norm_offset
+    if scale is not None:
+        w = w * (scale * arch.head_dim**0.5)
+    return w.to(weight.dtype)
 
 
 def fuse_rows(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
