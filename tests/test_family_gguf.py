@@ -18,7 +18,7 @@ from test_families import prompt_of, reference_steps
 from backends.choose import load_backend
 from backends.contract import LoadOptions, Sampling, Sequence
 from backends.decoding.drive import drive
-from backends.files.models import llama_cpp_rules
+from backends.files.gguf_shell import llama_cpp_rules
 from backends.torch.decoder import BatchedDecoder
 from backends.torch.quant.blocks import BlockWeight
 from backends.torch.tiny import write_tiny_family

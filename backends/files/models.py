@@ -353,32 +353,6 @@ def _has_weights(folder: Path) -> bool:
     return any(part.name.endswith(WEIGHT_FILES) for part in folder.iterdir())
 
 
-def llama_cpp_rules(architecture: str, fields: dict, config: dict) -> dict:
-    """What a GGUF file leaves to llama.cpp's own rules (src/llama-model.cpp) and transformers'
-    reader would take its defaults for, as config fields to set: Gemma 3's score scale (1/sqrt of
-    the head's size; the 62-layer 27B: hidden / heads) where transformers assumes 256, its
-    global layers' linear rope scaling (4B and up: factor 8), the local layers' base and a logit
-    cap where the file names them. `fields`: the file's metadata, {key: value}."""
-    if architecture != "gemma3":
-        return {}
-    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-    rules = {"query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 else config["head_dim"]}
-    rope = {
-        kind: dict(parameters or {"rope_type": "default"})
-        for kind, parameters in (config.get("rope_parameters") or {}).items()
-    }
-    full = rope.setdefault("full_attention", {"rope_type": "default"})
-    full.setdefault("rope_theta", fields.get("gemma3.rope.freq_base", 1_000_000.0))
-    if fields.get("gemma3.rope.scaling.type") == "linear":
-        full.update(rope_type="linear", factor=float(fields["gemma3.rope.scaling.factor"]))
-    local = rope.setdefault("sliding_attention", {"rope_type": "default"})
-    local["rope_theta"] = fields.get("gemma3.rope.freq_base_swa", 10_000.0)
-    rules["rope_parameters"] = rope
-    if "gemma3.final_logit_softcapping" in fields:
-        rules["final_logit_softcapping"] = fields["gemma3.final_logit_softcapping"]
-    return rules
-
-
 def check_gguf(file: Path, spec: str) -> str:
     """The file's architecture; a ModelLoadError naming what the file holds that is not served:
     its architecture, or a tensor type. Reads the header only."""

@@ -9,7 +9,8 @@ from pathlib import Path
 from backends.contract import ModelLoadError
 from backends.files import gguf_phi2
 from backends.files.architecture import unsupported
-from backends.files.models import Makers, llama_cpp_rules
+from backends.files.gguf_shell import llama_cpp_rules
+from backends.files.models import Makers
 from backends.torch.tiny import write_tiny_checkpoint, write_tiny_reranker
 
 
