@@ -56,6 +56,8 @@ def served(file, runtime: str, quantize: str = ""):
 def test_a_float32_file_serves_as_its_checkpoint(gemma, runtime):
     _, checkpoint, files = gemma
     backend = served(files["F32"], runtime)
+    text = "The quick brown fox jumps over the lazy dog. Numbers like 3.14159!"
+    assert backend.encode(text) == checkpoint.encode(text)  # the file's byte-level vocabulary, read as such
     prompt = prompt_of(40)  # past the local layers' window (16)
     expected_ids, expected_logits = reference_steps(checkpoint, prompt, 20)
     got = first_logits(backend, prompt)

@@ -85,6 +85,10 @@ def write(file: Path, folder: Path) -> str:
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     # the class AutoTokenizer picks for the model type; its own GGUF path reads the vocabulary
     name = TOKENIZER_MAPPING_NAMES.get(config.model_type) or "TokenizersBackend"
+    if metadata.get("tokenizer.ggml.model") == "gpt2" and name == "GemmaTokenizer":
+        # a byte-level vocabulary (llama.cpp writes one for a checkpoint without tokenizer.model),
+        # which GemmaTokenizer would read as SentencePiece: its spaces became unknown tokens
+        name = "TokenizersBackend"
     tokenizer = tokenizer_class_from_name(name).from_pretrained(str(file.parent), gguf_file=file.name)
     tokenizer.save_pretrained(folder)
     return metadata["general.architecture"]
