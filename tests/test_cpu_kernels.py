@@ -158,7 +158,7 @@ def compiled(weights, rows: int, **kwargs) -> BatchedDecoder:
     """A decoder whose passes run the compiled step, here over float32 matrices (which serve on
     torch's operators by default): so its sums meet transformers' within float32's rounding."""
     decoder = BatchedDecoder(weights, rows, **kwargs)
-    decoder.network.cpu_step = decode_step(weights, decoder.kv)
+    decoder.network.cpu_step = decode_step(weights, decoder.kv, decoder.network.tables)
     assert decoder.network.cpu_step is not None
     return decoder
 

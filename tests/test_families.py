@@ -55,7 +55,7 @@ def reference_steps(backend, prompt: list[int], steps: int) -> tuple[list[int], 
     cache (as its generation steps run)."""
     from transformers import DynamicCache
 
-    model, decodable = backend.model, backend.decoder_weights.decodable
+    model, decodable = backend.model, backend.undecodable_from
     cache = DynamicCache(config=model.config)
     ids, logits = [], []
     with torch.inference_mode():
@@ -89,6 +89,22 @@ def test_logits_equal_transformers_at_every_step(family_backend, length):
         reference = torch.log_softmax(logits, dim=-1)
         for token, logprob in (*scores.token.top, (scores.token.token, scores.token.logprob)):
             assert abs(logprob - float(reference[token])) <= 1e-5 * scale
+
+
+def test_a_final_logit_cap_is_applied(family_paths, tiny_path, tmp_path):
+    """Gemma 3's config may cap its logits (cap * tanh(logits / cap)); the published ones do not,
+    so the tiny family has none, and this variant does."""
+    path = write_tiny_family(tmp_path / "capped", "gemma3_text", tiny_path, final_logit_softcapping=3.0)
+    backend = load_backend("torch", LoadOptions(model=str(path), dtype="float32", warmup=False))
+    assert backend.decoder_weights.arch.logit_softcap == 3.0
+    prompt = prompt_of(20)
+    expected_ids, expected_logits = reference_steps(backend, prompt, 20)
+    assert float(expected_logits[0].abs().max()) <= 3.0
+    first = BatchedDecoder(backend.decoder_weights, 1).logits_after(prompt)
+    assert float((first - expected_logits[0]).abs().max()) <= 1e-5
+    assert (
+        drive(BatchedDecoder(backend.decoder_weights, 1), [Sequence(1, prompt, Sampling(), 20)]).ids[1] == expected_ids
+    )
 
 
 def test_batched_equals_alone(family_backend, reach_groups):

@@ -69,6 +69,15 @@ class ChatRequest:
     thinking_budget: int | None = None
 
 
+# A reply's reasoning, by the tokens a vocabulary has: the text that opens and closes it (what the
+# parser splits on), and the tokens that do (what the thinking budget's grammar counts between).
+# Gemma 4 names its channel after the opening token: <|channel>thought ... <channel|>.
+REASONING_TAGS = (
+    (("<think>", "</think>"), ("<think>", "</think>")),
+    (("<|channel>thought", "<channel|>"), ("<|channel>", "<channel|>")),
+)
+
+
 @dataclass(frozen=True)
 class ChatPlan:
     """How the model serves one ChatRequest: what to generate from, where to stop, what to
@@ -80,11 +89,12 @@ class ChatPlan:
     keep_tokens: tuple[tuple[int, str], ...]  # tags the reply's text keeps (Request.keep_tokens)
     tool_format: ToolFormat
     tool_names: frozenset[str] | None  # what the parser reads calls to; None: no calls are looked for
-    reasoning: bool  # <think>...</think> is split off the reply as reasoning
+    reasoning: bool  # <think>...</think> (`think`) is split off the reply as reasoning
     thinking: bool  # the prompt opened <think>: the reply starts inside its reasoning
     # <think>'s and </think>'s ids where both are single tokens, and `thinking` (Request.thought)
     thought: tuple[int, int, bool] | None = None
     custom_names: frozenset[str] = frozenset()  # the tools among tool_names whose input is raw text
+    think: tuple[str, str] = REASONING_TAGS[0][0]  # the text that opens and closes reasoning (REASONING_TAGS)
 
     def parser(self) -> ToolCallParser:
         """A fresh parser for one choice's text (each choice, and each fold of a whole reply)."""
@@ -94,6 +104,7 @@ class ChatPlan:
             reasoning=self.reasoning,
             thinking=self.thinking,
             custom=self.custom_names,
+            think=self.think,
         )
 
 
@@ -119,9 +130,11 @@ class ChatFormat:
         # and the names transformers' renderer takes its own arguments by (issue 65: a 500 before)
         self.reserved = frozenset(parameters | {"messages", "conversation", "conversations", "self"})
         vocab = tokenizer.get_vocab()
-        self.reasoning = tools.THINK_OPEN in vocab and tools.THINK_CLOSE in vocab
+        found = [(text, token) for text, token in REASONING_TAGS if token[0] in vocab and token[1] in vocab]
+        self.think, self.think_tokens = found[0] if found else REASONING_TAGS[0]
+        self.reasoning = bool(found)
         self.tool_tokens = self._tool_tokens()
-        tags = tuple(self.single_token(tag) for tag in (tools.THINK_OPEN, tools.THINK_CLOSE)) if self.reasoning else ()
+        tags = tuple(self.single_token(tag) for tag in self.think_tokens) if self.reasoning else ()
         self.think_tags: tuple[int, int] | None = tags if tags and None not in tags else None
 
     def plan(self, chat: ChatRequest) -> ChatPlan:
@@ -140,7 +153,7 @@ class ChatFormat:
         if use is not None:
             lazy = use.choice == "auto"
             grammar = GrammarSpec("tool_calls", self.tool_grammar(use.callable, use.parallel, lazy), lazy)
-        inside = self.reasoning and prompt.rstrip().endswith(tools.THINK_OPEN)
+        inside = self.reasoning and prompt.rstrip().endswith(self.think[0])
         return ChatPlan(
             prompt=prompt,
             stop=stop,
@@ -152,6 +165,7 @@ class ChatFormat:
             thinking=inside,
             thought=(*self.think_tags, inside) if self.think_tags else None,
             custom_names=frozenset(t["name"] for t in use.tools if "custom" in t) if use else frozenset(),
+            think=self.think,
         )
 
     def after_thought(
@@ -231,9 +245,9 @@ class ChatFormat:
     def _tool_tokens(self) -> tuple[tuple[int, str], ...]:
         """The format's tags (and <think>'s) that are single tokens: the text of a reply keeps
         them, where decoding would skip them as special tokens, so that its calls can be parsed."""
-        tags = [self.tool_format.open, self.tool_format.close]
+        tags = [self.tool_format.open, self.tool_format.close, *self.tool_format.kept]
         if self.reasoning:
-            tags += [tools.THINK_OPEN, tools.THINK_CLOSE]
+            tags += list(self.think_tokens)
         found = ((self.single_token(tag), tag) for tag in tags if tag)
         return tuple((token, tag) for token, tag in found if token is not None)
 
@@ -250,7 +264,7 @@ class ChatFormat:
             token = self.single_token(tag)
             return json.dumps(tag) if token is None else f"(<[{token}]> | {json.dumps(tag)})"
 
-        tags = {tag: written(tag) for tag in (format.open, format.close) if tag}
+        tags = {tag: written(tag) for tag in (format.open, format.close, *format.kept) if tag}
         trigger = None
         if lazy:
             token = self.single_token(format.open)

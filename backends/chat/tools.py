@@ -14,6 +14,8 @@ writes the family's own call syntax into its prompts; a template that knows no t
 |         |                                           | or after `<|python_tag|>`; calls joined by `; `     |
 | mistral | Mistral, Mixtral, Ministral               | `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`    |
 | phi4    | Phi-4-mini                                | `<|tool_call|>[{…}, …]<|/tool_call|>`               |
+| gemma4  | Gemma 4                                   | `<|tool_call>call:name{key:<|"|>text<|"|>}<tool_call|>` |
+|         |                                           | (its own notation: backends/chat/gemma4.py)         |
 
 The parser (`ToolCallParser`) reads the reply's text as it streams: content outside the calls
 passes through at once (only a possible start of a tag is held back), a call is given out whole
@@ -51,6 +53,8 @@ import jsonschema._utils
 import llguidance
 import regex
 
+from backends.chat import gemma4
+
 # The system block for a chat template that knows no tools (and for Phi-2's dialogue format):
 # Hermes-style calls, the most common form, said in few tokens (a small model's context is short).
 DEFAULT_TOOLS_BLOCK = """# Tools
@@ -80,6 +84,9 @@ class ToolFormat:
     markers: tuple[str, ...] = field(default=())  # what in a chat template says it is this family's
     # Its template reads the tools from the system message's own `tools` (JSON text), not `tools=`.
     tools_in_system: bool = False
+    # A format of its own notation (not JSON): the module with its `parse` and `grammar` (Gemma 4's)
+    notation: object | None = None
+    kept: tuple[str, ...] = ()  # special tokens inside a call that its text must keep (Gemma's <|"|>)
 
 
 FORMATS = {
@@ -96,6 +103,16 @@ FORMATS = {
         "arguments",
         markers=("<|tool_call|>", "<|tool|>"),
         tools_in_system=True,
+    ),
+    "gemma4": ToolFormat(
+        "gemma4",
+        gemma4.OPEN,
+        gemma4.CLOSE,
+        False,
+        "arguments",
+        markers=(gemma4.OPEN,),
+        notation=gemma4,
+        kept=(gemma4.QUOTE,),
     ),
 }
 DEFAULT_FORMAT = FORMATS["hermes"]
@@ -243,12 +260,14 @@ class ToolCallParser:
         reasoning: bool = False,
         thinking: bool = False,
         custom: frozenset[str] = frozenset(),
+        think: tuple[str, str] = ("<think>", "</think>"),
     ):
         self.format = format
         self.tools = tools  # the names callable; None: no calls are looked for (no tools, or tool_choice none)
         self.custom = custom  # those of them that are custom tools (raw input)
         self.on_call: Callable[[ToolCall], None] | None = None  # told of each call as it is given out
         self.reasoning = reasoning  # split <think>...</think> off as reasoning
+        self.think = think  # its tags (Gemma 4's: <|channel>thought ... <channel|>)
         self._mode = "think" if thinking else "start"  # start, text, think, call
         self._bare = False  # the call being read opened with its brace, untagged (llama3)
         self._reasoned = False  # some reasoning text was given out
@@ -273,7 +292,7 @@ class ToolCallParser:
 
     def _tags(self) -> list[str]:
         tags = [self.format.open] if self.tools is not None else []
-        return [*tags, THINK_OPEN] if self.reasoning else tags
+        return [*tags, self.think[0]] if self.reasoning else tags
 
     def _step(self, final: bool) -> tuple[list[Piece], bool]:
         buffer = self._buffer
@@ -281,11 +300,12 @@ class ToolCallParser:
             if not self._reasoned:  # reasoning starts at its first visible character
                 buffer = self._buffer = buffer.lstrip()
                 self._reasoned = bool(buffer)
-            at = buffer.find(THINK_CLOSE)
+            close = self.think[1]
+            at = buffer.find(close)
             if at >= 0:
-                self._buffer, self._mode = buffer[at + len(THINK_CLOSE) :], "start"
+                self._buffer, self._mode = buffer[at + len(close) :], "start"
                 return [Piece("reasoning", buffer[:at].rstrip())], True
-            keep = 0 if final else held_back(buffer, [THINK_CLOSE])
+            keep = 0 if final else held_back(buffer, [close])
             self._buffer = buffer[len(buffer) - keep :]
             return [Piece("reasoning", buffer[: len(buffer) - keep])], False
         if self._mode == "call":
@@ -304,7 +324,7 @@ class ToolCallParser:
         if hits:
             at, tag = hits[0]
             self._buffer = buffer[at + len(tag) :]
-            self._mode = "think" if tag == THINK_OPEN else "call"
+            self._mode = "think" if tag == self.think[0] else "call"
             self._bare = False
             return [Piece("content", buffer[:at].rstrip())], True
         # Held back: what may start a tag, and trailing whitespace (formatting, if a tag follows).
@@ -370,6 +390,9 @@ def parse_calls(payload: str, format: ToolFormat, custom: frozenset[str] = froze
     (or one custom tool's call: its header line, then its raw input)."""
     if custom and (call := custom_call(payload, custom)) is not None:
         return [call]
+    if format.notation is not None:
+        found = format.notation.parse(payload)
+        return None if found is None else [ToolCall(name, json.dumps(args, ensure_ascii=False)) for name, args in found]
     payload = payload.strip()
     try:
         if format.listed:
@@ -459,6 +482,8 @@ def tool_grammar(
     t (a special token by id, `<[id]>`, else its text quoted); `ids[t]`: tag t's token, if one."""
     functions = [t for t in tools if "custom" not in t]
     customs = [t for t in tools if "custom" in t]
+    if format.notation is not None:  # its own notation; custom tools are called as functions of one string
+        return format.notation.grammar([as_function(t) if "custom" in t else t for t in tools], parallel, tag)
     open_, close = tag[format.open], tag.get(format.close) if format.close else None
     rules, subgrammars = [], []
     for i, tool in enumerate(customs):

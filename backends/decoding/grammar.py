@@ -407,9 +407,14 @@ class Grammars:
     one owner (the API key: a key's grammars are its own, so no key learns from a hit what
     another compiled, nor evicts more than its share of another's)."""
 
-    def __init__(self, hf_tokenizer, vocab: int, guard: Callable[[dict], object] | None = None):
+    def __init__(
+        self, hf_tokenizer, vocab: int, guard: Callable[[dict], object] | None = None, ends: list[int] | None = None
+    ):
         self._hf_tokenizer = hf_tokenizer
         self.vocab = vocab  # the model's: masks cover every logit
+        # the ids a reply may end with (the backend's end-of-text ids: Gemma's turn end besides
+        # <eos>), where a grammar is complete; None: the tokenizer's end-of-text
+        self._ends = ends
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._guard_factory = guard
@@ -423,7 +428,7 @@ class Grammars:
         """llguidance's view of the tokenizer, built on first use (a third of a second for Phi-2's)."""
         with self._lock:
             if self._tokenizer is None:
-                spec = tokenizer_spec(self._hf_tokenizer, self.vocab)
+                spec = tokenizer_spec(self._hf_tokenizer, self.vocab, self._ends)
                 self._tokenizer = llguidance.LLTokenizer(spec["json"], n_vocab=spec["vocab"], eos_token=spec["eos"])
                 if self._guard_factory is not None:
                     self._guard = self._guard_factory(spec)
@@ -517,14 +522,14 @@ def on_big_stack(fn: Callable, *args):
 _stack_lock = threading.Lock()
 
 
-def tokenizer_spec(hf_tokenizer, vocab: int) -> dict:
+def tokenizer_spec(hf_tokenizer, vocab: int, ends: list[int] | None = None) -> dict:
     """What llguidance's LLTokenizer is made from: the fast tokenizer's JSON (as llguidance.hf
     makes it, without importing transformers where the guard's child rebuilds it), the vocabulary
-    and end-of-text."""
+    and end-of-text (`ends`, the backend's end-of-text ids, where given)."""
     backend = copy.copy(hf_tokenizer.backend_tokenizer)
     backend.no_padding()
     backend.no_truncation()
-    return {"json": backend.to_str(), "vocab": vocab, "eos": hf_tokenizer.eos_token_id}
+    return {"json": backend.to_str(), "vocab": vocab, "eos": ends or hf_tokenizer.eos_token_id}
 
 
 def build(tokenizer: llguidance.LLTokenizer, vocab: int, kind: str, spec: str):

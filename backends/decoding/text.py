@@ -30,6 +30,10 @@ def byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
+# A reply the chat template renders, to find what it closes an assistant turn with.
+TURN_PROBE = "Probe reply 7f3a."
+
+
 class TokenizerText:
     """Tokenizing and decoding through the Hugging Face tokenizer (shared by both runtimes)."""
 
@@ -43,6 +47,25 @@ class TokenizerText:
         # for every instance, keyed by self, keeping each tokenizer alive after its backend is gone.
         self.token_bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
         self.chat = ChatFormat(tokenizer)
+
+    def turn_end_ids(self) -> frozenset[int]:
+        """The special token the chat template closes an assistant turn with (Gemma's
+        <end_of_turn>, ChatML's <|im_end|>), an end of text besides the configs' own: a Gemma 3
+        file whose config names only <eos> still stops where its template ends a turn, as
+        llama.cpp's end-of-generation tokens do. Empty without a template, or where it closes a
+        turn with no special token."""
+        tokenizer = self.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            return frozenset()
+        turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": TURN_PROBE}]
+        try:
+            text = tokenizer.apply_chat_template(turns, tokenize=False)
+        except Exception:  # a template that wants another chat (a system turn first, tools): no probe
+            return frozenset()
+        after = text.rpartition(TURN_PROBE)[2].lstrip() if TURN_PROBE in text else ""
+        special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        found = [token for token in special if token and after.startswith(token)]
+        return frozenset([special[max(found, key=len)]]) if found else frozenset()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -8,10 +8,15 @@ The families differ in a handful of choices, each a field here:
   norm before the MLP (the others);
 - the MLP: fc1 -> activation -> fc2 (Phi) or gated, down(silu(gate) * up) (the others);
 - attention: heads and key-value heads (GQA where fewer), the head size, biases on q/k/v
-  (Qwen2) and on the output (Phi), per-head RMSNorms of q and k (Qwen3), a sliding window per
-  layer (Mistral, Phi-3, Qwen2 where its config turns it on);
+  (Qwen2) and on the output (Phi), per-head RMSNorms of q and k (Qwen3, Gemma 3), a sliding
+  window per layer (Mistral, Phi-3, Qwen2 where its config turns it on, Gemma 3's local layers),
+  the scale of its scores (Gemma 3: query_pre_attn_scalar);
 - rotary embeddings on all of a head or its first part (Phi, Phi-4-mini), with whatever
-  scaling the config names (rope tables come from transformers' own rotary module);
+  scaling the config names (rope tables come from transformers' own rotary module), a table
+  per layer kind (Gemma 3's local and global bases) or none on some layers (SmolLM3's NoPE);
+- Gemma's touches: RMSNorm weights stored as w - 1 (it multiplies by 1 + w), the embedding
+  scaled by sqrt(hidden), a norm after attention and after the MLP besides those before, a
+  GELU-gated MLP (GeGLU), and a tanh cap on the final logits where the config sets one;
 - where the weights are: separate q/k/v and gate/up Linears, or fused ones (Phi-3).
 
 A config this does not describe (another model type, or a feature outside the list) gets
@@ -49,7 +54,48 @@ LAYOUTS = {
         "down": "mlp.down_proj",
     },
 }
-LAYOUTS["mistral"] = LAYOUTS["qwen2"] = LAYOUTS["qwen3"] = LAYOUTS["llama"]
+LAYOUTS["mistral"] = LAYOUTS["qwen2"] = LAYOUTS["qwen3"] = LAYOUTS["smollm3"] = LAYOUTS["llama"]
+# Gemma 3's norms: before attention, after it (on its output), before and after the MLP.
+LAYOUTS["gemma3_text"] = {
+    **LAYOUTS["llama"],
+    "norm2": "pre_feedforward_layernorm",
+    "attention_out_norm": "post_attention_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+}
+# Qwen3.5's hybrid stack: attention layers (their q_proj rows each head's query, then its output
+# gate) and Gated DeltaNet layers, whose Linears are these.
+LAYOUTS["qwen3_5_text"] = {
+    **LAYOUTS["llama"],
+    "delta_in": ["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a"],
+    "delta_out": "linear_attn.out_proj",
+}
+QK_NORM_FAMILIES = ("qwen3", "gemma3_text", "qwen3_5_text")
+OFFSET_NORM_FAMILIES = ("gemma3_text", "qwen3_5_text")  # RMSNorm x * (1 + w)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A Gated DeltaNet layer's shape (Qwen3.5's linear attention, backends/torch/hybrid.py)."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    kernel: int  # the short causal convolution's width over q, k and v
+
+    @property
+    def key_size(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.v_heads * self.v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_size + self.value_size
+
+
 GATED_ACTIVATIONS = ("silu", "swish")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -69,9 +115,24 @@ class Architecture:
     parallel: bool  # x + attention(norm x) + mlp(norm x), one norm a block (Phi)
     gated: bool  # down(silu(gate) * up); else fc2(activation(fc1))
     activation: str  # hidden_act
-    qk_norm: bool  # RMSNorm of each head of q and k before rotary (Qwen3)
+    qk_norm: bool  # RMSNorm of each head of q and k before rotary (Qwen3, Gemma 3)
     windows: tuple[int | None, ...]  # per layer: the sliding window (a row sees its last `window` columns), or None
     layout: dict  # where the Linears are (LAYOUTS)
+    # per layer: the rotary table it turns q and k with (a key of `DecoderWeights.rotary_tables`),
+    # or None for a layer without rotary embeddings (SmolLM3's NoPE layers)
+    rope_kinds: tuple[str | None, ...] = ()
+    norm_offset: float = 0.0  # added to every RMSNorm weight (Gemma: x * (1 + w))
+    embed_scale: float | None = None  # the embedding's rows times this (Gemma: sqrt(hidden))
+    score_scale: float | None = None  # attention scores times this, where not head_dim ** -0.5 (Gemma 3)
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 3 where set)
+    # per layer: "attention", or "delta" (Qwen3.5's Gated DeltaNet: a state per sequence, `delta`)
+    mixers: tuple[str, ...] = ()
+    delta: Delta | None = None
+    attention_gate: bool = False  # attention's output times sigmoid(a gate q_proj gives per head) (Qwen3.5)
+
+    @property
+    def hybrid(self) -> bool:
+        return "delta" in self.mixers
 
     @property
     def q_size(self) -> int:
@@ -99,6 +160,15 @@ class Architecture:
         rope = getattr(config, "rope_parameters", None) or {}
         factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
         phi = family == "phi"
+        gemma = family == "gemma3_text"
+        qwen35 = family == "qwen3_5_text"
+        layers = config.num_hidden_layers
+        mixers = (
+            tuple("delta" if kind == "linear_attention" else "attention" for kind in config.layer_types[:layers])
+            if qwen35
+            else ("attention",) * layers
+        )
+        scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
         return cls(
             family=family,
             layers=config.num_hidden_layers,
@@ -112,11 +182,45 @@ class Architecture:
             eps=config.layer_norm_eps if phi else config.rms_norm_eps,
             parallel=phi,
             gated=not phi,
-            activation=config.hidden_act,
-            qk_norm=family == "qwen3",
+            activation=activation_of(config),
+            qk_norm=family in QK_NORM_FAMILIES,
             windows=sliding_windows(config),
             layout=LAYOUTS[family],
+            rope_kinds=rope_kinds(config),
+            norm_offset=1.0 if family in OFFSET_NORM_FAMILIES else 0.0,
+            embed_scale=config.hidden_size**0.5 if gemma else None,
+            score_scale=scalar**-0.5 if scalar and scalar != head_dim else None,
+            logit_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+            mixers=mixers,
+            delta=Delta(
+                config.linear_num_key_heads,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+                config.linear_conv_kernel_dim,
+            )
+            if qwen35
+            else None,
+            attention_gate=qwen35,
         )
+
+
+def activation_of(config) -> str:
+    """The MLP's activation (Gemma names it hidden_activation)."""
+    return getattr(config, "hidden_activation", None) or config.hidden_act
+
+
+def rope_kinds(config) -> tuple[str | None, ...]:
+    """Each layer's rotary table: Gemma 3's by its layer type (local and global bases), none on
+    SmolLM3's NoPE layers (`no_rope_layers[i]` 0), else the model's one table ("default")."""
+    layers = config.num_hidden_layers
+    if config.model_type == "gemma3_text":
+        return tuple(config.layer_types[:layers])
+    if config.model_type == "smollm3":
+        return tuple("default" if use else None for use in config.no_rope_layers[:layers])
+    if config.model_type == "qwen3_5_text":  # its linear-attention layers have no rotary
+        return tuple("default" if kind != "linear_attention" else None for kind in config.layer_types[:layers])
+    return ("default",) * layers
 
 
 def unsupported(config) -> str | None:
@@ -128,8 +232,11 @@ def unsupported(config) -> str | None:
         return "Phi with qk_layernorm"
     if family == "phi" and config.hidden_act not in GELU_TANH and config.hidden_act != "gelu":
         return f"Phi with hidden_act {config.hidden_act!r}"
-    if family != "phi" and config.hidden_act not in GATED_ACTIVATIONS:
-        return f"hidden_act {config.hidden_act!r} in a gated MLP"
+    gated = GATED_ACTIVATIONS + (GELU_TANH if family == "gemma3_text" else ())
+    if family != "phi" and activation_of(config) not in gated:
+        return f"hidden_act {activation_of(config)!r} in a gated MLP"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
+        return "attention logit softcapping or bidirectional attention"
     heads, kv_heads = (
         config.num_attention_heads,
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -137,20 +244,26 @@ def unsupported(config) -> str | None:
     if heads % kv_heads:
         return f"{heads} attention heads over {kv_heads} key-value heads"
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in ("default", "linear", "dynamic", "llama3", "longrope", "yarn"):
-        return f"rope_type {rope.get('rope_type')!r}"
+    kinds = rope.values() if family == "gemma3_text" else [rope]  # Gemma 3: {layer type: parameters}
+    for parameters in kinds:
+        kind = (parameters or {}).get("rope_type", "default")
+        if kind not in ("default", "linear", "dynamic", "llama3", "longrope", "yarn"):
+            return f"rope_type {kind!r}"
     return None
 
 
 def sliding_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding window, as transformers applies it: Mistral and Phi-3 on every layer
-    when `sliding_window` is set; Qwen2/3 on the layers `layer_types` calls sliding_attention."""
+    when `sliding_window` is set; Qwen2/3, Gemma 3 and SmolLM3 (where use_sliding_window) on the
+    layers `layer_types` calls sliding_attention."""
     window = getattr(config, "sliding_window", None)
     layers = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
-    if config.model_type in ("qwen2", "qwen3"):
+    if config.model_type in ("qwen2", "qwen3", "gemma3_text", "smollm3"):
         types = types or ["full_attention"] * layers
-        return tuple(window if kind == "sliding_attention" else None for kind in types)
+        if config.model_type == "smollm3" and not getattr(config, "use_sliding_window", False):
+            window = None
+        return tuple(window if kind == "sliding_attention" else None for kind in types[:layers])
     if config.model_type in ("mistral", "phi3"):
         return (window,) * layers
     return (None,) * layers

@@ -33,10 +33,39 @@ def config_dict(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
         if isinstance(value, str) and architecture in value:
             value = value.replace(architecture, served)
         config[renamed] = value
+    if architecture == "gemma3":  # transformers' reader names its text model so (load_gguf_checkpoint)
+        config["model_type"] = "gemma3_text"
+    config.update(llama_cpp_rules(architecture, metadata, config))
     if "vocab_size" not in config:  # the reader counts an array it does not read
         tokens = metadata.get("tokenizer.ggml.tokens")
         config["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
     return config
+
+
+def llama_cpp_rules(architecture: str, fields: dict, config: dict) -> dict:
+    """What a GGUF file leaves to llama.cpp's own rules (src/llama-model.cpp) and transformers'
+    reader would take its defaults for, as config fields to set: Gemma 3's score scale (1/sqrt of
+    the head's size; the 62-layer 27B: hidden / heads) where transformers assumes 256, its
+    global layers' linear rope scaling (4B and up: factor 8), the local layers' base and a logit
+    cap where the file names them. `fields`: the file's metadata, {key: value}."""
+    if architecture != "gemma3":
+        return {}
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    rules = {"query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 else config["head_dim"]}
+    rope = {
+        kind: dict(parameters or {"rope_type": "default"})
+        for kind, parameters in (config.get("rope_parameters") or {}).items()
+    }
+    full = rope.setdefault("full_attention", {"rope_type": "default"})
+    full.setdefault("rope_theta", fields.get("gemma3.rope.freq_base", 1_000_000.0))
+    if fields.get("gemma3.rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=float(fields["gemma3.rope.scaling.factor"]))
+    local = rope.setdefault("sliding_attention", {"rope_type": "default"})
+    local["rope_theta"] = fields.get("gemma3.rope.freq_base_swa", 10_000.0)
+    rules["rope_parameters"] = rope
+    if "gemma3.final_logit_softcapping" in fields:
+        rules["final_logit_softcapping"] = fields["gemma3.final_logit_softcapping"]
+    return rules
 
 
 def write(file: Path, folder: Path) -> str:
@@ -56,6 +85,10 @@ def write(file: Path, folder: Path) -> str:
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     # the class AutoTokenizer picks for the model type; its own GGUF path reads the vocabulary
     name = TOKENIZER_MAPPING_NAMES.get(config.model_type) or "TokenizersBackend"
+    if metadata.get("tokenizer.ggml.model") == "gpt2" and name == "GemmaTokenizer":
+        # a byte-level vocabulary (llama.cpp writes one for a checkpoint without tokenizer.model),
+        # which GemmaTokenizer would read as SentencePiece: its spaces became unknown tokens
+        name = "TokenizersBackend"
     tokenizer = tokenizer_class_from_name(name).from_pretrained(str(file.parent), gguf_file=file.name)
     tokenizer.save_pretrained(folder)
     return metadata["general.architecture"]

@@ -264,7 +264,7 @@ GGUF_FORMAT = 1  # bump when what converted_gguf writes changes, so old folders 
 # GGUF's architecture names whose transformers model_type the general decoder serves
 # (backends/files/architecture.py; llama.cpp writes Mistral as llama).
 # Phi-2's own files (phi2) are converted by backends/files/gguf_phi2.py: transformers' reader refuses them.
-GGUF_ARCHITECTURES = ("llama", "phi2", "phi3", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("gemma3", "llama", "phi2", "phi3", "qwen2", "qwen3")
 # The tensor types gguf dequantizes that GGUF files in use carry: float, the legacy quants, K-quants.
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 

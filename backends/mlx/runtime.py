@@ -18,7 +18,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.utils import quantize_model
 
@@ -121,12 +127,12 @@ class MlxBackend(TokenizerMethods):
         self.adapters = adapters
         self.max_adapters = max(max_adapters, 1)  # distinct adapters a batch decodes at once
         self.router = router
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | self.text.turn_end_ids()
         self._skipped = frozenset(hf.all_special_ids) | frozenset(range(len(hf), self._model_vocab()))
         # Phi-2's model vocabulary exceeds its tokenizer's: the ids past it decode to nothing and
         # are never chosen (the samplers' rule, as on Torch); logprobs still cover them.
         self.decodable = self.text.vocab_size
-        self.grammars = Grammars(hf, self._model_vocab(), guard=CompileGuard)
+        self.grammars = Grammars(hf, self._model_vocab(), guard=CompileGuard, ends=sorted(self.eos_token_ids))
 
     @classmethod
     def load(cls, path: Path, options: LoadOptions) -> MlxBackend:
@@ -142,7 +148,10 @@ class MlxBackend(TokenizerMethods):
                 config = json.loads((path / "config.json").read_text())
             else:
                 # lazy where the file's blocks may replace the float matrices: those are never read
-                model, tokenizer, config = mlx_load(str(path), return_config=True, lazy=source is not None)
+                overrides = published_rope_fields(json.loads((path / "config.json").read_text()))
+                model, tokenizer, config = mlx_load(
+                    str(path), model_config=overrides, return_config=True, lazy=source is not None
+                )
                 if source is not None:
                     kept = keep_file_blocks(model, source, config)
                     mx.eval(model.parameters())
@@ -167,6 +176,10 @@ class MlxBackend(TokenizerMethods):
             max_loaded=options.max_adapters,
         )
         adapters.load_default()  # a broken one fails the start, not a request
+        # One token through the model on this thread: arrays a model makes lazily outside its
+        # parameters (Gemma 4's rotary frequencies) are computed now, not left to this thread's
+        # stream, which the generation thread cannot use (a server loads there; tests do not).
+        mx.eval(model(mx.array([[0]])))
         router = install_router(model)
         info = ModelInfo(
             model=options.model,
@@ -237,7 +250,7 @@ class MlxBackend(TokenizerMethods):
     ) -> LookupGeneration | None:
         """A sequence's generation with prompt-lookup drafts, if it takes them (None: it does not,
         or its cache cannot drop rejected positions)."""
-        if not (self.draft_tokens and speculates(sequence) and can_trim_prompt_cache(cache)):
+        if not (self.draft_tokens and speculates(sequence) and drops_rejected(cache)):
             return None
         offset = self.router.offset(slot)
         return LookupGeneration(
@@ -354,6 +367,56 @@ def _quantization(config: dict) -> dict | None:
 
 # Entries of a prompt cache: the byte budget is what bounds it; this only bounds the trie's size.
 PROMPT_CACHE_ENTRIES = 256
+
+
+def drops_rejected(cache: list) -> bool:
+    """Whether a draft's rejected positions can always be trimmed off this cache: not where a
+    layer keeps a sliding window (Gemma 3's RotatingKVCache), which mlx-lm trims only until it
+    first fills (then `trim_prompt_cache` does nothing, and the rejected keys stayed)."""
+    return can_trim_prompt_cache(cache) and not any(isinstance(c, RotatingKVCache) for c in cache)
+
+
+# transformers' text-only model types whose mlx-lm model is the multimodal one's (which reads a
+# config without text_config as the text model's own).
+MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
+
+
+def published_rope_fields(config: dict) -> dict:
+    """The fields of a config.json as mlx-lm's models read them (rope_theta, rope_scaling; Gemma
+    3's rope_local_base_freq and sliding_window_pattern; Gemma 4's global_head_dim; a model type
+    by mlx-lm's name), where transformers 5 wrote them otherwise (`rope_parameters`,
+    `layer_types`, `per_layer_config`: a checkpoint it saved): mlx-lm would take its defaults
+    (SmolLM3's rope_theta 10,000 for 2,000,000). Empty where the published fields are there."""
+    fields = {}
+    per_layer = config.get("per_layer_config") or {}
+    if "global_head_dim" not in config and per_layer:  # Gemma 4: its global layers' head, per layer
+        types = config.get("layer_types") or []
+        dims = {
+            per_layer[i].get("head_dim") for i in per_layer if int(i) < len(types) and types[int(i)] == "full_attention"
+        }
+        if len(dims) == 1 and None not in dims:
+            fields["global_head_dim"] = dims.pop()
+    if config.get("model_type") in MLX_MODEL_TYPES:  # a text-only model type mlx-lm knows by another name
+        fields["model_type"] = MLX_MODEL_TYPES[config["model_type"]]
+    rope = config.get("rope_parameters")
+    if "rope_theta" in config or not isinstance(rope, dict):
+        return fields
+    if isinstance(rope.get("full_attention"), dict):  # Gemma 3: {layer type: its parameters}
+        local = rope.get("sliding_attention") or {}
+        if "rope_theta" in local:
+            fields["rope_local_base_freq"] = local["rope_theta"]
+        rope = rope["full_attention"]
+        types = config.get("layer_types") or []
+        if "full_attention" in types and "sliding_window_pattern" not in config:
+            pattern = types.index("full_attention") + 1
+            if all((kind == "full_attention") == ((i + 1) % pattern == 0) for i, kind in enumerate(types)):
+                fields["sliding_window_pattern"] = pattern
+    if "rope_theta" in rope:
+        fields["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+        fields["rope_scaling"] = {**scaling, "type": rope["rope_type"]}  # (older models read "type")
+    return fields
 
 
 class PromptReuse:
@@ -476,8 +539,11 @@ class SingleSequenceDecoder:
             if len(self._ids) > len(
                 self._sequence.prompt_ids
             ):  # its prefill completed; generate_step fed every token it gave
-                held = self._cache[0].offset
-                self._prompts.store(self._ids[:held], self._cache, prompt_cache_namespace(self._sequence))
+                # the positions the cache holds, as a KV layer counts them (Qwen3.5's linear
+                # layers keep a state, no count: the entry serves prompts that extend all of it)
+                held = next((c.offset for c in self._cache if hasattr(c, "offset")), None)
+                if held is not None:
+                    self._prompts.store(self._ids[:held], self._cache, prompt_cache_namespace(self._sequence))
             self._bank.release(self._slot)
             self._sequence = None
             self._slot = None
@@ -533,7 +599,7 @@ class BatchDecoder:
         self.logprobs: dict[int, StepLogprobs] = {}
         self._solo: _Solo | None = None
         # Whether a sequence alone may take drafts: its cache must drop rejected positions.
-        self._drafts = backend.draft_tokens > 0 and can_trim_prompt_cache(make_prompt_cache(backend.model))
+        self._drafts = backend.draft_tokens > 0 and drops_rejected(make_prompt_cache(backend.model))
 
     def prompt_cache_usage(self) -> PromptCacheUsage:
         return self._prompts.usage()

@@ -9,6 +9,7 @@ from pathlib import Path
 from backends.contract import ModelLoadError
 from backends.files import gguf_phi2
 from backends.files.architecture import unsupported
+from backends.files.gguf_shell import llama_cpp_rules
 from backends.files.models import Makers
 from backends.torch.tiny import write_tiny_checkpoint, write_tiny_reranker
 
@@ -24,10 +25,16 @@ def convert_gguf(file: Path, folder: Path, spec: str, architecture: str) -> None
             raise ModelLoadError(f"PHI2_MODEL={spec!r}: {exc}") from exc
         return
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+    fields = GGUFReader(str(file)).fields
+    scalars = {key: field.contents() for key, field in fields.items() if key.startswith(f"{architecture}.")}
+    for key, value in llama_cpp_rules(architecture, scalars, config.to_dict()).items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, config=config, dtype=torch.float32)
     if reason := unsupported(model.config):
         raise ModelLoadError(f"PHI2_MODEL={spec!r}: {reason}, which the decoder does not serve")
     # Dequantized, the model is a plain float one: save_pretrained refuses it while it is marked GGUF.

@@ -261,6 +261,8 @@ class BatchedDecoder:
         self.device = weights.device
         self.capacity = max_batch
         self.adapter_slots = adapter_slots
+        if weights.arch.hybrid:  # Qwen3.5's states rule these out (backends/torch/hybrid.py says why)
+            prompt_cache_bytes, draft_tokens, cuda_graphs, prefill_graphs, fused = 0, 0, False, False, False
         self.draft_tokens = draft_tokens
         self.context = min(weights.context, context or weights.context)
         on_cuda = self.device.type == "cuda"
@@ -542,7 +544,7 @@ class BatchedDecoder:
         holes = sorted(i for i in freed if i < kept)
         movers = [i for i in range(kept, len(self.rows)) if i not in freed]  # as many as the holes
         self.kv.release(sorted(freed))  # what the cache keeps stays held
-        self.kv.move(holes, movers)  # their pages stay where they are: only the table rows move
+        self.network.move_rows(holes, movers)  # their pages stay where they are: only the table rows move
         for hole, mover in zip(holes, movers, strict=True):
             self.rows[hole] = self.rows[mover]
             self.row_of[self.rows[hole].sequence.id] = hole

@@ -20,9 +20,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from backends.files.architecture import Architecture
+from backends.files.architecture import GELU_TANH, Architecture
 from backends.torch.cpu import step as cpu_step
 from backends.torch.cuda.graphs import PREFILL_LENGTHS, padded_rows
+from backends.torch.hybrid import RowStates, decode_mix, piece_mix
 from backends.torch.kv_pages import PAGE, PagedKV
 from backends.torch.lora import FusedLoraSlots
 from backends.torch.quant.blocks import BlockWeight, StackedBlocks
@@ -49,12 +50,15 @@ def prefill_attention():
 
 
 def fused_available(weights: DecoderWeights, on_cuda_graphs: bool) -> bool:
-    """The Triton step serves unquantized weights on CUDA, where Triton is installed."""
+    """The Triton step serves unquantized weights on CUDA, where Triton is installed, for the
+    shapes its kernels know: one rotary table on every layer, a silu-gated MLP, no norms after
+    attention or the MLP (Gemma 3 and SmolLM3 take the torch-ops step, graphed)."""
     arch = weights.arch
     if (
         not on_cuda_graphs
         or isinstance(weights.layers[0].w_in, QuantizedWeight)
         or not (arch.parallel or arch.rms_norm)
+        or not triton_shape(arch)
     ):
         return False
     try:
@@ -68,6 +72,14 @@ def fused_available(weights: DecoderWeights, on_cuda_graphs: bool) -> bool:
     )
 
 
+def triton_shape(arch: Architecture) -> bool:
+    """Whether the Triton kernels compute this architecture: what they do not know is Gemma 3's
+    (two rotary tables, GeGLU, norms after attention and the MLP) and SmolLM3's NoPE layers."""
+    one_table = set(arch.rope_kinds) == {"default"}
+    silu = arch.parallel or arch.activation not in GELU_TANH
+    return one_table and silu and arch.norm_offset == 0 and arch.embed_scale is None and arch.logit_softcap is None
+
+
 def heads_of(arch: Architecture):
     """The attention's facts as the Triton kernels take them."""
     from backends.torch.cuda.triton_common import Heads
@@ -75,11 +87,14 @@ def heads_of(arch: Architecture):
     return Heads(arch.heads, arch.kv_heads, arch.head_dim, arch.rotary_dim, arch.eps)
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int) -> None:
-    """Rotary embedding, in place, on the first `rotary_dim` dims of each head of x ([..., heads, head_dim]).
+def rope_(x: torch.Tensor, cos: torch.Tensor | None, signed_sin: torch.Tensor, rotary_dim: int) -> None:
+    """Rotary embedding, in place, on the first `rotary_dim` dims of each head of x ([..., heads, head_dim]);
+    none where cos is None (a layer without rotary embeddings: SmolLM3's NoPE layers).
 
     transformers computes x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; that is
     roll(x, half) * [-1.., 1..], so the sign is folded into the sin table: three kernels."""
+    if cos is None:
+        return
     rot = x[..., :rotary_dim]
     rolled = rot.roll(rotary_dim // 2, dims=-1)
     rot.copy_(torch.addcmul(rot * cos, rolled, signed_sin))
@@ -107,6 +122,15 @@ def split_heads(y: torch.Tensor, shape: Shape, q_norm=None, k_norm=None):
     return q, k, v
 
 
+def output_gate(attention, y, shape: Shape):
+    """Qwen3.5's gated attention: the output times sigmoid of each head's gate (the rows of y
+    after q, k and v, `DecoderWeights._block`)."""
+    if not shape.attention_gate:
+        return attention
+    start = shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
+    return attention * torch.sigmoid(y[..., start : start + shape.heads * shape.head_dim])
+
+
 def mlp_and_residual(x, attention, y, block: Block, shape: Shape, lora):
     """After attention: the block's output added to the residual x. Parallel: one GEMM over
     [attention, act(fc1)]; sequential: the output projection, then the second norm and the MLP."""
@@ -122,6 +146,8 @@ def mlp_and_residual(x, attention, y, block: Block, shape: Shape, lora):
     out = linear(attention, block.w_out, block.b_out)
     if lora is not None:
         out = out + lora_product(attention, *lora[1])
+    if block.attention_out_norm is not None:  # Gemma 3: a norm on each output before the residual
+        out = norm(out, block.attention_out_norm, None, shape.eps, True)
     x = x + out
     h = norm(x, block.norm2_w, block.norm2_b, shape.eps, shape.rms_norm)
     u = linear(h, block.w_up, block.b_up)
@@ -131,6 +157,8 @@ def mlp_and_residual(x, attention, y, block: Block, shape: Shape, lora):
     out = linear(g, block.w_down, block.b_down)
     if lora is not None:
         out = out + lora_product(g, *lora[3])
+    if block.mlp_out_norm is not None:
+        out = norm(out, block.mlp_out_norm, None, shape.eps, True)
     return x + out
 
 
@@ -158,7 +186,7 @@ def decode_block(
     v_pool[:, page, offset] = v.transpose(0, 1)
     gather = gather or (lambda pages: (k_pool.index_select(1, pages), v_pool.index_select(1, pages)))
     attention = grouped_decode_attention(q, gather, table, bias, shape, groups)
-    return mlp_and_residual(x, attention, y, block, shape, lora)
+    return mlp_and_residual(x, output_gate(attention, y, shape), y, block, shape, lora)
 
 
 def grouped_decode_attention(q, gather, table, bias, shape: Shape, groups=None) -> torch.Tensor:
@@ -206,9 +234,10 @@ class Placement:
     after cached columns give their first positions and lengths [n] instead (`paged`), and
     attend through the rows' page tables (`triton_prefill.paged_prefill_attention`)."""
 
-    def __init__(self, rows, positions, span: int, mask, starts=None, lens=None):
+    def __init__(self, rows, positions, span: int, mask, starts=None, lens=None, pieces=()):
         self.rows, self.positions, self.span, self.mask = rows, positions, span, mask
         self.starts, self.lens = starts, lens
+        self.pieces = pieces  # (row, length, first position) of each, for layers with a state (Qwen3.5)
 
     @property
     def paged(self) -> bool:
@@ -243,7 +272,15 @@ class Network:
         self.scratch = context  # the column idle rows and padding write: past every sequence's reach
         self.use_graphs = use_graphs  # (eager passes keep python state that a graph would not follow)
         self.lora = FusedLoraSlots(weights.lora_matrices, adapter_slots, self.device, self.dtype)
-        self.cos, self.sin = weights.rotary_tables(context + 1, self.dtype)
+        # {rope kind: (cos, sin)} and each layer's kind (None: no rotary); self.cos and self.sin
+        # are the one table of a family that has one (what the Triton kernels and longrope take).
+        self.tables = weights.rotary_tables(context + 1, self.dtype)
+        self.rope_kinds = weights.arch.rope_kinds
+        self.cos, self.sin = self.tables.get("default", next(iter(self.tables.values()), (None, None)))
+        # Qwen3.5's linear-attention layers: each row's state (backends/torch/hybrid.py)
+        self.states = RowStates(weights.arch, rows, self.device, self.dtype) if weights.arch.hybrid else None
+        scale = weights.arch.embed_scale
+        self.embed_scale = None if scale is None else torch.tensor(scale, dtype=self.dtype, device=self.device)
         # longrope: a prompt longer than its original length is prefilled with the long factors.
         self.long_prompts_from = weights.long_prompts_from
         self.cos_long = self.sin_long = None
@@ -260,7 +297,9 @@ class Network:
         # On the CPU, an eager decode step without adapters runs as one compiled call
         # (backends/torch/cpu/kernels.cpp; docs/decisions.md, D-cpu-step).
         quantized = any(isinstance(w, (BlockWeight, StackedBlocks)) for block in weights.layers for w in block)
-        self.cpu_step = cpu_step.decode_step(weights, kv) if quantized and not use_graphs and not compile else None
+        stepped = quantized and not use_graphs and not compile and not weights.arch.hybrid  # (hybrid: torch ops)
+        self.cpu_step = cpu_step.decode_step(weights, kv, self.tables) if stepped else None
+        self.cpu_tables = cpu_step.rotary_stack(self.tables) if self.device.type == "cpu" else None
         # Whether the prompt pieces of row i take the compiled step's AMX-BF16 tiles (`_cpu_pass`):
         # the decoder's rule (torch_decoder.PROMPT_TILES_FROM); none until it says.
         self.prompt_tiles: Callable[[int], bool] = lambda i: False
@@ -294,7 +333,6 @@ class Network:
 
         Padding writes past a piece's end, in columns its sequence has not reached: a decode
         step writes a column before any query reads it, and the mask hides the rest."""
-        w = self.weights
         if self.cpu_step is not None and not any(r >= 0 for r in lora_rows) and not any(long_rope or ()):
             x, bounds = self._cpu_pieces(parts, exact=draft)
             every = {r: self.logits(x[bounds[r][0] : bounds[r][1]]) for r in every_position}
@@ -335,8 +373,9 @@ class Network:
         if mask is not None and self.fused:  # the paged kernel's, where `_prefill_layers` takes it
             starts = torch.tensor([start for _, _, start in parts], device=self.device)
             lens = torch.tensor([len(ids) for _, ids, _ in parts], device=self.device)
-        placed = Placement(rows, positions, span, mask, starts, lens)
-        x = w.embed[tokens]  # [n, length, hidden]
+        pieces = [(row, len(ids), start) for row, ids, start in parts]
+        placed = Placement(rows, positions, span, mask, starts, lens, pieces)
+        x = self.embed(tokens)  # [n, length, hidden]
         adapted = (
             self.lora_layers(torch.tensor(lora_rows, device=self.device), prefill=True) if max(lora_rows) >= 0 else {}
         )
@@ -400,7 +439,7 @@ class Network:
             placed = Placement(owners, positions, length, None)
         else:
             placed = Placement(owners, positions, span, self.prefill_mask(positions, span))
-        x = self.weights.embed[tokens]
+        x = self.embed(tokens)
         with prefill_attention():
             x = self._prefill_layers(x, placed, {})
         return self.logits(x[torch.arange(rows, device=self.device), last])
@@ -434,14 +473,18 @@ class Network:
             token_rows, token_positions = placed.rows.repeat_interleave(length), placed.positions.reshape(-1)
             tables = (self.cos_long, self.sin_long) if long_rope else (self.cos, self.sin)
         else:
-            cos, sin = self.cos[placed.positions], self.sin[placed.positions]
-            if long_rope:
-                long = torch.tensor(long_rope, device=self.device)[:, None, None]
-                cos = torch.where(long, self.cos_long[placed.positions], cos)
-                sin = torch.where(long, self.sin_long[placed.positions], sin)
-            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+            turns = self.turns(placed.positions)
+            if long_rope:  # longrope: one table (Phi-3's), its long prompts' rows from the long one
+                long = torch.tensor(long_rope, device=self.device)[:, None, None, None]
+                cos, sin = turns[0]
+                cos = torch.where(long, self.cos_long[placed.positions][:, :, None, :], cos)
+                sin = torch.where(long, self.sin_long[placed.positions][:, :, None, :], sin)
+                turns = [(cos, sin)] * len(turns)
         masks = {}  # window -> the attention mask of its layers (None: plain causal)
         for layer, block in enumerate(w.layers):
+            if w.arch.mixers[layer] == "delta":
+                x = self._delta_pieces(x, layer, block, placed.pieces)
+                continue
             lora = adapted.get(layer)
             h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
             y = linear(h, block.w_in, block.b_in)
@@ -463,8 +506,8 @@ class Network:
                 q = y[..., : w.arch.q_size].view(n, length, w.heads, w.head_dim)
             else:
                 q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [n, length, heads, head_dim]
-                rope_(q, cos, sin, shape.rotary_dim)
-                rope_(k, cos, sin, shape.rotary_dim)
+                rope_(q, *turns[layer], shape.rotary_dim)
+                rope_(k, *turns[layer], shape.rotary_dim)
                 self.kv.write(layer, placed.rows[:, None], placed.positions, k, v)
             if paged:  # after cached columns: read through the page tables, its window in the kernel
                 attention = triton_prefill.paged_prefill_attention(
@@ -473,7 +516,7 @@ class Network:
                 )  # fmt: skip
             else:
                 attention = self._gathered_attention(layer, q, placed, masks)
-            x = mlp_and_residual(x, attention, y, block, shape, lora)
+            x = mlp_and_residual(x, output_gate(attention, y, shape), y, block, shape, lora)
         return x
 
     def _gathered_attention(self, layer: int, q: torch.Tensor, placed: Placement, masks: dict) -> torch.Tensor:
@@ -507,7 +550,60 @@ class Network:
         final norm (the fused step passes its Triton kernel, `triton_ops.norm`)."""
         w = self.weights
         x = normalize(x, *w.final_norm, w.shape.eps, w.shape.rms_norm)
-        return linear(x, *w.lm_head)
+        logits = linear(x, *w.lm_head)
+        cap = w.arch.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (Gemma's scaled by sqrt(hidden), rounded to the dtype as it does)."""
+        x = self.weights.embed[tokens]
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def turns(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | tuple[None, None]]:
+        """Each layer's (cos, sin) rows at `positions`, [..., 1, rotary_dim] (broadcast over the
+        heads), looked up once a kind; (None, None) for a layer without rotary embeddings."""
+        rows = {kind: (c[positions][..., None, :], s[positions][..., None, :]) for kind, (c, s) in self.tables.items()}
+        return [rows[kind] if kind is not None else (None, None) for kind in self.rope_kinds]
+
+    # -- linear-attention layers (Qwen3.5) and row moves -------------------------------------------
+
+    def move_rows(self, targets: list[int], sources: list[int]) -> None:
+        """Rows `sources` become rows `targets` (the decoder keeps its rows packed): their page
+        tables move, and a linear-attention layer's state, each row's own (backends/torch/hybrid.py)."""
+        self.kv.move(targets, sources)
+        if self.states is not None:
+            self.states.move(targets, sources)
+
+    def _delta_decode(self, x, layer: int, block: Block, rows, active) -> torch.Tensor:
+        """A linear-attention layer (Qwen3.5) for decode rows: its state instead of the KV pages."""
+        shape = self.shape
+        h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+        mixed = decode_mix(h, block, self.states, layer, rows, active, self.weights.arch.delta, shape.eps)
+        return mlp_and_residual(x, mixed, None, block, shape._replace(attention_gate=False), None)
+
+    def _delta_pieces(self, x, layer: int, block: Block, pieces) -> torch.Tensor:
+        """A linear-attention layer (Qwen3.5) for prompt pieces: x [n, length, hidden] padded,
+        `pieces` each (row, length, first position); each piece from its row's state, in turn."""
+        shape = self.shape
+        h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
+        mixed = h.new_zeros(*h.shape[:-1], self.weights.arch.delta.value_size)
+        for r, (row, length, start) in enumerate(pieces):
+            mixed[r, :length] = piece_mix(
+                h[r, :length], block, self.states, layer, row, start, self.weights.arch.delta, shape.eps
+            )
+        return mlp_and_residual(x, mixed, None, block, shape._replace(attention_gate=False), None)
+
+    def _delta_mixed(self, x, layer: int, block: Block, batch: int, pieces, bounds) -> torch.Tensor:
+        """A linear-attention layer for a mixed step's tokens (`mixed_step`): its decode rows
+        as a step's, then each piece from its row's state."""
+        rows = torch.arange(batch, device=self.device)
+        rows_x = self._delta_decode(x[:batch], layer, block, rows, self.inputs[2, :batch]) if batch else x[:0]
+        spans = [(row, hi - lo, start) for (row, _, start), (lo, hi) in zip(pieces, bounds, strict=True)]
+        parts = [
+            self._delta_pieces(x[None, lo:hi], layer, block, [span])[0]
+            for span, (lo, hi) in zip(spans, bounds, strict=True)
+        ]
+        return torch.cat([rows_x, *parts])
 
     # -- the decode step ----------------------------------------------------------------------------
 
@@ -530,8 +626,8 @@ class Network:
             logits = self.logits(self._cpu_pass(tokens, positions, rows, self.inputs[2, :batch], prompt_from=batch))
             return logits, logits[:, : w.decodable].argmax(dim=-1)
         rows = torch.arange(batch, device=self.device)
-        x = w.embed[tokens]  # [b, hidden]
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        x = self.embed(tokens)  # [b, hidden]
+        turns = self.turns(positions)
         biases = self._decode_biases(positions, span)
         adapted = self.lora_layers(self.inputs[3, :batch]) if lora else {}
         # Eager and not compiled: groups and the kept gather buffers (python state a graph or
@@ -539,11 +635,13 @@ class Network:
         plain = not self.use_graphs and self.layer is decode_block
         groups = groups if plain else None
         for layer, block in enumerate(w.layers):
+            if w.arch.mixers[layer] == "delta":
+                x = self._delta_decode(x, layer, block, rows, self.inputs[2, :batch])
+                continue
             bias = biases[w.arch.windows[layer]]
             x = self.layer(
                 x,
-                cos,
-                sin,
+                *turns[layer],
                 bias,
                 positions,
                 rows,
@@ -565,8 +663,8 @@ class Network:
         `prompt_from` on are a prompt's: where the CPU has AMX-BF16, their products take its
         tiles (bfloat16's rounding, as the float default's); those before it, decode rows and
         drafts, the exact int8 products, so batching, drafts and company never change a decode row."""
-        cos, sin = (self.cos, self.sin) if cos is None else (cos, sin)
-        x = self.weights.embed[tokens]
+        cos, sin = self.cpu_tables if cos is None else (cos, sin)
+        x = self.embed(tokens)
         return self.cpu_step.forward(x, positions, owners, advance, self.kv.table, self.kv.whole, cos, sin, prompt_from)
 
     def _cpu_pieces(
@@ -632,10 +730,10 @@ class Network:
         offsets = torch.arange(len(ids)) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
         piece_positions = (starts.repeat_interleave(lengths) + offsets).to(self.device)
         piece_rows = torch.tensor([row for row, _, _ in pieces]).repeat_interleave(lengths).to(self.device)
-        x = w.embed[torch.cat((tokens, torch.tensor(ids, device=self.device)))]  # [b + tokens, hidden]
+        x = self.embed(torch.cat((tokens, torch.tensor(ids, device=self.device))))  # [b + tokens, hidden]
         at = torch.cat((positions, piece_positions))
         owners = torch.cat((rows, piece_rows))  # each token's cache row
-        cos, sin = self.cos[at][:, None, :], self.sin[at][:, None, :]
+        turns = self.turns(at)
         biases = self._decode_biases(positions, span) if batch else {}
         # Each piece's attention as a padded prefill's (`_gathered_attention`): its row's
         # columns up to its end, through a causal mask (each piece's sliding-window variants
@@ -655,11 +753,14 @@ class Network:
             bounds.append((end, end + len(piece)))
             end += len(piece)
         for layer, block in enumerate(w.layers):
+            if w.arch.mixers[layer] == "delta":
+                x = self._delta_mixed(x, layer, block, batch, pieces, bounds)
+                continue
             h = norm(x, block.norm1_w, block.norm1_b, shape.eps, shape.rms_norm)
             y = linear(h, block.w_in, block.b_in)
             q, k, v = split_heads(y, shape, block.q_norm, block.k_norm)  # [b + tokens, heads, head_dim]
-            rope_(q, cos, sin, shape.rotary_dim)
-            rope_(k, cos, sin, shape.rotary_dim)
+            rope_(q, *turns[layer], shape.rotary_dim)
+            rope_(k, *turns[layer], shape.rotary_dim)
             self.kv.write(layer, owners, at, k, v)
             parts = [
                 self._gathered_attention(layer, q[None, lo:hi], where, masks)[0]
@@ -669,7 +770,7 @@ class Network:
                 gather = partial(self.kv.gathered, layer)
                 bias = biases[w.arch.windows[layer]]
                 parts.insert(0, grouped_decode_attention(q[:batch], gather, self.kv.table, bias, shape, groups))
-            x = mlp_and_residual(x, torch.cat(parts), y, block, shape, None)
+            x = mlp_and_residual(x, output_gate(torch.cat(parts), y, shape), y, block, shape, None)
         last = torch.tensor([hi - 1 for _, hi in bounds], device=self.device)
         piece_logits = self.logits(x[last])
         if not batch:
@@ -686,7 +787,7 @@ class Network:
         w = self.weights
         tokens, positions, active = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
         adapted = self.lora_layers(self.inputs[3, :batch]) if lora else {}
-        x = w.embed[tokens]
+        x = self.embed(tokens)
         arch, eps = w.arch, w.shape.eps
         for layer, block in enumerate(w.layers):
             lora = adapted.get(layer)

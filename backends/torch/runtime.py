@@ -37,6 +37,7 @@ from backends.decoding.text import StreamDetokenizer, TokenizerMethods, Tokenize
 from backends.files.adapters import AdapterRegistry, block_count, find_adapter
 from backends.files.models import converted_gguf, gguf_file, is_random
 from backends.torch import gguf_direct, stored_model
+from backends.torch.hybrid import RowStates
 from backends.torch.logprobs import token_logprobs
 from backends.torch.lora import LoraHooks, torch_linears
 from backends.torch.prompt_cache import PrefixCache
@@ -146,11 +147,13 @@ class TorchBackend(TokenizerMethods):
         self.text = TokenizerText(tokenizer)
         self.info = info
         self.device = torch.device(info.device)
-        self.eos_token_ids = end_of_text_ids(model, tokenizer)
+        self.eos_token_ids = end_of_text_ids(model, tokenizer) | self.text.turn_end_ids()
         # Phi-2's model vocabulary (51200) is larger than its tokenizer's: those ids decode to
         # nothing, so they are never sampled (the same rule as the MLX runtime).
         self.undecodable_from = self.text.vocab_size
-        self.grammars = Grammars(tokenizer, int(model.config.vocab_size), guard=CompileGuard)
+        self.grammars = Grammars(
+            tokenizer, int(model.config.vocab_size), ends=sorted(self.eos_token_ids), guard=CompileGuard
+        )
         self._fast_decoder = None  # kept: its CUDA graphs took seconds to capture
         self._fast_decoder_owner: threading.Thread | None = None
         self.max_batch = 1
@@ -369,14 +372,14 @@ class TorchBackend(TokenizerMethods):
                     max_batch,
                     compile=self.compile,
                     adapter_slots=self.max_adapters,
-                    kv_cache_bytes=self.kv_budget,
+                    kv_cache_bytes=RowStates.budget_left(self.decoder_weights, max_batch, self.kv_budget),
                     context=self.info.context_length,
                     # On CUDA its pool is allocated whole, with room for the prompt cache's blocks.
                     prompt_cache_bytes=budget,
                 )
                 self._fast_decoder = decoder
             decoder.clear(prompt_cache_bytes=budget)
-            decoder.draft_tokens = self.draft_tokens
+            decoder.draft_tokens = 0 if self.decoder_weights.arch.hybrid else self.draft_tokens
             self._fast_decoder_owner = threading.current_thread()
             return decoder
         if max_batch > 1:
@@ -654,6 +657,7 @@ class SingleSequenceDecoder:
         self.logprobs: dict[int, StepLogprobs] = {}
         reusable = all(type(layer) is DynamicLayer for layer in backend.new_cache().layers)
         self.prompts = PrefixCache(prompt_cache_bytes if reusable else 0)
+        self._reusable = reusable
         # Prompt-lookup drafts need a cache that can drop the positions of rejected ones: plain
         # layers (a sliding window's or a linear attention's state cannot be cut back).
         self._draft_tokens = backend.draft_tokens if reusable else 0
@@ -741,7 +745,9 @@ class SingleSequenceDecoder:
 
     def _remove(self, sequence_id: int) -> None:
         if self._sequence is not None and self._sequence.id == sequence_id:
-            if len(self._ids) > len(self._sequence.prompt_ids):  # its prefill completed
+            # its prefill completed, and its cache is plain keys and values (Qwen3.5's linear
+            # attention layers keep a state, which this cache does not store)
+            if self._reusable and len(self._ids) > len(self._sequence.prompt_ids):
                 self._store()
             self._sequence = None
             self._cache = None

@@ -156,8 +156,9 @@ def write_tiny_checkpoint(path: str | Path) -> Path:
 # picked to reach that family's own code: grouped key-value heads, a llama3-scaled rotary, tied
 # embeddings, q/k/v biases (Qwen2), a sliding window on some layers or all, q/k norms and a head
 # wider than hidden/heads (Qwen3), fused qkv and gate_up Linears, a partial rotary and longrope
-# factors whose long half starts inside the context (Phi-3). Windows and longrope's switch are
-# short, so short prompts cross them.
+# factors whose long half starts inside the context (Phi-3); Gemma 3's five local layers to one
+# global (two rotary bases), a score scale other than head_dim's; SmolLM3's NoPE
+# layer (one in four). Windows and longrope's switch are short, so short prompts cross them.
 FAMILY_COMMON = dict(
     vocab_size=MODEL_VOCAB,
     hidden_size=64,
@@ -204,12 +205,62 @@ TINY_FAMILIES = {
             },
         ),
     ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+        ),
+    ),
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=4)),
 }
+# Hybrid stacks, apart: test_families' checks assume attention on every layer (adapters, graphs).
+# Qwen3.5: three Gated DeltaNet layers to one attention layer, grouped key heads in the former
+# (2 key heads to 4 value heads), a gated attention with a quarter of its head turned.
+HYBRID_FAMILIES = {
+    "qwen3_5_text": (
+        "Qwen3_5TextConfig",
+        dict(
+            num_hidden_layers=8,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+# Families served one sequence at a time on Torch (transformers' forward; MLX batches them).
+# Gemma 4 (E2B/E4B's text): wider global heads with a quarter turned, the last layers reading the
+# keys and values of earlier ones (KV shared across layers), per-layer embeddings.
+SEQUENTIAL_FAMILIES = {
+    "gemma4_text": (
+        "Gemma4TextConfig",
+        dict(
+            num_hidden_layers=6,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            num_key_value_heads=1,
+            head_dim=32,
+            global_head_dim=64,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=MODEL_VOCAB,
+            num_kv_shared_layers=2,
+            sliding_window=16,
+        ),
+    ),
+}
+# Gemma starts its norms' weights at zeros (it multiplies by 1 + w): perturbed, so that the
+# checks see the offset. (The other families' norms start at ones, a weight the tests read too.)
+NOISY_NORMS = ("gemma3_text", "qwen3_5_text")
 
 
-def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path) -> Path:
-    """A tiny checkpoint of `family` (TINY_FAMILIES) with random weights and the tiny
-    checkpoint's tokenizer (from `tokenizer_from`), written to `path`."""
+def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path, **overrides) -> Path:
+    """A tiny checkpoint of `family` (TINY_FAMILIES, with `overrides` of its config) with random
+    weights and the tiny checkpoint's tokenizer (from `tokenizer_from`), written to `path`."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -218,13 +269,18 @@ def write_tiny_family(path: str | Path, family: str, tokenizer_from: str | Path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config_class, options = TINY_FAMILIES[family]
-    settings = {**FAMILY_COMMON, **options}
+    config_class, options = {**TINY_FAMILIES, **HYBRID_FAMILIES, **SEQUENTIAL_FAMILIES}[family]
+    settings = {**FAMILY_COMMON, **options, **overrides}
     config = getattr(transformers, config_class)(
         **settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32"
     )
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config).eval()
+    if family in NOISY_NORMS:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "norm" in name:
+                    parameter.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
@@ -351,11 +407,38 @@ def tool_reply(format: str, reply) -> str:
     return "; ".join(json.dumps({"name": name, "parameters": arguments}) for name, arguments in reply)
 
 
+def memorize_replies(config, pairs: list[tuple[list[int], list[int]]], pad_id: int):
+    """A model of `config` trained until it has memorized each (prompt, reply) pair's reply."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same sums in the same order on every run
+    try:
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(config)
+        width = max(len(p) + len(r) for p, r in pairs)
+        inputs = torch.full((len(pairs), width), pad_id)
+        labels = torch.full((len(pairs), width), -100)  # only the replies are learned
+        for row, (prompt, reply) in enumerate(pairs):
+            inputs[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+            labels[row, len(prompt) : len(prompt) + len(reply)] = torch.tensor(reply)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+        model.train()
+        for _ in range(TOOLS_TRAIN_STEPS):
+            loss = model(input_ids=inputs, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return model.eval()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def write_tiny_tools(path: str | Path, format: str) -> Path:
     """A tiny model of TOOL_FAMILIES[format] that has memorized TOOL_DIALOGUES, written to `path`."""
-    import torch
     import transformers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     config_class, template, end, special, plain = TOOL_FAMILIES[format]
     path = Path(path)
@@ -388,27 +471,7 @@ def write_tiny_tools(path: str | Path, format: str) -> Path:
         **settings, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=None, torch_dtype="float32"
     )
     config.initializer_range = 0.02
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same sums in the same order on every run
-    try:
-        torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(config)
-        width = max(len(p) + len(r) for p, r in pairs)
-        inputs = torch.full((len(pairs), width), eos_id)
-        labels = torch.full((len(pairs), width), -100)  # only the replies are learned
-        for row, (prompt, reply) in enumerate(pairs):
-            inputs[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
-            labels[row, len(prompt) : len(prompt) + len(reply)] = torch.tensor(reply)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
-        model.train()
-        for _ in range(TOOLS_TRAIN_STEPS):
-            loss = model(input_ids=inputs, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        model.eval()
-    finally:
-        torch.set_num_threads(threads)
+    model = memorize_replies(config, pairs, eos_id)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     # mlx-lm reads rope_theta at the top level, where transformers 5 writes null (see above).
@@ -468,6 +531,138 @@ def write_tiny_reranker(path: str | Path) -> Path:
     )
     torch.manual_seed(SEED)
     model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# Gemma 3's chat template as google/gemma-3-*-it publish it: no system role (a system turn's text
+# opens the first user turn), "model" for the assistant, <end_of_turn> closing each turn.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    '{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = "" -%}'
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    '{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}{%- endif -%}'
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}"
+    "{{ raise_exception(\"Invalid content type\") }}{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
+)
+# Gemma 4's chat, shortened in the style of its template: turns in <|turn> ... <turn|>, tools
+# declared in a system turn, a call <|tool_call>call:name{key:<|"|>text<|"|>}<tool_call|> and
+# reasoning in its thought channel <|channel>thought ... <channel|> (the tokens mlx-lm's Gemma 4
+# parser reads). A call in the history is written with JSON arguments here (shortened).
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}<|turn>system\nFunctions you may call:"
+    "{%- for t in tools %}\n{{ t.function | tojson }}{%- endfor %}<turn|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "<|turn>user\n<|tool_response>{{ m.content }}<tool_response|><turn|>\n"
+    "{%- elif m.tool_calls %}<|turn>model\n{%- for c in m.tool_calls %}<|tool_call>call:{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}<tool_call|>{%- endfor %}<turn|>\n"
+    "{%- else %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<turn|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+# Tiny chat models of a family's own template and special tokens, memorized on its dialogues:
+# family -> (chat template, bos, eos (the config's only end of text), special tokens, dialogues,
+# tools in every prompt).
+CHAT_FAMILIES = {
+    "gemma3_text": (
+        GEMMA3_TEMPLATE,
+        "<bos>",
+        "<eos>",
+        ["<start_of_turn>", "<end_of_turn>", "<start_of_image>"],
+        None,
+        False,
+    ),
+    "gemma4_text": (
+        GEMMA4_TEMPLATE,
+        "<bos>",
+        "<eos>",
+        [
+            "<|turn>",
+            "<turn|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            '<|"|>',
+            "<|channel>",
+            "<channel|>",
+            "<|tool_response>",
+            "<tool_response|>",
+        ],
+        "GEMMA4_DIALOGUES",
+        True,
+    ),
+}
+CHAT_DIALOGUES = [
+    (
+        [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "Say hello."}],
+        "Hello! How can I help you today?",
+    ),
+    ([{"role": "user", "content": "What is two plus two?"}], "Four."),
+]
+GEMMA4_DIALOGUES = [
+    (
+        [{"role": "user", "content": "What is the weather in Paris?"}],
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+    ),
+    (
+        [{"role": "user", "content": "Think, then greet me."}],
+        "<|channel>thought\nA greeting is asked for.<channel|>Hello there!",
+    ),
+    ([{"role": "user", "content": "Say hello."}], "Hello! How can I help you today?"),
+]
+
+
+def chat_dialogues(family: str) -> list:
+    """The (messages, reply) a tiny chat model of `family` memorized (CHAT_FAMILIES)."""
+    name = CHAT_FAMILIES[family][4]
+    return globals()[name] if name else CHAT_DIALOGUES
+
+
+def write_tiny_chat(path: str | Path, family: str) -> Path:
+    """A tiny model of `family` (TINY_FAMILIES' shape) with its chat template and special tokens
+    (CHAT_FAMILIES) that has memorized CHAT_DIALOGUES' replies, each closed as its template closes
+    a turn (Gemma: <end_of_turn>, which the config does not name as an end of text)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    template, bos, eos, special, _, with_tools = CHAT_FAMILIES[family]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(),
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=EOS_TOKEN,
+        additional_special_tokens=special,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = template
+    pairs = []
+    tools = [{"type": "function", "function": TOOL}] if with_tools else None
+    for messages, reply in chat_dialogues(family):
+        turns = [*messages, {"role": "assistant", "content": reply}]
+        rendered = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False)
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        assert rendered.startswith(prompt)
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        start = len(tokenizer.encode(prompt, add_special_tokens=False))
+        pairs.append((ids[:start], ids[start:]))  # the reply and how the template closes its turn
+    config_class, options = {**TINY_FAMILIES, **SEQUENTIAL_FAMILIES}[family]
+    eos_id, bos_id = tokenizer.convert_tokens_to_ids(eos), tokenizer.convert_tokens_to_ids(bos)
+    config = getattr(transformers, config_class)(
+        **{**FAMILY_COMMON, **options}, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id
+    )
+    config.initializer_range = 0.02
+    model = memorize_replies(config, pairs, eos_id)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

@@ -53,8 +53,17 @@ class Block(NamedTuple):
     b_up: torch.Tensor | None = None
     w_down: torch.Tensor | None = None
     b_down: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm weights over a head of q, and of k
+    q_norm: torch.Tensor | None = None  # Qwen3, Gemma 3: RMSNorm weights over a head of q, and of k
     k_norm: torch.Tensor | None = None
+    attention_out_norm: torch.Tensor | None = None  # Gemma 3: RMSNorm of the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # and of the MLP's, before each joins the residual
+    # Qwen3.5's Gated DeltaNet layers (backends/torch/hybrid.py): `w_in` is [qkv; z; b; a], `w_out`
+    # out_proj; the convolution's weights [conv_dim, kernel], the decay's A_log and dt_bias, and
+    # the gated RMSNorm's weight over a value head.
+    conv: torch.Tensor | None = None
+    a_log: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    mix_norm: torch.Tensor | None = None
 
     def matrices(self) -> list[str]:
         return [name for name in ("w_in", "w_out", "w_up", "w_down") if getattr(self, name) is not None]
@@ -74,7 +83,11 @@ class Shape(NamedTuple):
     parallel: bool
     gated: bool
     activation: object
+    attention_gate: bool = False  # Qwen3.5: attention's output times sigmoid(the gate after q, k, v)
 
+
+# The layout's names of the norms on a block's outputs (Gemma 3), in `Block`'s order.
+OUTPUT_NORMS = ("attention_out_norm", "mlp_out_norm")
 
 # The methods whose output head is quantized too. w8a8 is the CPU's fast choice: a float32 head
 # beside int8 blocks is much of a step's read; weight-only int8 keeps its head faithful
@@ -111,7 +124,7 @@ class DecoderWeights:
 
             self.embed = RowLookup(blocks_embed)
         final = inner.final_layernorm if arch.family == "phi" else inner.norm
-        self.final_norm = (final.weight, getattr(final, "bias", None))
+        self.final_norm = (norm_weight(self.arch, final.weight), getattr(final, "bias", None))
         self.lm_head = (head or model.lm_head.weight, getattr(model.lm_head, "bias", None))
         self.activation = activation(arch.activation)
         self.shape = Shape(
@@ -126,6 +139,7 @@ class DecoderWeights:
             arch.parallel,
             arch.gated,
             self.activation,
+            arch.attention_gate,
         )
         # Each block's fused matrices' own Linears, in order (rows; Phi's w_out: columns), which a
         # GGUF file's stored blocks are found by (`quantize`'s `stored`).
@@ -134,15 +148,15 @@ class DecoderWeights:
             self.layers = [Block(**fields) for fields in blocks]
         else:
             with torch.no_grad():
-                self.layers = [self._block(layer) for layer in inner.layers]
+                self.layers = [self._block(layer, arch.mixers[i] == "delta") for i, layer in enumerate(inner.layers)]
         self.lora_matrices = lora_matrices(arch)
 
-    def _block(self, layer) -> Block:
+    def _block(self, layer, delta: bool = False) -> Block:
         arch, find = self.arch, layer.get_submodule
         names = arch.layout
         if "qkv" in names:
             attention_in = [find(names["qkv"])]
-        else:
+        elif not delta:
             attention_in = [find(names["q"]), find(names["k"]), find(names["v"])]
         norm1 = layer.input_layernorm
         if arch.parallel:  # [q; k; v; fc1] over LN(x), [o | fc2] into the residual
@@ -154,24 +168,44 @@ class DecoderWeights:
             o.weight, fc2.weight = _param(w_out[:, : o.in_features]), _param(w_out[:, o.in_features :])
             b_out = _sum_bias(o.bias, fc2.bias)
             return Block(norm1.weight, getattr(norm1, "bias", None), w_in, b_in, w_out, b_out)
-        w_in, b_in = fuse_rows(attention_in)
-        o = find(names["o"])
+        if delta:  # Qwen3.5's linear attention: its four input Linears fused, out_proj
+            attention_in = [find(name) for name in names["delta_in"]]
+            w_in, b_in = fuse_rows(attention_in)
+            o = find(names["delta_out"])
+        elif arch.attention_gate:
+            # q_proj's rows are each head's query then its gate: [q; k; v; gate] (a copy, so that
+            # transformers' own q_proj keeps its order), the gate past what split_heads reads.
+            q, k, v = attention_in
+            if q.bias is not None:
+                raise ValueError("Qwen3.5 attention with biases")
+            pairs = q.weight.view(arch.heads, 2, arch.head_dim, -1)
+            query, gate = pairs[:, 0].reshape(arch.q_size, -1), pairs[:, 1].reshape(arch.q_size, -1)
+            w_in, b_in = torch.cat([query, k.weight, v.weight, gate]), None
+            o = find(names["o"])
+        else:
+            w_in, b_in = fuse_rows(attention_in)
+            o = find(names["o"])
         up = [find(names["gate_up"])] if "gate_up" in names else [find(names["gate"]), find(names["up"])]
         w_up, b_up = fuse_rows(up)
         down = find(names["down"])
         self.parts.append({"w_in": attention_in, "w_out": [o], "w_up": up, "w_down": [down]})
-        norm2 = layer.post_attention_layernorm
-        attention = layer.self_attn
-        q_norm = attention.q_norm.weight if arch.qk_norm else None
-        k_norm = attention.k_norm.weight if arch.qk_norm else None
+        norm2 = find(names.get("norm2", "post_attention_layernorm"))
+        attention = layer.linear_attn if delta else layer.self_attn
+        heads_normed = arch.qk_norm and not delta
+        q_norm = norm_weight(self.arch, attention.q_norm.weight, arch.score_scale) if heads_normed else None
+        k_norm = norm_weight(self.arch, attention.k_norm.weight) if heads_normed else None
+        mix = (
+            (attention.conv1d.weight[:, 0], attention.A_log, attention.dt_bias, attention.norm.weight) if delta else ()
+        )
+        after = [norm_weight(self.arch, find(names[n]).weight) if n in names else None for n in OUTPUT_NORMS]
         return Block(
-            norm1.weight,
+            norm_weight(self.arch, norm1.weight),
             getattr(norm1, "bias", None),
             w_in,
             b_in,
             o.weight,
             o.bias,
-            norm2.weight,
+            norm_weight(self.arch, norm2.weight),
             getattr(norm2, "bias", None),
             w_up,
             b_up,
@@ -179,6 +213,8 @@ class DecoderWeights:
             down.bias,
             q_norm,
             k_norm,
+            *after,
+            *mix,
         )
 
     @property
@@ -235,7 +271,13 @@ class DecoderWeights:
     def quantized_head(self) -> QuantizedWeight | None:
         return self.lm_head[0] if isinstance(self.lm_head[0], QuantizedWeight) else None
 
-    def rotary_tables(self, length: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_tables(self, length: int, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{rope kind: its table} for the kinds the layers use (`Architecture.rope_kinds`; Gemma 3
+        asks its rotary module for each layer type's, the others have one, "default")."""
+        kinds = sorted({kind for kind in self.arch.rope_kinds if kind is not None})
+        return {kind: self.rotary_table(length, dtype, kind) for kind in kinds}
+
+    def rotary_table(self, length: int, dtype, kind: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for positions 0..length-1 (see `rope_`), from the model's own
         rotary module (so every scaling transformers knows is applied as it applies it), in
         float32 then cast, as transformers does.
@@ -257,7 +299,8 @@ class DecoderWeights:
         cos_parts, sin_parts = [], []
         with torch.no_grad():
             for start, end in zip(cuts, cuts[1:], strict=False):
-                cos, sin = rotary(x, torch.arange(start, end, device=device)[None])
+                positions = torch.arange(start, end, device=device)[None]
+                cos, sin = rotary(x, positions) if kind == "default" else rotary(x, positions, kind)
                 cos_parts.append(cos[0].float())
                 sin_parts.append(sin[0].float())
         return self._table(torch.cat(cos_parts), torch.cat(sin_parts), length, dtype)
@@ -292,6 +335,19 @@ class DecoderWeights:
         return cos.to(dtype), (sin * sign).to(dtype)
 
 
+def norm_weight(arch: Architecture, weight: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """An RMSNorm's weight as the passes multiply by it: Gemma's 1 + w (a copy, computed in float32
+    as Gemma does; the model's own stays w), and q's norm times the scores' scale where it is not
+    head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar: rotary is linear, so scaling q before it
+    scales the scores)."""
+    if not arch.norm_offset and scale is None:
+        return weight
+    w = weight.float() + arch.norm_offset
+    if scale is not None:
+        w = w * (scale * arch.head_dim**0.5)
+    return w.to(weight.dtype)
+
+
 def fuse_rows(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The Linears' weights stacked ([out_1 + out_2 + ..., in]: one GEMM over the same input), and
     their biases (zeros for a module without one, if another has one); each module's weight and
@@ -324,7 +380,9 @@ def _sum_bias(a, b):
 def lora_matrices(arch: Architecture) -> list[FusedMatrix]:
     """Where each adaptable module (by the name mlx-lm gives it) sits in a block's fused matrices,
     in `Block.matrices()` order: the rows of the matrix's input it reads, and the columns of its
-    output it writes."""
+    output it writes. (None for Qwen3.5's hybrid stack, whose blocks differ: not adapted yet.)"""
+    if arch.hybrid:
+        return []
     names, h, q, kv, inner = arch.layout, arch.hidden, arch.q_size, arch.kv_size, arch.inner
     qkv = q + 2 * kv
     if "qkv" in names:

@@ -40,8 +40,10 @@ struct Linear {
 
 struct Block {
   torch::Tensor norm1_w, norm1_b, norm2_w, norm2_b, q_norm, k_norm;
+  torch::Tensor attention_out_norm, mlp_out_norm;  // Gemma 3: RMSNorms of each output before the residual
   Linear in, out, up, down;
   int64_t window = 0;  // 0: none
+  int64_t rope = 0;    // which of forward's rotary tables turns q and k (Gemma 3: per layer kind); -1: none (NoPE)
 };
 
 template <typename F>
@@ -269,7 +271,8 @@ class Step {
                  c10::optional<torch::Tensor> norm2_b, c10::optional<torch::Tensor> w_up, int64_t kind_up,
                  c10::optional<torch::Tensor> b_up, c10::optional<torch::Tensor> w_down, int64_t kind_down,
                  c10::optional<torch::Tensor> b_down, c10::optional<torch::Tensor> q_norm,
-                 c10::optional<torch::Tensor> k_norm, int64_t window) {
+                 c10::optional<torch::Tensor> k_norm, int64_t window, int64_t rope,
+                 c10::optional<torch::Tensor> attention_out_norm, c10::optional<torch::Tensor> mlp_out_norm) {
     Block b;
     b.norm1_w = norm1_w;
     b.norm1_b = maybe(norm1_b);
@@ -282,6 +285,9 @@ class Step {
     b.q_norm = maybe(q_norm);
     b.k_norm = maybe(k_norm);
     b.window = window;
+    b.rope = rope;
+    b.attention_out_norm = maybe(attention_out_norm);
+    b.mlp_out_norm = maybe(mlp_out_norm);
     blocks_.push_back(b);
   }
 
@@ -301,8 +307,8 @@ class Step {
   // and value are written before any attends, so the tokens of a prompt piece (one owner,
   // consecutive positions) attend causally, as decode rows do; each token's output depends on
   // its own row and its owner's columns only, never on the others in the call.
-  // kv [2, layers, kv_heads, pages, PAGE, head_dim]; cos, sin [positions, rotary_dim] (sin
-  // sign-folded, as backends/torch_model.rope_).
+  // kv [2, layers, kv_heads, pages, PAGE, head_dim]; cos, sin [tables, positions, rotary_dim] (sin
+  // sign-folded, as backends/torch_model.rope_; a block's `rope` picks its table).
   // Rows from `prompt_from` on are a prompt's tokens: their products may take AMX-BF16's tiles
   // (cpu_kernels.cpp's `mm`); the rows before it (decode rows, a draft's) the exact ones.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor owners, torch::Tensor advance,
@@ -310,6 +316,7 @@ class Step {
                         int64_t prompt_from) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && kv.dtype() == torch::kFloat32 && kv.is_contiguous());
     TORCH_CHECK(table.dtype() == torch::kInt64 && table.is_contiguous() && cos.is_contiguous() && sin.is_contiguous());
+    TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(2) == rotary_dim_);
     x = x.contiguous();
     const int64_t batch = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     const int64_t* pos = positions.contiguous().data_ptr<int64_t>();
@@ -332,7 +339,8 @@ class Step {
         activate(act);
         x.add_(b.out(mixed, prompt_from));
       } else {
-        x.add_(b.out(attention, prompt_from));
+        auto o = b.out(attention, prompt_from);
+        x.add_(b.attention_out_norm.defined() ? norm(o, b.attention_out_norm, {}) : o);
         auto u = b.up(norm(x, b.norm2_w, b.norm2_b), prompt_from);
         torch::Tensor g;
         if (gated_) {
@@ -343,7 +351,8 @@ class Step {
           g = u;
           activate(g);
         }
-        x.add_(b.down(g, prompt_from));
+        auto d = b.down(g, prompt_from);
+        x.add_(b.mlp_out_norm.defined() ? norm(d, b.mlp_out_norm, {}) : d);
       }
     }
     return x;
@@ -427,16 +436,17 @@ class Step {
       float* q = yp + r * width;
       float* k = q + q_size;
       float* v = k + kv_size;
-      const float* c = cos.data_ptr<float>() + pos[r] * rotary_dim_;
-      const float* s = sin.data_ptr<float>() + pos[r] * rotary_dim_;
+      const int64_t at = (std::max<int64_t>(b.rope, 0) * cos.size(1) + pos[r]) * rotary_dim_;
+      const float* c = cos.data_ptr<float>() + at;
+      const float* s = sin.data_ptr<float>() + at;
       for (int64_t head = 0; head < heads_; head++) {
         if (b.q_norm.defined()) head_norm(q + head * head_dim_, b.q_norm.data_ptr<float>());
-        rope(q + head * head_dim_, c, s);
+        if (b.rope >= 0) rope(q + head * head_dim_, c, s);
       }
       const int64_t page = table.data_ptr<int64_t>()[own[r] * table_width + pos[r] / PAGE], offset = pos[r] % PAGE;
       for (int64_t head = 0; head < kv_heads_; head++) {
         if (b.k_norm.defined()) head_norm(k + head * head_dim_, b.k_norm.data_ptr<float>());
-        rope(k + head * head_dim_, c, s);
+        if (b.rope >= 0) rope(k + head * head_dim_, c, s);
         std::memcpy(column(kv, 0, layer, head, page, offset), k + head * head_dim_, head_dim_ * sizeof(float));
         std::memcpy(column(kv, 1, layer, head, page, offset), v + head * head_dim_, head_dim_ * sizeof(float));
       }

@@ -15,10 +15,11 @@ from backends.torch.quant.blocks import BlockWeight, StackedBlocks
 log = logging.getLogger("phi2.cpu_kernels")
 
 
-def decode_step(weights, kv):
+def decode_step(weights, kv, tables: dict):
     """The compiled decode step (cpu_kernels.cpp's `Step`) over these weights and this paged
     pool, or None where it does not apply: not the CPU, not float32, a matrix neither float32
-    nor of a block type, or no kernels."""
+    nor of a block type, or no kernels. `tables`: the rotary tables by kind (the Network's),
+    each block told the index of its layer's in `rotary_stack(tables)` (-1: none)."""
     if weights.device.type != "cpu" or weights.embed.dtype != torch.float32 or kv.dtype != torch.float32:
         return None
     matrices = [getattr(block, name) for block in weights.layers for name in block.matrices()]
@@ -52,7 +53,9 @@ def decode_step(weights, kv):
             return m.parts[0].operand
         return m.operand if isinstance(m, BlockWeight) else (m.detach(), -1)
 
+    kinds = sorted(tables)
     for layer, block in enumerate(weights.layers):
+        kind = arch.rope_kinds[layer]
         up = matrix(block.w_up) if block.w_up is not None else (None, -1)
         down = matrix(block.w_down) if block.w_down is not None else (None, -1)
         step.add_block(
@@ -71,11 +74,24 @@ def decode_step(weights, kv):
             _plain(block.q_norm),
             _plain(block.k_norm),
             arch.windows[layer] or 0,
+            -1 if kind is None else kinds.index(kind),
+            _plain(block.attention_out_norm),
+            _plain(block.mlp_out_norm),
         )
         for which, name in enumerate(("w_in", "w_out", "w_up", "w_down")):
             if isinstance(m := getattr(block, name), StackedBlocks):
                 step.set_parts(layer, which, *map(list, zip(*(part.operand for part in m.parts), strict=True)))
     return step
+
+
+def rotary_stack(tables: dict):
+    """The rotary tables as the step takes them: cos and sin [kinds, positions, rotary_dim], the
+    kinds in sorted order (one kind: views, no copy)."""
+    kinds = sorted(tables)
+    if len(kinds) == 1:
+        cos, sin = tables[kinds[0]]
+        return cos[None], sin[None]
+    return torch.stack([tables[k][0] for k in kinds]), torch.stack([tables[k][1] for k in kinds])
 
 
 def _plain(tensor):

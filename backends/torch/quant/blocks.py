@@ -300,7 +300,8 @@ def gguf_names(model, processor) -> dict[str, str]:
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     config = model.config
-    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == config.model_type)
+    served = {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)  # as transformers' own map renames it
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == served)
     name_map = get_tensor_name_map(arch, config.num_hidden_layers)
     names = {}
     for hf_name in model.state_dict():
