@@ -56,7 +56,7 @@ class RowStates:
         """The KV budget (None: unbounded) less the rows' states, which it pays for first (the
         same budget for any other model)."""
         if kv_cache_bytes is None or not weights.arch.hybrid:
-            return None
+            return kv_cache_bytes
         return kv_cache_bytes - RowStates.bytes_for(weights.arch, rows, weights.embed.dtype)
 
     def reset(self, row: int) -> None:
