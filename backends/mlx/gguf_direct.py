@@ -45,13 +45,15 @@ def applies(file: Path | None, quantize: str) -> bool:
         return False
 
 
-def load(file: Path, path: Path):
+def load(file: Path, path: Path, model_config: dict | None = None):
     """(model, tokenizer, config, /model/info's quantization) for `file`, its config and tokenizer
-    in `path`. ValueError naming a parameter the file does not hold or a matrix of the wrong shape."""
+    in `path` (`model_config`: fields over config.json's, as mlx_lm.load takes them). ValueError
+    naming a parameter the file does not hold or a matrix of the wrong shape."""
     from gguf.quants import dequantize
     from mlx_lm.utils import load_model, load_tokenizer
 
-    model, config = load_model(path, lazy=True, strict=False)  # lazy: its random weights are never made
+    # lazy: its random weights are never made
+    model, config = load_model(path, lazy=True, strict=False, model_config=model_config)
     header = gguf_tensors.read(file)
     tensors = {info.name: info for info in header.tensors}
     names = name_map(header.architecture, config, tensors)

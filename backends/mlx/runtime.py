@@ -146,7 +146,8 @@ class MlxBackend(TokenizerMethods):
         kept = None
         try:
             if gguf_direct.applies(source, options.quantize):
-                model, tokenizer, config, kept = gguf_direct.load(source, path)
+                overrides = published_rope_fields(json.loads((path / "config.json").read_text()))
+                model, tokenizer, config, kept = gguf_direct.load(source, path, overrides)
             elif is_random(options.model):
                 model, tokenizer = random_model(path, options.dtype)
                 config = json.loads((path / "config.json").read_text())
