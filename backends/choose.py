@@ -53,20 +53,25 @@ def resolve_folder(spec: str, setting: str) -> Path:
 
 def load_backend(name: str, options: LoadOptions) -> Backend:
     """Load the model with the named runtime ('mlx' or 'torch'). Blocking: minutes for Phi-2."""
-    path = resolve_model(options.model, weights=name != "torch")  # Torch asks for a GGUF's floats itself
     if name == "mlx":
         try:
+            from backends.mlx import gguf_direct
             from backends.mlx.runtime import MlxBackend
         except ImportError as exc:
             raise ModelLoadError(
                 f"PHI2_BACKEND=mlx needs mlx-lm ({exc}); install requirements-mac.txt, "
                 "or on Linux `pip install 'mlx[cpu]' mlx-lm`"
             ) from exc
-        return MlxBackend.load(path, options)
+        from backends.files.models import gguf_file
+
+        # a GGUF file's float weights only where MLX does not build the model from the file
+        floats = not gguf_direct.applies(gguf_file(options.model), options.quantize)
+        return MlxBackend.load(resolve_model(options.model, weights=floats), options)
     if name == "torch":
         from backends.torch.runtime import TorchBackend
 
-        return TorchBackend.load(path, options)
+        # Torch asks for a GGUF file's floats itself
+        return TorchBackend.load(resolve_model(options.model, weights=False), options)
     raise ValueError(f"unknown backend {name!r}")
 
 

@@ -1,4 +1,6 @@
-"""A GGUF file's Q4_0, Q4_1 and Q8_0 matrices on MLX, kept quantized (issue 54).
+"""A GGUF file's Q4_0, Q4_1 and Q8_0 matrices on MLX, kept quantized over its converted checkpoint
+(issue 54): Phi-2's own files. Files of the architectures gguf's name map serves are built from
+their blocks with no checkpoint (backends/mlx/gguf_direct.py), which reads `name_map` here.
 
 MLX reads GGUF files itself (`mx.load`): it hands those three types back as MLX's affine
 quantization, (weight, scales, biases) with groups of 32 inputs: Q4_0's w = d * (q - 8) is scale
@@ -48,7 +50,7 @@ def keep_file_blocks(model: nn.Module, file: Path, config: dict) -> dict | None:
     if unread := sorted(set(types.values()) - READABLE):
         log.warning("%s holds %s, which MLX does not read: served dequantized", file.name, ", ".join(unread))
         return None
-    names = _name_map(architecture, config, types)
+    names = name_map(architecture, config, types)
     if names is None:
         log.warning("%s: GGUF architecture %r has no name map in gguf: served dequantized", file.name, architecture)
         return None
@@ -84,7 +86,7 @@ def keep_file_blocks(model: nn.Module, file: Path, config: dict) -> dict | None:
     return {"method": "mlx-gguf", "types": sorted(kinds), "bits": bits, "group_size": GROUP_SIZE}
 
 
-def _name_map(architecture: str | None, config: dict, names):
+def name_map(architecture: str | None, config: dict, names):
     """A module's name (Hugging Face's; mlx-lm's are the same) -> (the file's tensor stem or None,
     the rows of it that are the module's or None): gguf's map, or for Phi-2's files
     backends/files/gguf_phi2.py's table. None where the architecture has neither."""
@@ -98,8 +100,8 @@ def _name_map(architecture: str | None, config: dict, names):
     arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(architecture)
     if arch is None:
         return None
-    name_map = gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
-    return lambda path: (name_map.get_name(path), None)
+    tensors = gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
+    return lambda path: (tensors.get_name(path), None)
 
 
 def _unpermute(parts: list[mx.array], stem: str, config: dict) -> list[mx.array]:

@@ -48,6 +48,7 @@ from backends.decoding.guard import CompileGuard
 from backends.decoding.text import TokenizerMethods, TokenizerText
 from backends.files.adapters import AdapterRegistry, find_adapter
 from backends.files.models import gguf_file, is_random
+from backends.mlx import gguf_direct
 from backends.mlx.drafts import LookupGeneration
 from backends.mlx.gguf import keep_file_blocks
 from backends.mlx.logprobs import token_logprobs
@@ -138,12 +139,16 @@ class MlxBackend(TokenizerMethods):
     def load(cls, path: Path, options: LoadOptions) -> MlxBackend:
         default_adapter = find_adapter(options.adapter_path, options.adapter_path_is_default)
         bits = quantize_bits(options.quantize)
-        # A GGUF file's Q4_0, Q4_1 and Q8_0 matrices are served as it stores them, unless
-        # PHI2_QUANTIZE asks otherwise (`none`: all of it dequantized, as converted).
+        # A GGUF file's blocks are served as it stores them, unless PHI2_QUANTIZE asks otherwise
+        # (`none`: all of it dequantized, as converted): built from the file (gguf_direct.py), or
+        # for Phi-2's files its Q4_0, Q4_1 and Q8_0 matrices over the converted checkpoint.
         source = gguf_file(options.model) if not options.quantize else None
         kept = None
         try:
-            if is_random(options.model):
+            if gguf_direct.applies(source, options.quantize):
+                overrides = published_rope_fields(json.loads((path / "config.json").read_text()))
+                model, tokenizer, config, kept = gguf_direct.load(source, path, overrides)
+            elif is_random(options.model):
                 model, tokenizer = random_model(path, options.dtype)
                 config = json.loads((path / "config.json").read_text())
             else:
