@@ -536,7 +536,9 @@ class BatchedDecoder:
         for sequence_id in gone:
             i = self.row_of[sequence_id]
             row = self.rows[i]
-            if row.next_token is not None:  # its prefill completed: stored with its text, for a chat's next turn
+            # Stored with its text (a chat's next turn), or, cancelled or timed out mid-prefill, as
+            # far as its pieces went: a client's retry resumes there (issue 68).
+            if row.cached:
                 self._store(i)
             if row.lora_index >= 0:
                 self.network.lora.release(row.lora_index)
