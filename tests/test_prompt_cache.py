@@ -418,3 +418,118 @@ def test_mlx_entries_hold_no_more_memory_than_they_count(mlx_backend, max_batch)
     held = mx.get_active_memory() - baseline
     counted = decoder.prompt_cache_usage().bytes
     assert counted > 0 and held <= counted * 1.25 + (1 << 20), (held, counted)
+
+
+# -- the prompt cache on disk (PROMPT_CACHE_DIR) ----------------------------------------------------
+
+
+@pytest.fixture
+def disk_options(tiny_path, tmp_path):
+    from backends.contract import LoadOptions
+
+    return LoadOptions(model=str(tiny_path), dtype="float32", prompt_cache_dir=str(tmp_path / "kv"), warmup=False)
+
+
+def disk_prompt(backend) -> list[int]:
+    from backends.torch.prompt_disk import MIN_TOKENS
+
+    prompt = backend.encode((STORY + " ") * 20)[: MIN_TOKENS + 40]
+    assert len(prompt) == MIN_TOKENS + 40
+    return prompt
+
+
+async def test_the_prompt_cache_on_disk_survives_a_restart(make_client, disk_options):
+    """A long prompt is written behind the memory cache; a new server (a new runtime, reading the
+    folder afresh) serves it from the file: `cached_tokens` says so, and the answer is the same."""
+    from backends.choose import load_backend
+
+    first = load_backend("torch", disk_options)
+    body = {"prompt": first.decode(disk_prompt(first)), "max_tokens": 8, "ignore_eos": True}
+    client = await make_client(lambda: first, max_batch=4)
+    answer = await generate(client, body)
+    assert answer["cached_tokens"] == 0
+    await wait_until(lambda: first.prompt_disk().written == 1)
+    folder = first.prompt_disk().folder
+    assert len(list(folder.iterdir())) == 1
+
+    second = load_backend("torch", disk_options)  # the next start
+    restarted = await make_client(lambda: second, max_batch=4)
+    again = await generate(restarted, body)
+    assert again["cached_tokens"] == again["prompt_tokens"] - 1
+    assert comparable(again) == comparable(answer)
+    assert second.prompt_disk().loaded == 1
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign"])
+def test_a_damaged_prompt_cache_file_is_removed_not_served(disk_options, damage, caplog):
+    from backends.choose import load_backend
+    from backends.decoding.drive import drive
+
+    first = load_backend("torch", disk_options)
+    prompt = disk_prompt(first)
+    expected = drive(first.decoder(4), [Sequence(1, prompt, Sampling(), 6)]).ids[1]
+    first.prompt_disk().flush()
+    (path,) = first.prompt_disk().folder.iterdir()
+    original = path.read_bytes()
+    data = bytearray(original)
+    if damage == "corrupt":  # a byte of the keys flipped: the checksum finds it
+        data[-100] ^= 0xFF
+        path.write_bytes(data)
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # a file that is not one of ours
+        path.write_bytes(b"not a prompt cache file at all")
+    second = load_backend("torch", disk_options)
+    driven = drive(second.decoder(4), [Sequence(2, prompt, Sampling(), 6)])
+    assert driven.cached[2] == 0 and driven.ids[2] == expected  # computed again, the same tokens
+    assert f"{path} removed" in caplog.text
+    second.prompt_disk().flush()
+    assert path.read_bytes() == original  # and written again, as the first start wrote it
+
+
+def test_a_full_disk_is_logged_and_serving_goes_on(disk_options, monkeypatch, caplog):
+    import errno
+
+    from backends.choose import load_backend
+    from backends.decoding.drive import drive
+    from backends.torch import prompt_disk
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prompt_disk.os, "replace", full)
+    backend = load_backend("torch", disk_options)
+    prompt = disk_prompt(backend)
+    decoder = backend.decoder(4)
+    first = drive(decoder, [Sequence(1, prompt, Sampling(), 6)]).ids[1]
+    backend.prompt_disk().flush()
+    assert "No space left" in caplog.text and list(backend.prompt_disk().folder.iterdir()) == []
+    again = drive(decoder, [Sequence(2, prompt, Sampling(), 6)])  # the memory cache still serves it
+    assert again.cached[2] == len(prompt) - 1 and again.ids[2] == first
+
+
+async def test_warm_prompts_are_in_the_prompt_cache_when_clients_come(make_client, backend, tmp_path, caplog):
+    """WARM_PROMPTS' files, sent as the server sends them once loaded: a captured chat request
+    and a raw prompt are then served from the cache; a missing file is logged, not fatal."""
+    from phi2_server import warm_prompts
+
+    client = await make_client(lambda: backend)
+    chat = {"model": "another-servers-name", "messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 40}
+    captured = tmp_path / "first.json"
+    captured.write_text(json.dumps({"method": "POST", "path": "/v1/chat/completions?beta=true", "body": chat}))
+    raw = tmp_path / "raw.txt"
+    raw.write_text(SYSTEM + STORY)
+
+    async def post(route: str, body: dict) -> tuple[int, dict]:
+        response = await client.post(route, json=body)
+        return response.status, await response.json()
+
+    await warm_prompts(f"{captured}, {tmp_path / 'missing.txt'},{raw}", post, "microsoft/phi-2")
+    assert "missing.txt not sent" in caplog.text
+    engine = engine_of(client)
+    await wait_until(lambda: engine.prompt_cache_usage().entries >= 2)
+    chat["model"] = "microsoft/phi-2"  # PHI2_MODEL's default: the name the app serves
+    answer = await (await client.post("/v1/chat/completions", json={**chat, "temperature": 0})).json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["usage"]["prompt_tokens"] - 1
+    prompt = len(backend.encode(SYSTEM + STORY))
+    assert (await generate(client, {"prompt": SYSTEM + STORY + " The end"}))["cached_tokens"] >= prompt - 1
