@@ -350,7 +350,9 @@ def test_a_sequence_cancelled_during_its_prefill_keeps_what_it_computed(request,
     decoder.remove(2)
 
 
-async def test_a_request_cancelled_mid_prefill_leaves_its_pieces_for_the_retry(make_client, backend, max_batch):
+async def test_a_request_cancelled_mid_prefill_leaves_its_pieces_for_the_retry(
+    make_client, backend, max_batch, log_dir
+):
     """Over HTTP: a long prompt held after its first prefill step (a piece of CPU_ALONE_CHUNK
     tokens) whose client leaves; sent again, it is served from there, and says so; its answer is
     the uncached one."""
@@ -372,6 +374,8 @@ async def test_a_request_cancelled_mid_prefill_leaves_its_pieces_for_the_retry(m
     gate.release()
     again = await generate(client, body)
     assert again["cached_tokens"] == CPU_ALONE_CHUNK
+    logged = json.loads((log_dir / "requests.log").read_text().splitlines()[-1])  # the request log says it too
+    assert (logged["prompt_tokens"], logged["cached_tokens"]) == (len(prompt), CPU_ALONE_CHUNK)
     reference = await make_client(lambda: backend, prompt_cache=False)
     assert comparable(again) == comparable(await generate(reference, body))
 
