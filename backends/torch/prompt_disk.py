@@ -16,6 +16,7 @@ full disk is logged and the entry dropped. Only the worker thread calls `match`,
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -275,6 +276,7 @@ class PromptDisk:
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="prompt_disk", daemon=True)
             self._writer.start()
+            atexit.register(self.flush)  # a server that stops writes what it queued first
 
     def flush(self) -> None:
         """Wait until the queued files are written (tests, shutdown)."""
