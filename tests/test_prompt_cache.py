@@ -537,3 +537,29 @@ async def test_warm_prompts_are_in_the_prompt_cache_when_clients_come(make_clien
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["usage"]["prompt_tokens"] - 1
     prompt = len(backend.encode(SYSTEM + STORY))
     assert (await generate(client, {"prompt": SYSTEM + STORY + " The end"}))["cached_tokens"] >= prompt - 1
+
+
+def test_a_prompt_and_its_reply_are_one_file_however_slow_the_writer(disk_options, monkeypatch):
+    """The prompt is queued when its prefill completes and again with its reply as it ends; the
+    second continues the first even while the first is still being written (its positions are
+    not written twice), and a short reply adds no file."""
+    import threading
+
+    from backends.choose import load_backend
+    from backends.decoding.drive import drive
+    from backends.torch.prompt_disk import PromptDisk
+
+    backend = load_backend("torch", disk_options)
+    gate, original = threading.Event(), PromptDisk._write
+
+    def held(self, entry, kv):
+        gate.wait(60)  # the writer is behind: the reply's store comes first
+        return original(self, entry, kv)
+
+    monkeypatch.setattr(PromptDisk, "_write", held)
+    prompt = disk_prompt(backend)
+    drive(backend.decoder(4), [Sequence(1, prompt, Sampling(), 6)])
+    gate.set()
+    disk = backend.prompt_disk()
+    disk.flush()
+    assert disk.written == 1 and len(list(disk.folder.iterdir())) == 1

@@ -52,6 +52,7 @@ class Entry:
     ids: tuple[int, ...]  # its own positions' ids, from `start`
     nbytes: int
     full: tuple[int, ...] = ()  # the ids from position 0 (its parents' and its own)
+    pending: bool = False  # queued for the writer: a parent for later files, not yet one to read
 
 
 class NoDisk:
@@ -176,7 +177,7 @@ class PromptDisk:
         best, chain = 0, []
         key = tuple(ids[:limit])
         for entry in self._entries().values():
-            if entry.namespace != namespace or not entry.full:
+            if entry.namespace != namespace or not entry.full or entry.pending:
                 continue
             n = common_prefix(entry.full, key)
             if n > best:
@@ -268,11 +269,18 @@ class PromptDisk:
                 parent, start = entry, len(entry.full)
         if len(ids) - start < MIN_TOKENS:
             return
-        try:
-            self._queue.put_nowait((namespace, parent, start, tuple(ids[start:]), columns(start, len(ids))))
-        except queue.Full:
+        if self._queue.full():
             log.warning("prompt cache: the disk writer is behind; a %d-token prompt is not written", len(ids))
             return
+        own = tuple(ids[start:])
+        parent_name = parent.name if parent else None
+        name = hashlib.sha256(json.dumps([namespace, parent_name, own]).encode()).hexdigest()[:32]
+        # In the index at once, so a later store (the same prompt with its reply, as the sequence
+        # ends) continues this file instead of writing its positions again.
+        entry = Entry(name, namespace, parent_name, start, own, 0, (parent.full if parent else ()) + own, pending=True)
+        with self._lock:
+            self.entries[name] = entry
+        self._queue.put_nowait((entry, columns(start, len(ids))))
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="prompt_disk", daemon=True)
             self._writer.start()
@@ -284,27 +292,39 @@ class PromptDisk:
 
     def _write_loop(self) -> None:
         while True:
-            namespace, parent, start, ids, kv = self._queue.get()
+            entry, kv = self._queue.get()
             try:
-                self._write(namespace, parent, start, ids, kv)
+                written = self._write(entry, kv)
             except Exception:  # a write never takes the server down
                 log.exception("prompt cache: writing a file failed")
+                written = False
             finally:
                 self._queue.task_done()
+            with self._lock:
+                if written:
+                    entry.pending = False
+                    self.written += 1
+                else:  # not on disk: what would continue it cannot be read either
+                    self.entries.pop(entry.name, None)
 
-    def _write(self, namespace: str, parent: Entry | None, start: int, ids: tuple[int, ...], kv: torch.Tensor) -> None:
+    def _write(self, entry: Entry, kv: torch.Tensor) -> bool:
+        """Write `entry`'s file (its positions' keys and values `kv`); whether it is on disk."""
         data = kv.contiguous().view(torch.uint8).numpy().tobytes()
-        name = hashlib.sha256(json.dumps([namespace, parent.name if parent else None, ids]).encode()).hexdigest()[:32]
         header = json.dumps({
-            "format": FORMAT, "key": self.key, "namespace": namespace, "parent": parent.name if parent else None,
-            "start": start, "ids": list(ids), "dtype": str(self.dtype), "crc32": zlib.crc32(data),
+            "format": FORMAT, "key": self.key, "namespace": entry.namespace, "parent": entry.parent,
+            "start": entry.start, "ids": list(entry.ids), "dtype": str(self.dtype), "crc32": zlib.crc32(data),
         }).encode()  # fmt: skip
-        path, temporary = self.folder / name, self.folder / (name + ".tmp")
+        path, temporary = self.folder / entry.name, self.folder / (entry.name + ".tmp")
         size = len(MAGIC) + 8 + len(header) + len(data)
         if size > self.budget:
             log.info("prompt cache: a %d-byte file would not fit PROMPT_CACHE_DISK_BYTES; not written", size)
-            return
-        self._make_room(size)
+            return False
+        with self._lock:
+            if entry.name not in self.entries:  # dropped meanwhile, with a parent
+                return False
+        if not self._make_room(size, entry):
+            log.info("prompt cache: no room in PROMPT_CACHE_DISK_BYTES for a %d-byte file; not written", size)
+            return False
         try:
             with open(temporary, "wb") as file:
                 file.write(MAGIC + struct.pack("<Q", len(header)) + header)
@@ -316,26 +336,30 @@ class PromptDisk:
                 temporary.unlink()
             except OSError:
                 pass
-            return
-        entry = Entry(name, namespace, parent.name if parent else None, start, ids, size)
-        entry.full = (parent.full if parent else ()) + ids
-        with self._lock:
-            self.entries[name] = entry
-        self.written += 1
+            return False
+        entry.nbytes = size
+        return True
 
-    def _make_room(self, size: int) -> None:
-        """Remove the least recently used files (and what continues them) until `size` fits."""
+    def _make_room(self, size: int, writing: Entry) -> bool:
+        """Remove the least recently used files (and what continues them) until `size` fits, never
+        `writing`'s parents (its file is read through theirs); whether it fits."""
+        keep, node = set(), writing
+        while node is not None and node.parent:
+            keep.add(node.parent)
+            node = self.entries.get(node.parent)
+
+        def touched(entry: Entry) -> float:
+            try:
+                return (self.folder / entry.name).stat().st_mtime
+            except OSError:
+                return 0.0
+
         while True:
             with self._lock:
-                entries = list(self.entries.values())
-            used = sum(entry.nbytes for entry in entries)
-            if used + size <= self.budget or not entries:
-                return
-
-            def touched(entry: Entry) -> float:
-                try:
-                    return (self.folder / entry.name).stat().st_mtime
-                except OSError:
-                    return 0.0
-
-            self._drop(min(entries, key=touched), "past PROMPT_CACHE_DISK_BYTES")
+                written = [entry for entry in self.entries.values() if not entry.pending]
+            if sum(entry.nbytes for entry in written) + size <= self.budget:
+                return True
+            candidates = [entry for entry in written if entry.name not in keep]
+            if not candidates:
+                return False
+            self._drop(min(candidates, key=touched), "past PROMPT_CACHE_DISK_BYTES")
