@@ -198,6 +198,18 @@ class Settings:
     prompt_cache_bytes: int = setting(
         0, "memory for reused prompt KV, in bytes (0: an eighth of RAM or GPU memory, at most 2 GiB, 8 GiB on a GPU)"
     )
+    prompt_cache_dir: str = setting(
+        "",
+        "Torch: a folder where the prompt cache's entries are also written (behind, prompts of 256+ new tokens), "
+        "for the next start to read when a request starts alike (empty: memory only)",
+    )
+    prompt_cache_disk_bytes: int = setting(0, "the most bytes PROMPT_CACHE_DIR's files take (0: 8 GiB)")
+    warm_prompts: str = setting(
+        "",
+        "files of prompts to compute once the model is loaded, comma-separated: a request captured as JSON "
+        '({"path": "/v1/messages", "body": {...}}), or text (a raw prompt); each is sent to this server with one '
+        "token to generate, so its prompt is in the prompt cache when clients come",
+    )
     kv_cache_bytes: int = setting(
         0,
         "memory for the KV of the sequences decoding, in bytes (0: on a CPU, 3/4 of what is available after the "
@@ -364,6 +376,8 @@ class Settings:
             max_context=self.max_model_len,
             kv_cache_bytes=self.kv_cache_bytes,
             prompt_cache_bytes=self.prompt_cache_budget(),
+            prompt_cache_dir=self.prompt_cache_dir if self.prompt_cache else "",
+            prompt_cache_disk_bytes=self.prompt_cache_disk_bytes,
             prompt_lookup_tokens=self.prompt_lookup_tokens,
         )
 
@@ -1357,7 +1371,10 @@ WILDCARDS = re.compile(r"[*?\[]")
 
 def served_names(request: web.Request) -> list[str]:
     """The names the model answers to on /v1 and lists: SERVED_MODEL_NAME's aliases, else PHI2_MODEL."""
-    settings = request.app[SETTINGS]
+    return names_served(request.app[SETTINGS])
+
+
+def names_served(settings: Settings) -> list[str]:
     names = [name.strip() for name in settings.served_model_name.split(",") if name.strip()]
     return [name for name in names if not WILDCARDS.search(name)] or [settings.model]
 
@@ -2457,6 +2474,9 @@ async def serve(app: web.Application) -> int:
                 registry.directory or "(no ADAPTERS_DIR)",
                 len(available),
             )
+            if settings.warm_prompts:
+                poster = local_poster(app, settings.host, settings.port)
+                await warm_prompts(settings.warm_prompts, poster, names_served(settings)[0])
 
     watcher = asyncio.create_task(watch_load())
     await stop.wait()
@@ -2475,6 +2495,63 @@ async def serve(app: web.Application) -> int:
         log.info("shutting down: %.0f s grace for in-flight requests", settings.shutdown_grace)
     await runner.cleanup()
     return code
+
+
+# -- warm prompts (WARM_PROMPTS) -----------------------------------------------------------------
+
+# The field that asks for one token, per route (a warm prompt's answer is not read).
+ONE_TOKEN = {"/v1/responses": "max_output_tokens", "/v1/chat/completions": "max_completion_tokens"}
+
+
+def warm_request(path: str, model: str) -> tuple[str, dict]:
+    """The request WARM_PROMPTS' file `path` holds: a captured request's route and body (asking
+    for one token, not streamed, of `model`: the name it was captured with may be another
+    server's), or its text as a raw prompt on /generate."""
+    text = Path(path).expanduser().read_text()
+    try:
+        captured = json.loads(text)
+    except ValueError:
+        captured = None
+    if isinstance(captured, dict) and isinstance(captured.get("path"), str) and isinstance(captured.get("body"), dict):
+        route = captured["path"].split("?")[0]
+        body = {**captured["body"], "stream": False}
+        if "model" in body:
+            body["model"] = model
+        body.pop("max_tokens", None)
+        body[ONE_TOKEN.get(route, "max_tokens")] = 1
+        return route, body
+    return "/generate", {"prompt": text, "max_tokens": 1}
+
+
+async def warm_prompts(files: str, post: Callable[[str, dict], Awaitable[tuple[int, dict]]], model: str) -> None:
+    """Send each of WARM_PROMPTS' files (`post(route, body)` -> status, answer), one at a time, for
+    the model named `model`; a file that fails is logged, never fatal."""
+    for path in (part.strip() for part in files.split(",") if part.strip()):
+        try:
+            route, body = warm_request(path, model)
+            status, answer = await post(route, body)
+        except (OSError, aiohttp.ClientError, ValueError) as exc:
+            log.warning("WARM_PROMPTS: %s not sent: %s", path, exc)
+            continue
+        if status == 200:
+            usage = answer.get("usage") or {key: answer.get(key) for key in ("prompt_tokens", "cached_tokens")}
+            log.info("WARM_PROMPTS: %s prefilled (%s %s)", path, route, json.dumps(usage)[:200])
+        else:
+            log.warning("WARM_PROMPTS: %s got %d: %s", path, status, json.dumps(answer)[:300])
+
+
+def local_poster(app: web.Application, host: str, port: int):
+    """post(route, body) to this server itself, with its first API key where it has any."""
+    address = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
+    headers = {"Authorization": f"Bearer {app[API_KEYS][0].decode()}"} if app[API_KEYS] else {}
+
+    async def post(route: str, body: dict) -> tuple[int, dict]:
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(f"http://{address}:{port}{route}", json=body, headers=headers) as response:
+                return response.status, await response.json(content_type=None)
+
+    return post
 
 
 def configure_logging() -> None:

@@ -366,6 +366,8 @@ class LoadOptions:
     # (backends.decoding.drafts); -1: the runtime's default (where it pays), 0: off.
     prompt_lookup_tokens: int = -1
     prompt_cache_bytes: int | None = None  # PROMPT_CACHE_BYTES as the decoder gets it (the KV budget leaves it room)
+    prompt_cache_dir: str = ""  # PROMPT_CACHE_DIR: the prompt cache's files (Torch; empty: memory only)
+    prompt_cache_disk_bytes: int = 0  # PROMPT_CACHE_DISK_BYTES: their budget
     warmup: bool = True
     # Torch on a CPU: time a PHI2_QUANTIZE method against the float default at start-up and refuse
     # it where decoding would be slower (backends/torch/quant/check.py); off for quality measurements.

@@ -206,3 +206,44 @@ class GatedDecoder(WrappedDecoder):
         if not must_step and not out:
             self._gate._released.wait(POLL)
         return out
+
+
+# -- a prefill held part-way -----------------------------------------------------------------------
+
+
+class StepGate:
+    """Lets a decoder take `steps` steps, then holds it (no step, no token) until `release()`:
+    a long prompt's prefill stops part-way, whatever the machine's speed. `holding` is set
+    once it holds; the engine still drops cancelled and expired requests meanwhile."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self._released = threading.Event()
+        self.holding = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+
+class StepGatedBackend(WrappedBackend):
+    def __init__(self, backend: Backend, gate: StepGate):
+        super().__init__(backend)
+        self.gate = gate
+
+    def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None) -> Decoder:
+        return StepGatedDecoder(self.inner.decoder(max_batch, prompt_cache_bytes), self.gate)
+
+
+class StepGatedDecoder(WrappedDecoder):
+    def __init__(self, decoder: Decoder, gate: StepGate):
+        super().__init__(decoder)
+        self._gate = gate
+        self._steps = 0
+
+    def step(self) -> dict[int, list[int]]:
+        if self._steps >= self._gate.steps and not self._gate._released.is_set():
+            self._gate.holding.set()
+            self._gate._released.wait(POLL)
+            return {}
+        self._steps += 1
+        return self.inner.step()

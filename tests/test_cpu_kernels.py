@@ -236,6 +236,8 @@ def test_a_fused_matrix_of_two_block_types_runs_in_the_compiled_step(family_path
     weights.layers[0] = block._replace(w_in=stacked)
     compiled = BatchedDecoder(weights, 1)
     assert compiled.network.cpu_step is not None
+    # The per-row path: a prompt's bfloat16 attention (AMX) would be this check's error.
+    compiled.network.prompt_tiles = lambda i: False
     operators = BatchedDecoder(weights, 1)
     operators.network.cpu_step = None
     got, expected = compiled.logits_after(PROMPT), operators.logits_after(PROMPT)
@@ -291,6 +293,51 @@ def test_a_prompts_attention_takes_the_tiles_row_by_row(tiny_path, tmp_path, hea
     # Measured 9.4% at 90 tokens; 9.6% on the exact int8 path without tiles (PHI2_CPU_AMX=0), 8.0%
     # with the products' tiles alone: Q8_0 on these random weights. Wrong columns would be ~100%.
     assert float((got - expected).norm() / expected.norm()) < 0.15
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 128])
+def test_a_prompts_attention_in_tiles_is_the_rows_own(tiny_path, tmp_path, head_dim, simd_target, monkeypatch):
+    """Without AMX, a long prompt's tokens attend in float32 tiles of 32 queries (step.h,
+    `attend_tile`: a block of columns read once for the tile, the softmax online; the native and
+    the AVX2 builds): a token's output is the same bits whatever the pieces' size, the company,
+    the window (24 columns, crossed), and close to the per-row path's (PROMPT_TILES_FROM out of
+    reach)."""
+    from backends.torch import decoder as torch_decoder
+
+    if kernels().prompt_tiles():
+        pytest.skip("AMX-BF16 tiles take these rows here")
+    path = wide_window_checkpoint(tmp_path / "wide", tiny_path, head_dim)
+    weights = load_backend(
+        "torch", LoadOptions(model=str(path), dtype="float32", quantize="q8_0", warmup=False)
+    ).decoder_weights
+    long = prompt_of(150)
+    sequence = Sequence(1, long, Sampling(), 6, logprobs=5)
+
+    def scores(driven):
+        return [(s.token.token, s.token.logprob, s.token.top) for s in driven.logprobs[1]]
+
+    alone = drive(BatchedDecoder(weights, 1, prefill_chunk=256), [sequence])
+    for chunk in (16, 37):
+        company = [sequence, Sequence(2, prompt_of(50), Sampling(), 30), Sequence(3, prompt_of(70), Sampling(), 5)]
+        together = drive(BatchedDecoder(weights, 4, prefill_chunk=chunk), company, arrive_at={1: 3})
+        assert together.ids[1] == alone.ids[1]
+        assert scores(together) == scores(alone)
+    tiled = BatchedDecoder(weights, 1).logits_after(long, every_position=True)
+    exact = BatchedDecoder(weights, 1)
+    exact.network.prompt_tiles = lambda i: False  # every position through the per-row path
+    per_row = exact.logits_after(long, every_position=True)
+    # float32 tiles: most positions within float32's rounding, but a difference that small can
+    # move one of the next product's int8 activations across a step: 0.4-0.7% of the logits'
+    # norm measured over 150 positions. Wrong columns: ~100%.
+    assert float((tiled - per_row).norm() / per_row.norm()) < 0.02
+    assert not torch.equal(tiled, per_row)  # the rows did take another path
+    # Against float32 weights, the tiles add nothing to Q8_0's own error (6.1-7.1% both ways).
+    floats = load_backend("torch", LoadOptions(model=str(path), dtype="float32", warmup=False)).decoder_weights
+    expected = BatchedDecoder(floats, 1).logits_after(long, every_position=True)
+    error = float((tiled - expected).norm() / expected.norm())
+    assert error < 1.1 * float((per_row - expected).norm() / expected.norm()) + 0.005
+    monkeypatch.setattr(torch_decoder, "PROMPT_TILES_FROM", 1 << 30)
+    assert drive(BatchedDecoder(weights, 1, prefill_chunk=256), [sequence]).ids[1] == alone.ids[1]
 
 
 def test_only_a_long_prompts_tokens_take_the_tiles(family_paths, monkeypatch):

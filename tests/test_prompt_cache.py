@@ -11,7 +11,7 @@ import json
 
 import pytest
 from conftest import engine_of, wait_until
-from fakes import Gate, GatedBackend
+from fakes import Gate, GatedBackend, StepGate, StepGatedBackend
 
 from backends.contract import Sampling, Sequence
 from backends.torch.prompt_cache import PrefixCache, common_prefix
@@ -318,7 +318,7 @@ async def test_adapters_never_share_entries_with_the_base_model(make_client, bac
     assert comparable(result) == comparable(await generate(reference, body))
 
 
-# -- a prefill that does not complete leaves nothing -------------------------------------------
+# -- a prefill that does not complete keeps what it computed (Torch) -------------------------------
 
 
 def chunked_decoder(backend, name: str):
@@ -333,17 +333,51 @@ def chunked_decoder(backend, name: str):
 
 
 @pytest.mark.parametrize("name", ["torch", "mlx"])
-def test_a_sequence_cancelled_during_its_prefill_leaves_no_entry(request, name):
+def test_a_sequence_cancelled_during_its_prefill_keeps_what_it_computed(request, name):
+    """Torch keeps the positions a cancelled prefill computed, so a retry resumes there (issue
+    68: a client that gave up on an 18.8k-token prompt recomputed all of it at every retry);
+    MLX's BatchGenerator gives no cache back mid-prompt, and stores nothing."""
     backend = request.getfixturevalue(f"{name}_backend")
     decoder = chunked_decoder(backend, name)
     prompt = backend.encode(SYSTEM + STORY)
     assert len(prompt) > 12
     decoder.add(Sequence(1, prompt, Sampling(), 8))
-    assert decoder.step() == {}  # a few of its tokens are in; it is cancelled now
+    assert decoder.step() == {} and decoder.step() == {}  # 8 of its tokens are in; it is cancelled now
     decoder.remove(1)
-    assert decoder.prompt_cache_usage().entries == 0
-    assert decoder.add(Sequence(2, prompt, Sampling(), 8)) == 0
+    kept = 8 if name == "torch" else 0
+    assert decoder.prompt_cache_usage().entries == (1 if kept else 0)
+    assert decoder.add(Sequence(2, prompt, Sampling(), 8)) == kept
     decoder.remove(2)
+
+
+async def test_a_request_cancelled_mid_prefill_leaves_its_pieces_for_the_retry(
+    make_client, backend, max_batch, log_dir
+):
+    """Over HTTP: a long prompt held after its first prefill step (a piece of CPU_ALONE_CHUNK
+    tokens) whose client leaves; sent again, it is served from there, and says so; its answer is
+    the uncached one."""
+    if backend.info.backend != "torch" or max_batch == 1:
+        pytest.skip("the batched Torch decoder prefills in pieces (MLX stores nothing mid-prompt)")
+    from backends.torch.decoder import CPU_ALONE_CHUNK
+
+    gate = StepGate(steps=1)
+    client = await make_client(lambda: StepGatedBackend(backend, gate))
+    engine = engine_of(client)
+    body = {"prompt": (STORY + " ") * 20, "max_tokens": 8, "ignore_eos": True}
+    prompt = backend.encode(body["prompt"])
+    assert CPU_ALONE_CHUNK < len(prompt) < 500
+    first = asyncio.create_task(client.post("/generate/stream", json=body))
+    await wait_until(gate.holding.is_set)
+    first.cancel()  # the client leaves mid-prefill
+    await asyncio.gather(first, return_exceptions=True)
+    await wait_until(lambda: engine.stats.cancelled == 1 and engine.prompt_cache_usage().entries == 1)
+    gate.release()
+    again = await generate(client, body)
+    assert again["cached_tokens"] == CPU_ALONE_CHUNK
+    logged = json.loads((log_dir / "requests.log").read_text().splitlines()[-1])  # the request log says it too
+    assert (logged["prompt_tokens"], logged["cached_tokens"]) == (len(prompt), CPU_ALONE_CHUNK)
+    reference = await make_client(lambda: backend, prompt_cache=False)
+    assert comparable(again) == comparable(await generate(reference, body))
 
 
 @pytest.mark.parametrize("name", ["torch", "mlx"])
@@ -388,3 +422,144 @@ def test_mlx_entries_hold_no_more_memory_than_they_count(mlx_backend, max_batch)
     held = mx.get_active_memory() - baseline
     counted = decoder.prompt_cache_usage().bytes
     assert counted > 0 and held <= counted * 1.25 + (1 << 20), (held, counted)
+
+
+# -- the prompt cache on disk (PROMPT_CACHE_DIR) ----------------------------------------------------
+
+
+@pytest.fixture
+def disk_options(tiny_path, tmp_path):
+    from backends.contract import LoadOptions
+
+    return LoadOptions(model=str(tiny_path), dtype="float32", prompt_cache_dir=str(tmp_path / "kv"), warmup=False)
+
+
+def disk_prompt(backend) -> list[int]:
+    from backends.torch.prompt_disk import MIN_TOKENS
+
+    prompt = backend.encode((STORY + " ") * 20)[: MIN_TOKENS + 40]
+    assert len(prompt) == MIN_TOKENS + 40
+    return prompt
+
+
+async def test_the_prompt_cache_on_disk_survives_a_restart(make_client, disk_options):
+    """A long prompt is written behind the memory cache; a new server (a new runtime, reading the
+    folder afresh) serves it from the file: `cached_tokens` says so, and the answer is the same."""
+    from backends.choose import load_backend
+
+    first = load_backend("torch", disk_options)
+    body = {"prompt": first.decode(disk_prompt(first)), "max_tokens": 8, "ignore_eos": True}
+    client = await make_client(lambda: first, max_batch=4)
+    answer = await generate(client, body)
+    assert answer["cached_tokens"] == 0
+    await wait_until(lambda: first.prompt_disk().written == 1)
+    folder = first.prompt_disk().folder
+    assert len(list(folder.iterdir())) == 1
+
+    second = load_backend("torch", disk_options)  # the next start
+    restarted = await make_client(lambda: second, max_batch=4)
+    again = await generate(restarted, body)
+    assert again["cached_tokens"] == again["prompt_tokens"] - 1
+    assert comparable(again) == comparable(answer)
+    assert second.prompt_disk().loaded == 1
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign"])
+def test_a_damaged_prompt_cache_file_is_removed_not_served(disk_options, damage, caplog):
+    from backends.choose import load_backend
+    from backends.decoding.drive import drive
+
+    first = load_backend("torch", disk_options)
+    prompt = disk_prompt(first)
+    expected = drive(first.decoder(4), [Sequence(1, prompt, Sampling(), 6)]).ids[1]
+    first.prompt_disk().flush()
+    (path,) = first.prompt_disk().folder.iterdir()
+    original = path.read_bytes()
+    data = bytearray(original)
+    if damage == "corrupt":  # a byte of the keys flipped: the checksum finds it
+        data[-100] ^= 0xFF
+        path.write_bytes(data)
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # a file that is not one of ours
+        path.write_bytes(b"not a prompt cache file at all")
+    second = load_backend("torch", disk_options)
+    driven = drive(second.decoder(4), [Sequence(2, prompt, Sampling(), 6)])
+    assert driven.cached[2] == 0 and driven.ids[2] == expected  # computed again, the same tokens
+    assert f"{path} removed" in caplog.text
+    second.prompt_disk().flush()
+    assert path.read_bytes() == original  # and written again, as the first start wrote it
+
+
+def test_a_full_disk_is_logged_and_serving_goes_on(disk_options, monkeypatch, caplog):
+    import errno
+
+    from backends.choose import load_backend
+    from backends.decoding.drive import drive
+    from backends.torch import prompt_disk
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prompt_disk.os, "replace", full)
+    backend = load_backend("torch", disk_options)
+    prompt = disk_prompt(backend)
+    decoder = backend.decoder(4)
+    first = drive(decoder, [Sequence(1, prompt, Sampling(), 6)]).ids[1]
+    backend.prompt_disk().flush()
+    assert "No space left" in caplog.text and list(backend.prompt_disk().folder.iterdir()) == []
+    again = drive(decoder, [Sequence(2, prompt, Sampling(), 6)])  # the memory cache still serves it
+    assert again.cached[2] == len(prompt) - 1 and again.ids[2] == first
+
+
+async def test_warm_prompts_are_in_the_prompt_cache_when_clients_come(make_client, backend, tmp_path, caplog):
+    """WARM_PROMPTS' files, sent as the server sends them once loaded: a captured chat request
+    and a raw prompt are then served from the cache; a missing file is logged, not fatal."""
+    from phi2_server import warm_prompts
+
+    client = await make_client(lambda: backend)
+    chat = {"model": "another-servers-name", "messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 40}
+    captured = tmp_path / "first.json"
+    captured.write_text(json.dumps({"method": "POST", "path": "/v1/chat/completions?beta=true", "body": chat}))
+    raw = tmp_path / "raw.txt"
+    raw.write_text(SYSTEM + STORY)
+
+    async def post(route: str, body: dict) -> tuple[int, dict]:
+        response = await client.post(route, json=body)
+        return response.status, await response.json()
+
+    await warm_prompts(f"{captured}, {tmp_path / 'missing.txt'},{raw}", post, "microsoft/phi-2")
+    assert "missing.txt not sent" in caplog.text
+    engine = engine_of(client)
+    await wait_until(lambda: engine.prompt_cache_usage().entries >= 2)
+    chat["model"] = "microsoft/phi-2"  # PHI2_MODEL's default: the name the app serves
+    answer = await (await client.post("/v1/chat/completions", json={**chat, "temperature": 0})).json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == answer["usage"]["prompt_tokens"] - 1
+    prompt = len(backend.encode(SYSTEM + STORY))
+    assert (await generate(client, {"prompt": SYSTEM + STORY + " The end"}))["cached_tokens"] >= prompt - 1
+
+
+def test_a_prompt_and_its_reply_are_one_file_however_slow_the_writer(disk_options, monkeypatch):
+    """The prompt is queued when its prefill completes and again with its reply as it ends; the
+    second continues the first even while the first is still being written (its positions are
+    not written twice), and a short reply adds no file."""
+    import threading
+
+    from backends.choose import load_backend
+    from backends.decoding.drive import drive
+    from backends.torch.prompt_disk import PromptDisk
+
+    backend = load_backend("torch", disk_options)
+    gate, original = threading.Event(), PromptDisk._write
+
+    def held(self, entry, kv):
+        gate.wait(60)  # the writer is behind: the reply's store comes first
+        return original(self, entry, kv)
+
+    monkeypatch.setattr(PromptDisk, "_write", held)
+    prompt = disk_prompt(backend)
+    drive(backend.decoder(4), [Sequence(1, prompt, Sampling(), 6)])
+    gate.set()
+    disk = backend.prompt_disk()
+    disk.flush()
+    assert disk.written == 1 and len(list(disk.folder.iterdir())) == 1

@@ -141,6 +141,25 @@ def test_the_next_start_builds_its_model_from_the_stored_file(blocks):
     assert started["ids"] == [expected.ids[i] for i in range(len(prompts))]
 
 
+def test_a_prefill_cancelled_part_way_resumes_from_the_cache(blocks):
+    """Issue 68 on a real model's blocks: a long prompt cancelled after two of its pieces leaves
+    them in the prompt cache; sent again, it resumes there, and its tokens are those of a prompt
+    computed whole (the rest is a piece after cached columns: its tokens attend alike)."""
+    from backends.torch.decoder import PROMPT_TILES_FROM, BatchedDecoder
+
+    prompt = blocks.encode(" ".join(PROMPTS) * 8)
+    assert len(prompt) > 128 + PROMPT_TILES_FROM
+    decoder = BatchedDecoder(blocks.decoder_weights, 2, prefill_chunk=64, prompt_cache_bytes=1 << 28)
+    decoder.add(Sequence(1, prompt, Sampling(), 8))
+    assert decoder.step() == {} and decoder.step() == {}  # two pieces of 64 are in; cancelled now
+    decoder.remove(1)
+    assert decoder.prompt_cache_usage().entries == 1
+    resumed = drive(decoder, [Sequence(2, prompt, Sampling(), 8)])
+    assert resumed.cached[2] == 128
+    whole = drive(BatchedDecoder(blocks.decoder_weights, 1), [Sequence(3, prompt, Sampling(), 8)])
+    assert resumed.ids[2] == whole.ids[3]
+
+
 def serve(backend, tmp_path_factory) -> LiveServer:
     settings = Settings(log_dir=str(tmp_path_factory.mktemp("logs")), max_batch=4, model="smollm2", shutdown_grace=1.0)
     return LiveServer(create_app(settings, load=lambda: backend))

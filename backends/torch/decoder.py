@@ -53,6 +53,7 @@ from backends.torch.logprobs import token_logprobs
 from backends.torch.network import Network, decode_attention, norm  # noqa: F401 (re-exported: benchmarks/, tests/)
 from backends.torch.prefill import InFlight, Prefill
 from backends.torch.prompt_cache import PagedPrefixCache
+from backends.torch.prompt_disk import NO_DISK
 from backends.torch.sampling import (
     TokenChooser,
     choose_rows,
@@ -263,7 +264,7 @@ class BatchedDecoder:
         self.adapter_slots = adapter_slots
         if weights.arch.hybrid:  # Qwen3.5's states rule these out (backends/torch/hybrid.py says why)
             prompt_cache_bytes, draft_tokens, cuda_graphs, prefill_graphs, fused = 0, 0, False, False, False
-        self.draft_tokens = draft_tokens
+        self.draft_tokens, self.disk = draft_tokens, NO_DISK  # disk: PROMPT_CACHE_DIR's files, the runtime's
         self.context = min(weights.context, context or weights.context)
         on_cuda = self.device.type == "cuda"
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
@@ -464,6 +465,7 @@ class BatchedDecoder:
             # A new prompt this short is prefilled whole from a CUDA graph: its tail after a
             # stored prefix would cost about as much, so none is reused.
             limit = 0
+        self.disk.restore(self, i, sequence, limit)  # PROMPT_CACHE_DIR's files, where memory holds less
         reused, nodes = self.prompts.match(sequence.prompt_ids, limit, namespace=self._namespace(sequence))
         # The stored prefix's pages go into the row's table as they are (no copy): those it
         # fills; the page where it ends part-way is copied, as the row writes the rest of it.
@@ -502,15 +504,13 @@ class BatchedDecoder:
         return index
 
     def _store(self, i: int) -> None:
-        """Keep the KV of row i (its prompt complete, or its text as it ends) for later prompts
-        that start alike: the cache keeps the row's pages, no copy. Only the positions stored
-        are read from them; the row, still decoding, writes past them."""
+        """Keep row i's KV (its prompt so far, or its text as it ends) for later prompts: its pages, no copy."""
         if self.prompts.limit_bytes <= 0:  # off (or no room for a page): nothing to build the ids for
             return
         row = self.rows[i]
         held = self.kv.held[i]
         ids = row.cached_ids()[: len(held) * PAGE]  # (a decoder stepped past max_new_tokens wrote the scratch page)
-        self.prompts.store_pages(ids, held, namespace=self._namespace(row.sequence))
+        self.prompts.store_row(ids, held, self._namespace(row.sequence), row.sequence.adapter is None and self.disk)
 
     @torch.inference_mode()
     def remove(self, *sequence_ids: int) -> None:
@@ -536,7 +536,7 @@ class BatchedDecoder:
         for sequence_id in gone:
             i = self.row_of[sequence_id]
             row = self.rows[i]
-            if row.next_token is not None:  # its prefill completed: stored with its text, for a chat's next turn
+            if row.cached:  # with its text (a chat's next turn), or as far as its prefill went (a retry resumes)
                 self._store(i)
             if row.lora_index >= 0:
                 self.network.lora.release(row.lora_index)

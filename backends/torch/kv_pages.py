@@ -304,6 +304,23 @@ class PagedKV:
         k_out, v_out = (buffer[:size].view(shape) for buffer in self._gather_buffers)
         return torch.index_select(k, 1, pages, out=k_out), torch.index_select(v, 1, pages, out=v_out)
 
+    def read_columns(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        """Columns start..end-1 held in `pages` (a row's, from column 0), every layer's keys and
+        values as [2, layers, kv_heads, n, head_dim] on the host (a copy: the prompt cache's files)."""
+        first = start // PAGE
+        block = self._whole.index_select(3, self._longs(pages[first : (end - 1) // PAGE + 1]))
+        return block.flatten(3, 4)[:, :, :, start - first * PAGE : end - first * PAGE].cpu()
+
+    def write_columns(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Columns 0..n-1 of `pages` (a row's) take `kv` ([2, layers, kv_heads, n, head_dim]; the
+        prompt cache's files): every layer in one write."""
+        n = kv.shape[3]
+        count = pages_for(n)
+        padded = kv.new_zeros(*kv.shape[:3], count * PAGE, kv.shape[4])
+        padded[:, :, :, :n] = kv
+        shape = (*kv.shape[:3], count, PAGE, kv.shape[4])
+        self._whole[:, :, :, self._longs(pages[:count])] = padded.view(shape).to(self.device, self.dtype)
+
     def columns_of(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Columns start..end-1 held in `pages` (a row's) in every layer, [layers, kv_heads, n,
         head_dim] each (a copy: for checks)."""

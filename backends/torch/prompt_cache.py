@@ -274,6 +274,13 @@ class PagedPrefixCache(PrefixCache):
         self.bytes += nbytes
         self._candidate(leaf)
 
+    def store_row(self, ids: list[int], pages: list[int], namespace: str, disk=None) -> None:
+        """`store_pages`, and `disk` (PROMPT_CACHE_DIR's backends/torch/prompt_disk.PromptDisk; None
+        or False: no file) writes them behind: what the files lack is copied out of the pool now."""
+        self.store_pages(ids, pages, namespace=namespace)
+        if disk:
+            disk.write_behind(namespace, ids, lambda start, end: self.kv.read_columns(pages, start, end))
+
     def pages_of(self, path: list[tuple[Node, int]], matched: int) -> list[int]:
         """The pages that hold positions 0..matched-1 of a match (`match`'s path), page by page:
         where a page holds the end of one node and the start of the next, the deeper node's

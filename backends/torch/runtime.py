@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 import json
 import logging
@@ -41,6 +42,7 @@ from backends.torch.hybrid import RowStates
 from backends.torch.logprobs import token_logprobs
 from backends.torch.lora import LoraHooks, torch_linears
 from backends.torch.prompt_cache import PrefixCache
+from backends.torch.prompt_disk import NO_DISK
 from backends.torch.quant.blocks import file_kind
 from backends.torch.quant.make import quantize_linears
 from backends.torch.quant.methods import STORED_METHODS, QuantizedWeight, describe, parse_method
@@ -164,6 +166,9 @@ class TorchBackend(TokenizerMethods):
         # The KV budget (KV_CACHE_BYTES or the default): the CPU pool's limit, or the CUDA pool's size.
         self.kv_budget: int | None = None
         self.draft_tokens = 0  # prompt-lookup draft tokens a step verifies while one sequence decodes
+        self.disk_options: tuple[str, int] | None = None  # PROMPT_CACHE_DIR and its budget
+        self.disk_key: dict = {}
+        self._prompt_disk = None
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     # -- loading: the checkpoint, its weights, quantization ----------------------------------
@@ -306,9 +311,33 @@ class TorchBackend(TokenizerMethods):
         # docs/decisions.md, D-cpu-step); on CUDA a graphed step is cheaper than an eager verify pass.
         default_drafts = 0 if on_cuda else DEFAULT_DRAFT_TOKENS
         backend.draft_tokens = applied_draft_tokens(options.prompt_lookup_tokens, default_drafts)
+        if options.prompt_cache_dir:
+            from backends.torch.quant.store import WEIGHT_SUFFIXES
+
+            backend.disk_options = (options.prompt_cache_dir, options.prompt_cache_disk_bytes or DISK_BYTES)
+            files = [source] if source else sorted(f for f in path.iterdir() if f.name.endswith(WEIGHT_SUFFIXES))
+            backend.disk_key = {
+                "model": options.model,
+                "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+                "method": method,
+                "template": hashlib.sha256(str(getattr(tokenizer, "chat_template", "")).encode()).hexdigest(),
+            }
         if options.warmup:
             backend.warm_up(backend.max_batch)
         return backend
+
+    def prompt_disk(self):
+        """PROMPT_CACHE_DIR's files for the batched decoder's KV (made at the first decoder), or NO_DISK."""
+        if self.disk_options is None:
+            return NO_DISK
+        if self._prompt_disk is None:
+            from backends.torch.prompt_disk import PromptDisk
+
+            weights = self.decoder_weights
+            layout = (len(weights.layers), weights.arch.kv_heads, weights.head_dim)
+            root, budget = self.disk_options
+            self._prompt_disk = PromptDisk(Path(root).expanduser(), self.disk_key, budget, layout, weights.embed.dtype)
+        return self._prompt_disk
 
     def quantize(
         self,
@@ -380,6 +409,7 @@ class TorchBackend(TokenizerMethods):
                 self._fast_decoder = decoder
             decoder.clear(prompt_cache_bytes=budget)
             decoder.draft_tokens = 0 if self.decoder_weights.arch.hybrid else self.draft_tokens
+            decoder.disk = self.prompt_disk() if budget > 0 else NO_DISK
             self._fast_decoder_owner = threading.current_thread()
             return decoder
         if max_batch > 1:
@@ -473,6 +503,11 @@ def budget_window(model, window: int, budget: int) -> int:
         budget / (1 << 30),
     )
     return fits
+
+
+# PROMPT_CACHE_DISK_BYTES's default: room for a few agents' system prompts of a 1.5B model
+# (Claude Code's 18,783 tokens of Qwen2.5-1.5B's KV in float32: 1.08 GB).
+DISK_BYTES = 8 << 30
 
 
 # MAX_BATCH's default on CUDA: a row for every CUDA_ROW_TOKENS positions the KV pool holds, of

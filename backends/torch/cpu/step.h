@@ -102,6 +102,17 @@ struct Lanes16 {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
   static V sum_lanes(V* a) { return sum_lanes16(a); }
+  // for `attend_run` (below): a lane mask, lanes kept where it is set, the rest zero or -inf
+  using M = __mmask16;
+  static constexpr int QV = 2, RB = 8;  // its tile: QV vectors of queries, RB columns (or dims) a pass
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V exp(V a) { return exp16(a); }
+  static M within(V low, V c, V high) {
+    return _mm512_cmp_ps_mask(low, c, _CMP_LE_OQ) & _mm512_cmp_ps_mask(c, high, _CMP_LE_OQ);
+  }
+  static V keep(M m, V a, V otherwise) { return _mm512_mask_blend_ps(m, otherwise, a); }
 
   // s[j] = exp(s[j] - max s) over n columns, in masked 16s; returns 1 / their sum
   static float softmax(float* s, int64_t n) {
@@ -159,6 +170,16 @@ struct Lanes8 {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static void store(float* p, V a) { _mm256_storeu_ps(p, a); }
   static V sum_lanes(V* a) { return sum_lanes8(a); }
+  using M = __m256;  // as Lanes16's, a mask of all-ones lanes
+  static constexpr int QV = 2, RB = 4;  // 16 registers: RB x QV sums, QV queries, a broadcast
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V exp(V a) { return exp8(a); }
+  static M within(V low, V c, V high) {
+    return _mm256_and_ps(_mm256_cmp_ps(low, c, _CMP_LE_OQ), _mm256_cmp_ps(c, high, _CMP_LE_OQ));
+  }
+  static V keep(M m, V a, V otherwise) { return _mm256_blendv_ps(otherwise, a, m); }
 
   // as Lanes16's, in whole 8s and then the last columns through exp8 too
   static float softmax(float* s, int64_t n) {
@@ -254,7 +275,97 @@ inline bool attend_dims(int64_t head_dim, const float* q0, int64_t group, int64_
   }
   return false;
 }
+
+// A tile of a prompt piece's query vectors (T = QV x W of them: its rows' heads of one key-value
+// group, a query a lane) over columns [lo, hi], flash attention's way: blocks of TB columns from
+// a multiple of TB, each block's keys and values read once for the whole tile (per-row attention
+// read every column again for each query: a long prompt's cost went with the columns' bytes,
+// not its products). Scores come out a column by T queries (RB columns a pass, a key's dims
+// broadcast against the queries' transposed, qt [HD][T]), the softmax runs online a query a
+// lane over its own columns [firsts, lasts] (others take p = 0 and leave its sums as they were:
+// a block's running max does not move, exp(0) is exactly 1), and p times the values sums into
+// ot [HD][T], RB dims a pass, the columns in order. So a query's output depends on its own row
+// and its owner's columns only, never on the tile's company or where a piece was cut. keys(c),
+// values(c): column c's first element (a page's columns follow it: RB divides PAGE).
+template <typename L, typename Keys, typename Values>
+inline void attend_tile(int64_t HD, const float* qt, const float* firsts, const float* lasts, int64_t lo, int64_t hi,
+                        float scale, float* work, const Keys& keys, const Values& values) {
+  using V = typename L::V;
+  constexpr int W = L::W, QV = L::QV, RB = L::RB, T = QV * W;
+  constexpr int64_t TB = 64;
+  float* S = work;         // [TB][T]: a block's scores, then its p
+  float* ot = S + TB * T;  // [HD][T]
+  std::fill(ot, ot + HD * T, 0.f);
+  V m[QV], l[QV], first[QV], last[QV];
+  for (int v = 0; v < QV; v++) {
+    m[v] = L::set1(-INFINITY), l[v] = L::zero();
+    first[v] = L::load(firsts + v * W), last[v] = L::load(lasts + v * W);
+  }
+  const V vscale = L::set1(scale);
+  const float* rows[TB];
+  for (int64_t bs = lo / TB * TB; bs <= hi; bs += TB) {
+    const int64_t be = std::min(bs + TB - 1, hi);
+    for (int64_t c0 = bs; c0 <= be; c0 += RB) {  // RB columns' scores at a time, from one page
+      const float* k = keys(c0);
+      V acc[RB][QV];
+      for (int r = 0; r < RB; r++)
+        for (int v = 0; v < QV; v++) acc[r][v] = L::zero();
+      for (int64_t d = 0; d < HD; d++) {
+        V q[QV];
+        for (int v = 0; v < QV; v++) q[v] = L::load(qt + d * T + v * W);
+        for (int r = 0; r < RB; r++) {
+          const V kb = L::set1(k[r * HD + d]);  // (columns past be: masked below)
+          for (int v = 0; v < QV; v++) acc[r][v] = L::fmadd(kb, q[v], acc[r][v]);
+        }
+      }
+      for (int r = 0; r < RB; r++)
+        for (int v = 0; v < QV; v++) L::store(S + (c0 - bs + r) * T + v * W, L::mul(acc[r][v], vscale));
+    }
+    V top[QV], alpha[QV], sum[QV];
+    for (int v = 0; v < QV; v++) top[v] = m[v], sum[v] = L::zero();
+    for (int64_t c = bs; c <= be; c++) {
+      const V cv = L::set1((float)c);
+      for (int v = 0; v < QV; v++) {
+        const V s = L::keep(L::within(first[v], cv, last[v]), L::load(S + (c - bs) * T + v * W), L::set1(-INFINITY));
+        top[v] = L::max(top[v], s);
+      }
+    }
+    for (int64_t c = bs; c <= be; c++) {
+      const V cv = L::set1((float)c);
+      for (int v = 0; v < QV; v++) {
+        float* at = S + (c - bs) * T + v * W;
+        const V p = L::keep(L::within(first[v], cv, last[v]), L::exp(L::sub(L::load(at), top[v])), L::zero());
+        L::store(at, p);
+        sum[v] = L::add(sum[v], p);
+      }
+      rows[c - bs] = values(c);
+    }
+    for (int v = 0; v < QV; v++) {
+      alpha[v] = L::exp(L::sub(m[v], top[v]));  // 1 where the max stays; o and l are 0 before any column
+      l[v] = L::add(L::mul(l[v], alpha[v]), sum[v]);
+      m[v] = top[v];
+    }
+    for (int64_t d0 = 0; d0 < HD; d0 += RB) {  // p v, RB dims at a time
+      V acc[RB][QV];
+      for (int r = 0; r < RB; r++)
+        for (int v = 0; v < QV; v++) acc[r][v] = L::mul(L::load(ot + (d0 + r) * T + v * W), alpha[v]);
+      for (int64_t c = bs; c <= be; c++) {
+        V p[QV];
+        for (int v = 0; v < QV; v++) p[v] = L::load(S + (c - bs) * T + v * W);
+        const float* value = rows[c - bs] + d0;
+        for (int r = 0; r < RB; r++) {
+          const V vb = L::set1(value[r]);
+          for (int v = 0; v < QV; v++) acc[r][v] = L::fmadd(vb, p[v], acc[r][v]);
+        }
+      }
+      for (int r = 0; r < RB; r++)
+        for (int v = 0; v < QV; v++) L::store(ot + (d0 + r) * T + v * W, acc[r][v]);
+    }
+  }
+  for (int v = 0; v < QV; v++) L::store(S + v * W, l[v]);  // the sums, for the caller's division
+}
 #endif
+
 
 class Step {
  public:
@@ -615,6 +726,73 @@ class Step {
   }
 #endif
 
+#ifdef PHI2_LANES
+  // A prompt piece's tokens (rows from `from` on: runs of one owner's consecutive positions) in
+  // float32 tiles (`attend_tile`): per run and key-value head, its rows' query heads, T at a time.
+  void attend_runs(const torch::Tensor& y, const Block& b, size_t layer, int64_t from, int64_t batch,
+                   const int64_t* pos, const int64_t* own, const int64_t* adv, const torch::Tensor& table,
+                   const torch::Tensor& kv, torch::Tensor& attention) const {
+    constexpr int64_t T = Lanes::QV * Lanes::W, TB = 64;
+    const int64_t HD = head_dim_, width = y.size(1), group = heads_ / kv_heads_, table_width = table.size(1);
+    const float scale = 1.f / std::sqrt((float)HD);
+    const float* yp = y.data_ptr<float>();
+    float* ap = attention.data_ptr<float>();
+    const int64_t* tp = table.data_ptr<int64_t>();
+    std::vector<std::array<int64_t, 2>> runs;  // rows [start, end)
+    for (int64_t r = from; r < batch;) {
+      int64_t e = r + 1;
+      while (adv[r] && e < batch && adv[e] && own[e] == own[r] && pos[e] == pos[e - 1] + 1) e++;
+      runs.push_back({r, e});
+      r = e;
+    }
+    std::vector<std::array<int64_t, 3>> items;  // head, run, first query (of the run's rows x group)
+    for (int64_t head = 0; head < kv_heads_; head++)  // head by head: a thread's items share its columns
+      for (int64_t i = 0; i < (int64_t)runs.size(); i++)
+        for (int64_t t = 0; t < (runs[i][1] - runs[i][0]) * group; t += T) items.push_back({head, i, t});
+    at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> buffer;
+      if ((int64_t)buffer.size() < (TB + 2 * HD) * T) buffer.resize((TB + 2 * HD) * T);
+      float* qt = buffer.data();  // [HD][T]
+      float* work = qt + HD * T;  // attend_tile's
+      alignas(64) float firsts[T], lasts[T];
+      for (int64_t it = begin; it < end; it++) {
+        const int64_t head = items[it][0], start = runs[items[it][1]][0], stop = runs[items[it][1]][1];
+        const int64_t t0 = items[it][2], count = std::min<int64_t>(T, (stop - start) * group - t0);
+        auto row_of = [&](int64_t i) { return start + (t0 + i) / group; };
+        auto offset_of = [&](int64_t i) { return (head * group + (t0 + i) % group) * HD; };
+        if (!adv[start]) {
+          for (int64_t i = 0; i < count; i++) std::memset(ap + row_of(i) * heads_ * HD + offset_of(i), 0, HD * sizeof(float));
+          continue;
+        }
+        int64_t lo = INT64_MAX, hi = 0;
+        for (int64_t i = 0; i < T; i++) {
+          firsts[i] = 1.f, lasts[i] = 0.f;  // lanes past the run's: no column
+          if (i >= count) {
+            for (int64_t d = 0; d < HD; d++) qt[d * T + i] = 0.f;
+            continue;
+          }
+          const int64_t r = row_of(i), first = first_column(b, pos[r]);
+          firsts[i] = (float)first, lasts[i] = (float)pos[r];
+          lo = std::min(lo, first), hi = std::max(hi, pos[r]);
+          const float* q = yp + r * width + offset_of(i);
+          for (int64_t d = 0; d < HD; d++) qt[d * T + i] = q[d];
+        }
+        const int64_t* pages = tp + own[start] * table_width;
+        const auto keys = [&](int64_t c) { return column(kv, 0, layer, head, pages[c / PAGE], c % PAGE); };
+        const auto values = [&](int64_t c) { return column(kv, 1, layer, head, pages[c / PAGE], c % PAGE); };
+        attend_tile<Lanes>(HD, qt, firsts, lasts, lo, hi, scale, work, keys, values);
+        const float* ot = work + TB * T;
+        for (int64_t i = 0; i < count; i++) {
+          const float inverse = 1.f / work[i];
+          float* out = ap + row_of(i) * heads_ * HD + offset_of(i);
+          for (int64_t d = 0; d < HD; d++) out[d] = ot[d * T + i] * inverse;
+        }
+      }
+    });
+  }
+#endif
+
+
   // Each decoding row's query heads over its columns (its window's), a key-value head's group at a time.
   void attend(const torch::Tensor& y, const Block& b, size_t layer, int64_t batch, const int64_t* pos,
               const int64_t* own, const int64_t* adv, const torch::Tensor& table, const torch::Tensor& kv,
@@ -627,6 +805,12 @@ class Step {
     const int64_t exact = tiles ? std::clamp<int64_t>(prompt_from, 0, batch) : batch;
     if (exact < batch) attend_tiles(y, b, layer, exact, batch, pos, own, adv, table, kv, attention);
     batch = exact;
+#endif
+#ifdef PHI2_LANES
+    // A prompt's tokens otherwise take float32 tiles (`attend_runs`), head dims of whole RBs.
+    const int64_t runs_from = head_dim_ % Lanes::RB == 0 ? std::clamp<int64_t>(prompt_from, 0, batch) : batch;
+    if (runs_from < batch) attend_runs(y, b, layer, runs_from, batch, pos, own, adv, table, kv, attention);
+    batch = runs_from;
 #endif
     const float scale = 1.f / std::sqrt((float)head_dim_);
     const float* yp = y.data_ptr<float>();
