@@ -238,14 +238,14 @@ async def test_a_stream_is_never_silent_before_its_first_token(make_client, back
         (
             "/v1/messages",
             {"model": model, "max_tokens": 4, "messages": hello},
-            b"event: ping",
+            b'"delta": {"type": "text_delta", "text": ""}}',  # a message event: Claude Code's watchdog counts those
             [b"event: message_stop"],
         ),  # noqa: E501
         ("/v1/chat/completions", {"max_tokens": 4, "messages": hello}, b": keep-alive\n\n", [b"data: [DONE]"]),
         (
             "/v1/responses",
             {"max_output_tokens": 4, "input": "Hi"},
-            b": keep-alive\n\n",
+            b'event: response.in_progress\ndata: {"type": "response.in_progress", "sequence_number": 2',
             [b"event: response.completed", b"event: response.incomplete"],
         ),
     ]

@@ -367,14 +367,24 @@ class AnthropicWire(Wire):
         prompt_tokens = len(self.tickets[0].request.prompt_ids)
         usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
         start = {**self.message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
-        later = self.tools or (self.thinks and plan.reasoning)  # the first block is the reply's own
+        self.thought_first = self.thinks and plan.reasoning
+        later = self.tools or self.thought_first  # the first block is the reply's own
         self.head = sse_event("message_start", {"message": start}) + ("" if later else self.start_block("text"))
 
     def opening(self) -> str:
         return self.head
 
     def keepalive(self) -> str:
-        return sse_event("ping", {})  # Anthropic's own keep-alive, after message_start
+        """While a prompt prefills: an empty delta of the reply's first block (opened now if none is:
+        text, or the thought a reasoning reply starts with). Claude Code's idle watchdog (300 s)
+        counts message events only, not Anthropic's `ping`s, and cancelled long prefills."""
+        out = "" if self.open else self.start_block("thinking" if self.thought_first else "text")
+        delta = (
+            {"type": "thinking_delta", "thinking": ""}
+            if self.open == "thinking"
+            else {"type": "text_delta", "text": ""}
+        )
+        return out + sse_event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
 
     def start_block(self, kind: str, **fields) -> str:
         out = self.stop_block()

@@ -344,6 +344,11 @@ class ResponsesWire(Wire):
     def opening(self) -> str:
         return self.head
 
+    def keepalive(self) -> str:
+        """While a prompt prefills: `response.in_progress` again. Codex's stream idle timer (300 s
+        by default) is reset by events, not by SSE comments."""
+        return self.event("response.in_progress", response=self.snapshot("in_progress"))
+
     def start(self) -> None:
         """The stream's first events, numbered first (the answer loop asks for the opening only
         once the first events are in), with nothing in the output yet."""
