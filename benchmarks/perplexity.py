@@ -247,7 +247,7 @@ def perplexity_table(args) -> list[dict]:
             "PHI2_QUANTIZE": quantize,
             "dtype": backend.info.dtype,
             **measured,
-            "first_perplexity": summary(measured["nll"][:first])["perplexity"],
+            "first_perplexity": summary(measured["nll"][:first])["perplexity"] if first else None,
             "seconds": time.perf_counter() - started,
         }
         reference = reference or row
@@ -274,6 +274,6 @@ def perplexity_table(args) -> list[dict]:
         measured = llama_perplexity(tree, file, text_file, context, torch.get_num_threads(), log)
         weights = f"{'the file' if kind == 'file' else kind.upper() + ' (llama-quantize)'}: {gguf_facts(file)['types']}"
         row = {"runtime": "llama.cpp", "weights": weights, "dtype": "ggml CPU", **measured}
-        row |= {"first_perplexity": measured["running"].get(first), "seconds": time.perf_counter() - started}
+        row |= {"first_perplexity": measured["running"].get(first) if first else None, "seconds": time.perf_counter() - started}
         report(row)
     return rows
