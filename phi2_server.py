@@ -103,7 +103,7 @@ from backends.wire.chat import (
     template_options,
 )
 from backends.wire.completions import COMPLETIONS_SCHEMA
-from backends.wire.encoders import EMBEDDINGS_SCHEMA, RERANK_SCHEMA, embedding_items, embeddings_body
+from backends.wire.encoders import EMBEDDINGS_SCHEMA, RERANK_SCHEMA, embedding_items, embeddings_body, within_budget
 from backends.wire.errors import NATIVE_ERROR_TYPES, OPENAI_ERROR_TYPES, ApiError
 from backends.wire.native import GENERATE_SCHEMA, NativeWire, native_generation, native_params
 from backends.wire.openai import openai_generations, openai_params, response_grammar
@@ -1154,14 +1154,20 @@ async def compile_constraint(
     grammar = backend.cached_constraint(kind, spec, owner)
     if grammar is not None:
         return grammar, field
+    busy = ApiError(
+        503, f"the grammar compiler is busy ({GRAMMAR_BACKLOG} compiles in flight); retry later", field, retry_after=5
+    )
+    if not backend.constraints_ready():
+        # The first grammar's set-up (the compiler's tokenizer, the guard's child) is not the
+        # grammar's time: on a loaded 2-core machine it ran past GRAMMAR_TIMEOUT_S, a 400 on
+        # Claude Code's first request. Once a process; bounded (the child's start has 60 s).
+        setup = request.app[GRAMMAR_COMPILER].submit(backend.prepare_constraints)
+        if setup is None:
+            raise busy
+        await setup
     work = request.app[GRAMMAR_COMPILER].submit(backend.constraint, kind, spec, owner)
     if work is None:
-        raise ApiError(
-            503,
-            f"the grammar compiler is busy ({GRAMMAR_BACKLOG} compiles in flight); retry later",
-            field=field,
-            retry_after=5,
-        )
+        raise busy
     try:
         return await asyncio.wait_for(work, GRAMMAR_TIMEOUT_S), field
     except GrammarError as exc:
@@ -1812,6 +1818,7 @@ async def v1_rerank(request: web.Request) -> web.Response:
         items = await off_loop(request, encoder.pairs, params["query"], texts, params["truncate"])
     except InputTooLong as exc:
         raise ApiError(400, str(exc), field="documents", code="context_length_exceeded") from None
+    tokens = within_budget(items, "documents")
     scores = await run_encoder(request, "rerank", items)
     ranked = sorted(range(len(texts)), key=lambda i: -float(scores[i]))[: params["top_n"] or None]
     results = []
@@ -1820,7 +1827,6 @@ async def v1_rerank(request: web.Request) -> web.Response:
         if params["return_documents"]:
             result["document"] = {"text": texts[index]}
         results.append(result)
-    tokens = sum(len(item.ids) for item in items)
     request[LOG_FACTS]["prompt_tokens"] = tokens
     return web.json_response(
         {

@@ -337,6 +337,15 @@ class Backend(Protocol):
         """The grammar if `constraint` compiled it before and still holds it, else None; cheap."""
         ...
 
+    def constraints_ready(self) -> bool:
+        """Whether `prepare_constraints` ran (cheap)."""
+        ...
+
+    def prepare_constraints(self) -> None:
+        """The set-up of the first grammar, once: the compiler's view of the tokenizer, the
+        guard's first child. Seconds; on a pool, like `constraint`."""
+        ...
+
     def detokenizer(self) -> Detokenizer: ...
 
     def decoder(self, max_batch: int = 1, prompt_cache_bytes: int | None = None) -> Decoder:

@@ -274,6 +274,7 @@ def perplexity_table(args) -> list[dict]:
         measured = llama_perplexity(tree, file, text_file, context, torch.get_num_threads(), log)
         weights = f"{'the file' if kind == 'file' else kind.upper() + ' (llama-quantize)'}: {gguf_facts(file)['types']}"
         row = {"runtime": "llama.cpp", "weights": weights, "dtype": "ggml CPU", **measured}
-        row |= {"first_perplexity": measured["running"].get(first) if first else None, "seconds": time.perf_counter() - started}
+        head = measured["running"].get(first) if first else None
+        row |= {"first_perplexity": head, "seconds": time.perf_counter() - started}
         report(row)
     return rows

@@ -42,6 +42,12 @@ class WrappedBackend:
     def cached_constraint(self, kind, spec, owner=""):
         return self.inner.cached_constraint(kind, spec, owner)
 
+    def constraints_ready(self):
+        return self.inner.constraints_ready()
+
+    def prepare_constraints(self):
+        return self.inner.prepare_constraints()
+
     @property
     def vocab_size(self):
         return self.inner.vocab_size

@@ -181,6 +181,25 @@ async def test_too_long_input_names_the_limit_or_is_truncated(client, sentence_m
     assert data["usage"]["prompt_tokens"] == 3 + 256
 
 
+async def test_a_request_past_its_token_budget_is_refused_before_the_encoder(client, runtime):
+    """OpenAI's 300,000 tokens a request (MAX_REQUEST_TOKENS): 2048 inputs of 202 tokens fit the
+    body limit and each the model's 256, 413,696 in all; a rerank of 2048 pairs of ~160 tokens.
+    Refused at once, before the encoder counts an input; the next request is served."""
+    from backends.wire.encoders import MAX_REQUEST_TOKENS
+
+    error = await embed(client, 400, input=["a " * 200] * 2048)
+    assert error["error"]["code"] == "max_tokens_per_request" and error["error"]["param"] == "input", error
+    assert f"413696 tokens in all; at most {MAX_REQUEST_TOKENS}" in error["error"]["message"]
+    body = {"query": "what " * 100, "documents": ["the sea " * 30] * 2048}
+    response = await client.post("/v1/rerank", json=body)
+    error = await response.json()
+    assert response.status == 400 and error["error"]["code"] == "max_tokens_per_request", error
+    assert error["error"]["param"] == "documents"
+    info = (await (await client.get("/model/info")).json())["encoders"]
+    assert info["embedding"]["stats"]["inputs"] == 0 and info["rerank"]["stats"]["inputs"] == 0
+    assert (await embed(client, input="still serving"))["usage"]["prompt_tokens"] == 4
+
+
 async def test_models_info_and_metrics_report_the_encoders(client, minilm_path, runtime):
     models = await (await client.get("/v1/models")).json()
     cards = {card["id"]: card for card in models["data"]}

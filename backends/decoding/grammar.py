@@ -419,6 +419,7 @@ class Grammars:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._guard_factory = guard
         self._guard = None
+        self._prepared = False
         self._cache: OrderedDict[tuple[str, str, str], Grammar | ThinkingGrammar] = OrderedDict()
         self._cached_size = 0
         self._owned: dict[str, int] = {}  # bytes cached per owner
@@ -433,6 +434,22 @@ class Grammars:
                 if self._guard_factory is not None:
                     self._guard = self._guard_factory(spec)
             return self._tokenizer
+
+    @property
+    def prepared(self) -> bool:
+        """Whether `prepare` ran: llguidance's tokenizer built, the guard's first child started."""
+        return self._prepared
+
+    def prepare(self) -> None:
+        """The set-up every first grammar needs, done once: llguidance's view of the tokenizer
+        (~2.5 s for a 151k vocabulary on a loaded 2-core CPU) and the guard's first child (a
+        process and its imports). The server runs it outside a grammar's time limit: on a busy
+        machine it took past GRAMMAR_TIMEOUT_S, and Claude Code's first request (25 tools) was
+        refused with a 400 it does not retry."""
+        _ = self.tokenizer
+        if self._guard is not None:
+            self._guard.start()
+        self._prepared = True
 
     def cached(self, kind: str, spec: str, owner: str = "") -> Grammar | None:
         """The grammar if it is compiled already (cheap: callers ask before queueing a compile)."""

@@ -93,6 +93,17 @@ class CompileGuard:
             raise GrammarError(error)
         return answer["bytes"]
 
+    def start(self) -> None:
+        """A child started ahead of the first grammar (its imports and tokenizer: seconds on a
+        loaded machine), so that a grammar's time limit counts the grammar only."""
+        child = self._idle.get()
+        try:
+            if child is None:
+                self.started += 1
+                child = _Child(self._init)
+        finally:
+            self._idle.put(child)
+
     def _refuse(self, digest: str, error: str) -> None:
         with self._lock:
             self._refused[digest] = error

@@ -108,6 +108,12 @@ class TokenizerMethods:
     def cached_constraint(self, kind: str, spec: str, owner: str = ""):
         return self.grammars.cached(kind, spec, owner)
 
+    def constraints_ready(self) -> bool:
+        return self.grammars.prepared
+
+    def prepare_constraints(self) -> None:
+        self.grammars.prepare()
+
     @property
     def vocab_size(self) -> int:
         return self.text.vocab_size

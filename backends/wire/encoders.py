@@ -15,6 +15,23 @@ from backends.wire.openai import TOKEN_IDS, _ignored
 from backends.wire.schema import tolerant
 
 MAX_INPUTS = 2048  # inputs of one embeddings request, documents of one rerank request (OpenAI's limit)
+# Tokens of one embeddings or rerank request in all (OpenAI's limit for embeddings, issue 65): what
+# one request may hold the encoder for. 2048 inputs of 512 tokens would be 1M, minutes of a CPU.
+MAX_REQUEST_TOKENS = 300_000
+
+
+def within_budget(items: list[Item], field: str) -> int:
+    """The items' tokens in all, or a 400 naming `field` past MAX_REQUEST_TOKENS."""
+    tokens = sum(len(item.ids) for item in items)
+    if tokens > MAX_REQUEST_TOKENS:
+        raise ApiError(
+            400,
+            f"{field} takes {tokens} tokens in all; at most {MAX_REQUEST_TOKENS} a request: send them in "
+            "several requests",
+            field=field,
+            code="max_tokens_per_request",
+        )
+    return tokens
 
 
 MAX_INPUT_CHARS = 1_000_000  # a text's characters: far past any encoder's length
@@ -88,9 +105,11 @@ def embedding_items(encoder: Encoder, given: Any, truncate: bool) -> list[Item]:
         given = [given]
     if isinstance(given[0], str):
         try:
-            return encoder.tokenize(given, truncate)
+            items = encoder.tokenize(given, truncate)
         except InputTooLong as exc:
             raise ApiError(400, str(exc), field="input", code="context_length_exceeded") from None
+        within_budget(items, "input")
+        return items
     limit, vocab = encoder.info.max_tokens, encoder.info.vocab_size
     items = []
     for index, ids in enumerate(given):
@@ -99,6 +118,7 @@ def embedding_items(encoder: Encoder, given: Any, truncate: bool) -> list[Item]:
         if len(ids) > limit and not truncate:
             raise ApiError(400, str(InputTooLong(index, len(ids), limit)), "input", "context_length_exceeded")
         items.append(Item(ids[:limit]))
+    within_budget(items, "input")
     return items
 
 
