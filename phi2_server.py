@@ -563,6 +563,8 @@ def error_payload(request: web.Request, error: ApiError) -> tuple[int, dict]:
 
 def error_response(request: web.Request, error: ApiError, headers: dict | None = None) -> web.Response:
     status, body = error_payload(request, error)
+    if (facts := request.get(LOG_FACTS)) is not None:
+        facts["error"] = error.message[:300]  # what the client was told, for whoever reads the log
     response = web.json_response(body, status=status, headers={**error.headers, **(headers or {})})
     if error.close:
         response.force_close()

@@ -44,6 +44,8 @@ async def test_one_line_per_request_with_the_documented_fields(client, log_dir):
     assert streamed["tokens_used"] == 4
     assert 0 < streamed["ttfb_ms"] <= streamed["duration_ms"]
     assert "prompt" not in lines[0]
+    assert "error" not in generate and lines[4]["error"].startswith("prompt"), lines[4]
+    assert lines[5]["error"] == "Not Found: GET /missing"
 
 
 async def test_prompts_stay_out_of_the_log_when_asked(make_client, backend, log_dir):
