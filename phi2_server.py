@@ -1039,10 +1039,14 @@ async def submit(
         max_tokens = gen.max_tokens
         limit = settings.max_tokens_limit or math.inf
         # The /v1 routes clip an asked max_tokens to what fits, as agents expect (Claude Code asks
-        # for 32,000 whatever the model); the native route refuses it, naming the numbers.
+        # for 32,000 whatever the model); the native route refuses it, naming the numbers. What
+        # fits: the context left, MAX_TOKENS_LIMIT, and for one sequence MAX_REQUEST_TOKENS (on a
+        # 32k-context model, Claude Code's title request was a 400 there); n or best_of past it
+        # is still refused below.
+        alone = settings.max_request_tokens if len(gens) == 1 and settings.max_request_tokens else math.inf
         clip = not gen.max_tokens_given or request.path.startswith("/v1/")
-        if clip and max_tokens > min(room, limit):
-            max_tokens = min(room, limit)
+        if clip and max_tokens > min(room, limit, alone):
+            max_tokens = min(room, limit, alone)
             if gen.max_tokens_given:
                 facts = request[LOG_FACTS]
                 facts["max_tokens_granted"] = min(max_tokens, facts.get("max_tokens_granted", max_tokens))

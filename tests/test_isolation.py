@@ -383,6 +383,18 @@ async def test_sequences_times_tokens_are_bounded_per_request(make_client, backe
     assert (await client.post("/v1/completions", json=body)).status == 200
     response = await client.post("/v1/completions", json={**body, "max_tokens": 6})
     assert response.status == 400
+    # One sequence on the /v1 routes: its max_tokens is clipped to the limit, as to the context
+    # (Claude Code asks 32,000 of any model: a 400 on a 32k-context one before); natively, a 422.
+    model = (await (await client.get("/v1/models")).json())["data"][0]["id"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32000, "ignore_eos": True}
+    response = await client.post("/v1/messages", json=chat)
+    answer = await response.json()
+    assert response.status == 200 and response.headers["X-Max-Tokens-Granted"] == "40", answer
+    assert answer["usage"]["output_tokens"] <= 40
+    response = await client.post("/v1/chat/completions", json=chat)
+    assert response.status == 200 and (await response.json())["usage"]["completion_tokens"] == 40
+    response = await client.post("/generate", json={"prompt": "Hi", "max_tokens": 41})
+    assert response.status == 422 and "MAX_REQUEST_TOKENS" in (await response.json())["error"]["message"]
 
 
 # -- the prompt cache is no side channel between keys ---------------------------------------------
