@@ -595,11 +595,43 @@ ROME_CALL = ("call", "get_weather", {"city": "Rome"})
             '<tool_call>\n{"name": "f", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>\nDone.',
             [("call", "f", {"text": "a </tool_call> b"}), ("content", "Done.")],
         ),
+        # Untagged: a whole reply that is a call to a known tool, fenced or not (what
+        # Qwen2.5-Coder-1.5B answered Claude Code's prompt with); anything else stays text.
+        (
+            "hermes",
+            '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+            [PARIS_CALL],
+        ),
+        ("hermes", '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}', [PARIS_CALL]),
+        (
+            "phi4",
+            '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}]',
+            [PARIS_CALL, ("call", "f", {})],
+        ),
+        ("hermes", '{"name": "unknown", "arguments": {}}', [("content", '{"name": "unknown", "arguments": {}}')]),
+        ("hermes", '{"name": "Ann", "age": 3}', [("content", '{"name": "Ann", "age": 3}')]),
+        (
+            "hermes",
+            '```json\n{"name": "f", "arguments": {}}\n```\nThis calls f.',
+            [("content", '```json\n{"name": "f", "arguments": {}}\n```\nThis calls f.')],
+        ),
+        ("hermes", "```python\nprint(1)\n```", [("content", "```python\nprint(1)\n```")]),
     ],
 )
 def test_every_format_parses_whole_and_streamed(fmt, text, expected):
     for step in (1, 2, 5, len(text)):
         assert pieces_of(fmt, text, step) == (expected, False), step
+
+
+def test_a_reply_that_cannot_be_an_untagged_call_streams_as_it_comes():
+    """Held back only while the reply may still open an untagged call: a code fence of another
+    language, or text, is given out before the reply ends."""
+    from backends.chat.tools import FORMATS, ToolCallParser
+
+    for start, held in (("```python\nprint(", False), ('```json\n{"na', True), ("Sure", False), ('{"name": "f"', True)):
+        parser = ToolCallParser(FORMATS["hermes"], {"f"})
+        given = "".join(piece.text for piece in parser.feed(start))
+        assert (given == "") == held, (start, given)
 
 
 def test_reasoning_and_cut_calls_parse_as_they_stream():

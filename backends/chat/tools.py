@@ -319,6 +319,13 @@ class ToolCallParser:
             if self._mode == "start" and self.tools is not None and self.format.bare and buffer.startswith("{"):
                 self._mode, self._bare = "call", True
                 return [], True
+            if self._mode == "start" and self.tools and not self.format.bare and self.format.notation is None:
+                opened = UNTAGGED.match(buffer, partial=True)
+                if opened is not None and not final:
+                    return [], False  # held: a reply that may be an untagged call is read whole
+                if opened is not None and not opened.partial and (calls := untagged_calls(buffer, self.tools)):
+                    self._buffer, self._mode = "", "text"
+                    return self._calls(calls), False
             self._mode = "text"
         hits = sorted((buffer.find(tag), tag) for tag in self._tags() if tag in buffer)
         if hits:
@@ -358,8 +365,8 @@ class ToolCallParser:
         self._buffer, self._mode = "", "text"
         return self._calls(buffer), False
 
-    def _calls(self, payload: str) -> list[Piece]:
-        calls = parse_calls(payload, self.format, self.custom)
+    def _calls(self, payload: str | list[ToolCall]) -> list[Piece]:
+        calls = payload if isinstance(payload, list) else parse_calls(payload, self.format, self.custom)
         if not calls:
             self.cut_call = self.cut_call or bool(payload.strip())
             return []
@@ -368,6 +375,25 @@ class ToolCallParser:
             for call in calls:
                 self.on_call(call)
         return [Piece("call", call=call) for call in calls]
+
+
+# A whole reply that is a call without the family's tags, as small models write one: the call's
+# JSON alone, or in a ```json fence (Qwen2.5-Coder-1.5B answered Claude Code's 21k-token prompt
+# with one). llama.cpp's Hermes/Qwen parser takes the same forms. `partial`: a reply so far that
+# may still become one is held back until it ends; one that cannot is streamed as it comes.
+UNTAGGED = regex.compile(r'(?:```(?:json)?[ \t]*\r?\n\s*)?\[?\s*\{\s*"name"\s*:')
+
+
+def untagged_calls(reply: str, tools: set[str]) -> list[ToolCall] | None:
+    """A whole reply's untagged calls (one object or a list of them, fenced or not), each to one of
+    `tools` with an object of arguments; None if the reply is anything else (then it is text)."""
+    text = reply.strip()
+    if text.startswith("```"):
+        if not text.endswith("```") or "\n" not in text:
+            return None
+        text = text[text.index("\n") + 1 : -3]
+    calls = parse_calls(text, FORMATS["mistral"])  # listed: one object or a list of them
+    return calls if calls and all(call.name in tools for call in calls) else None
 
 
 def held_back(text: str, tags: list[str]) -> int:
