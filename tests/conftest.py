@@ -243,6 +243,24 @@ class LiveServer:
         self.loop.close()
 
 
+def greedy_chat_answers(backends, tmp_path, prompt: str, max_tokens: int = 12) -> list[str]:
+    """Each backend's greedy chat answer to `prompt` over HTTP (/v1/chat/completions), in turn."""
+    from phi2_server import Settings, create_app
+
+    answers = []
+    for backend in backends:
+        settings = Settings(log_dir=str(tmp_path / "logs"), model="smollm2")
+        live = LiveServer(create_app(settings, load=lambda b=backend: b))
+        try:
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+            status, answer = post(live, "/v1/chat/completions", body)
+            assert status == 200, answer
+            answers.append(answer["choices"][0]["message"]["content"])
+        finally:
+            live.close()
+    return answers
+
+
 @pytest.fixture
 def live_server(log_dir, max_batch):
     """live_server(load, **settings) -> a LiveServer (closed after the test)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-from conftest import LiveServer, post
+from conftest import greedy_chat_answers
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 from kquant_files import k_quant_copy, quantize_k
@@ -20,7 +20,6 @@ from backends.choose import load_backend
 from backends.contract import LoadOptions
 from backends.files import gguf_tensors
 from backends.files.models import demo_gguf
-from phi2_server import Settings, create_app
 
 pytest.importorskip("mlx_lm")
 import mlx.core as mx  # noqa: E402
@@ -166,17 +165,7 @@ def test_its_logits_are_the_files_on_torch_and_in_floats(prompt, served, referen
 
 @needs_file
 def test_a_greedy_chat_over_http_answers_as_torch_serves_the_file(served, on_torch, tmp_path):
-    answers = []
-    for backend in (served, on_torch):
-        settings = Settings(log_dir=str(tmp_path / "logs"), model="smollm2")
-        live = LiveServer(create_app(settings, load=lambda b=backend: b))
-        try:
-            body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 12, "temperature": 0}
-            status, answer = post(live, "/v1/chat/completions", body)
-            assert status == 200, answer
-            answers.append(answer["choices"][0]["message"]["content"])
-        finally:
-            live.close()
+    answers = greedy_chat_answers((served, on_torch), tmp_path, PROMPTS[0])
     # Torch serves the file with int8 activations (8.5% from the floats on these logits, above),
     # so the two greedy paths may part where two tokens are near a tie (the 9th, on one CI machine):
     # their first tokens agree; the logits' bounds above are the property.

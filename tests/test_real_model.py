@@ -18,7 +18,7 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from conftest import LiveServer, post
+from conftest import LiveServer, greedy_chat_answers, post
 
 from backends.choose import load_backend, resolve_model
 from backends.contract import LoadOptions, Sampling, Sequence
@@ -359,17 +359,7 @@ def test_a_k_quant_file_serves_its_blocks_as_stored(tmp_path, monkeypatch):
         [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, return_dict=False
     )
     assert torch.equal(*(BatchedDecoder(b.decoder_weights, 1).logits_after(ids, None) for b in (served, again)))
-    answers = []
-    for backend in (served, reference):
-        settings = Settings(log_dir=str(tmp_path / "logs"), model="smollm2")
-        live = LiveServer(create_app(settings, load=lambda b=backend: b))
-        try:
-            body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 12, "temperature": 0}
-            status, answer = post(live, "/v1/chat/completions", body)
-            assert status == 200, answer
-            answers.append(answer["choices"][0]["message"]["content"])
-        finally:
-            live.close()
+    answers = greedy_chat_answers((served, reference), tmp_path, PROMPTS[0])
     # A 4-bit copy's greedy path parts from its float32 values' where two tokens are near a tie
     # (here the 8th, since the prompt attends in tiles): their first tokens agree; the logits'
     # bound above is the property.
