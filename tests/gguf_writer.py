@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 # model_type -> (GGUF architecture, gguf's MODEL_ARCH name, what is added to a norm's weight)
-ARCHITECTURES = {"gemma3_text": ("gemma3", "GEMMA3", 1.0)}
+ARCHITECTURES = {"gemma3_text": ("gemma3", "GEMMA3", 1.0), "qwen2": ("qwen2", "QWEN2", 0.0)}
 
 
 def write_gguf(checkpoint: Path, out: Path, matrices: str = "F32") -> Path:
@@ -35,12 +35,15 @@ def write_gguf(checkpoint: Path, out: Path, matrices: str = "F32") -> Path:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
-    if config.final_logit_softcapping:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
+    if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma3_text":
+        writer.add_sliding_window(config.sliding_window)
     kind = gguf.GGMLQuantizationType[matrices]
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if matrices == "F32" else gguf.LlamaFileType[f"MOSTLY_{matrices}"])
 
