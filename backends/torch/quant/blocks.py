@@ -29,8 +29,9 @@ NAMES = {kind: name for name, kind in STORED_KINDS.items()}
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 6: 22, 7: 24, 12: 144, 13: 176, 14: 210}
 BLOCK_VALUES = {kind: 256 if kind >= 12 else 32 for kind in BLOCK_BYTES}
 # bytes of a sixteen-row record a block (torch/cpu/kernels.cpp, kquants.h): the 6-bit scales of
-# Q4_K and Q5_K kept a byte each, Q4_0 with a minimum slot its blocks do not hold
-RECORD_BYTES = {8: 544, 2: 320, 3: 320, 6: 352, 7: 384, 12: 2368, 13: 2880, 14: 3360}
+# Q4_K and Q5_K kept a byte each, Q4_0 with a minimum slot its blocks do not hold, Q6_K padded
+# to whole 64-byte lines
+RECORD_BYTES = {8: 544, 2: 320, 3: 320, 6: 352, 7: 384, 12: 2368, 13: 2880, 14: 3392}
 BITS = {8: 8, 2: 4, 3: 4, 6: 5, 7: 5, 12: 4, 13: 5, 14: 6}
 PACKED = 100  # a kind + PACKED: cpu_kernels.cpp's sixteen-row records
 GROUP = 16  # rows a record interleaves

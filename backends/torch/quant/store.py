@@ -34,7 +34,7 @@ from backends.torch.quant.methods import QuantizedWeight
 
 log = logging.getLogger("phi2.quant_store")
 
-FORMAT = 6  # bump when what is stored, or how the decoder reads it, changes
+FORMAT = 7  # bump when what is stored, or how the decoder reads it, changes
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
