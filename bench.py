@@ -510,6 +510,20 @@ def default_model() -> str:
         return "tiny"
 
 
+def read_bandwidth() -> dict:
+    """benchmarks.kernels.memory_bandwidth(), printed."""
+    from benchmarks.kernels import memory_bandwidth
+
+    limits = memory_bandwidth()
+    print(
+        f"\nmemory: {limits['reduce_read_bytes_s'] / 1e9:.1f} GB/s read by a reduction, "
+        f"{limits['gemv_read_bytes_s'] / 1e9:.1f} GB/s by float32 matrix-vector products, "
+        f"{limits['copy_bytes_s'] / 1e9:.1f} GB/s copied (numpy, bytes copied / time)",
+        flush=True,
+    )
+    return limits
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -640,6 +654,13 @@ def main(argv: list[str] | None = None) -> int:
         "default: %(default)s)",
     )
     parser.add_argument(
+        "--perplexity-rows",
+        default="",
+        metavar="LABELS",
+        help="--perplexity's rows to score, by label, comma-separated (e.g. `as stored,file`: the file as this "
+        "server serves it and as llama-perplexity does; default: every row)",
+    )
+    parser.add_argument(
         "--latency",
         action="store_true",
         help="TTFT of a short prompt alone, of a long prompt alone and sent again, then --streams streams' "
@@ -761,9 +782,10 @@ def main(argv: list[str] | None = None) -> int:
             module, name = where.split(":")
             study = getattr(importlib.import_module(f"benchmarks.{module}"), name)
             rows = study(args)
+            measured = {"bandwidth": read_bandwidth()} if args.bandwidth else {}
             if args.json:
                 with open(args.json, "w") as out:
-                    json.dump({study.__name__: rows}, out, indent=2)
+                    json.dump({study.__name__: rows, **measured}, out, indent=2)
             return 0
     if args.spawn or args.in_process or args.overhead:
         os.environ.setdefault("PHI2_MODEL", default_model())  # the spawned server inherits it
@@ -803,15 +825,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     measured = {}
     if args.bandwidth:
-        from benchmarks.kernels import memory_bandwidth
-
-        limits = memory_bandwidth()  # after the server stopped: its memory is free again
-        print(
-            f"\nmemory: {limits['gemv_read_bytes_s'] / 1e9:.1f} GB/s read by float32 matrix-vector products, "
-            f"{limits['copy_bytes_s'] / 1e9:.1f} GB/s copied (numpy, bytes copied / time)"
-        )
+        limits = read_bandwidth()  # after the server stopped: its memory is free again
         if weights:
-            limit = limits["gemv_read_bytes_s"] / weights
+            limit = limits["reduce_read_bytes_s"] / weights
             best = max(r["decode_tok_s"] for r in rows if r["concurrency"] == 1)
             print(
                 f"decode limit for {weights / 1e9:.2f} GB of weights: {limit:.2f} tok/s; "

@@ -12,8 +12,11 @@ from benchmarks.common import time_call
 
 
 def memory_bandwidth() -> dict:
-    """This machine's read bandwidth, measured the way decode reads weights: float32
-    matrix-vector products over 2 GiB of distinct matrices (and, for reference, a numpy copy)."""
+    """This machine's read bandwidth: float32 matrix-vector products over 2 GiB of distinct
+    matrices (the way decode once read weights), the same matrices reduced (`torch.amax`: a plain
+    read, the limit a block kernel's decode can approach; on the 2-vCPU Zen 4 of 2026-12-08 the
+    products read 16-17 GB/s where the reduction read 33-60 GB/s, the host's load varying), and,
+    for reference, a numpy copy."""
     import numpy as np
     import torch
 
@@ -25,10 +28,11 @@ def memory_bandwidth() -> dict:
     vector = torch.randn(1, 2560)
     nbytes = sum(m.numel() * 4 for m in matrices)
     gemv = nbytes / best(lambda: [torch.nn.functional.linear(vector, m) for m in matrices])
+    reduce = nbytes / best(lambda: [torch.amax(m) for m in matrices])
     source = np.ones(2**28)
     target = np.empty_like(source)
     copy = source.nbytes / best(lambda: np.copyto(target, source))
-    return {"gemv_read_bytes_s": gemv, "copy_bytes_s": copy}
+    return {"gemv_read_bytes_s": gemv, "reduce_read_bytes_s": reduce, "copy_bytes_s": copy}
 
 
 # Phi architectures from toy size to Phi-1.5's, for the CPU dtype rule (--dtype-sweep).

@@ -205,12 +205,16 @@ def perplexity_table(args) -> list[dict]:
     rows: list[dict] = []
     reference = None
     ids = None
+    chosen = {label.strip() for label in getattr(args, "perplexity_rows", "").split(",") if label.strip()}
+
+    def wanted(label: str) -> bool:
+        return not chosen or label in chosen
 
     def report(row: dict) -> None:
         rows.append(row)
         print(row_line(row, reference), flush=True)
 
-    for label, quantize, dtype in TORCH_ROWS:
+    for label, quantize, dtype in [row for row in TORCH_ROWS if wanted(row[0])]:
         # every row is loaded for its quality, faster than the float default here or not
         options = LoadOptions(
             model=spec, dtype=dtype, quantize=quantize, warmup=False, quantized_cache=False, speed_check=False
@@ -254,7 +258,7 @@ def perplexity_table(args) -> list[dict]:
         report(row)
         del backend
         gc.collect()
-    for label, quantize in MLX_ROWS if first else ():
+    for label, quantize in [row for row in MLX_ROWS if wanted(row[0])] if first else ():
         backend = load_backend("mlx", LoadOptions(model=spec, quantize=quantize, warmup=False))
         if text_ids(backend, text, bos) != ids:
             raise RuntimeError("MLX's tokenizer gives other ids than Torch's for the text")
@@ -266,7 +270,7 @@ def perplexity_table(args) -> list[dict]:
         report(row)
         del backend
         gc.collect()
-    for kind in LLAMA_ROWS if tree else ():
+    for kind in [kind for kind in LLAMA_ROWS if wanted(kind)] if tree else ():
         from benchmarks.llama_cpp import requantized
 
         file = requantized(tree, source, kind, work)
