@@ -312,7 +312,9 @@ class Settings:
         0, "CPU threads of the embedding and rerank forwards (0: a quarter of the cores, at least 1)"
     )
     embedding_batch_tokens: int = setting(
-        8192, "padded tokens one embedding or rerank forward may hold, which bounds its time"
+        0,
+        "padded tokens one embedding or rerank forward may hold, which bounds its time (0: 2048 where the encoder "
+        "runs on a CPU, 8192 on a GPU)",
     )
 
     # -- configuration: read from flags and the environment, checked --------------------------------

@@ -389,6 +389,21 @@ async def test_a_small_encode_request_is_not_stuck_behind_a_large_one(runtime, t
     assert worker.stats["rerank"].forwards >= 160 // 8  # the large one took its many forwards
 
 
+def test_a_forward_on_a_cpu_holds_2048_padded_tokens_unless_set(tmp_path):
+    """EMBEDDING_BATCH_TOKENS 0 (the default): 2,048 where the encoder runs on a CPU, which cut a
+    one-input request's wait behind a 160-input batch from ~4.8 s to ~0.9 s
+    (benchmarks/encode_wait.py); a value given is kept."""
+    from backends.choose import load_encoder
+    from backends.torch.tiny import write_tiny_reranker
+    from backends.workers.encode import CPU_BATCH_TOKENS, EncodeWorker
+
+    reranker = load_encoder("torch", "rerank", str(write_tiny_reranker(tmp_path / "reranker")), "cpu")
+    for setting, budget in ((0, CPU_BATCH_TOKENS), (8192, 8192), (300, 300)):
+        worker = EncodeWorker(lambda: {"rerank": reranker}, lambda: 8, batch_tokens=setting, threads=1)
+        worker.encoders = {"rerank": reranker}
+        assert worker.budget("rerank") == budget
+
+
 async def test_namespaces_of_many_functions_are_refused_before_the_compiler(client):
     """128 namespaces of 128 functions each reached the grammar compiler: 16,384 functions."""
     namespaces = [  # within MAX_BODY_BYTES: ~560 KB

@@ -31,6 +31,11 @@ from backends.workers.cores import SHARE
 log = logging.getLogger("phi2_server.encode_worker")
 
 MAX_ROWS = 256  # inputs in one forward, whatever their length
+# EMBEDDING_BATCH_TOKENS 0: a forward's padded tokens by where the encoder runs. On a CPU a forward
+# of 8,192 held a one-input request queued behind a 160-input batch 4.7-5.5 s; of 2,048, 1.0-1.2 s,
+# the batch itself as fast (5.1-6.1 s against 5.5-6.6; MiniLM, Torch, 2-vCPU Zen 4, 2026-12-08,
+# docs/benchmark-log.md). A GPU's wider forwards are kept: there the smaller ones were not measured.
+CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 8192
 
 
 class NotReady(Exception):
@@ -93,7 +98,7 @@ class EncodeWorker:
         self._setting_up = load is not None or chat is not None  # until the thread has its encoders
         self.load_time_s: float | None = None
         self.stats: dict[Kind, EncodeStats] = {"embedding": EncodeStats(), "rerank": EncodeStats()}
-        self.batch_tokens = max(batch_tokens, 1)
+        self.batch_tokens = max(batch_tokens, 0)  # 0: by the encoder's device (`budget`)
         self.threads = threads
         self._load = load
         self._max_waiting = max_waiting
@@ -188,6 +193,14 @@ class EncodeWorker:
                 return
             self._run(batch)
 
+    def budget(self, kind: Kind) -> int:
+        """Padded tokens one forward of `kind` may hold: EMBEDDING_BATCH_TOKENS, or by device."""
+        if self.batch_tokens:
+            return self.batch_tokens
+        encoder = self.encoders.get(kind)
+        on_cpu = encoder is None or encoder.info.device == "cpu"
+        return CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS
+
     def _next_batch(self) -> list[tuple[Job, int]] | None:
         """The next forward's inputs: of one kind, an input of each waiting request a round
         (the request served first last time goes last), within the budget."""
@@ -203,6 +216,7 @@ class EncodeWorker:
                 self._queue.clear()
                 return None
             kind = self._queue[0].kind
+            budget = self.budget(kind)
             batch: list[tuple[Job, int]] = []
             width = 0
             while (took := len(batch)) < MAX_ROWS:
@@ -210,7 +224,7 @@ class EncodeWorker:
                     if job.kind != kind or job.cancelled or job.taken == len(job.items):
                         continue
                     wider = max(width, len(job.items[job.taken].ids))
-                    if len(batch) == MAX_ROWS or (batch and wider * (len(batch) + 1) > self.batch_tokens):
+                    if len(batch) == MAX_ROWS or (batch and wider * (len(batch) + 1) > budget):
                         return self._taken(batch)
                     batch.append((job, job.taken))
                     job.taken += 1
