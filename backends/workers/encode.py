@@ -32,8 +32,8 @@ log = logging.getLogger("phi2_server.encode_worker")
 
 MAX_ROWS = 256  # inputs in one forward, whatever their length
 # EMBEDDING_BATCH_TOKENS 0: a forward's padded tokens by where the encoder runs. On a CPU a forward
-# of 8,192 held a one-input request queued behind a 160-input batch 4.7-5.5 s; of 2,048, 1.0-1.2 s,
-# the batch itself as fast (5.1-6.1 s against 5.5-6.6; MiniLM, Torch, 2-vCPU Zen 4, 2026-12-08,
+# of 8,192 held a one-input request queued behind a 160-input batch 4.7-5.5 s; of 2,048, 0.85-1.24 s,
+# the batch itself as fast (5.0-6.1 s against 5.5-6.6; MiniLM, Torch, 2-vCPU Zen 4, 2026-12-08,
 # docs/benchmark-log.md). A GPU's wider forwards are kept: there the smaller ones were not measured.
 CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 8192
 
